@@ -1,0 +1,37 @@
+"""Route provider model calls to the local gateway, and stream its answers back.
+
+Only flows to provider hosts reach this addon intercepted (TLS is intercepted for those hosts
+alone); of those, model endpoints go to the gateway and everything else is left to `stubs`.
+"""
+
+from __future__ import annotations
+
+from mitmproxy import http
+
+from polar_mitm import providers
+from polar_mitm.gateway import HOST_HEADER, SESSION_HEADER
+
+
+class Routing:
+    def __init__(self, gateway_port: int):
+        self.gateway_port = gateway_port
+        self.routed = 0
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            return
+        host = flow.request.pretty_host.lower()
+        found = providers.route(host, flow.request.method, flow.request.path)
+        if found is None:
+            return
+        flow.metadata["polar_route"] = found[1]
+        flow.request.headers[HOST_HEADER] = host
+        flow.request.headers[SESSION_HEADER] = flow.metadata.get("polar_session", "")
+        flow.request.scheme = "http"
+        flow.request.host = "127.0.0.1"
+        flow.request.port = self.gateway_port
+        self.routed += 1
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if "polar_route" in flow.metadata and flow.response is not None:
+            flow.response.stream = True

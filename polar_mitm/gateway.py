@@ -1,0 +1,165 @@
+"""The local translator server that answers provider model calls.
+
+mitmproxy streams only responses that come from a server, so the routing addon sends provider
+model calls here (on loopback, inside the same process) and streams our answer back. This
+server speaks each provider's API: it parses with the style module, asks the policy, and renders
+the reply as JSON or as SSE while the policy generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from types import ModuleType
+from typing import Any
+
+from aiohttp import web
+
+from polar_mitm import providers, redact
+from polar_mitm.backends.policy import Policy, TurnContext
+from polar_mitm.neutral import ChatRequest, Event, ProviderError
+
+log = logging.getLogger("polar_mitm.gateway")
+
+# Headers the routing addon adds to every flow it sends here.
+HOST_HEADER = "x-polar-host"
+SESSION_HEADER = "x-polar-session"
+
+Tagger = Callable[[ChatRequest, str], str | None]
+
+
+class Gateway:
+    def __init__(self, policy: Policy, *, default_session: str, tagger: Tagger | None = None):
+        self.policy = policy
+        self.default_session = default_session
+        self.tagger = tagger
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+        self.turns_served = 0
+        self.tokens_sampled = 0
+        self.first_request = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self.port
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        host = request.headers.get(HOST_HEADER, "")
+        self.first_request.set()
+        found = providers.route(host, request.method, request.path_qs)
+        if found is None:
+            style = providers.error_style(host)
+            return self._error(style, ProviderError("not_found", f"{request.method} {request.path} is not served", 404))
+        style, ep = found
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else ({} if ep == "models" else None)
+        except ValueError as e:
+            return self._error(style, ProviderError("invalid_request", f"request body is not valid JSON: {e}", 400))
+        try:
+            if ep == "models":
+                return web.json_response(style.render_models(await self._model_names()))
+            req = self._parse(style, ep, body, request)
+            if ep == "count_tokens":
+                return web.json_response(style.render_count(await self.policy.count_tokens(req)))
+            ctx = TurnContext(
+                session_id=request.headers.get(SESSION_HEADER) or self.default_session,
+                host=host,
+                path=redact.url(request.path_qs),
+                headers=redact.headers(request.headers.items()),
+                raw_request=raw.decode("utf-8", "replace"),
+                tag=self.tagger(req, request.path) if self.tagger else None,
+                id_prefix=style.ID_PREFIX,
+            )
+            if req.stream:
+                return await self._stream(style, req, ctx, request)
+            completion = await self.policy.complete(req, ctx)
+            self._count(completion.usage.completion_tokens)
+            return web.json_response(style.render_response(completion))
+        except ProviderError as e:
+            log.warning("%s %s: %s", host, request.path, e.message)
+            return self._error(style, e)
+
+    def _parse(self, style: ModuleType, ep: str, body: Any, request: web.Request) -> ChatRequest:
+        kwargs: dict[str, Any] = {}
+        if ep == "count_tokens":
+            kwargs["require_max_tokens"] = False
+        if getattr(style, "PARSE_NEEDS_PATH", False):
+            kwargs["path"] = request.path_qs
+        return style.parse_request(body, **kwargs)
+
+    async def _model_names(self) -> list[str]:
+        try:
+            return [(await self.policy.model_info()).model_path or "polar-policy"]
+        except ProviderError:
+            return ["polar-policy"]
+
+    def _count(self, tokens: int) -> None:
+        self.turns_served += 1
+        self.tokens_sampled += tokens
+
+    def _error(self, style: ModuleType, e: ProviderError) -> web.Response:
+        status, body = style.render_error(e)
+        headers = {"x-should-retry": "true"} if status >= 500 else None
+        return web.json_response(body, status=status, headers=headers)
+
+    async def _stream(
+        self, style: ModuleType, req: ChatRequest, ctx: TurnContext, request: web.Request
+    ) -> web.StreamResponse:
+        events = self.policy.stream(req, ctx)
+        try:
+            first = await events.__anext__()  # the backend has accepted the prompt, or failed
+        except StopAsyncIteration:
+            raise ProviderError("api_error", "generation produced nothing", 500) from None
+
+        async def chained() -> AsyncIterator[Event]:
+            yield first
+            async for ev in events:
+                if getattr(ev, "kind", "") == "done":
+                    self._count(ev.completion.usage.completion_tokens)  # type: ignore[union-attr]
+                yield ev
+
+        resp = web.StreamResponse(
+            headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
+        )
+        await resp.prepare(request)
+        rendered = style.render_stream(chained(), req)
+        try:
+            try:
+                async for chunk in rendered:
+                    await resp.write(chunk)
+            except ProviderError as e:
+                await resp.write(style.render_stream_error(e))
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError) as e:
+            log.info("harness went away mid-stream (%s); turn recorded as aborted", e.__class__.__name__)
+            await asyncio.shield(self._close(rendered, events))
+            raise
+        finally:
+            await self._close(rendered, events)
+        return resp
+
+    @staticmethod
+    async def _close(*gens: Any) -> None:
+        for g in gens:
+            try:
+                await g.aclose()
+            except (RuntimeError, StopAsyncIteration):
+                pass

@@ -1,0 +1,375 @@
+"""Anthropic Messages API: native request → ChatRequest, Completion/events → native JSON or SSE.
+
+Claude Code's volatile request noise is normalized here, where it is parsed: the per-request
+`x-anthropic-billing-header … cch=` system line is dropped and `cache_control` markers are
+never read, so the same conversation always maps to the same neutral messages.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from polar_mitm.neutral import (
+    ChatRequest,
+    Completion,
+    Done,
+    Event,
+    Message,
+    Ping,
+    ProviderError,
+    ReasoningDelta,
+    Sampling,
+    Started,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallEvent,
+)
+
+NAME = "anthropic"
+ID_PREFIX = "toolu_"
+
+_BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:.*$", re.MULTILINE)
+
+ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "overloaded": "overloaded_error",
+    "rate_limit": "rate_limit_error",
+    "api_error": "api_error",
+    "timeout": "api_error",
+}
+
+
+def endpoint(method: str, path: str) -> str | None:
+    """Which Messages API endpoint a request is for, or None for a side endpoint."""
+    p = path.split("?", 1)[0].rstrip("/")
+    if method == "POST" and p == "/v1/messages":
+        return "generate"
+    if method == "POST" and p == "/v1/messages/count_tokens":
+        return "count_tokens"
+    if method == "GET" and (p == "/v1/models" or p.startswith("/v1/models/")):
+        return "models"
+    return None
+
+
+# ---- request -----------------------------------------------------------------------------------
+
+
+def _bad(msg: str) -> ProviderError:
+    return ProviderError("invalid_request", msg, 400)
+
+
+def signature_for(thinking: str) -> str:
+    """A synthetic signature derived from the thinking text, so an echo can be recognized."""
+    digest = hashlib.sha256(b"polar-mitm/thinking\x00" + thinking.encode()).digest()
+    return "polar:" + base64.b64encode(digest).decode()
+
+
+def _text_of(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}: content must be a string or a list of content blocks")
+    parts = []
+    for b in content:
+        if not isinstance(b, dict):
+            raise _bad(f"{where}: content blocks must be objects")
+        if b.get("type") == "text":
+            parts.append(str(b.get("text", "")))
+        elif b.get("type") in ("image", "document"):
+            parts.append(f"[{b['type']}]")
+    return "\n\n".join(parts)
+
+
+def _system_text(system: Any) -> str:
+    text = _text_of(system, "system")
+    text = _BILLING_LINE.sub("", text)
+    return re.sub(r"^(\s*\n)+", "", text).strip("\n") if text.strip() else ""
+
+
+def _parse_message(i: int, m: Any) -> list[Message]:
+    where = f"messages.{i}"
+    if not isinstance(m, dict):
+        raise _bad(f"{where}: must be an object")
+    role = m.get("role")
+    content = m.get("content")
+    if role == "system":
+        return [Message(role="system", content=_system_text(content))]
+    if role not in ("user", "assistant"):
+        raise _bad(f"{where}.role: unexpected value {role!r}; expected 'user' or 'assistant'")
+    if isinstance(content, str):
+        return [Message(role=role, content=content)]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content: must be a string or a list of content blocks")
+    if role == "assistant":
+        texts, reasoning, calls = [], [], []
+        for j, b in enumerate(content):
+            if not isinstance(b, dict):
+                raise _bad(f"{where}.content.{j}: must be an object")
+            t = b.get("type")
+            if t == "text":
+                texts.append(str(b.get("text", "")))
+            elif t == "thinking":
+                reasoning.append(str(b.get("thinking", "")))
+            elif t in ("tool_use", "server_tool_use"):
+                if not isinstance(b.get("name"), str):
+                    raise _bad(f"{where}.content.{j}.name: required")
+                inp = b.get("input", {})
+                calls.append(
+                    ToolCall(id=str(b.get("id", "")), name=b["name"], arguments=inp if isinstance(inp, dict) else {})
+                )
+        return [
+            Message(role="assistant", content="".join(texts), reasoning="".join(reasoning) or None, tool_calls=calls)
+        ]
+    out: list[Message] = []
+    texts = []
+    for j, b in enumerate(content):
+        if not isinstance(b, dict):
+            raise _bad(f"{where}.content.{j}: must be an object")
+        t = b.get("type")
+        if t == "tool_result":
+            body = _text_of(b.get("content"), f"{where}.content.{j}.content")
+            if b.get("is_error"):
+                body = f"Error: {body}"
+            out.append(Message(role="tool", content=body, tool_call_id=str(b.get("tool_use_id", ""))))
+        elif t == "text":
+            texts.append(str(b.get("text", "")))
+        elif t in ("image", "document"):
+            texts.append(f"[{t}]")
+    if texts:
+        out.append(Message(role="user", content="\n\n".join(texts)))
+    return out
+
+
+def parse_request(body: Any, *, require_max_tokens: bool = True) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        raise _bad("messages: field required (a list of messages)")
+    if require_max_tokens and not isinstance(body.get("max_tokens"), int):
+        raise _bad("max_tokens: field required (an integer)")
+    messages: list[Message] = []
+    system = _system_text(body.get("system"))
+    if system:
+        messages.append(Message(role="system", content=system))
+    for i, m in enumerate(msgs):
+        messages.extend(_parse_message(i, m))
+    tools = []
+    for j, t in enumerate(body.get("tools") or []):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise _bad(f"tools.{j}: each tool needs a name")
+        schema = t.get("input_schema") or {"type": "object", "properties": {}}
+        tools.append(Tool(name=t["name"], description=t.get("description", ""), parameters=schema))
+    tc = body.get("tool_choice")
+    tool_choice: Any = None
+    if isinstance(tc, dict):
+        kind = tc.get("type")
+        tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or (
+            {"name": tc.get("name")} if kind == "tool" else None
+        )
+    thinking = body.get("thinking")
+    think: bool | None = None
+    if isinstance(thinking, dict):
+        think = thinking.get("type") in ("enabled", "adaptive")
+    stops = body.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop_sequences: must be a list of strings")
+    try:
+        sampling = Sampling(
+            max_tokens=body.get("max_tokens"),
+            temperature=body.get("temperature"),
+            top_p=body.get("top_p"),
+            top_k=body.get("top_k"),
+            stop=stops,
+        )
+    except ValueError as e:
+        raise _bad(f"invalid sampling parameter: {e}") from e
+    return ChatRequest(
+        style=NAME,
+        model=str(body.get("model", "")),
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        sampling=sampling,
+        stream=bool(body.get("stream", False)),
+        thinking=think,
+    )
+
+
+# ---- response ----------------------------------------------------------------------------------
+
+_STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}
+
+
+def _stop_reason(c: Completion) -> str:
+    if c.stop_sequence:
+        return "stop_sequence"
+    return _STOP.get(c.finish_reason, "end_turn")
+
+
+def _usage(c: Completion) -> dict[str, int]:
+    return {
+        "input_tokens": c.usage.prompt_tokens - c.usage.cached_tokens,
+        "cache_read_input_tokens": c.usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": c.usage.completion_tokens,
+    }
+
+
+def message_id(turn_id: str) -> str:
+    return "msg_" + turn_id.removeprefix("turn_")
+
+
+def render_response(c: Completion) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if c.reasoning:
+        content.append({"type": "thinking", "thinking": c.reasoning, "signature": signature_for(c.reasoning)})
+    if c.text:
+        content.append({"type": "text", "text": c.text})
+    for call in c.tool_calls:
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments})
+    return {
+        "id": message_id(c.turn_id),
+        "type": "message",
+        "role": "assistant",
+        "model": c.model,
+        "content": content,
+        "stop_reason": _stop_reason(c),
+        "stop_sequence": c.stop_sequence,
+        "usage": _usage(c),
+    }
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
+    """Anthropic SSE, produced as the policy generates. The end arrives only after the commit."""
+    index = -1
+    open_kind: str | None = None
+    reasoning = ""
+    started = False
+
+    def start(turn_id: str, prompt_tokens: int) -> bytes:
+        return _sse(
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": message_id(turn_id),
+                    "type": "message",
+                    "role": "assistant",
+                    "model": req.model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+                },
+            },
+        )
+
+    def close() -> bytes:
+        nonlocal open_kind
+        out = b""
+        if open_kind == "thinking":
+            out += _sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "signature_delta", "signature": signature_for(reasoning)},
+                },
+            )
+        if open_kind is not None:
+            out += _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+        open_kind = None
+        return out
+
+    def open_block(kind: str, block: dict[str, Any]) -> bytes:
+        nonlocal index, open_kind
+        out = close()
+        index += 1
+        open_kind = kind
+        return out + _sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": block})
+
+    async for ev in events:
+        if isinstance(ev, Started):
+            started = True
+            yield start(ev.turn_id, ev.prompt_tokens)
+            continue
+        if not started:
+            started = True
+            yield start("turn_pending", 0)
+        if isinstance(ev, Ping):
+            yield _sse("ping", {"type": "ping"})
+        elif isinstance(ev, ReasoningDelta):
+            out = b""
+            if open_kind != "thinking":
+                out = open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            reasoning += ev.text
+            yield out + _sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": ev.text}},
+            )
+        elif isinstance(ev, TextDelta):
+            out = b""
+            if open_kind != "text":
+                out = open_block("text", {"type": "text", "text": ""})
+            yield out + _sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": ev.text}},
+            )
+        elif isinstance(ev, ToolCallEvent):
+            call = ev.call
+            out = open_block("tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            yield out + _sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)},
+                },
+            )
+        elif isinstance(ev, Done):
+            c = ev.completion
+            out = close()
+            out += _sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": _stop_reason(c), "stop_sequence": c.stop_sequence},
+                    "usage": {"output_tokens": c.usage.completion_tokens},
+                },
+            )
+            yield out + _sse("message_stop", {"type": "message_stop"})
+
+
+def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:
+    return e.status, {"type": "error", "error": {"type": ERROR_TYPES.get(e.kind, "api_error"), "message": e.message}}
+
+
+def render_stream_error(e: ProviderError) -> bytes:
+    return _sse("error", render_error(e)[1])
+
+
+def render_count(n: int) -> dict[str, Any]:
+    return {"input_tokens": n}
+
+
+def render_models(names: list[str]) -> dict[str, Any]:
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    data = [{"type": "model", "id": n, "display_name": n, "created_at": now} for n in names]
+    return {"data": data, "has_more": False, "first_id": names[0] if names else None, "last_id": names[-1] if names else None}

@@ -1,0 +1,167 @@
+"""Run one harness as a local process behind the embedded proxy.
+
+The child gets the proxy variables (both cases), NO_PROXY for loopback, our CA through the
+variables its recipe names, dummy credentials when none are set, and the recipe's settings.
+Signals are forwarded; a watchdog says so when the harness refuses our CA (which otherwise
+looks like a silent hang while it retries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import sys
+import time
+from collections.abc import Mapping
+
+from pydantic import BaseModel
+
+from polar_mitm.runtime.certs import CA
+from polar_mitm.runtime.proxy import PolarProxy
+from polar_mitm.runtime.recipes import Recipe
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+EXIT_UNTRUSTED = 69  # EX_UNAVAILABLE: the harness never trusted our CA
+
+
+def child_env(base: Mapping[str, str], recipe: Recipe, proxy_url: str, ca: CA, session_id: str) -> dict[str, str]:
+    env = dict(base)
+    for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+        env[k] = proxy_url
+    for k in ("ALL_PROXY", "all_proxy"):
+        env.pop(k, None)
+    no_proxy = [h for h in (base.get("NO_PROXY") or base.get("no_proxy") or "").split(",") if h]
+    no_proxy += [h for h in LOOPBACK if h not in no_proxy]
+    env["NO_PROXY"] = env["no_proxy"] = ",".join(no_proxy)
+    env["NODE_USE_ENV_PROXY"] = "1"  # Node's own fetch honours the proxy variables (Node >= 24)
+    for k in recipe.ca.cert_env:
+        env[k] = str(ca.cert)
+    for k in recipe.ca.bundle_env:
+        env[k] = str(ca.bundle)
+    env.update(recipe.env)
+    for k, v in recipe.env_default.items():
+        if not env.get(k):
+            env[k] = v
+    env["POLAR_MITM_SESSION"] = session_id
+    return env
+
+
+class RunResult(BaseModel):
+    exit_code: int
+    session_id: str
+    turns: int
+    prompt_tokens: int
+    sampled_tokens: int
+    db: str
+    untrusted: bool = False
+
+
+def session_summary(db: str, session_id: str) -> tuple[int, int, int]:
+    con = sqlite3.connect(db)
+    try:
+        row = con.execute(
+            "SELECT COUNT(*), COALESCE(SUM(prompt_len), 0), COALESCE(SUM(output_len), 0) FROM turns"
+            " WHERE session_id = ?",
+            (session_id,),
+        ).fetchone()
+    finally:
+        con.close()
+    return row
+
+
+async def run_harness(
+    cmd: list[str],
+    proxy: PolarProxy,
+    recipe: Recipe,
+    *,
+    session_id: str,
+    task_id: str | None = None,
+    untrusted_timeout: float = 15.0,
+    env: Mapping[str, str] | None = None,
+) -> RunResult:
+    await proxy.start()
+    assert proxy.store is not None and proxy.ca is not None and proxy.gateway is not None
+    await proxy.store.ensure_session(
+        session_id,
+        task_id=task_id,
+        harness=recipe.name,
+        command=cmd,
+        mode=proxy.config.mode,
+        metadata={"backend": proxy.config.policy.backend_url, "recipe": recipe.name},
+    )
+    child = child_env(env if env is not None else os.environ, recipe, proxy.url, proxy.ca, session_id)
+    untrusted = False
+    try:
+        try:
+            proc = await asyncio.create_subprocess_exec(*cmd, env=child)
+        except FileNotFoundError:
+            hint = f" (npm install -g {recipe.npm})" if recipe.npm else ""
+            print(f"polar-mitm: command not found: {cmd[0]}{hint}", file=sys.stderr)
+            await proxy.store.end_session(session_id, 127)
+            return RunResult(exit_code=127, session_id=session_id, turns=0, prompt_tokens=0, sampled_tokens=0, db=proxy.config.db)
+        loop = asyncio.get_running_loop()
+        forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        for sig in forwarded:
+            loop.add_signal_handler(sig, _forward, proc, sig)
+        watch = asyncio.create_task(_watchdog(proxy, proc, untrusted_timeout))
+        try:
+            code = await proc.wait()
+        finally:
+            for sig in forwarded:
+                loop.remove_signal_handler(sig)
+            watch.cancel()
+            try:
+                untrusted = await watch
+            except asyncio.CancelledError:
+                untrusted = False
+        exit_code = EXIT_UNTRUSTED if untrusted else (128 - code if code < 0 else code)
+        await proxy.store.end_session(session_id, exit_code)
+    finally:
+        await proxy.stop()
+    turns, ptoks, stoks = session_summary(proxy.config.db, session_id)
+    return RunResult(
+        exit_code=exit_code,
+        session_id=session_id,
+        turns=turns,
+        prompt_tokens=ptoks,
+        sampled_tokens=stoks,
+        db=proxy.config.db,
+        untrusted=untrusted,
+    )
+
+
+def _forward(proc: asyncio.subprocess.Process, sig: int) -> None:
+    if proc.returncode is None:
+        proc.send_signal(sig)
+
+
+async def _watchdog(proxy: PolarProxy, proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    """True when the harness was stopped because it never trusted our CA."""
+    try:
+        while proc.returncode is None:
+            await asyncio.sleep(0.5)
+            tls = proxy.tls
+            if tls.established or not tls.failures:
+                continue
+            first, sni, err = tls.failures[0]
+            if time.time() - first < timeout:
+                continue
+            print(
+                f"polar-mitm: the harness refused our CA for {sni} ({len(tls.failures)} failed TLS handshakes, "
+                f"none succeeded in {timeout:.0f}s): {err}\n"
+                f"  It does not trust {proxy.ca.cert if proxy.ca else 'the polar-mitm CA'}. Check that the recipe "
+                "sets the CA variable this harness reads (NODE_EXTRA_CA_CERTS, SSL_CERT_FILE, "
+                "CODEX_CA_CERTIFICATE, …), or pass --recipe. Stopping the harness.",
+                file=sys.stderr,
+            )
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except TimeoutError:
+                proc.kill()
+            return True
+        return False
+    except asyncio.CancelledError:
+        return False

@@ -1,0 +1,138 @@
+"""The embedded proxy: mitmproxy (regular mode) + our addons + the gateway, in one event loop.
+
+TLS is intercepted only for provider hosts and known side hosts; every other host passes
+through untouched (its TLS is never opened).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Literal
+
+from mitmproxy import options
+from mitmproxy.addons import default_addons
+from mitmproxy.master import Master
+from pydantic import BaseModel, Field
+
+from polar_mitm import providers
+from polar_mitm.addons.routing import Routing
+from polar_mitm.addons.sessions import Sessions
+from polar_mitm.addons.stubs import Stubs, host_pattern
+from polar_mitm.addons.tlswatch import TlsWatch
+from polar_mitm.backends.policy import Policy, PolicyConfig
+from polar_mitm.gateway import Gateway
+from polar_mitm.runtime import recipes
+from polar_mitm.runtime.certs import CA, ensure_ca
+from polar_mitm.store.db import Store
+
+log = logging.getLogger("polar_mitm.proxy")
+
+
+class ProxyConfig(BaseModel):
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    db: str = "polar-mitm.sqlite"
+    certs_dir: Path | None = None
+    default_session: str = "default"
+    recipe: str | None = None  # tags side calls with this recipe's rules; None: all recipes
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    mode: Literal["policy", "harvest"] = "policy"
+
+
+def register_recipe_hosts() -> None:
+    for host, style in recipes.provider_hosts().items():
+        module = providers.STYLES.get(style)
+        if module is not None:
+            providers.register(module, [host])
+
+
+class PolarProxy:
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.ca: CA | None = None
+        self.store: Store | None = None
+        self.policy: Policy | None = None
+        self.gateway: Gateway | None = None
+        self.master: Master | None = None
+        self.tls = TlsWatch()
+        self.port = 0
+        self._task: asyncio.Task | None = None
+
+    def tagger(self):
+        rs = [recipes.get(self.config.recipe)] if self.config.recipe else list(recipes.all_recipes().values())
+
+        def tag(req, path):
+            for r in rs:
+                t = r.tag(req, path)
+                if t:
+                    return t
+            return None
+
+        return tag
+
+    async def start(self) -> int:
+        register_recipe_hosts()
+        self.ca = ensure_ca(self.config.certs_dir)
+        self.store = await Store.open(self.config.db)
+        self.policy = Policy(self.config.policy, self.store)
+        self.gateway = Gateway(self.policy, default_session=self.config.default_session, tagger=self.tagger())
+        gw_port = await self.gateway.start()
+
+        intercepted = set(providers.HOST_STYLES) | recipes.stub_hosts()
+        opts = options.Options(
+            listen_host=self.config.listen_host,
+            listen_port=self.config.listen_port,
+            confdir=str(self.ca.dir),
+        )
+        self.master = Master(opts)
+        self.master.addons.add(*default_addons())
+        self.master.addons.add(
+            Sessions(self.config.default_session),
+            Routing(gw_port),
+            Stubs(intercepted),
+            self.tls,
+        )
+        self.master.options.update(
+            allow_hosts=["^(?:" + "|".join(host_pattern(h) for h in sorted(intercepted)) + r")(?::\d+)?$"],
+            connection_strategy="lazy",
+            upstream_cert=False,
+            command_history=False,
+            termlog_verbosity="error",
+        )
+        self._task = asyncio.create_task(self.master.run())
+        self.port = await self._wait_listening()
+        return self.port
+
+    async def _wait_listening(self, timeout: float = 15.0) -> int:
+        ps = self.master.addons.get("proxyserver")
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("proxy stopped during start-up")
+            for server in ps.servers:
+                if server.listen_addrs:
+                    return server.listen_addrs[0][1]
+            await asyncio.sleep(0.02)
+        raise RuntimeError(f"proxy did not start listening within {timeout}s")
+
+    async def stop(self) -> None:
+        if self.master is not None:
+            self.master.shutdown()
+            if self._task is not None:
+                try:
+                    await asyncio.wait_for(self._task, 10)
+                except (TimeoutError, asyncio.CancelledError):
+                    pass
+        if self.gateway is not None:
+            await self.gateway.stop()
+        if self.policy is not None:
+            await self.policy.close()
+        if self.store is not None:
+            await self.store.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.listen_host}:{self.port}"

@@ -1,0 +1,373 @@
+"""SQLite store of sessions and turns.
+
+`Store` is the async writer the proxy uses (aiosqlite, WAL). `read_turns` is the synchronous
+reader the offline reconstructor uses. A turn's prompt is stored as a reference to an earlier
+turn's full sequence (prompt + output) plus its own new suffix, so a long session costs its
+unique tokens, not turns × context.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+from pydantic import BaseModel, Field
+
+from polar_mitm.store.migrations import migrate
+from polar_mitm.store.packing import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
+
+
+class TurnRecord(BaseModel):
+    """One generation (or one harvested exchange) as the proxy saw it."""
+
+    id: str
+    session_id: str
+    created_at: float = Field(default_factory=time.time)
+    style: str
+    host: str | None = None
+    path: str | None = None
+    model: str | None = None
+    tag: str | None = None
+    status: str = "ok"
+    finish_reason: str | None = None
+    prompt_ids: list[int] = Field(default_factory=list)
+    prompt_ref: str | None = None
+    prompt_ref_len: int = 0
+    output_ids: list[int] = Field(default_factory=list)
+    output_logprobs: list[float] = Field(default_factory=list)
+    weight_version: str | None = None
+    msg_hash: str | None = None
+    post_hash: str | None = None
+    request: str | None = None
+    request_headers: dict[str, str] = Field(default_factory=dict)
+    response: str | None = None
+    error: str | None = None
+    latency_ms: float | None = None
+
+
+def _connect_sync(path: str | Path) -> sqlite3.Connection:
+    db = sqlite3.connect(str(path))
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA foreign_keys=ON")
+    return db
+
+
+def init_db(path: str | Path) -> None:
+    """Create the database if needed and bring its schema up to date."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    db = _connect_sync(path)
+    try:
+        migrate(db)
+    finally:
+        db.close()
+
+
+class _SequenceCache:
+    """Full sequences (prompt + output) of recent turns, bounded by total tokens."""
+
+    def __init__(self, max_tokens: int = 8_000_000):
+        self.max_tokens = max_tokens
+        self.size = 0
+        self.items: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+
+    def get(self, turn_id: str) -> tuple[list[int], int] | None:
+        hit = self.items.get(turn_id)
+        if hit is not None:
+            self.items.move_to_end(turn_id)
+        return hit
+
+    def put(self, turn_id: str, seq: list[int], prompt_len: int) -> None:
+        if turn_id in self.items:
+            return
+        self.items[turn_id] = (seq, prompt_len)
+        self.size += len(seq)
+        while self.size > self.max_tokens and len(self.items) > 1:
+            _, (old, _) = self.items.popitem(last=False)
+            self.size -= len(old)
+
+
+class Store:
+    """Async writer used by the proxy. One instance per process; safe for concurrent turns."""
+
+    def __init__(self, path: str | Path, db: aiosqlite.Connection):
+        self.path = str(path)
+        self._db = db
+        self._seq = 0
+        self.cache = _SequenceCache()
+
+    @classmethod
+    async def open(cls, path: str | Path) -> Store:
+        init_db(path)
+        db = await aiosqlite.connect(str(path))
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute("PRAGMA synchronous=NORMAL")
+        await db.execute("PRAGMA foreign_keys=ON")
+        store = cls(path, db)
+        async with db.execute("SELECT COALESCE(MAX(seq), 0) FROM turns") as cur:
+            store._seq = (await cur.fetchone())[0]
+        return store
+
+    async def close(self) -> None:
+        await self._db.close()
+
+    async def ensure_session(
+        self,
+        session_id: str,
+        *,
+        task_id: str | None = None,
+        harness: str | None = None,
+        command: Sequence[str] | None = None,
+        mode: str = "policy",
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        await self._db.execute(
+            "INSERT OR IGNORE INTO sessions (id, task_id, harness, command, mode, metadata, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                session_id,
+                task_id,
+                harness,
+                json.dumps(list(command)) if command is not None else None,
+                mode,
+                json.dumps(metadata or {}),
+                time.time(),
+            ),
+        )
+        await self._db.commit()
+
+    async def end_session(self, session_id: str, exit_code: int | None) -> None:
+        await self._db.execute(
+            "UPDATE sessions SET ended_at = ?, exit_code = ? WHERE id = ?", (time.time(), exit_code, session_id)
+        )
+        await self._db.commit()
+
+    async def insert_turn(self, rec: TurnRecord) -> None:
+        """Commit one turn. Returns only once the turn is durable in the WAL."""
+        self._seq += 1
+        suffix = rec.prompt_ids[rec.prompt_ref_len :] if rec.prompt_ref else rec.prompt_ids
+        await self._db.execute(
+            "INSERT INTO turns (id, session_id, seq, created_at, style, host, path, model, tag, status,"
+            " finish_reason, prompt_ref, prompt_ref_len, prompt_suffix, prompt_len, output_ids,"
+            " output_logprobs, output_len, weight_version, msg_hash, post_hash, request, request_headers,"
+            " response, error, latency_ms) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                rec.id,
+                rec.session_id,
+                self._seq,
+                rec.created_at,
+                rec.style,
+                rec.host,
+                rec.path,
+                rec.model,
+                rec.tag,
+                rec.status,
+                rec.finish_reason,
+                rec.prompt_ref,
+                rec.prompt_ref_len if rec.prompt_ref else 0,
+                pack_ids(suffix),
+                len(rec.prompt_ids),
+                pack_ids(rec.output_ids),
+                pack_logprobs(rec.output_logprobs),
+                len(rec.output_ids),
+                rec.weight_version,
+                rec.msg_hash,
+                rec.post_hash,
+                rec.request,
+                json.dumps(rec.request_headers),
+                rec.response,
+                rec.error,
+                rec.latency_ms,
+            ),
+        )
+        await self._db.commit()
+        if rec.output_ids or rec.prompt_ids:
+            self.cache.put(rec.id, rec.prompt_ids + rec.output_ids, len(rec.prompt_ids))
+
+    async def find_by_post_hash(self, session_id: str, hashes: Sequence[str]) -> tuple[str, str] | None:
+        """The newest completed turn of the session whose post_hash is one of `hashes`.
+
+        Returns (turn_id, matched_hash); callers pass hashes longest-prefix first and take the
+        first hit in that order.
+        """
+        if not hashes:
+            return None
+        marks = ",".join("?" * len(hashes))
+        async with self._db.execute(
+            f"SELECT id, post_hash FROM turns WHERE session_id = ? AND status = 'ok'"
+            f" AND post_hash IN ({marks}) ORDER BY seq DESC",
+            (session_id, *hashes),
+        ) as cur:
+            rows = await cur.fetchall()
+        if not rows:
+            return None
+        by_hash: dict[str, str] = {}
+        for turn_id, h in rows:
+            by_hash.setdefault(h, turn_id)
+        for h in hashes:
+            if h in by_hash:
+                return by_hash[h], h
+        return None
+
+    async def sequence(self, turn_id: str) -> tuple[list[int], int]:
+        """A turn's full sequence (prompt + output ids) and its prompt length."""
+        hit = self.cache.get(turn_id)
+        if hit is not None:
+            return hit
+        chain: list[tuple[str, str | None, int, bytes, bytes, int]] = []
+        cur_id: str | None = turn_id
+        base: list[int] = []
+        while cur_id is not None:
+            cached = self.cache.get(cur_id)
+            if cached is not None:
+                base = cached[0]
+                break
+            async with self._db.execute(
+                "SELECT id, prompt_ref, prompt_ref_len, prompt_suffix, output_ids, prompt_len"
+                " FROM turns WHERE id = ?",
+                (cur_id,),
+            ) as c:
+                row = await c.fetchone()
+            if row is None:
+                raise KeyError(f"turn {cur_id} not in store {self.path}")
+            chain.append(row)
+            cur_id = row[1]
+        seq = base
+        prompt_len = 0
+        for tid, _ref, ref_len, suffix, output, plen in reversed(chain):
+            prompt = (seq[:ref_len] if _ref else []) + unpack_ids(suffix)
+            prompt_len = plen
+            seq = prompt + unpack_ids(output)
+            self.cache.put(tid, seq, prompt_len)
+        return seq, prompt_len
+
+    async def set_reward(self, session_id: str, value: float | None) -> None:
+        await self._db.execute("UPDATE sessions SET reward = ? WHERE id = ?", (value, session_id))
+        await self._db.commit()
+
+
+# ---- synchronous reading, for the offline tools --------------------------------------------
+
+
+class StoredTurn(BaseModel):
+    id: str
+    session_id: str
+    seq: int
+    created_at: float
+    style: str
+    model: str | None
+    tag: str | None
+    status: str
+    finish_reason: str | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    prompt_ref: str | None
+    prompt_ref_len: int
+    weight_version: str | None
+    task_id: str | None = None
+    request: str | None = None
+    response: str | None = None
+
+
+def connect(path: str | Path) -> sqlite3.Connection:
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no database at {path}")
+    db = _connect_sync(path)
+    migrate(db)
+    return db
+
+
+def read_turns(
+    path: str | Path,
+    *,
+    session: str | None = None,
+    task: str | None = None,
+    since: float | None = None,
+    with_raw: bool = False,
+    include_text_only: bool = False,
+) -> Iterator[StoredTurn]:
+    """Turns in creation order, with prompt ids resolved through their references.
+
+    Resolution keeps the full sequences of recent turns in a bounded cache, so it costs about
+    one pass over the unique tokens.
+    """
+    db = connect(path)
+    cache = _SequenceCache()
+    where, args = [], []
+    if session:
+        where.append("t.session_id = ?")
+        args.append(session)
+    if task:
+        where.append("s.task_id = ?")
+        args.append(task)
+    if since is not None:
+        where.append("t.created_at >= ?")
+        args.append(since)
+    if not include_text_only:
+        where.append("(t.output_len > 0 OR t.prompt_len > 0)")
+    raw_cols = ", t.request, t.response" if with_raw else ", NULL, NULL"
+    sql = (
+        "SELECT t.id, t.session_id, t.seq, t.created_at, t.style, t.model, t.tag, t.status, t.finish_reason,"
+        " t.prompt_ref, t.prompt_ref_len, t.prompt_suffix, t.output_ids, t.output_logprobs, t.weight_version,"
+        f" s.task_id{raw_cols} FROM turns t JOIN sessions s ON s.id = t.session_id"
+        + (" WHERE " + " AND ".join(where) if where else "")
+        + " ORDER BY t.seq"
+    )
+    try:
+        for row in db.execute(sql, args):
+            (tid, sid, seq, created, style, model, tag, status, finish, ref, ref_len, suffix, out, lps, wv) = row[
+                :15
+            ]
+            prompt = unpack_ids(suffix)
+            if ref:
+                base = cache.get(ref)
+                if base is None:
+                    base = (_resolve_sync(db, ref, cache), 0)
+                prompt = base[0][:ref_len] + prompt
+            output = unpack_ids(out)
+            cache.put(tid, prompt + output, len(prompt))
+            yield StoredTurn(
+                id=tid,
+                session_id=sid,
+                seq=seq,
+                created_at=created,
+                style=style,
+                model=model,
+                tag=tag,
+                status=status,
+                finish_reason=finish,
+                prompt_ids=prompt,
+                output_ids=output,
+                output_logprobs=unpack_logprobs(lps),
+                prompt_ref=ref,
+                prompt_ref_len=ref_len,
+                weight_version=wv,
+                task_id=row[15],
+                request=row[16],
+                response=row[17],
+            )
+    finally:
+        db.close()
+
+
+def _resolve_sync(db: sqlite3.Connection, turn_id: str, cache: _SequenceCache) -> list[int]:
+    row = db.execute(
+        "SELECT prompt_ref, prompt_ref_len, prompt_suffix, output_ids FROM turns WHERE id = ?", (turn_id,)
+    ).fetchone()
+    if row is None:
+        raise KeyError(f"turn {turn_id} referenced but missing")
+    ref, ref_len, suffix, out = row
+    prompt = unpack_ids(suffix)
+    if ref:
+        base = cache.get(ref)
+        prompt = (base[0] if base else _resolve_sync(db, ref, cache))[:ref_len] + prompt
+    seq = prompt + unpack_ids(out)
+    cache.put(turn_id, seq, len(prompt))
+    return seq

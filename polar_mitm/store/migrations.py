@@ -1,0 +1,81 @@
+"""Schema migrations: an ordered list of small functions, each applied once and recorded.
+
+Never alter the schema anywhere else; append a new function here instead.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+
+Migration = Callable[[sqlite3.Connection], None]
+
+
+def m001_initial(db: sqlite3.Connection) -> None:
+    db.executescript(
+        """
+        CREATE TABLE sessions (
+            id          TEXT PRIMARY KEY,
+            task_id     TEXT,
+            harness     TEXT,
+            command     TEXT,          -- JSON list
+            mode        TEXT NOT NULL DEFAULT 'policy',   -- policy | harvest
+            metadata    TEXT NOT NULL DEFAULT '{}',
+            created_at  REAL NOT NULL,
+            ended_at    REAL,
+            exit_code   INTEGER,
+            reward      REAL
+        );
+        CREATE TABLE turns (
+            id              TEXT PRIMARY KEY,
+            session_id      TEXT NOT NULL REFERENCES sessions(id),
+            seq             INTEGER NOT NULL,       -- order of creation within the store
+            created_at      REAL NOT NULL,
+            style           TEXT NOT NULL,          -- anthropic | openai-chat | openai-responses | gemini
+            host            TEXT,
+            path            TEXT,
+            model           TEXT,
+            tag             TEXT,                   -- side call kind (title, router, ...) or NULL
+            status          TEXT NOT NULL,          -- ok | aborted | error
+            finish_reason   TEXT,
+            -- prompt = full sequence of prompt_ref (its prompt + output) cut at prompt_ref_len, + suffix
+            prompt_ref      TEXT REFERENCES turns(id),
+            prompt_ref_len  INTEGER NOT NULL DEFAULT 0,
+            prompt_suffix   BLOB,
+            prompt_len      INTEGER NOT NULL DEFAULT 0,
+            output_ids      BLOB,
+            output_logprobs BLOB,
+            output_len      INTEGER NOT NULL DEFAULT 0,
+            weight_version  TEXT,
+            msg_hash        TEXT,                   -- hash chain of the normalized request messages
+            post_hash       TEXT,                   -- ... with this turn's reply appended
+            request         TEXT,                   -- native request body, credentials removed
+            request_headers TEXT,                   -- JSON, credentials removed
+            response        TEXT,                   -- the completion (neutral JSON) or harvested reply
+            error           TEXT,
+            latency_ms      REAL
+        );
+        CREATE INDEX turns_session ON turns(session_id, seq);
+        CREATE INDEX turns_post_hash ON turns(session_id, post_hash);
+        CREATE INDEX turns_created ON turns(created_at);
+        """
+    )
+
+
+MIGRATIONS: list[Migration] = [m001_initial]
+
+
+def migrate(db: sqlite3.Connection) -> list[str]:
+    """Apply every migration not yet recorded; returns the names applied."""
+    db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    done = {row[0] for row in db.execute("SELECT name FROM _migrations")}
+    applied = []
+    for fn in MIGRATIONS:
+        if fn.__name__ in done:
+            continue
+        with db:
+            fn(db)
+            db.execute("INSERT INTO _migrations VALUES (?, ?)", (fn.__name__, time.time()))
+        applied.append(fn.__name__)
+    return applied

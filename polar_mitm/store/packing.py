@@ -1,0 +1,55 @@
+"""Binary packing of token ids and logprobs.
+
+Token ids are little-endian int32. Logprobs are float32 when that is lossless for every value
+(engines compute them in float32, so it nearly always is) and float64 otherwise; a one-byte tag
+says which, so what the engine returned is always what comes back out.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    a = array("i", ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_ids(blob: bytes | None) -> list[int]:
+    if not blob:
+        return []
+    a = array("i")
+    a.frombytes(blob)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+def pack_logprobs(values: Sequence[float]) -> bytes:
+    f32 = array("f", values)
+    if list(f32) == list(values):
+        tag, a = b"f", f32
+    else:
+        tag, a = b"d", array("d", values)
+    if not _LITTLE:
+        a.byteswap()
+    return tag + a.tobytes()
+
+
+def unpack_logprobs(blob: bytes | None) -> list[float]:
+    if not blob:
+        return []
+    tag, body = blob[:1], blob[1:]
+    if tag not in (b"f", b"d"):
+        raise ValueError(f"unknown logprob packing tag {tag!r}")
+    a = array(tag.decode())
+    a.frombytes(body)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
