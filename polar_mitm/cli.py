@@ -14,7 +14,9 @@ import click
 from polar_mitm.backends.policy import PolicyConfig
 
 BACKEND_HELP = "SGLang server URL [env POLAR_MITM_BACKEND; default http://127.0.0.1:30000]"
-TOKENIZER_HELP = "Hugging Face tokenizer directory [env POLAR_MITM_TOKENIZER; default: the server's /model_info]"
+TOKENIZER_HELP = (
+    "Hugging Face tokenizer directory [env POLAR_MITM_TOKENIZER; default: the server's /model_info]"
+)
 DB_HELP = "SQLite database of sessions and turns [env POLAR_MITM_DB; default polar-mitm.sqlite]"
 
 
@@ -29,17 +31,25 @@ def main(verbose: int) -> None:
     polar-mitm export --db runs.sqlite --out t.parquet   trajectories for training
     """
     level = logging.WARNING - 10 * verbose
-    logging.basicConfig(level=max(level, logging.DEBUG), format="polar-mitm %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=max(level, logging.DEBUG), format="polar-mitm %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def policy_options(f):
-    f = click.option("--backend", envvar="POLAR_MITM_BACKEND", default="http://127.0.0.1:30000", help=BACKEND_HELP)(f)
+    f = click.option(
+        "--backend", envvar="POLAR_MITM_BACKEND", default="http://127.0.0.1:30000", help=BACKEND_HELP
+    )(f)
     f = click.option("--tokenizer", envvar="POLAR_MITM_TOKENIZER", default=None, help=TOKENIZER_HELP)(f)
     f = click.option(
-        "--tool-parser", default=None, help="SGLang tool-call parser name (qwen25, …; 'none' to disable) [default: server's]"
+        "--tool-parser",
+        default=None,
+        help="SGLang tool-call parser name (qwen25, …; 'none' to disable) [default: server's]",
     )(f)
     f = click.option(
-        "--reasoning-parser", default=None, help="SGLang reasoning parser name (qwen3, deepseek-r1, none) [default: server's]"
+        "--reasoning-parser",
+        default=None,
+        help="SGLang reasoning parser name (qwen3, deepseek-r1, none) [default: server's]",
     )(f)
     f = click.option(
         "--history",
@@ -48,16 +58,22 @@ def policy_options(f):
         show_default=True,
         help="splice: echoed replies become the exact sampled ids; template: render history canonically.",
     )(f)
-    f = click.option("--max-tokens-cap", type=int, default=None, help="Clamp the max_tokens harnesses ask for.")(f)
+    f = click.option(
+        "--max-tokens-cap", type=int, default=None, help="Clamp the max_tokens harnesses ask for."
+    )(f)
     f = click.option(
         "--backend-timeout", type=float, default=None, help="Seconds of backend silence before a turn fails."
     )(f)
-    f = click.option("--db", envvar="POLAR_MITM_DB", default="polar-mitm.sqlite", show_default=True, help=DB_HELP)(f)
+    f = click.option(
+        "--db", envvar="POLAR_MITM_DB", default="polar-mitm.sqlite", show_default=True, help=DB_HELP
+    )(f)
     f = click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")(f)
     return f
 
 
-def make_policy_config(backend, tokenizer, tool_parser, reasoning_parser, history, max_tokens_cap, backend_timeout):
+def make_policy_config(
+    backend, tokenizer, tool_parser, reasoning_parser, history, max_tokens_cap, backend_timeout
+):
     return PolicyConfig(
         backend_url=backend,
         tokenizer=tokenizer,
@@ -107,7 +123,14 @@ def run(cmd, session, task, recipe, untrusted_timeout, db, certs, **policy) -> N
         policy=make_policy_config(**policy),
     )
     result = asyncio.run(
-        run_harness(cmd, PolarProxy(cfg), rec, session_id=session_id, task_id=task, untrusted_timeout=untrusted_timeout)
+        run_harness(
+            cmd,
+            PolarProxy(cfg),
+            rec,
+            session_id=session_id,
+            task_id=task,
+            untrusted_timeout=untrusted_timeout,
+        )
     )
     note = " · harness refused the CA" if result.exit_code == EXIT_UNTRUSTED and result.untrusted else ""
     click.echo(
@@ -121,7 +144,9 @@ def run(cmd, session, task, recipe, untrusted_timeout, db, certs, **policy) -> N
 @main.command()
 @policy_options
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to listen on.")
-@click.option("--session", default="default", show_default=True, help="Session for clients without credentials.")
+@click.option(
+    "--session", default="default", show_default=True, help="Session for clients without credentials."
+)
 def proxy(listen, session, db, certs, **policy) -> None:
     """A long-lived shared proxy for many harnesses.
 
@@ -160,7 +185,9 @@ def proxy(listen, session, db, certs, **policy) -> None:
 
 @main.command()
 @click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")
-@click.option("--show", type=click.Choice(["dir", "cert", "bundle"]), default=None, help="Print one path only.")
+@click.option(
+    "--show", type=click.Choice(["dir", "cert", "bundle"]), default=None, help="Print one path only."
+)
 def certs(certs, show) -> None:
     """Create the CA once (reused afterwards) and print where its files are.
 
@@ -202,19 +229,17 @@ def tokenizer_build(kind, out) -> None:
     click.echo(str(path))
 
 
-def _register_optional() -> None:
-    from polar_mitm.backends import fake_cli
-    from polar_mitm.reconstruct import commands
+from polar_mitm.backends.fake_cli import fake_backend  # noqa: E402
 
-    main.add_command(fake_cli.fake_backend)
-    for c in commands.COMMANDS:
-        main.add_command(c)
-
+main.add_command(fake_backend)
 
 try:
-    _register_optional()
-except ImportError as e:  # pragma: no cover - only while a room is being built
-    logging.getLogger("polar_mitm").debug("optional commands unavailable: %s", e)
+    from polar_mitm.reconstruct.commands import COMMANDS  # noqa: E402
+
+    for _c in COMMANDS:
+        main.add_command(_c)
+except ImportError as e:  # pragma: no cover - only while the room is being built
+    logging.getLogger("polar_mitm").debug("reconstruct commands unavailable: %s", e)
 
 
 if __name__ == "__main__":

@@ -66,13 +66,17 @@ class Gateway:
         found = providers.route(host, request.method, request.path_qs)
         if found is None:
             style = providers.error_style(host)
-            return self._error(style, ProviderError("not_found", f"{request.method} {request.path} is not served", 404))
+            return self._error(
+                style, ProviderError("not_found", f"{request.method} {request.path} is not served", 404)
+            )
         style, ep = found
         raw = await request.read()
         try:
             body = json.loads(raw) if raw else ({} if ep == "models" else None)
         except ValueError as e:
-            return self._error(style, ProviderError("invalid_request", f"request body is not valid JSON: {e}", 400))
+            return self._error(
+                style, ProviderError("invalid_request", f"request body is not valid JSON: {e}", 400)
+            )
         try:
             if ep == "models":
                 return web.json_response(style.render_models(await self._model_names()))

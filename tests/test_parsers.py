@@ -27,7 +27,10 @@ def test_chunking_does_not_change_the_result(size):
     p = run(SAMPLE, size)
     assert p.reasoning == "I should list files.\n"
     assert p.text == "Let me look."
-    assert [(c.name, c.arguments) for c in p.tool_calls] == [("Bash", {"command": "ls -la"}), ("Read", {"path": "a.txt"})]
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [
+        ("Bash", {"command": "ls -la"}),
+        ("Read", {"path": "a.txt"}),
+    ]
     assert "".join(e.text for e in p.events if isinstance(e, TextDelta)) == "Let me look."
     assert "".join(e.text for e in p.events if isinstance(e, ReasoningDelta)) == p.reasoning
     assert sum(isinstance(e, ToolCallEvent) for e in p.events) == 2

@@ -32,13 +32,23 @@ CC_BODY = {
             "role": "assistant",
             "content": [
                 {"type": "thinking", "thinking": "plan", "signature": "sig"},
-                {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "echo hi > out.txt"}},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "Bash",
+                    "input": {"command": "echo hi > out.txt"},
+                },
             ],
         },
         {
             "role": "user",
             "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok", "cache_control": {"type": "ephemeral"}},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": "ok",
+                    "cache_control": {"type": "ephemeral"},
+                },
                 {"type": "text", "text": "<system-reminder>x</system-reminder>"},
             ],
         },
@@ -105,8 +115,12 @@ def completion(**kw):
 
 
 def test_json_response_with_thinking_text_and_tool_use():
-    c = completion(reasoning="r", text="hi", tool_calls=[ToolCall(id="toolu_x", name="Bash", arguments={"a": 1})],
-                   finish_reason="tool_calls")
+    c = completion(
+        reasoning="r",
+        text="hi",
+        tool_calls=[ToolCall(id="toolu_x", name="Bash", arguments={"a": 1})],
+        finish_reason="tool_calls",
+    )
     out = anthropic.render_response(c)
     assert [b["type"] for b in out["content"]] == ["thinking", "text", "tool_use"]
     assert out["content"][0]["signature"] == anthropic.signature_for("r")
@@ -137,17 +151,34 @@ async def test_sse_event_sequence():
     call = ToolCall(id="toolu_9", name="Bash", arguments={"command": "ls"})
     c = completion(reasoning="th", text="ok", tool_calls=[call], finish_reason="tool_calls")
     evs = await collect(
-        [Started(turn_id="turn_1", prompt_tokens=10), Ping(), ReasoningDelta(text="th"), TextDelta(text="o"),
-         TextDelta(text="k"), ToolCallEvent(call=call), Done(completion=c)],
+        [
+            Started(turn_id="turn_1", prompt_tokens=10),
+            Ping(),
+            ReasoningDelta(text="th"),
+            TextDelta(text="o"),
+            TextDelta(text="k"),
+            ToolCallEvent(call=call),
+            Done(completion=c),
+        ],
         req,
     )
     names = [e for e, _ in evs]
     assert names == [
-        "message_start", "ping",
-        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
-        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
-        "content_block_start", "content_block_delta", "content_block_stop",
-        "message_delta", "message_stop",
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
     ]
     assert evs[0][1]["message"]["usage"]["input_tokens"] == 10
     assert evs[4][1]["delta"]["type"] == "signature_delta"

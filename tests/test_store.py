@@ -36,11 +36,26 @@ async def test_prompt_stored_as_reference_plus_suffix(tmp_path):
     path = tmp_path / "s.sqlite"
     store = await Store.open(path)
     await store.ensure_session("s1")
-    t1 = TurnRecord(id="t1", session_id="s1", style="anthropic", prompt_ids=[1, 2, 3], output_ids=[4, 5],
-                    output_logprobs=[-0.5, -0.25], post_hash="h1")
+    t1 = TurnRecord(
+        id="t1",
+        session_id="s1",
+        style="anthropic",
+        prompt_ids=[1, 2, 3],
+        output_ids=[4, 5],
+        output_logprobs=[-0.5, -0.25],
+        post_hash="h1",
+    )
     await store.insert_turn(t1)
-    t2 = TurnRecord(id="t2", session_id="s1", style="anthropic", prompt_ids=[1, 2, 3, 4, 5, 6, 7], prompt_ref="t1",
-                    prompt_ref_len=5, output_ids=[8], output_logprobs=[-1.0])
+    t2 = TurnRecord(
+        id="t2",
+        session_id="s1",
+        style="anthropic",
+        prompt_ids=[1, 2, 3, 4, 5, 6, 7],
+        prompt_ref="t1",
+        prompt_ref_len=5,
+        output_ids=[8],
+        output_logprobs=[-1.0],
+    )
     await store.insert_turn(t2)
     assert await store.find_by_post_hash("s1", ["nope", "h1"]) == ("t1", "h1")
     store.cache.items.clear()

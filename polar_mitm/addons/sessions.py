@@ -34,7 +34,9 @@ class Sessions:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         sid = session_from_auth(flow.request.headers.pop("proxy-authorization", None))
-        flow.metadata["polar_session"] = sid or self.by_client.get(flow.client_conn.id) or self.default_session
+        flow.metadata["polar_session"] = (
+            sid or self.by_client.get(flow.client_conn.id) or self.default_session
+        )
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.by_client.pop(client.id, None)

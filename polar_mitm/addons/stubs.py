@@ -49,5 +49,8 @@ def stub_response(req: http.Request) -> http.Response:
         return http.Response.make(200, b"", headers)
     if "event_logging" in path or "telemetry" in path or "/log" in path or req.method == "POST":
         return http.Response.make(200, b"{}", headers)
-    body = {"type": "error", "error": {"type": "not_found_error", "message": f"{path} is not served by polar-mitm"}}
+    body = {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": f"{path} is not served by polar-mitm"},
+    }
     return http.Response.make(404, json.dumps(body).encode(), headers)

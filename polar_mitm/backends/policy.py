@@ -105,6 +105,12 @@ class Policy:
             self._info = await self.client.model_info()
         return self._info
 
+    async def context_length(self) -> int | None:
+        try:
+            return (await self.model_info()).context_length
+        except ProviderError:
+            return None
+
     async def tokenizer(self) -> Tokenizer:
         if self._tok is None:
             path = self.config.tokenizer
@@ -163,7 +169,9 @@ class Policy:
 
     async def count_tokens(self, req: ChatRequest) -> int:
         tok = await self.tokenizer()
-        return len(await asyncio.to_thread(render_full, tok, req.messages, req.tools, self.template_kwargs(req)))
+        return len(
+            await asyncio.to_thread(render_full, tok, req.messages, req.tools, self.template_kwargs(req))
+        )
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -182,9 +190,19 @@ class Policy:
             in_reasoning=self._reasoning_open[key],
             id_prefix=ctx.id_prefix,
         )
-        max_tokens = req.sampling.max_tokens
-        if self.config.max_tokens_cap and max_tokens and max_tokens > self.config.max_tokens_cap:
+        max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
+        if self.config.max_tokens_cap and max_tokens > self.config.max_tokens_cap:
             max_tokens = self.config.max_tokens_cap
+        context = await self.context_length()
+        if context:
+            if len(prompt_ids) >= context:
+                raise ProviderError(
+                    "invalid_request",
+                    f"prompt is too long: {len(prompt_ids)} tokens > {context - 1} maximum of the policy",
+                    400,
+                )
+            # Harnesses ask for their provider's limits (Claude Code: 32k-64k); fit the policy's.
+            max_tokens = min(max_tokens, context - len(prompt_ids))
         params = sampling_params(
             req.sampling.model_copy(update={"max_tokens": max_tokens}),
             default_max_tokens=self.config.default_max_tokens,

@@ -23,6 +23,7 @@ class ModelInfo(BaseModel):
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     weight_version: str | None = None
+    context_length: int | None = None
 
 
 class GenerateChunk(BaseModel):
@@ -80,11 +81,39 @@ class SGLangClient:
         try:
             async with http.get(f"{self.base_url}/model_info") as r:
                 r.raise_for_status()
-                return ModelInfo.model_validate(await r.json(content_type=None))
+                info = ModelInfo.model_validate(await r.json(content_type=None))
+            if info.context_length is None:
+                info.context_length = await self._context_length(http)
+            return info
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise ProviderError(
-                "overloaded", f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})", 529
+                "overloaded",
+                f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})",
+                529,
             ) from e
+
+    async def _context_length(self, http: aiohttp.ClientSession) -> int | None:
+        """SGLang reports it in /get_server_info (server args) and /v1/models (max_model_len)."""
+        for path, pick in (
+            ("/get_server_info", lambda d: d.get("context_length")),
+            ("/v1/models", lambda d: (d.get("data") or [{}])[0].get("max_model_len")),
+        ):
+            try:
+                async with http.get(f"{self.base_url}{path}") as r:
+                    if r.status == 200:
+                        value = pick(await r.json(content_type=None))
+                        if isinstance(value, int) and value > 0:
+                            return value
+            except (
+                aiohttp.ClientError,
+                OSError,
+                TimeoutError,
+                ValueError,
+                AttributeError,
+                IndexError,
+            ):
+                continue
+        return None
 
     async def generate(self, input_ids: list[int], params: dict[str, Any]) -> AsyncIterator[GenerateChunk]:
         """Stream one generation. Yields the cumulative state after every chunk.
@@ -97,13 +126,17 @@ class SGLangClient:
             resp = await http.post(f"{self.base_url}/generate", json=body)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise ProviderError(
-                "overloaded", f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})", 529
+                "overloaded",
+                f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})",
+                529,
             ) from e
         async with resp:
             if resp.status != 200:
                 detail = (await resp.text())[:2000]
                 if resp.status in (400, 422):
-                    raise ProviderError("invalid_request", f"policy backend rejected the request: {detail}", 400)
+                    raise ProviderError(
+                        "invalid_request", f"policy backend rejected the request: {detail}", 400
+                    )
                 raise ProviderError(
                     "overloaded" if resp.status in (429, 503) else "api_error",
                     f"policy backend answered HTTP {resp.status}: {detail}",
@@ -133,14 +166,21 @@ def _apply_chunk(state: GenerateChunk, payload: bytes) -> GenerateChunk:
         obj = json.loads(payload)
         meta = obj.get("meta_info") or {}
         if "error" in obj and "text" not in obj:
-            raise ProviderError("api_error", f"policy backend error: {obj['error']}", 500)
+            err = obj["error"]
+            code = err.get("code") if isinstance(err, dict) else None
+            message = err.get("message", err) if isinstance(err, dict) else err
+            if code in (400, 422):
+                raise ProviderError("invalid_request", f"policy backend rejected the request: {message}", 400)
+            raise ProviderError("api_error", f"policy backend error: {message}", 500)
         text = obj["text"]
         ids = list(obj["output_ids"])
         lps = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
     except ProviderError:
         raise
     except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise ProviderError("api_error", f"policy backend returned an unreadable chunk: {payload[:200]!r}", 502) from e
+        raise ProviderError(
+            "api_error", f"policy backend returned an unreadable chunk: {payload[:200]!r}", 502
+        ) from e
     # SGLang streams cumulative state by default and increments with --incremental-streaming-output;
     # accept both, deciding once at the second chunk.
     acc = state.output_ids

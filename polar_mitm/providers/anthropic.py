@@ -127,10 +127,19 @@ def _parse_message(i: int, m: Any) -> list[Message]:
                     raise _bad(f"{where}.content.{j}.name: required")
                 inp = b.get("input", {})
                 calls.append(
-                    ToolCall(id=str(b.get("id", "")), name=b["name"], arguments=inp if isinstance(inp, dict) else {})
+                    ToolCall(
+                        id=str(b.get("id", "")),
+                        name=b["name"],
+                        arguments=inp if isinstance(inp, dict) else {},
+                    )
                 )
         return [
-            Message(role="assistant", content="".join(texts), reasoning="".join(reasoning) or None, tool_calls=calls)
+            Message(
+                role="assistant",
+                content="".join(texts),
+                reasoning="".join(reasoning) or None,
+                tool_calls=calls,
+            )
         ]
     out: list[Message] = []
     texts = []
@@ -303,7 +312,9 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
         out = close()
         index += 1
         open_kind = kind
-        return out + _sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": block})
+        return out + _sse(
+            "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
+        )
 
     async for ev in events:
         if isinstance(ev, Started):
@@ -322,7 +333,11 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
             reasoning += ev.text
             yield out + _sse(
                 "content_block_delta",
-                {"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": ev.text}},
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "thinking_delta", "thinking": ev.text},
+                },
             )
         elif isinstance(ev, TextDelta):
             out = b""
@@ -330,7 +345,11 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
                 out = open_block("text", {"type": "text", "text": ""})
             yield out + _sse(
                 "content_block_delta",
-                {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": ev.text}},
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "text_delta", "text": ev.text},
+                },
             )
         elif isinstance(ev, ToolCallEvent):
             call = ev.call
@@ -340,7 +359,10 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
                 {
                     "type": "content_block_delta",
                     "index": index,
-                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)},
+                    "delta": {
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(call.arguments, ensure_ascii=False),
+                    },
                 },
             )
         elif isinstance(ev, Done):
@@ -358,7 +380,10 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
 
 
 def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:
-    return e.status, {"type": "error", "error": {"type": ERROR_TYPES.get(e.kind, "api_error"), "message": e.message}}
+    return e.status, {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(e.kind, "api_error"), "message": e.message},
+    }
 
 
 def render_stream_error(e: ProviderError) -> bytes:
@@ -372,4 +397,9 @@ def render_count(n: int) -> dict[str, Any]:
 def render_models(names: list[str]) -> dict[str, Any]:
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     data = [{"type": "model", "id": n, "display_name": n, "created_at": now} for n in names]
-    return {"data": data, "has_more": False, "first_id": names[0] if names else None, "last_id": names[-1] if names else None}
+    return {
+        "data": data,
+        "has_more": False,
+        "first_id": names[0] if names else None,
+        "last_id": names[-1] if names else None,
+    }

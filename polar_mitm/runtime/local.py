@@ -26,7 +26,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EXIT_UNTRUSTED = 69  # EX_UNAVAILABLE: the harness never trusted our CA
 
 
-def child_env(base: Mapping[str, str], recipe: Recipe, proxy_url: str, ca: CA, session_id: str) -> dict[str, str]:
+def child_env(
+    base: Mapping[str, str], recipe: Recipe, proxy_url: str, ca: CA, session_id: str
+) -> dict[str, str]:
     env = dict(base)
     for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
         env[k] = proxy_url
@@ -100,7 +102,14 @@ async def run_harness(
             hint = f" (npm install -g {recipe.npm})" if recipe.npm else ""
             print(f"polar-mitm: command not found: {cmd[0]}{hint}", file=sys.stderr)
             await proxy.store.end_session(session_id, 127)
-            return RunResult(exit_code=127, session_id=session_id, turns=0, prompt_tokens=0, sampled_tokens=0, db=proxy.config.db)
+            return RunResult(
+                exit_code=127,
+                session_id=session_id,
+                turns=0,
+                prompt_tokens=0,
+                sampled_tokens=0,
+                db=proxy.config.db,
+            )
         loop = asyncio.get_running_loop()
         forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         for sig in forwarded:

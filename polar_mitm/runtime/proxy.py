@@ -99,7 +99,6 @@ class PolarProxy:
             connection_strategy="lazy",
             upstream_cert=False,
             command_history=False,
-            termlog_verbosity="error",
         )
         self._task = asyncio.create_task(self.master.run())
         self.port = await self._wait_listening()

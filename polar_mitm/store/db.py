@@ -101,6 +101,7 @@ class Store:
         self._db = db
         self._seq = 0
         self.cache = _SequenceCache()
+        self._sessions: set[str] = set()
 
     @classmethod
     async def open(cls, path: str | Path) -> Store:
@@ -142,14 +143,24 @@ class Store:
         )
         await self._db.commit()
 
+    async def _ensure_known(self, session_id: str) -> None:
+        # Sessions named by proxy credentials appear with their first turn.
+        if session_id not in self._sessions:
+            await self._db.execute(
+                "INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?, ?)", (session_id, time.time())
+            )
+            self._sessions.add(session_id)
+
     async def end_session(self, session_id: str, exit_code: int | None) -> None:
         await self._db.execute(
-            "UPDATE sessions SET ended_at = ?, exit_code = ? WHERE id = ?", (time.time(), exit_code, session_id)
+            "UPDATE sessions SET ended_at = ?, exit_code = ? WHERE id = ?",
+            (time.time(), exit_code, session_id),
         )
         await self._db.commit()
 
     async def insert_turn(self, rec: TurnRecord) -> None:
         """Commit one turn. Returns only once the turn is durable in the WAL."""
+        await self._ensure_known(rec.session_id)
         self._seq += 1
         suffix = rec.prompt_ids[rec.prompt_ref_len :] if rec.prompt_ref else rec.prompt_ids
         await self._db.execute(
@@ -322,9 +333,23 @@ def read_turns(
     )
     try:
         for row in db.execute(sql, args):
-            (tid, sid, seq, created, style, model, tag, status, finish, ref, ref_len, suffix, out, lps, wv) = row[
-                :15
-            ]
+            (
+                tid,
+                sid,
+                seq,
+                created,
+                style,
+                model,
+                tag,
+                status,
+                finish,
+                ref,
+                ref_len,
+                suffix,
+                out,
+                lps,
+                wv,
+            ) = row[:15]
             prompt = unpack_ids(suffix)
             if ref:
                 base = cache.get(ref)

@@ -1,0 +1,3 @@
+from polar_mitm.cli import main
+
+main()

@@ -1,0 +1,55 @@
+"""`polar-mitm fake-backend`: the SGLang-compatible fake policy server on the command line."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("fake-backend")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=30000, show_default=True)
+@click.option(
+    "--tokenizer",
+    envvar="POLAR_MITM_TOKENIZER",
+    default=None,
+    help="Tokenizer directory [default: build/cache the offline Qwen tokenizer].",
+)
+@click.option("--mode", type=click.Choice(["scripted", "random"]), default="scripted", show_default=True)
+@click.option(
+    "--script", type=click.Path(exists=True, dir_okay=False), default=None, help="JSON list of reply rules."
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--weight-version", default="0", show_default=True)
+@click.option("--token-delay", type=float, default=0.0, show_default=True, help="Seconds between tokens.")
+@click.option("--first-token-delay", type=float, default=0.0, show_default=True)
+@click.option("--model-path", default="polar-mitm/fake", show_default=True)
+def fake_backend(
+    host, port, tokenizer, mode, script, seed, weight_version, token_delay, first_token_delay, model_path
+):
+    """An SGLang-compatible policy server for demos and CI (no GPU, no model).
+
+    \b
+    polar-mitm fake-backend --port 30000                  # scripted replies
+    polar-mitm fake-backend --mode random --seed 7        # tiny seeded random model
+
+    Speaks SGLang's /generate (input_ids or text, streaming, logprobs), /model_info, /health,
+    /v1/models and /v1/chat/completions. The default script calls the harness's shell tool for
+    "Create FILE containing WORD" and "run: CMD", then answers "Done. The command finished."
+    """
+    from polar_mitm.backends.fake_server import FakeBackendConfig, load_script, serve
+
+    if tokenizer is None:
+        from polar_mitm.backends.tokenizer_build import ensure_tokenizer
+
+        tokenizer = str(ensure_tokenizer("qwen"))
+    cfg = FakeBackendConfig(
+        tokenizer_path=tokenizer,
+        mode=mode,
+        script=load_script(script) if script else None,
+        seed=seed,
+        weight_version=weight_version,
+        token_delay=token_delay,
+        first_token_delay=first_token_delay,
+        model_path=model_path,
+    )
+    serve(cfg, host, port)

@@ -1,0 +1,127 @@
+"""Helpers for end-to-end tests that drive real harness binaries through `polar-mitm run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from polar_mitm.store.db import read_turns
+
+POLAR = [sys.executable, "-m", "polar_mitm"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed; scripts/install.sh installs it from npm")
+    return path
+
+
+class FakeBackend:
+    """`polar-mitm fake-backend` in a subprocess on a free loopback port."""
+
+    def __init__(self, tokenizer_dir: Path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                *POLAR,
+                "fake-backend",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--tokenizer",
+                str(tokenizer_dir),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"fake backend exited: {self.proc.stdout.read().decode()}") from None
+                time.sleep(0.1)
+        raise RuntimeError("fake backend did not start")
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def harness_env(home: Path) -> dict[str, str]:
+    """A clean environment: a fresh HOME, no real provider credentials."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY") and "PROXY" not in k.upper()}
+    env["HOME"] = str(home)
+    env["XDG_CONFIG_HOME"] = str(home / ".config")
+    env["CI"] = "1"
+    home.mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def polar_run(args: list[str], cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 240):
+    return subprocess.run(
+        [*POLAR, "run", *args, "--", *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def main_turns(db: Path):
+    return [t for t in read_turns(db) if t.tag is None]
+
+
+def assert_turns_match_backend(backend: FakeBackend, db: Path) -> None:
+    """Every stored turn's ids and logprobs are exactly what the backend returns for its prompt."""
+    con = sqlite3.connect(db)
+    for t in read_turns(db):
+        row = con.execute("SELECT request FROM turns WHERE id = ?", (t.id,)).fetchone()
+        assert row is not None
+        bodies = [
+            r["body"] for r in backend.get("/_fake/requests")["requests"] if r.get("path") == "/generate"
+        ]
+        seen = [b for b in bodies if isinstance(b, dict) and b.get("input_ids") == t.prompt_ids]
+        assert seen, f"backend never received the prompt of {t.id}"
+        again = backend.post(
+            "/generate",
+            {
+                "input_ids": t.prompt_ids,
+                "sampling_params": seen[-1].get("sampling_params", {}),
+                "return_logprob": True,
+            },
+        )
+        assert again["output_ids"] == t.output_ids
+        assert [lp[0] for lp in again["meta_info"]["output_token_logprobs"]] == t.output_logprobs

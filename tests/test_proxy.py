@@ -1,0 +1,274 @@
+"""The whole turn path in-process: client → mitmproxy → gateway → policy → fake SGLang → SQLite.
+
+A real HTTPS client talks to "api.anthropic.com" through the proxy, trusting only our CA.
+"""
+
+import asyncio
+import glob
+import json
+import sqlite3
+
+import httpx
+import pytest
+
+from polar_mitm.backends.render import render_full
+from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.providers import anthropic
+from polar_mitm.store.db import read_turns
+
+URL = "https://api.anthropic.com/v1/messages"
+BASH = {
+    "name": "Bash",
+    "description": "Run a shell command",
+    "input_schema": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+    },
+}
+
+
+def body(messages, **kw):
+    out = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 512,
+        "messages": messages,
+        "system": "You are a test agent.",
+    }
+    out.update(kw)
+    return out
+
+
+def sse_events(raw: str):
+    out = []
+    for block in raw.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in fields:
+            out.append((fields.get("event"), json.loads(fields["data"])))
+    return out
+
+
+async def backend_generate(stack, input_ids, sampling_params):
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(
+            stack.backend_url + "/generate",
+            json={"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True},
+        )
+        return r.json()
+
+
+async def last_backend_request(stack):
+    async with httpx.AsyncClient() as c:
+        reqs = (await c.get(stack.backend_url + "/_fake/requests")).json()["requests"]
+        return [r["body"] for r in reqs if r.get("path") == "/generate"][-1]
+
+
+async def test_streamed_turn_is_stored_token_exact(make_stack, qwen_tokenizer_dir):
+    stack = await make_stack()
+    async with stack.client() as c:
+        r = await c.post(
+            URL, json=body([{"role": "user", "content": "hi"}], stream=True), headers={"x-api-key": "k"}
+        )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    text = "".join(d["delta"]["text"] for e, d in events if e == "content_block_delta")
+    assert text == "Hello from the polar-mitm fake backend."
+
+    [turn] = list(read_turns(stack.db))
+    tok = Tokenizer.load(qwen_tokenizer_dir)
+    req = anthropic.parse_request(body([{"role": "user", "content": "hi"}]))
+    assert turn.prompt_ids == render_full(tok, req.messages, req.tools, {})
+    sent = await last_backend_request(stack)
+    assert sent["input_ids"] == turn.prompt_ids and sent["return_logprob"] is True
+    again = await backend_generate(stack, turn.prompt_ids, sent["sampling_params"])
+    assert turn.output_ids == again["output_ids"]
+    assert turn.output_logprobs == [t[0] for t in again["meta_info"]["output_token_logprobs"]]
+    assert turn.output_ids[-1] == tok.token_id("<|im_end|>")  # the stop token the engine returned
+    assert turn.status == "ok" and turn.finish_reason == "stop"
+
+
+async def test_sampling_params_use_sglang_names(make_stack):
+    stack = await make_stack()
+    async with stack.client() as c:
+        await c.post(
+            URL,
+            json=body(
+                [{"role": "user", "content": "hi"}],
+                temperature=0.5,
+                top_p=0.9,
+                top_k=20,
+                stop_sequences=["XYZ"],
+            ),
+        )
+    sp = (await last_backend_request(stack))["sampling_params"]
+    assert sp == {"max_new_tokens": 512, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "stop": ["XYZ"]}
+
+
+async def test_tool_call_then_echo_is_spliced(make_stack):
+    stack = await make_stack()
+    first = [{"role": "user", "content": "Create out.txt containing hi"}]
+    async with stack.client() as c:
+        r1 = (await c.post(URL, json=body(first, tools=[BASH]))).json()
+        [use] = [b for b in r1["content"] if b["type"] == "tool_use"]
+        assert use["name"] == "Bash" and "out.txt" in use["input"]["command"]
+        assert r1["stop_reason"] == "tool_use"
+        second = first + [
+            {"role": "assistant", "content": r1["content"]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": ""}]},
+        ]
+        r2 = (await c.post(URL, json=body(second, tools=[BASH], stream=True))).text
+    assert "".join(d["delta"].get("text", "") for e, d in sse_events(r2) if e == "content_block_delta") == (
+        "Done. The command finished."
+    )
+    t1, t2 = list(read_turns(stack.db))
+    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+    assert t2.prompt_ref == t1.id and t2.prompt_ref_len == len(t1.prompt_ids) + len(t1.output_ids)
+
+
+async def test_commit_happens_before_the_end_of_the_reply(make_stack):
+    stack = await make_stack(backend={"token_delay": 0.01})
+    seen_at_message_delta = None
+    async with stack.client() as c:
+        async with c.stream("POST", URL, json=body([{"role": "user", "content": "hi"}], stream=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("event: message_delta"):
+                    con = sqlite3.connect(stack.db)
+                    seen_at_message_delta = con.execute("SELECT status FROM turns").fetchall()
+                    con.close()
+    assert seen_at_message_delta == [("ok",)]
+
+
+async def test_backend_down_is_a_retryable_529_and_nothing_is_written(make_stack):
+    stack = await make_stack(backend_up=False)
+    async with stack.client() as c:
+        r = await c.post(URL, json=body([{"role": "user", "content": "hi"}], stream=True))
+    assert r.status_code == 529
+    assert r.json()["error"]["type"] == "overloaded_error"
+    assert "unreachable" in r.json()["error"]["message"]
+    assert sqlite3.connect(stack.db).execute("SELECT COUNT(*) FROM turns").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b"{not json", "not valid JSON"),
+        (json.dumps({"model": "x", "max_tokens": 5}).encode(), "messages"),
+        (
+            json.dumps(
+                {"model": "x", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]}
+            ).encode(),
+            "role",
+        ),
+    ],
+)
+async def test_malformed_requests_get_anthropic_shaped_400(make_stack, content, fragment):
+    stack = await make_stack()
+    async with stack.client() as c:
+        r = await c.post(URL, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert fragment in err["error"]["message"]
+    assert sqlite3.connect(stack.db).execute("SELECT COUNT(*) FROM turns").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("fault, status", [("garbage", 502), ("http500", 500)])
+async def test_backend_garbage_or_errors_are_reported_and_nothing_is_written(make_stack, fault, status):
+    stack = await make_stack()
+    async with httpx.AsyncClient() as c:
+        await c.post(stack.backend_url + "/_fake/fault", json={"mode": fault, "count": 1})
+    async with stack.client() as c:
+        r = await c.post(URL, json=body([{"role": "user", "content": "hi"}], stream=True))
+    assert r.status_code == status
+    assert r.json()["error"]["type"] == "api_error"
+    assert sqlite3.connect(stack.db).execute("SELECT COUNT(*) FROM turns").fetchone() == (0,)
+
+
+LONG = [{"match": "", "text": " ".join(f"word{i}" for i in range(300))}]
+
+
+async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack):
+    stack = await make_stack(backend={"token_delay": 0.01, "script": LONG})
+    async with stack.client() as c:
+        async with c.stream("POST", URL, json=body([{"role": "user", "content": "hi"}], stream=True)) as r:
+            deltas = 0
+            async for line in r.aiter_lines():
+                if line.startswith("event: content_block_delta"):
+                    deltas += 1
+                    if deltas == 5:
+                        break  # the harness dies: the connection closes
+    for _ in range(100):
+        rows = sqlite3.connect(stack.db).execute("SELECT status, output_len FROM turns").fetchall()
+        if rows:
+            break
+        await asyncio.sleep(0.05)
+    [(status, n)] = rows
+    assert status == "aborted"
+    [turn] = list(read_turns(stack.db, include_text_only=True))
+    full = await backend_generate(stack, turn.prompt_ids, {"max_new_tokens": 512})
+    assert 0 < n < len(full["output_ids"])
+    assert turn.output_ids == full["output_ids"][:n]  # what was sampled before the cut, exactly
+    assert turn.output_logprobs == [t[0] for t in full["meta_info"]["output_token_logprobs"][:n]]
+
+
+async def test_backend_dying_mid_stream_ends_the_stream_with_an_error_event(make_stack):
+    stack = await make_stack(backend={"token_delay": 0.005, "script": LONG})
+    async with httpx.AsyncClient() as c:
+        await c.post(stack.backend_url + "/_fake/fault", json={"mode": "drop_midstream", "count": 1})
+    async with stack.client() as c:
+        r = await c.post(URL, json=body([{"role": "user", "content": "hi"}], stream=True))
+    events = sse_events(r.text)
+    assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "overloaded_error"
+    assert "message_stop" not in [e for e, _ in events]
+    [(status,)] = sqlite3.connect(stack.db).execute("SELECT status FROM turns").fetchall()
+    assert status == "error"  # the harness saw an error; the partial turn is kept, marked
+
+
+async def test_credentials_never_reach_the_disk(make_stack):
+    stack = await make_stack()
+    secrets = ["sk-ant-SECRET-KEY-0123456789", "Bearer oauth-SECRET-TOKEN-987"]
+    async with stack.client() as c:
+        r = await c.post(
+            URL + "?beta=true",
+            json=body([{"role": "user", "content": "hi"}], stream=True),
+            headers={"x-api-key": secrets[0], "authorization": secrets[1], "cookie": "session=SECRET-COOKIE"},
+        )
+        assert r.status_code == 200
+    await stack.proxy.store._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    blob = b"".join(open(p, "rb").read() for p in glob.glob(stack.db + "*"))
+    assert b"x-api-key" in blob  # the header name is kept, its value is not
+    for s in [*secrets, "SECRET-COOKIE"]:
+        assert s.encode() not in blob
+
+
+async def test_side_endpoints_are_answered_locally(make_stack, qwen_tokenizer_dir):
+    stack = await make_stack()
+    async with stack.client() as c:
+        r = await c.get("https://api.anthropic.com/api/claude_code/settings")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = await c.post("https://api.anthropic.com/api/event_logging/batch", json={"events": []})
+        assert r.status_code == 200
+        r = await c.head("https://api.anthropic.com/")
+        assert r.status_code == 200
+        r = await c.get("https://api.anthropic.com/v1/models")
+        assert r.json()["data"][0]["id"] == "polar-mitm/fake"
+        msgs = [{"role": "user", "content": "count me"}]
+        r = await c.post(
+            "https://api.anthropic.com/v1/messages/count_tokens", json={"model": "x", "messages": msgs}
+        )
+    tok = Tokenizer.load(qwen_tokenizer_dir)
+    req = anthropic.parse_request({"messages": msgs}, require_max_tokens=False)
+    assert r.json() == {"input_tokens": len(render_full(tok, req.messages, [], {}))}
+    assert sqlite3.connect(stack.db).execute("SELECT COUNT(*) FROM turns").fetchone() == (0,)
+
+
+async def test_sessions_are_told_apart_by_proxy_credentials(make_stack):
+    stack = await make_stack()
+    host, port = stack.proxy.url.removeprefix("http://").split(":")
+    for sid in ("alpha", "beta"):
+        async with httpx.AsyncClient(
+            proxy=f"http://{sid}:tok@{host}:{port}", verify=str(stack.proxy.ca.cert), timeout=30
+        ) as c:
+            await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
+    assert sorted(t.session_id for t in read_turns(stack.db)) == ["alpha", "beta"]
