@@ -1,0 +1,19 @@
+"""Offline reconstruction: stored turns → training rows (per-request or prefix-merged) → files.
+
+`per_request` and `prefix_merge` are pure functions over `StoredTurn`s; `export` streams a store
+through one of them into parquet or JSON lines; `commands` holds the click commands.
+"""
+
+from polar_mitm.reconstruct.per_request import per_request
+from polar_mitm.reconstruct.prefix_merge import SessionMerger, prefix_merge
+from polar_mitm.reconstruct.stats import ReconstructStats
+from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA, Trajectory
+
+__all__ = [
+    "TRAJECTORY_SCHEMA",
+    "ReconstructStats",
+    "SessionMerger",
+    "Trajectory",
+    "per_request",
+    "prefix_merge",
+]

@@ -1,0 +1,310 @@
+"""The offline commands: export, stats, show, reward. `cli.py` adds each of `COMMANDS`.
+
+Thin click wrappers; the work happens in `export`, `show` and `source`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sqlite3
+import sys
+from collections.abc import Callable
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import click
+
+from polar_mitm.reconstruct.breaks import TokenText
+from polar_mitm.reconstruct.export import FORMATS, STRATEGIES, SinkOptions, compute_stats, iter_trajectories
+from polar_mitm.reconstruct.export import export as export_rows
+from polar_mitm.reconstruct.show import find_rows, render_header, render_list, render_sequence
+from polar_mitm.reconstruct.source import Selection, parse_since, set_reward
+
+F = Callable[..., Any]
+
+
+def _require_db(db: Path | None) -> Path:
+    if db is None:
+        raise click.UsageError("no database given: pass --db PATH or set POLAR_MITM_DB")
+    if not db.is_file():
+        raise click.ClickException(f"no database at {db} (pass --db PATH or set POLAR_MITM_DB)")
+    return db
+
+
+def _db_option(f: F) -> F:
+    return click.option(
+        "--db",
+        type=click.Path(dir_okay=False, path_type=Path),
+        envvar="POLAR_MITM_DB",
+        show_envvar=True,
+        help="The SQLite store the proxy recorded into.",
+    )(f)
+
+
+def _tokenizer_option(help: str) -> Callable[[F], F]:
+    return click.option(
+        "--tokenizer",
+        type=click.Path(exists=True, path_type=Path),
+        envvar="POLAR_MITM_TOKENIZER",
+        show_envvar=True,
+        help=help,
+    )
+
+
+def _parse_since(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_since(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _selection_options(f: F) -> F:
+    options = [
+        click.option("--session", help="Only this session."),
+        click.option("--task", help="Only sessions of this task id."),
+        click.option(
+            "--since",
+            callback=_parse_since,
+            metavar="WHEN",
+            help="Only turns created at or after WHEN: unix seconds or ISO date/time (local unless it has an offset).",
+        ),
+        click.option(
+            "--include-side-calls/--no-include-side-calls",
+            default=False,
+            help="Keep turns tagged as side calls (title generation, routers, …). Default: leave them out.",
+        ),
+        click.option(
+            "--include-aborted",
+            is_flag=True,
+            help="Keep turns whose status is not 'ok' (aborted, error).",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["selection"] = Selection(
+            session=kwargs.pop("session"),
+            task=kwargs.pop("task"),
+            since=kwargs.pop("since"),
+            include_side_calls=kwargs.pop("include_side_calls"),
+            include_aborted=kwargs.pop("include_aborted"),
+        )
+        return f(*args, **kwargs)
+
+    return wrapper
+
+
+def _load_text(tokenizer: Path | None) -> TokenText | None:
+    if tokenizer is None:
+        return None
+    try:
+        return TokenText.load(tokenizer)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(f"cannot load tokenizer {tokenizer}: {e}") from None
+
+
+def _guarded(f: F) -> F:
+    """Turn store errors into messages a user can act on."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except sqlite3.DatabaseError as e:
+            raise click.ClickException(f"cannot read the store {kwargs.get('db')}: {e}") from None
+        except OSError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+@click.command()
+@_db_option
+@click.option(
+    "--strategy",
+    type=click.Choice(STRATEGIES),
+    default="prefix-merge",
+    show_default=True,
+    help="prefix-merge: one row per trajectory; per-request: one row per generation.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(list(FORMATS)),
+    help="Output format. Default: jsonl if --out ends in .jsonl, else parquet.",
+)
+@click.option("--out", required=True, help="Output file ('-' for standard output with --format jsonl).")
+@_selection_options
+@_tokenizer_option("Tokenizer directory, to classify breaks (retokenization vs other) in the metadata.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+@_guarded
+def export(
+    db: Path | None,
+    strategy: str,
+    fmt: str | None,
+    out: str,
+    selection: Selection,
+    tokenizer: Path | None,
+    quiet: bool,
+) -> None:
+    """Export recorded turns as training rows (parquet or JSON lines).
+
+    Every row has the columns trajectory_id, session_id, task_id, prompt_ids, response_ids,
+    loss_mask, response_logprobs, num_turns, turn_ids, finish_reason, reward, metadata.
+    Side calls and turns that did not finish 'ok' are left out unless asked for.
+
+    \b
+    Examples:
+      polar-mitm export --db runs.sqlite --strategy prefix-merge --format parquet --out traj.parquet
+      polar-mitm export --db runs.sqlite --strategy per-request --out turns.parquet
+      polar-mitm export --db runs.sqlite --format jsonl --out traj.jsonl --task swe-123
+    """
+    db = _require_db(db)
+    if fmt is None:
+        fmt = "jsonl" if out == "-" or out.endswith((".jsonl", ".json")) else "parquet"
+    if out == "-" and fmt == "parquet":
+        raise click.UsageError("parquet cannot go to standard output; pass --out FILE")
+    stats = export_rows(
+        db,
+        out,
+        strategy=strategy,
+        fmt=fmt,
+        selection=selection,
+        text=_load_text(tokenizer),
+        options=SinkOptions(tokenizer=str(tokenizer) if tokenizer else None),
+        quiet=quiet,
+    )
+    if not quiet:
+        ratio = stats.merge_ratio
+        click.echo(
+            f"wrote {stats.trajectories} {strategy} rows from {stats.turns} turns of {len(stats.sessions)} "
+            f"sessions ({stats.merged_tokens:,} tokens, {stats.trained_tokens:,} trained"
+            + (f", {ratio:.2f} turns per row" if ratio else "")
+            + f") to {out}",
+            err=True,
+        )
+
+
+@click.command()
+@_db_option
+@_selection_options
+@_tokenizer_option("Tokenizer directory, to tell retokenization breaks from other breaks.")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as one JSON object.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_guarded
+def stats(db: Path | None, selection: Selection, tokenizer: Path | None, as_json: bool, quiet: bool) -> None:
+    """Summarize a store as prefix-merge sees it.
+
+    Reports turns, trajectories, the merge ratio (turns ÷ trajectories), the trainer-token ratio
+    (tokens of per-request rows ÷ tokens of merged rows), retries dropped, branches, breaks by
+    class (template, retokenization, other; unknown without --tokenizer) and mismatches
+    (prompts that rewrote sampled tokens, unconfirmed store hints, logprob count errors).
+
+    \b
+    Examples:
+      polar-mitm stats --db runs.sqlite
+      polar-mitm stats --db runs.sqlite --since 2025-06-01 --json
+    """
+    db = _require_db(db)
+    result = compute_stats(db, selection=selection, text=_load_text(tokenizer), quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo(result.render())
+
+
+@click.command()
+@_db_option
+@click.argument("trajectory_id", required=False)
+@_tokenizer_option("Tokenizer directory, to show text instead of token ids.")
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="prefix-merge", show_default=True)
+@click.option(
+    "--include-side-calls/--no-include-side-calls",
+    default=False,
+    help="Keep side calls (title generation, …).",
+)
+@click.option("--include-aborted", is_flag=True, help="Keep turns whose status is not 'ok'.")
+@click.option(
+    "--color/--no-color", default=None, help="Colour trained tokens. Default: when stdout is a terminal."
+)
+@click.option("--limit", default=50, show_default=True, help="Rows to list when no TRAJECTORY_ID is given.")
+@_guarded
+def show(
+    db: Path | None,
+    trajectory_id: str | None,
+    tokenizer: Path | None,
+    strategy: str,
+    include_side_calls: bool,
+    include_aborted: bool,
+    color: bool | None,
+    limit: int,
+) -> None:
+    """Show a trajectory's sequence with the trained tokens highlighted.
+
+    TRAJECTORY_ID may be a trajectory id (the id of its last turn), any turn id (the row holding
+    it) or a session id (all its rows). Without it, list the rows. Trained tokens (loss_mask 1)
+    are green on a terminal and between « and » otherwise; without --tokenizer token ids are shown.
+
+    \b
+    Examples:
+      polar-mitm show --db runs.sqlite
+      polar-mitm show --db runs.sqlite 3f2a9c-turn-7 --tokenizer ~/models/Qwen3-8B
+    """
+    db = _require_db(db)
+    selection = Selection(include_side_calls=include_side_calls, include_aborted=include_aborted)
+    if trajectory_id is None:
+        rows = list(islice(iter_trajectories(db, strategy=strategy, selection=selection), limit))
+        click.echo(render_list(rows) if rows else "no trajectories")
+        return
+    text = _load_text(tokenizer)
+    try:
+        rows = find_rows(db, trajectory_id, strategy=strategy, selection=selection, text=text)
+    except KeyError as e:
+        raise click.ClickException(str(e.args[0])) from None
+    if not rows:
+        raise click.ClickException(
+            f"{trajectory_id!r} is in the store but in no row (a side call or aborted turn? "
+            "try --include-side-calls / --include-aborted)"
+        )
+    use_color = sys.stdout.isatty() if color is None else color
+    for i, row in enumerate(rows):
+        if i:
+            click.echo()
+        click.echo(render_header(row))
+        click.echo()
+        click.echo(
+            render_sequence(row, decode=text.decode if text else None, color=use_color), color=use_color
+        )
+
+
+@click.command()
+@_db_option
+@click.option("--session", required=True, help="The session the reward is for.")
+@click.option("--value", type=float, help="The outcome reward, e.g. 1.0.")
+@click.option("--clear", is_flag=True, help="Remove the session's reward instead.")
+@_guarded
+def reward(db: Path | None, session: str, value: float | None, clear: bool) -> None:
+    """Attach an outcome reward to a session; every trajectory of it carries it on export.
+
+    \b
+    Examples:
+      polar-mitm reward --db runs.sqlite --session run-42 --value 1.0
+      polar-mitm reward --db runs.sqlite --session run-42 --clear
+    """
+    db = _require_db(db)
+    if clear == (value is not None):
+        raise click.UsageError("pass exactly one of --value or --clear")
+    try:
+        set_reward(db, session, None if clear else value)
+    except KeyError as e:
+        raise click.ClickException(str(e.args[0])) from None
+    click.echo(f"session {session}: reward {'cleared' if clear else value}", err=True)
+
+
+COMMANDS = [export, stats, show, reward]

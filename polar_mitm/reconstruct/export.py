@@ -1,0 +1,230 @@
+"""Exports: store → strategy → rows → a file (parquet or JSON lines), streaming.
+
+Prefix merging needs a session's whole tree before it can say which rows exist, and sessions are
+interleaved in the store. Rather than buffer every open session of one global pass, the export
+reads one session at a time (`read_turns(session=...)`, served by the store's
+`(session_id, seq)` index), so memory holds one session's unique tokens plus one row group.
+Per-request rows need no grouping and come from a single pass in creation order.
+
+Formats are a registry: `FORMATS[name]` opens a `Sink` for an output path; add an entry (and,
+if it needs one, a field of `SinkOptions`) to add a format to `polar-mitm export --format`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Protocol
+
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from polar_mitm.reconstruct.breaks import TokenText
+from polar_mitm.reconstruct.per_request import per_request
+from polar_mitm.reconstruct.prefix_merge import prefix_merge
+from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids, session_rewards
+from polar_mitm.reconstruct.stats import ReconstructStats
+from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA, Trajectory, to_table
+
+STRATEGIES = ("prefix-merge", "per-request")
+
+
+class Sink(Protocol):
+    """Where rows go. `close` makes the output final; `abort` leaves nothing half-written."""
+
+    def write(self, row: Trajectory) -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    """Options a format may need beyond the output path (e.g. a tokenizer for text formats)."""
+
+    tokenizer: str | None = None
+
+
+class _AtomicFile:
+    """Writes go to `<out>.partial`; `close` renames it to `out`, so a failed export leaves no
+    file that looks complete."""
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.out.with_name(self.out.name + ".partial")
+
+    def commit(self) -> None:
+        os.replace(self.tmp, self.out)
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+class ParquetSink:
+    """Rows → parquet with `TRAJECTORY_SCHEMA`, one row group per `row_group_rows` rows or
+    `row_group_tokens` tokens, whichever comes first."""
+
+    def __init__(
+        self,
+        out: str | Path,
+        options: SinkOptions | None = None,
+        *,
+        row_group_rows: int = 1024,
+        row_group_tokens: int = 8_000_000,
+    ):
+        self._file = _AtomicFile(out)
+        self._writer = pq.ParquetWriter(str(self._file.tmp), TRAJECTORY_SCHEMA, compression="zstd")
+        self.row_group_rows = row_group_rows
+        self.row_group_tokens = row_group_tokens
+        self._rows: list[Trajectory] = []
+        self._tokens = 0
+
+    def write(self, row: Trajectory) -> None:
+        self._rows.append(row)
+        self._tokens += row.num_tokens
+        if len(self._rows) >= self.row_group_rows or self._tokens >= self.row_group_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows:
+            table = to_table(self._rows)
+            self._writer.write_table(table, row_group_size=len(self._rows))
+        self._rows, self._tokens = [], 0
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+        self._file.commit()
+
+    def abort(self) -> None:
+        self._writer.close()
+        self._file.discard()
+
+
+class JsonlSink:
+    """Rows → one JSON object per line, the same columns and values as the parquet rows.
+    `-` writes to standard output."""
+
+    def __init__(self, out: str | Path, options: SinkOptions | None = None):
+        self._file: _AtomicFile | None = None
+        if str(out) == "-":
+            self._fh: IO[str] = sys.stdout
+        else:
+            self._file = _AtomicFile(out)
+            self._fh = open(self._file.tmp, "w", encoding="utf-8")
+
+    def write(self, row: Trajectory) -> None:
+        self._fh.write(json.dumps(row.to_row(), ensure_ascii=False, separators=(",", ":")))
+        self._fh.write("\n")
+
+    def close(self) -> None:
+        if self._file is None:
+            self._fh.flush()
+            return
+        self._fh.close()
+        self._file.commit()
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._fh.close()
+            self._file.discard()
+
+
+FORMATS: dict[str, Callable[[str | Path, SinkOptions], Sink]] = {
+    "parquet": ParquetSink,
+    "jsonl": JsonlSink,
+}
+
+
+def iter_trajectories(
+    path: str | Path,
+    *,
+    strategy: str = "prefix-merge",
+    selection: Selection | None = None,
+    stats: ReconstructStats | None = None,
+    text: TokenText | None = None,
+    on_turn: Callable[[], object] | None = None,
+) -> Iterator[Trajectory]:
+    """The rows of a store under one strategy, streamed (see the module docstring)."""
+    selection = selection or Selection()
+    stats = stats if stats is not None else ReconstructStats()
+    rewards = session_rewards(path)
+    if strategy == "per-request":
+        rows = per_request(
+            read_selected(path, selection, stats=stats, on_turn=on_turn), rewards=rewards, stats=stats
+        )
+    elif strategy == "prefix-merge":
+        rows = (
+            row
+            for session in session_ids(path, selection)
+            for row in prefix_merge(
+                read_selected(path, selection, session=session, stats=stats, on_turn=on_turn),
+                rewards=rewards,
+                text=text,
+                stats=stats,
+            )
+        )
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    for row in rows:
+        stats.add_row(row)
+        yield row
+
+
+def progress_bar(path: str | Path, selection: Selection, *, quiet: bool, desc: str) -> tqdm:
+    """A turn-counting bar on stderr; silent when quiet or when stderr is not a terminal."""
+    disable = quiet or not sys.stderr.isatty()
+    total = None if disable else count_turns(path, selection)
+    return tqdm(total=total, unit="turn", desc=desc, file=sys.stderr, disable=disable, dynamic_ncols=True)
+
+
+def export(
+    path: str | Path,
+    out: str | Path,
+    *,
+    strategy: str = "prefix-merge",
+    fmt: str = "parquet",
+    selection: Selection | None = None,
+    text: TokenText | None = None,
+    options: SinkOptions | None = None,
+    quiet: bool = False,
+) -> ReconstructStats:
+    """Write every row of the store to `out`; returns what happened on the way."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    selection = selection or Selection()
+    stats = ReconstructStats()
+    sink = FORMATS[fmt](out, options or SinkOptions())
+    try:
+        with progress_bar(path, selection, quiet=quiet, desc="export") as bar:
+            for row in iter_trajectories(
+                path, strategy=strategy, selection=selection, stats=stats, text=text, on_turn=bar.update
+            ):
+                sink.write(row)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.close()
+    return stats
+
+
+def compute_stats(
+    path: str | Path,
+    *,
+    selection: Selection | None = None,
+    text: TokenText | None = None,
+    quiet: bool = False,
+) -> ReconstructStats:
+    """Prefix-merge the store without writing anything, for `polar-mitm stats`."""
+    selection = selection or Selection()
+    stats = ReconstructStats()
+    with progress_bar(path, selection, quiet=quiet, desc="stats") as bar:
+        for _ in iter_trajectories(path, selection=selection, stats=stats, text=text, on_turn=bar.update):
+            pass
+    return stats

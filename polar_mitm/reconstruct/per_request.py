@@ -1,0 +1,63 @@
+"""The per-request strategy: one row per generation, exactly as the engine saw it.
+
+`prompt_ids` is what the engine received, `response_ids` what it sampled (the stop token
+included), `loss_mask` is all 1 and `response_logprobs` are the engine's. Nothing is merged, so
+a session of n turns costs its context n times over; `prefix_merge` is the compact alternative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import numpy as np
+
+from polar_mitm.reconstruct.stats import ReconstructStats
+from polar_mitm.reconstruct.trajectory import (
+    MASK_DTYPE,
+    Trajectory,
+    finish_reason_of,
+    output_arrays,
+    token_array,
+)
+from polar_mitm.store.db import StoredTurn
+
+STRATEGY = "per-request"
+
+
+def per_request(
+    turns: Iterable[StoredTurn],
+    *,
+    rewards: Mapping[str, float | None] | None = None,
+    stats: ReconstructStats | None = None,
+) -> Iterator[Trajectory]:
+    """One `Trajectory` per turn, in the order given. `rewards` maps session id → reward."""
+    rewards = rewards or {}
+    for turn in turns:
+        output, logprobs, fits = output_arrays(turn.output_ids, turn.output_logprobs)
+        if stats is not None and not fits:
+            stats.mismatches["logprob_length"] += 1
+        meta = {
+            "strategy": STRATEGY,
+            "seq": turn.seq,
+            "created_at": turn.created_at,
+            "weight_versions": [turn.weight_version] if turn.weight_version else [],
+            "models": [turn.model] if turn.model else [],
+            "styles": [turn.style],
+            "tags": [turn.tag] if turn.tag else [],
+            "status": turn.status,
+            "prompt_ref": turn.prompt_ref,
+            "prompt_ref_len": turn.prompt_ref_len,
+        }
+        yield Trajectory(
+            trajectory_id=turn.id,
+            session_id=turn.session_id,
+            task_id=turn.task_id,
+            prompt_ids=token_array(turn.prompt_ids),
+            response_ids=output,
+            loss_mask=np.ones(len(output), dtype=MASK_DTYPE),
+            response_logprobs=logprobs,
+            turn_ids=[turn.id],
+            finish_reason=finish_reason_of(turn.finish_reason, turn.status),
+            reward=rewards.get(turn.session_id),
+            meta=meta,
+        )

@@ -1,0 +1,392 @@
+"""The prefix-merge strategy: a session's turns folded into as few trajectories as token-exactness allows.
+
+Rules (token ids only; nothing is ever re-tokenized):
+
+1. **Extend.** A turn extends the deepest earlier sequence of its session (a turn's full sequence
+   is its prompt + sampled output) that is a token prefix of the turn's prompt. The prompt's
+   remaining tokens are appended with mask 0 and logprob 0.0 (tool results, user messages,
+   template glue), then the sampled tokens with mask 1 and the engine's logprobs.
+2. **Branch.** The sequences form a tree per session (a node per turn). Every leaf becomes one
+   row, its path from the root being the row's sequence. Where two turns extend the same node
+   (parallel calls, a subagent forked from the conversation, a retry with a changed message),
+   the shared tokens appear in several rows but are *trained once*: a node's sampled tokens keep
+   mask 1 only in the row of its **longest branch** — the child whose subtree holds the longest
+   leaf sequence (the earliest child on a tie), followed down to a leaf. In every other row the
+   shared sampled tokens are copies with mask 0 and logprob 0.0. So the main line of a
+   conversation is trained end to end, and each side branch only on what it sampled itself.
+3. **Retries.** Turns with identical prompt ids (same node, same appended tokens) are one request
+   sent more than once. Of such a group the turns that others extend are kept; if none is
+   extended, only the newest is kept. The rest are dropped and counted (`retries_dropped`).
+4. **Breaks.** A turn that extends nothing while its session already has sequences starts a new
+   trajectory (context compaction, a subagent with its own prompt, a template that rewrote
+   history). It is compared with the most similar earlier sequence (longest common prefix) and
+   classified by `breaks.classify_break`: template, retokenization, other, or unknown (no
+   tokenizer). A turn that branches off *inside tokens the model sampled* (a failed splice) is a
+   break too (`at: "branch"`). Prompts that diverge inside sampled tokens are also counted as
+   `sampled_rewrite` mismatches.
+5. **Rows.** `prompt_ids` is everything before the first mask-1 token, `response_ids` the rest;
+   `finish_reason` is the last turn's; `trajectory_id` is the last turn's id; the session's
+   reward goes on every row of the session; `metadata` (JSON) holds the strategy, weight versions,
+   models, styles, tags, where the row branched from and its breaks.
+
+Cost: each turn is placed with the store's `prompt_ref` hint (the turn its prompt was stored as
+extending), verified by comparing tokens: against the newest sequence (the usual case: a linear
+chain) as a list comparison that mostly compares shared int objects, else with one `memcmp` per
+node on the hinted path. From there the tree is descended by comparing only the children's
+appended spans (without a usable hint, from the root). Only the new part of a prompt is converted
+to an array, so placement costs about one pass over each prompt at pointer speed plus one pass over
+the unique tokens. A session holds only its unique tokens (each node stores just the span it
+appended), and rows are built when the session is finished (`SessionMerger.finish`), because any
+later turn may still extend any node of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from polar_mitm.reconstruct.breaks import TokenText, classify_break, common_prefix
+from polar_mitm.reconstruct.stats import ReconstructStats
+from polar_mitm.reconstruct.trajectory import (
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    TOKEN_DTYPE,
+    Trajectory,
+    finish_reason_of,
+    output_arrays,
+    token_array,
+)
+from polar_mitm.store.db import StoredTurn
+
+STRATEGY = "prefix-merge"
+_W = TOKEN_DTYPE.itemsize  # bytes per token id
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    """One turn in its session's tree: the tokens it appended to its parent's sequence."""
+
+    turn: dict[str, Any]  # the few turn fields rows need; never the turn's full prompt
+    parent: _Node | None
+    start: int  # = parent's length: where this node's tokens begin in the sequence
+    delta: bytes  # appended prompt tokens + sampled tokens, int32 little-endian
+    n_inter: int  # how many of them are prompt tokens (mask 0)
+    logprobs: np.ndarray  # engine logprobs of the sampled tokens
+    order: int
+    length: int = 0  # = start + number of tokens in delta
+    children: list[_Node] = field(default_factory=list)
+    dropped: bool = False
+    best: int = 0  # longest leaf sequence in this subtree (set by finish)
+    best_child: _Node | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.length = self.start + len(self.delta) // _W
+
+    @property
+    def turn_id(self) -> str:
+        return self.turn["id"]
+
+    @property
+    def interstitial(self) -> bytes:
+        return self.delta[: self.n_inter * _W]
+
+
+class _Prompt:
+    """A turn's prompt ids, converted to an array / bytes only if a comparison needs them."""
+
+    __slots__ = ("ids", "_array", "_bytes")
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self._array: np.ndarray | None = None
+        self._bytes: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = token_array(self.ids)
+        return self._array
+
+    @property
+    def bytes(self) -> bytes:
+        if self._bytes is None:
+            self._bytes = self.array.tobytes()
+        return self._bytes
+
+    def tail(self, start: int) -> np.ndarray:
+        """The ids from `start` on (converting only those, unless the whole is already converted)."""
+        return self.array[start:] if self._array is not None else token_array(self.ids[start:])
+
+
+class SessionMerger:
+    """Prefix-merges the turns of one session, fed in creation order; `finish` yields its rows."""
+
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        task_id: str | None = None,
+        reward: float | None = None,
+        text: TokenText | None = None,
+        stats: ReconstructStats | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.task_id = task_id
+        self.reward = reward
+        self.text = text or TokenText()
+        self.stats = stats if stats is not None else ReconstructStats()
+        self.root = _Node(
+            turn={"id": None}, parent=None, start=0, delta=b"", n_inter=0, logprobs=_NO_LOGPROBS, order=-1
+        )
+        self.nodes: list[_Node] = []
+        self.by_turn: dict[str, _Node] = {}
+        self.stop_ids: set[int] = set()  # template tokens known without a tokenizer
+        # The newest node and its full sequence as the store's list: a continuation's prompt
+        # shares those very int objects, so comparing it costs a pointer check per token.
+        self._last: tuple[_Node, list[int]] | None = None
+
+    # --- placing turns ----------------------------------------------------------------------
+
+    def add(self, turn: StoredTurn) -> None:
+        if turn.session_id != self.session_id:
+            raise ValueError(f"turn {turn.id} is from session {turn.session_id}, not {self.session_id}")
+        if turn.id in self.by_turn:
+            raise ValueError(f"turn {turn.id} was added twice")
+        output, logprobs, fits = output_arrays(turn.output_ids, turn.output_logprobs)
+        if not fits:
+            self.stats.mismatches["logprob_length"] += 1
+        if self.task_id is None:
+            self.task_id = turn.task_id
+        prompt = _Prompt(turn.prompt_ids)
+        parent = self._descend(self._hinted_start(turn, prompt), prompt)
+        node = _Node(
+            turn={
+                "id": turn.id,
+                "seq": turn.seq,
+                "created_at": turn.created_at,
+                "style": turn.style,
+                "model": turn.model,
+                "tag": turn.tag,
+                "status": turn.status,
+                "finish_reason": finish_reason_of(turn.finish_reason, turn.status),
+                "weight_version": turn.weight_version,
+            },
+            parent=parent,
+            start=parent.length,
+            delta=prompt.tail(parent.length).tobytes() + output.tobytes(),
+            n_inter=len(prompt) - parent.length,
+            logprobs=logprobs,
+            order=len(self.nodes),
+        )
+        if parent.children or (parent is self.root and self.nodes):
+            self._compare_with_siblings(node, parent, prompt.array)
+        parent.children.append(node)
+        self.nodes.append(node)
+        self.by_turn[turn.id] = node
+        self._last = (node, turn.prompt_ids + turn.output_ids)
+        if turn.finish_reason == "stop" and len(output):
+            self.stop_ids.add(int(output[-1]))
+
+    def _hinted_start(self, turn: StoredTurn, prompt: _Prompt) -> _Node:
+        """The node the store's prompt_ref points at (or its ancestor within prompt_ref_len), if
+        the tokens confirm it; else the root."""
+        hint = self.by_turn.get(turn.prompt_ref) if turn.prompt_ref else None
+        if hint is None:
+            return self.root
+        limit = min(turn.prompt_ref_len, len(prompt))
+        node = hint
+        while node.length > limit:
+            node = node.parent  # the root has length 0, so this stops
+        if self._is_prefix(node, prompt):
+            return node
+        self.stats.mismatches["hint_unverified"] += 1
+        return self.root
+
+    def _is_prefix(self, node: _Node, prompt: _Prompt) -> bool:
+        """Whether node's full sequence is a prefix of the prompt."""
+        if self._last is not None and self._last[0] is node:
+            return prompt.ids[: node.length] == self._last[1]
+        pb = prompt.bytes
+        while node.parent is not None:
+            if not pb.startswith(node.delta, node.start * _W):
+                return False
+            node = node.parent
+        return True
+
+    def _descend(self, node: _Node, prompt: _Prompt) -> _Node:
+        """From `node` (a prefix of the prompt), the deepest descendant that is still a prefix."""
+        n = len(prompt)
+        while True:
+            deeper = None
+            offset = node.length * _W
+            for child in node.children:
+                if child.length <= n and (deeper is None or child.length > deeper.length):
+                    if prompt.bytes.startswith(child.delta, offset):
+                        deeper = child
+            if deeper is None:
+                return node
+            node = deeper
+
+    def _compare_with_siblings(self, node: _Node, parent: _Node, prompt: np.ndarray) -> None:
+        """Classify how a turn relates to the sequences it did not extend (retry, branch, break)."""
+        rest = prompt[parent.length :]
+        best, best_len = None, -1
+        for sibling in parent.children:
+            n = common_prefix(rest, np.frombuffer(sibling.delta, dtype=TOKEN_DTYPE))
+            if n >= best_len:  # a tie goes to the newest sibling
+                best, best_len = sibling, n
+        assert best is not None
+        if best_len == len(rest):
+            # The prompt ends inside an earlier sequence: the same request again, or a rewind.
+            node.notes["retry_of" if best_len == best.n_inter else "rewind_of"] = best.turn_id
+            return
+        k = parent.length + best_len
+        in_sampled = best_len >= best.n_inter
+        if in_sampled:
+            self.stats.mismatches["sampled_rewrite"] += 1
+        if parent is not self.root and not in_sampled:
+            node.notes["branch_of"] = best.turn_id
+            return
+        if k == 0:
+            cls = "other"  # nothing in common with anything earlier
+        else:
+            old = np.concatenate([prompt[: parent.length], np.frombuffer(best.delta, dtype=TOKEN_DTYPE)])
+            text = TokenText(self.text.template_ids | self.stop_ids, self.text.decode)
+            cls = classify_break(old, prompt, k, in_sampled=in_sampled, text=text)
+        node.notes["break"] = {
+            "turn_id": node.turn_id,
+            "class": cls,
+            "at": "new-trajectory" if parent is self.root else "branch",
+            "vs_turn": best.turn_id,
+            "common_prefix": k,
+            "in_sampled": in_sampled,
+        }
+        self.stats.breaks[cls] += 1
+
+    # --- building rows ----------------------------------------------------------------------
+
+    def finish(self) -> Iterator[Trajectory]:
+        """The session's rows, one per leaf, in the order their last turns were created."""
+        self._drop_retries()
+        for node in reversed(self.nodes):  # children come after parents
+            if node.dropped:
+                continue
+            kept = node.children
+            if not kept:
+                node.best = node.length
+                continue
+            node.best_child = max(kept, key=lambda c: (c.best, -c.order))
+            node.best = node.best_child.best
+            self.stats.branches += len(kept) - 1
+        for leaf in self.nodes:
+            if not leaf.dropped and not leaf.children:
+                yield self._row(leaf)
+        self._last = None
+
+    def _drop_retries(self) -> None:
+        for parent in [self.root, *self.nodes]:
+            if len(parent.children) < 2:
+                continue
+            groups: dict[bytes, list[_Node]] = {}
+            for child in parent.children:
+                groups.setdefault(child.interstitial, []).append(child)
+            for group in groups.values():
+                if len(group) < 2:
+                    continue
+                keep = [c for c in group if c.children] or [max(group, key=lambda c: c.order)]
+                for c in group:
+                    if c not in keep:
+                        c.dropped = True
+                        self.stats.retries_dropped += 1
+                keep[0].notes["retries_dropped"] = len(group) - len(keep)
+            parent.children = [c for c in parent.children if not c.dropped]
+
+    def _row(self, leaf: _Node) -> Trajectory:
+        path: list[_Node] = []
+        node: _Node | None = leaf
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        # Which nodes this row trains: the leaf, and each ancestor reached through its best child.
+        owned = [False] * len(path)
+        owns = True
+        for i in range(len(path) - 1, -1, -1):
+            owned[i] = owns
+            owns = owns and path[i].parent.best_child is path[i]  # type: ignore[union-attr]
+        ids = np.frombuffer(b"".join(n.delta for n in path), dtype=TOKEN_DTYPE)
+        mask = np.zeros(len(ids), dtype=MASK_DTYPE)
+        logprobs = np.zeros(len(ids), dtype=LOGPROB_DTYPE)
+        for n, mine in zip(path, owned, strict=True):
+            if mine:
+                s = n.start + n.n_inter
+                mask[s : n.length] = 1
+                logprobs[s : n.length] = n.logprobs
+        first_owned = owned.index(True)
+        turns = [n.turn for n in path]
+        meta: dict[str, Any] = {
+            "strategy": STRATEGY,
+            "weight_versions": _distinct(t["weight_version"] for t in turns),
+            "models": _distinct(t["model"] for t in turns),
+            "styles": _distinct(t["style"] for t in turns),
+            "tags": _distinct(t["tag"] for t in turns),
+            "statuses": _distinct(t["status"] for t in turns),
+            "created_at": [turns[0]["created_at"], turns[-1]["created_at"]],
+            # Tokens before `trained_from` belong to a node another row trains (0: none do).
+            "trained_from": path[first_owned].start,
+            "branched_from": path[first_owned - 1].turn_id if first_owned else None,
+            "breaks": [n.notes["break"] for n in path if "break" in n.notes],
+            "retries_dropped": sum(n.notes.get("retries_dropped", 0) for n in path),
+        }
+        row = Trajectory.from_sequence(
+            ids,
+            mask,
+            logprobs,
+            trajectory_id=leaf.turn_id,
+            session_id=self.session_id,
+            task_id=self.task_id,
+            turn_ids=[t["id"] for t in turns],
+            finish_reason=leaf.turn["finish_reason"],
+            reward=self.reward,
+            meta=meta,
+        )
+        return row
+
+
+_NO_LOGPROBS = np.zeros(0, dtype=LOGPROB_DTYPE)
+
+
+def _distinct(values: Iterable[Any]) -> list[Any]:
+    return list(dict.fromkeys(v for v in values if v is not None))
+
+
+def prefix_merge(
+    turns: Iterable[StoredTurn],
+    *,
+    rewards: Mapping[str, float | None] | None = None,
+    text: TokenText | None = None,
+    stats: ReconstructStats | None = None,
+) -> Iterator[Trajectory]:
+    """Prefix-merge `turns` (creation order, any sessions); rows come session by session.
+
+    Every session is held until the input ends, so for a whole store feed one session at a time
+    (what `export.iter_trajectories` does).
+    """
+    rewards = rewards or {}
+    mergers: dict[str, SessionMerger] = {}
+    for turn in turns:
+        merger = mergers.get(turn.session_id)
+        if merger is None:
+            merger = mergers[turn.session_id] = SessionMerger(
+                turn.session_id, reward=rewards.get(turn.session_id), text=text, stats=stats
+            )
+        merger.add(turn)
+    for merger in mergers.values():
+        yield from merger.finish()
