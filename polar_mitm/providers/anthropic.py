@@ -34,6 +34,7 @@ from polar_mitm.neutral import (
 
 NAME = "anthropic"
 ID_PREFIX = "toolu_"
+HOSTS = ["api.anthropic.com"]
 
 _BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:.*$", re.MULTILINE)
 

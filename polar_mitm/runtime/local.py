@@ -114,17 +114,16 @@ async def run_harness(
         forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         for sig in forwarded:
             loop.add_signal_handler(sig, _forward, proc, sig)
-        watch = asyncio.create_task(_watchdog(proxy, proc, untrusted_timeout))
+        verdict: dict[str, bool] = {}
+        watch = asyncio.create_task(_watchdog(proxy, proc, untrusted_timeout, verdict))
         try:
             code = await proc.wait()
         finally:
             for sig in forwarded:
                 loop.remove_signal_handler(sig)
             watch.cancel()
-            try:
-                untrusted = await watch
-            except asyncio.CancelledError:
-                untrusted = False
+            await asyncio.gather(watch, return_exceptions=True)
+        untrusted = verdict.get("untrusted", False)
         exit_code = EXIT_UNTRUSTED if untrusted else (128 - code if code < 0 else code)
         await proxy.store.end_session(session_id, exit_code)
     finally:
@@ -146,31 +145,35 @@ def _forward(proc: asyncio.subprocess.Process, sig: int) -> None:
         proc.send_signal(sig)
 
 
-async def _watchdog(proxy: PolarProxy, proc: asyncio.subprocess.Process, timeout: float) -> bool:
-    """True when the harness was stopped because it never trusted our CA."""
+async def _watchdog(
+    proxy: PolarProxy, proc: asyncio.subprocess.Process, timeout: float, verdict: dict[str, bool]
+) -> None:
+    """Stop the harness (and set verdict["untrusted"]) when it keeps refusing our CA."""
     try:
         while proc.returncode is None:
             await asyncio.sleep(0.5)
             tls = proxy.tls
-            if tls.established or not tls.failures:
+            # Hosts that keep failing and never succeeded: the harness does not trust us there.
+            refused = [f for f in tls.failures if not tls.trusted(f[1])]
+            if not refused:
                 continue
-            first, sni, err = tls.failures[0]
+            first, sni, err = refused[0]
             if time.time() - first < timeout:
                 continue
             print(
-                f"polar-mitm: the harness refused our CA for {sni} ({len(tls.failures)} failed TLS handshakes, "
+                f"polar-mitm: the harness refused our CA for {sni} ({len(refused)} failed TLS handshakes, "
                 f"none succeeded in {timeout:.0f}s): {err}\n"
                 f"  It does not trust {proxy.ca.cert if proxy.ca else 'the polar-mitm CA'}. Check that the recipe "
                 "sets the CA variable this harness reads (NODE_EXTRA_CA_CERTS, SSL_CERT_FILE, "
                 "CODEX_CA_CERTIFICATE, …), or pass --recipe. Stopping the harness.",
                 file=sys.stderr,
             )
+            verdict["untrusted"] = True
             proc.terminate()
             try:
                 await asyncio.wait_for(proc.wait(), 5)
             except TimeoutError:
                 proc.kill()
-            return True
-        return False
+            return
     except asyncio.CancelledError:
-        return False
+        return
