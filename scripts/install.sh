@@ -19,6 +19,11 @@ if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
 # Harness CLIs, pinned to the versions the end-to-end tests were written against.
 NPM_PACKAGES=(
   "@anthropic-ai/claude-code@2.1.197"
+  "@openai/codex@0.171.0"
+  "@google/gemini-cli@0.61.0"
+  "@qwen-code/qwen-code@0.15.10"
+  "@mariozechner/pi-coding-agent@0.73.1"
+  "opencode-ai@1.18.33"
 )
 missing=()
 for spec in "${NPM_PACKAGES[@]}"; do
