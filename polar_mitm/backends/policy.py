@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from polar_mitm.backends.parsers import OutputParser
+from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
+from polar_mitm.backends.parsers import OutputParser, new_call_id
 from polar_mitm.backends.render import (
     SpliceError,
     conversation_hashes,
@@ -53,6 +54,8 @@ class PolicyConfig(BaseModel):
     tool_parser: str | None = None  # None: the server's, else qwen25
     reasoning_parser: str | None = None  # None: the server's, else qwen3
     history: Literal["splice", "template"] = "splice"
+    # render: we render prompt ids and call /generate; chat: the server renders (/v1/chat/completions)
+    backend_mode: Literal["render", "chat"] = "render"
     default_max_tokens: int = 4096
     max_tokens_cap: int | None = None  # clamp what harnesses ask for (Claude Code asks for 32k)
     ping_interval: float = 5.0
@@ -176,6 +179,10 @@ class Policy:
     # -- generation ---------------------------------------------------------------------------
 
     async def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+        if self.config.backend_mode == "chat":
+            async for ev in self._stream_chat(req, ctx):
+                yield ev
+            return
         t0 = time.perf_counter()
         tok = await self.tokenizer()
         prompt_ids, ref, ref_len, hashes = await self.prompt(req, ctx.session_id)
@@ -310,6 +317,79 @@ class Policy:
                     await asyncio.shield(self.store.insert_turn(record(status, None)))
                 except Exception:  # never mask the original failure
                     log.exception("could not record %s turn %s", status, turn_id)
+
+    async def _stream_chat(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+        t0 = time.perf_counter()
+        turn_id = new_turn_id()
+        max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
+        if self.config.max_tokens_cap:
+            max_tokens = min(max_tokens, self.config.max_tokens_cap)
+        task = asyncio.ensure_future(self.client.chat(chat_body(req, max_tokens)))
+        try:
+            yield Started(turn_id=turn_id, prompt_tokens=0)
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=self.config.ping_interval)
+                if not done:
+                    yield Ping()
+            result = parse_chat_result(task.result())
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        hashes = conversation_hashes(req.messages, req.tools)
+        msgs = req.messages
+        candidates = [hashes[i] for i in range(len(msgs) - 1, 0, -1) if msgs[i - 1].role == "assistant"]
+        ref, ref_len = None, 0
+        hit = await self.store.find_by_post_hash(ctx.session_id, candidates) if candidates else None
+        if hit is not None:
+            seq, _ = await self.store.sequence(hit[0])
+            if result.prompt_ids[: len(seq)] == seq:
+                ref, ref_len = hit[0], len(seq)
+        calls = [c.model_copy(update={"id": new_call_id(ctx.id_prefix)}) for c in result.tool_calls]
+        completion = Completion(
+            turn_id=turn_id,
+            model=req.model,
+            text=result.text,
+            reasoning=result.reasoning,
+            tool_calls=calls,
+            finish_reason="tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason,
+            stop_sequence=result.stop_sequence,
+            usage=Usage(
+                prompt_tokens=len(result.prompt_ids),
+                completion_tokens=len(result.output_ids),
+                cached_tokens=result.cached_tokens,
+            ),
+        )
+        rec = TurnRecord(
+            id=turn_id,
+            session_id=ctx.session_id,
+            style=req.style,
+            host=ctx.host,
+            path=ctx.path,
+            model=req.model,
+            tag=ctx.tag,
+            finish_reason=completion.finish_reason,
+            prompt_ids=result.prompt_ids,
+            prompt_ref=ref,
+            prompt_ref_len=ref_len,
+            output_ids=result.output_ids,
+            output_logprobs=result.output_logprobs,
+            weight_version=result.weight_version,
+            msg_hash=hashes[-1],
+            post_hash=conversation_hashes(req.messages + [completion.as_message()], req.tools)[-1],
+            request=ctx.raw_request,
+            request_headers=ctx.headers,
+            response=completion.model_dump_json(),
+            latency_ms=(time.perf_counter() - t0) * 1000,
+        )
+        await asyncio.shield(self.store.insert_turn(rec))
+        if completion.reasoning:
+            yield ReasoningDelta(text=completion.reasoning)
+        if completion.text:
+            yield TextDelta(text=completion.text)
+        for c in calls:
+            yield ToolCallEvent(call=c)
+        yield Done(completion=completion)
 
     async def complete(self, req: ChatRequest, ctx: TurnContext) -> Completion:
         async for ev in self.stream(req, ctx):

@@ -115,6 +115,35 @@ class SGLangClient:
                 continue
         return None
 
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/chat/completions (chat backend mode), errors mapped like /generate."""
+        http = await self._http()
+        try:
+            async with http.post(f"{self.base_url}/v1/chat/completions", json=body) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    if resp.status in (400, 422):
+                        raise ProviderError(
+                            "invalid_request", f"policy backend rejected the request: {text[:2000]}", 400
+                        )
+                    raise ProviderError(
+                        "overloaded" if resp.status in (429, 503) else "api_error",
+                        f"policy backend answered HTTP {resp.status}: {text[:2000]}",
+                        529 if resp.status in (429, 503) else 500,
+                    )
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise ProviderError(
+                "overloaded",
+                f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})",
+                529,
+            ) from e
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise ProviderError(
+                "api_error", f"policy backend returned unreadable JSON: {text[:200]!r}", 502
+            ) from e
+
     async def generate(self, input_ids: list[int], params: dict[str, Any]) -> AsyncIterator[GenerateChunk]:
         """Stream one generation. Yields the cumulative state after every chunk.
 
