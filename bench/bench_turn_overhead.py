@@ -51,7 +51,9 @@ async def timed_stream(client: httpx.AsyncClient, url: str, **kw) -> tuple[float
 async def direct(backend: str, ids: list[int], sp: dict) -> float:
     async with httpx.AsyncClient(timeout=120) as c:
         t, _ = await timed_stream(
-            c, backend + "/generate", json={"input_ids": ids, "sampling_params": sp, "return_logprob": True, "stream": True}
+            c,
+            backend + "/generate",
+            json={"input_ids": ids, "sampling_params": sp, "return_logprob": True, "stream": True},
         )
         return t
 
@@ -83,17 +85,35 @@ async def run(reps: int, contexts: list[int], turns_deep: int) -> None:
                 msgs: list[dict] = [{"role": "user", "content": "start"}]
                 # Build the conversation up to the measured turn (not timed).
                 for _ in range(n_turns - 1):
-                    r = await client.post(URL, json={"model": "m", "max_tokens": 64, "system": system, "tools": [BASH],
-                                                     "messages": msgs})
+                    r = await client.post(
+                        URL,
+                        json={
+                            "model": "m",
+                            "max_tokens": 64,
+                            "system": system,
+                            "tools": [BASH],
+                            "messages": msgs,
+                        },
+                    )
                     content = r.json()["content"]
                     use = [b for b in content if b["type"] == "tool_use"][0]
                     msgs += [
                         {"role": "assistant", "content": content},
-                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"],
-                                                      "content": "file1\nfile2"}]},
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "tool_result", "tool_use_id": use["id"], "content": "file1\nfile2"}
+                            ],
+                        },
                     ]
-                body = {"model": "m", "max_tokens": 64, "system": system, "tools": [BASH], "messages": msgs,
-                        "stream": True}
+                body = {
+                    "model": "m",
+                    "max_tokens": 64,
+                    "system": system,
+                    "tools": [BASH],
+                    "messages": msgs,
+                    "stream": True,
+                }
                 through, straight, render = [], [], []
                 for _ in range(reps):
                     t, _ = await timed_stream(client, URL, json=body)
@@ -104,8 +124,16 @@ async def run(reps: int, contexts: list[int], turns_deep: int) -> None:
                     t0 = time.perf_counter()
                     await proxy.policy.prompt(req, "bench")
                     render.append(time.perf_counter() - t0)
-                rows.append((ctx, label, len(last.prompt_ids), statistics.median(straight), statistics.median(through),
-                             statistics.median(render)))
+                rows.append(
+                    (
+                        ctx,
+                        label,
+                        len(last.prompt_ids),
+                        statistics.median(straight),
+                        statistics.median(through),
+                        statistics.median(render),
+                    )
+                )
                 print(f"  measured {label} at ~{ctx} tokens", flush=True)
     finally:
         await client.aclose()
@@ -113,11 +141,15 @@ async def run(reps: int, contexts: list[int], turns_deep: int) -> None:
         await runner.cleanup()
 
     print()
-    print("| context | turn | prompt tokens | direct ms | through proxy ms | overhead ms | ratio | prompt build ms |")
+    print(
+        "| context | turn | prompt tokens | direct ms | through proxy ms | overhead ms | ratio | prompt build ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for ctx, label, n, d, p, r in rows:
-        print(f"| ~{ctx // 1000}k | {label} | {n} | {d * 1000:.1f} | {p * 1000:.1f} | {(p - d) * 1000:.1f} | "
-              f"{p / d:.2f}x | {r * 1000:.1f} |")
+        print(
+            f"| ~{ctx // 1000}k | {label} | {n} | {d * 1000:.1f} | {p * 1000:.1f} | {(p - d) * 1000:.1f} | "
+            f"{p / d:.2f}x | {r * 1000:.1f} |"
+        )
 
 
 def main() -> None:

@@ -10,7 +10,11 @@ from polar_mitm.store.db import read_turns
 from tests.test_proxy import sse_events
 
 URL = "https://api.anthropic.com/v1/messages"
-BASH = {"name": "Bash", "description": "run", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
+BASH = {
+    "name": "Bash",
+    "description": "run",
+    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+}
 
 
 async def test_chat_mode_turns_are_token_exact_and_linked(make_stack):
@@ -23,7 +27,10 @@ async def test_chat_mode_turns_are_token_exact_and_linked(make_stack):
         assert use["id"].startswith("toolu_") and "out.txt" in use["input"]["command"]
         second = first + [
             {"role": "assistant", "content": r1["content"]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "done"}]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "done"}],
+            },
         ]
         r2 = await c.post(URL, json={**base, "messages": second, "stream": True})
     events = sse_events(r2.text)
@@ -35,8 +42,16 @@ async def test_chat_mode_turns_are_token_exact_and_linked(make_stack):
         reqs = (await c.get(stack.backend_url + "/_fake/requests")).json()["requests"]
         assert all(r["path"] == "/v1/chat/completions" for r in reqs)
         # The engine's own answer for turn 1's prompt ids, straight from /generate.
-        again = (await c.post(stack.backend_url + "/generate", json={
-            "input_ids": t1.prompt_ids, "sampling_params": {"max_new_tokens": 300}, "return_logprob": True})).json()
+        again = (
+            await c.post(
+                stack.backend_url + "/generate",
+                json={
+                    "input_ids": t1.prompt_ids,
+                    "sampling_params": {"max_new_tokens": 300},
+                    "return_logprob": True,
+                },
+            )
+        ).json()
     assert t1.output_ids == again["output_ids"]
     assert t1.output_logprobs == [x[0] for x in again["meta_info"]["output_token_logprobs"]]
     # The server rendered the echoed reply canonically; here it equals prompt + sampled ids.
@@ -50,9 +65,19 @@ def test_missing_token_ids_are_refused_clearly():
 
 
 def test_vllm_shape_is_read():
-    r = parse_chat_result({
-        "prompt_token_ids": [1, 2],
-        "choices": [{"message": {"content": "hi"}, "finish_reason": "stop", "token_ids": [5, 6],
-                     "logprobs": {"content": [{"token": "h", "logprob": -0.5}, {"token": "i", "logprob": -0.25}]}}],
-    })
+    r = parse_chat_result(
+        {
+            "prompt_token_ids": [1, 2],
+            "choices": [
+                {
+                    "message": {"content": "hi"},
+                    "finish_reason": "stop",
+                    "token_ids": [5, 6],
+                    "logprobs": {
+                        "content": [{"token": "h", "logprob": -0.5}, {"token": "i", "logprob": -0.25}]
+                    },
+                }
+            ],
+        }
+    )
     assert (r.prompt_ids, r.output_ids, r.output_logprobs, r.text) == ([1, 2], [5, 6], [-0.5, -0.25], "hi")
