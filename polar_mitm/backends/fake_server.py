@@ -134,7 +134,8 @@ DEFAULT_TEXT = "Hello from the polar-mitm fake backend."
 # The built-in script, used by the README demo and by end-to-end tests of real harnesses.
 DEFAULT_SCRIPT: tuple[Rule, ...] = (
     Rule(match=r"<tool_response>", text="Done. The command finished."),
-    Rule(match=r"[Cc]reate (\S+) containing (\S+)", shell="printf '%s\\n' '\\2' > '\\1'"),
+    # Quotes are not part of the names: OpenCode wraps a one-argument prompt in double quotes.
+    Rule(match=r"[Cc]reate ([^\s\"'`]+) containing ([^\s\"'`]+)", shell="printf '%s\\n' '\\2' > '\\1'"),
     Rule(match=r"run: (.+)", shell=r"\1"),
     Rule(match="", text=DEFAULT_TEXT),
 )
@@ -997,7 +998,8 @@ def _check_kind(v: Any, kind: str) -> None:
         ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
     elif kind == "ids":
         ok = isinstance(v, list)
-        if ok:
+        # Fast path: a flat list of ints (the common 64k-token prompt) is checked in C.
+        if ok and not all(type(x) is int for x in v):
             for x in v:
                 if isinstance(x, list):
                     for y in x:
