@@ -272,3 +272,70 @@ async def test_sessions_are_told_apart_by_proxy_credentials(make_stack):
         ) as c:
             await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
     assert sorted(t.session_id for t in read_turns(stack.db)) == ["alpha", "beta"]
+
+
+THINK_THEN_CALL = [
+    {"match": "<tool_response>", "text": "All done."},
+    {
+        "match": "",
+        "reasoning": "I should run a command.",
+        "tool_call": {"name": "Bash", "arguments": {"command": "ls"}},
+    },
+]
+
+
+async def test_thinking_is_streamed_signed_and_its_echo_still_splices(make_stack):
+    stack = await make_stack(backend={"script": THINK_THEN_CALL})
+    first = [{"role": "user", "content": "list files"}]
+    async with stack.client() as c:
+        r1 = await c.post(
+            URL,
+            json=body(first, tools=[BASH], stream=True, thinking={"type": "enabled", "budget_tokens": 512}),
+        )
+        events = sse_events(r1.text)
+        starts = [d["content_block"]["type"] for e, d in events if e == "content_block_start"]
+        assert starts == ["thinking", "tool_use"]
+        thinking = "".join(d["delta"].get("thinking", "") for e, d in events if e == "content_block_delta")
+        [sig] = [
+            d["delta"]["signature"] for e, d in events if d.get("delta", {}).get("type") == "signature_delta"
+        ]
+        assert thinking == "I should run a command.\n"
+        [use] = [
+            d["content_block"]
+            for e, d in events
+            if e == "content_block_start" and d["content_block"]["type"] == "tool_use"
+        ]
+        tool_json = "".join(
+            d["delta"].get("partial_json", "") for e, d in events if e == "content_block_delta"
+        )
+        # Claude Code echoes the thinking block with its signature and the tool_use with its input.
+        echoed = [
+            {"type": "thinking", "thinking": thinking, "signature": sig},
+            {"type": "tool_use", "id": use["id"], "name": use["name"], "input": json.loads(tool_json)},
+        ]
+        second = first + [
+            {"role": "assistant", "content": echoed},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a.txt"}],
+            },
+        ]
+        r2 = (
+            await c.post(
+                URL, json=body(second, tools=[BASH], thinking={"type": "enabled", "budget_tokens": 512})
+            )
+        ).json()
+    assert r2["content"] == [{"type": "text", "text": "All done."}]
+    t1, t2 = list(read_turns(stack.db))
+    assert t2.prompt_ref == t1.id
+    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+
+
+async def test_each_turn_records_the_weight_version_that_sampled_it(make_stack):
+    stack = await make_stack(backend={"weight_version": "step-1"})
+    async with stack.client() as c:
+        await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
+        async with httpx.AsyncClient() as admin:
+            await admin.post(stack.backend_url + "/update_weight_version", json={"new_version": "step-2"})
+        await c.post(URL, json=body([{"role": "user", "content": "hello"}], stream=True))
+    assert [t.weight_version for t in read_turns(stack.db)] == ["step-1", "step-2"]
