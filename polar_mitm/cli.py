@@ -71,6 +71,53 @@ def policy_options(f):
     return f
 
 
+def _parse_upstreams(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    from polar_mitm.harvest import parse_upstream
+
+    out: dict[str, str] = {}
+    for spec in value:
+        try:
+            host, up = parse_upstream(spec)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        out[host] = up.url
+    return out
+
+
+def harvest_options(f):
+    f = click.option(
+        "--harvest",
+        is_flag=True,
+        help="Record real provider sessions (SFT data): requests go to the real upstream with the "
+        "harness's own credentials, replies stream back and are stored as text turns, credentials "
+        "removed. No backend or tokenizer is used.",
+    )(f)
+    f = click.option(
+        "--upstream",
+        "upstreams",
+        multiple=True,
+        metavar="HOST=URL",
+        callback=_parse_upstreams,
+        help="With --harvest: send provider HOST's requests to URL instead (repeatable).",
+    )(f)
+    f = click.option(
+        "--upstream-insecure",
+        is_flag=True,
+        help="With --harvest: do not check the --upstream servers' certificates (loopback tests).",
+    )(f)
+    return f
+
+
+def harvest_config(harvest: bool, upstreams: dict[str, str], upstream_insecure: bool) -> dict:
+    if (upstreams or upstream_insecure) and not harvest:
+        raise click.UsageError("--upstream and --upstream-insecure only apply with --harvest")
+    return {
+        "mode": "harvest" if harvest else "policy",
+        "upstreams": upstreams,
+        "upstream_insecure": upstream_insecure,
+    }
+
+
 def make_policy_config(
     backend, tokenizer, tool_parser, reasoning_parser, history, max_tokens_cap, backend_timeout
 ):
@@ -87,6 +134,7 @@ def make_policy_config(
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @policy_options
+@harvest_options
 @click.option("--session", default=None, help="Session id [default: a new one].")
 @click.option("--task", default=None, help="Task id stored with the session.")
 @click.option("--recipe", default=None, help="Harness recipe [default: chosen from the command's binary].")
@@ -98,7 +146,9 @@ def make_policy_config(
     help="Stop the harness when it has refused our CA for this long.",
 )
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(cmd, session, task, recipe, untrusted_timeout, db, certs, **policy) -> None:
+def run(
+    cmd, session, task, recipe, untrusted_timeout, db, certs, harvest, upstreams, upstream_insecure, **policy
+) -> None:
     """Run CMD behind the proxy; exit with CMD's exit code.
 
     \b
@@ -107,6 +157,12 @@ def run(cmd, session, task, recipe, untrusted_timeout, db, certs, **policy) -> N
 
     Provider calls (Anthropic, OpenAI, Gemini styles) are answered by the SGLang policy and every
     turn is stored with its exact token ids and logprobs. A one-line summary goes to stderr.
+
+    \b
+    polar-mitm run --harvest --db sft.sqlite -- claude -p "fix the bug"
+
+    With --harvest the harness talks to its real provider instead, and each model exchange is
+    stored as text (request and assembled reply, credentials removed) for `export --format sft-jsonl`.
     """
     from polar_mitm.runtime import recipes
     from polar_mitm.runtime.local import EXIT_UNTRUSTED, run_harness
@@ -121,6 +177,7 @@ def run(cmd, session, task, recipe, untrusted_timeout, db, certs, **policy) -> N
         default_session=session_id,
         recipe=rec.name,
         policy=make_policy_config(**policy),
+        **harvest_config(harvest, upstreams, upstream_insecure),
     )
     result = asyncio.run(
         run_harness(
@@ -133,9 +190,13 @@ def run(cmd, session, task, recipe, untrusted_timeout, db, certs, **policy) -> N
         )
     )
     note = " · harness refused the CA" if result.exit_code == EXIT_UNTRUSTED and result.untrusted else ""
+    counts = (
+        f"{result.turns} turns harvested"
+        if harvest
+        else f"{result.turns} turns · {result.prompt_tokens} prompt + {result.sampled_tokens} sampled tokens"
+    )
     click.echo(
-        f"polar-mitm: session {result.session_id} · {result.turns} turns · {result.prompt_tokens} prompt + "
-        f"{result.sampled_tokens} sampled tokens · exit {result.exit_code} · db {result.db}{note}",
+        f"polar-mitm: session {result.session_id} · {counts} · exit {result.exit_code} · db {result.db}{note}",
         err=True,
     )
     sys.exit(result.exit_code)
@@ -143,11 +204,12 @@ def run(cmd, session, task, recipe, untrusted_timeout, db, certs, **policy) -> N
 
 @main.command()
 @policy_options
+@harvest_options
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to listen on.")
 @click.option(
     "--session", default="default", show_default=True, help="Session for clients without credentials."
 )
-def proxy(listen, session, db, certs, **policy) -> None:
+def proxy(listen, session, db, certs, harvest, upstreams, upstream_insecure, **policy) -> None:
     """A long-lived shared proxy for many harnesses.
 
     Sessions are told apart by the credentials in each harness's proxy URL:
@@ -164,14 +226,16 @@ def proxy(listen, session, db, certs, **policy) -> None:
         certs_dir=certs,
         default_session=session,
         policy=make_policy_config(**policy),
+        **harvest_config(harvest, upstreams, upstream_insecure),
     )
 
     async def serve() -> None:
         p = PolarProxy(cfg)
         await p.start()
         assert p.ca is not None and p.store is not None
-        await p.store.ensure_session(session, harness="shared-proxy")
-        click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {db}", err=True)
+        await p.store.ensure_session(session, harness="shared-proxy", mode=cfg.mode)
+        mode = " · harvest" if harvest else ""
+        click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {db}{mode}", err=True)
         try:
             await asyncio.Event().wait()
         finally:
@@ -205,6 +269,22 @@ def certs(certs, show) -> None:
     click.echo(f"certificate   {ca.cert}")
     click.echo(f"bundle        {ca.bundle}   (system roots + our CA)")
     click.echo(f"private key   {ca.key_and_cert}   (mode {oct(os.stat(ca.key_and_cert).st_mode & 0o777)})")
+
+
+@main.command("recipes")
+def list_recipes() -> None:
+    """List the harness recipes: binaries, API hosts, status and an example.
+
+    `run` picks a recipe by the command's binary name; `--recipe NAME` overrides.
+    """
+    from polar_mitm.runtime import recipes
+
+    for r in recipes.all_recipes().values():
+        click.echo(f"{r.name:<12} {r.status:<12} binaries: {', '.join(r.binaries) or '-'}")
+        if r.hosts:
+            click.echo(f"{'':<12} hosts: {', '.join(f'{h} ({s})' for h, s in r.hosts.items())}")
+        if r.example:
+            click.echo(f"{'':<12} example: polar-mitm run -- {r.example}")
 
 
 @main.group()

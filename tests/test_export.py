@@ -380,7 +380,7 @@ def test_every_command_has_help_with_an_example(cli: click.Group) -> None:
     for name in ("export", "stats", "show", "reward"):
         r = invoke(cli, name, "--help")
         assert r.exit_code == 0 and "polar-mitm " + name in r.stdout
-    assert "--format [parquet|jsonl]" in invoke(cli, "export", "--help").stdout
+    assert "--format [parquet|jsonl|sft-jsonl]" in invoke(cli, "export", "--help").stdout
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,22 @@ def test_missing_command_is_a_clear_error(tmp_path, certs_dir):
     )
     _, err = p.communicate(timeout=60)
     assert p.returncode == 127 and "command not found: no-such-harness-xyz" in err
+
+
+def test_helpers_the_harness_spawned_do_not_outlive_the_run(tmp_path, certs_dir):
+    pidfile = tmp_path / "grandchild.pid"
+    # The grandchild ignores SIGTERM, as Qwen Code's re-launched child does; the harness itself exits.
+    script = f"(trap '' TERM; exec sleep 300) & echo $! > {pidfile}; echo ready; wait"
+    p = polar(
+        ["run", "--certs", str(certs_dir), "--db", str(tmp_path / "r.sqlite"), "--", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.stdout.readline().strip() == "ready"
+    grandchild = int(pidfile.read_text())
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=30)
+    time.sleep(0.3)
+    status = Path(f"/proc/{grandchild}/status")
+    # Gone, or a zombie waiting for init to reap it: either way no longer running.
+    assert not status.exists() or "\nState:\tZ" in status.read_text()

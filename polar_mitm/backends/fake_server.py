@@ -247,16 +247,29 @@ def declared_tools(prompt_text: str) -> list[dict[str, Any]]:
     return out
 
 
+def is_code_mode_exec(tool: dict[str, Any]) -> bool:
+    """Codex's code mode (its default models) offers no shell tool, only `exec`: a freeform tool
+    (one string, `input`, once parsed) whose input is JavaScript that can call
+    `tools.exec_command({cmd})`."""
+    props = (tool.get("parameters") or {}).get("properties") or {}
+    return tool["name"] == "exec" and set(props) == {"input"}
+
+
 def find_shell_tool(tools: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     by_name = {t["name"]: t for t in tools}
-    return next((by_name[n] for n in SHELL_TOOL_NAMES if n in by_name), None)
+    named = next((by_name[n] for n in SHELL_TOOL_NAMES if n in by_name), None)
+    return named or next((t for t in tools if is_code_mode_exec(t)), None)
 
 
 def shell_arguments(tool: dict[str, Any], command: str) -> dict[str, Any]:
     """Arguments for `tool` that run `command`, in the tool's own convention: a string `command`
     (Claude Code, Gemini CLI, Qwen Code, …), a list `["bash", "-lc", cmd]` where the schema says
     array (Codex `shell`), or `cmd` where that is the parameter (Codex `exec_command`). Other
-    required parameters get minimal schema-valid values."""
+    required parameters get minimal schema-valid values. Codex's code-mode `exec` gets a script."""
+    if is_code_mode_exec(tool):
+        return {
+            "input": f"const r = await tools.exec_command({{cmd: {json.dumps(command)}}});\ntext(r.output);"
+        }
     schema = tool.get("parameters") or {}
     props = schema.get("properties") or {}
     key = "command" if "command" in props else ("cmd" if "cmd" in props else "command")

@@ -141,7 +141,10 @@ def _guarded(f: F) -> F:
 )
 @click.option("--out", required=True, help="Output file ('-' for standard output with --format jsonl).")
 @_selection_options
-@_tokenizer_option("Tokenizer directory, to classify breaks (retokenization vs other) in the metadata.")
+@_tokenizer_option(
+    "Tokenizer directory, to classify breaks (retokenization vs other) in the metadata, and to render "
+    "harvested (text-only) sessions with its chat template into rows (metadata retokenized: true)."
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @_guarded
 def export(
@@ -164,6 +167,8 @@ def export(
       polar-mitm export --db runs.sqlite --strategy prefix-merge --format parquet --out traj.parquet
       polar-mitm export --db runs.sqlite --strategy per-request --out turns.parquet
       polar-mitm export --db runs.sqlite --format jsonl --out traj.jsonl --task swe-123
+      polar-mitm export --db sft.sqlite --format sft-jsonl --out sft.jsonl
+      polar-mitm export --db sft.sqlite --format parquet --tokenizer ./qwen3-tok --out sft.parquet
     """
     db = _require_db(db)
     if fmt is None:

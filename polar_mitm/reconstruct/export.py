@@ -7,11 +7,18 @@ reads one session at a time (`read_turns(session=...)`, served by the store's
 Per-request rows need no grouping and come from a single pass in creation order.
 
 Formats are a registry: `FORMATS[name]` opens a `Sink` for an output path; add an entry (and,
-if it needs one, a field of `SinkOptions`) to add a format to `polar-mitm export --format`.
+if it needs one, a field of `SinkOptions`) to add a format to `polar-mitm export --format`. A sink
+with a `rows(path, *, strategy, selection, stats, on_turn)` method makes its own rows instead of
+trajectories (`sft-jsonl`: text conversations, see `sft`).
+
+Harvested sessions hold text, not token ids: with `SinkOptions.tokenizer` set, their
+conversations are added as rows retokenized with that tokenizer's chat template
+(`sft.retokenized_trajectories`, metadata `"retokenized": true`); without one they are left out.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -23,6 +30,7 @@ from typing import IO, Protocol
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from polar_mitm.reconstruct import sft
 from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
@@ -136,9 +144,22 @@ class JsonlSink:
             self._file.discard()
 
 
+class SftJsonlSink(JsonlSink):
+    """Conversations → one OpenAI chat-format object per line (`messages` with `tool_calls` and
+    `tool` messages, `tools`, `metadata`), for SFT. Its rows are rebuilt from the stored text by
+    `sft.sft_records`: prefix-merge writes each session's final conversations, per-request every turn."""
+
+    rows = staticmethod(sft.sft_records)
+
+    def write(self, row: dict) -> None:  # type: ignore[override]
+        self._fh.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")))
+        self._fh.write("\n")
+
+
 FORMATS: dict[str, Callable[[str | Path, SinkOptions], Sink]] = {
     "parquet": ParquetSink,
     "jsonl": JsonlSink,
+    "sft-jsonl": SftJsonlSink,
 }
 
 
@@ -150,8 +171,10 @@ def iter_trajectories(
     stats: ReconstructStats | None = None,
     text: TokenText | None = None,
     on_turn: Callable[[], object] | None = None,
+    retokenize: str | Path | None = None,
 ) -> Iterator[Trajectory]:
-    """The rows of a store under one strategy, streamed (see the module docstring)."""
+    """The rows of a store under one strategy, streamed (see the module docstring). With
+    `retokenize` (a tokenizer directory), harvested conversations follow as retokenized rows."""
     selection = selection or Selection()
     stats = stats if stats is not None else ReconstructStats()
     rewards = session_rewards(path)
@@ -172,6 +195,18 @@ def iter_trajectories(
         )
     else:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if retokenize is not None:
+        rows = itertools.chain(
+            rows,
+            sft.retokenized_trajectories(
+                path,
+                tokenizer=retokenize,
+                strategy=strategy,
+                selection=selection,
+                stats=stats,
+                on_turn=on_turn,
+            ),
+        )
     for row in rows:
         stats.add_row(row)
         yield row
@@ -200,12 +235,24 @@ def export(
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     selection = selection or Selection()
     stats = ReconstructStats()
-    sink = FORMATS[fmt](out, options or SinkOptions())
+    options = options or SinkOptions()
+    sink = FORMATS[fmt](out, options)
+    own_rows = getattr(sink, "rows", None)
     try:
         with progress_bar(path, selection, quiet=quiet, desc="export") as bar:
-            for row in iter_trajectories(
-                path, strategy=strategy, selection=selection, stats=stats, text=text, on_turn=bar.update
-            ):
+            if own_rows is not None:
+                rows = own_rows(path, strategy=strategy, selection=selection, stats=stats, on_turn=bar.update)
+            else:
+                rows = iter_trajectories(
+                    path,
+                    strategy=strategy,
+                    selection=selection,
+                    stats=stats,
+                    text=text,
+                    on_turn=bar.update,
+                    retokenize=options.tokenizer,
+                )
+            for row in rows:
                 sink.write(row)
     except BaseException:
         sink.abort()

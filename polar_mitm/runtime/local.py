@@ -1,7 +1,8 @@
 """Run one harness as a local process behind the embedded proxy.
 
 The child gets the proxy variables (both cases), NO_PROXY for loopback, our CA through the
-variables its recipe names, dummy credentials when none are set, and the recipe's settings.
+variables its recipe names, dummy credentials when none are set (never in harvest mode, where
+the harness's own credentials go to the real provider), and the recipe's settings.
 Signals are forwarded; a watchdog says so when the harness refuses our CA (which otherwise
 looks like a silent hang while it retries).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sqlite3
 import sys
@@ -24,10 +26,24 @@ from polar_mitm.runtime.recipes import Recipe
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EXIT_UNTRUSTED = 69  # EX_UNAVAILABLE: the harness never trusted our CA
+_CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|AUTH|PASSWORD", re.IGNORECASE)
+
+
+def _same_dir(a: str | None, b: str) -> bool:
+    try:
+        return bool(a) and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def child_env(
-    base: Mapping[str, str], recipe: Recipe, proxy_url: str, ca: CA, session_id: str
+    base: Mapping[str, str],
+    recipe: Recipe,
+    proxy_url: str,
+    ca: CA,
+    session_id: str,
+    *,
+    harvest: bool = False,
 ) -> dict[str, str]:
     env = dict(base)
     for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
@@ -38,12 +54,19 @@ def child_env(
     no_proxy += [h for h in LOOPBACK if h not in no_proxy]
     env["NO_PROXY"] = env["no_proxy"] = ",".join(no_proxy)
     env["NODE_USE_ENV_PROXY"] = "1"  # Node's own fetch honours the proxy variables (Node >= 24)
+    # OpenCode works in $PWD, not its real cwd: a launcher that set our cwd (subprocess cwd=)
+    # without updating PWD would send it to work in another directory.
+    if not _same_dir(env.get("PWD"), os.getcwd()):
+        env["PWD"] = os.getcwd()
     for k in recipe.ca.cert_env:
         env[k] = str(ca.cert)
     for k in recipe.ca.bundle_env:
         env[k] = str(ca.bundle)
     env.update(recipe.env)
     for k, v in recipe.env_default.items():
+        # Harvest talks to the real provider: a dummy key would replace the harness's own login.
+        if harvest and _CREDENTIAL_NAME.search(k):
+            continue
         if not env.get(k):
             env[k] = v
     env["POLAR_MITM_SESSION"] = session_id
@@ -84,20 +107,39 @@ async def run_harness(
     env: Mapping[str, str] | None = None,
 ) -> RunResult:
     await proxy.start()
-    assert proxy.store is not None and proxy.ca is not None and proxy.gateway is not None
+    harvest = proxy.config.mode == "harvest"
+    assert proxy.store is not None and proxy.ca is not None and (harvest or proxy.gateway is not None)
     await proxy.store.ensure_session(
         session_id,
         task_id=task_id,
         harness=recipe.name,
         command=cmd,
         mode=proxy.config.mode,
-        metadata={"backend": proxy.config.policy.backend_url, "recipe": recipe.name},
+        metadata={"recipe": recipe.name, "upstreams": sorted(proxy.config.upstreams)}
+        if harvest
+        else {"backend": proxy.config.policy.backend_url, "recipe": recipe.name},
     )
-    child = child_env(env if env is not None else os.environ, recipe, proxy.url, proxy.ca, session_id)
+    child = child_env(
+        env if env is not None else os.environ, recipe, proxy.url, proxy.ca, session_id, harvest=harvest
+    )
     untrusted = False
+    # Signal handlers go in before the harness starts, so a signal can never kill us and orphan it;
+    # one that arrives before the harness exists is delivered as soon as it does.
+    loop = asyncio.get_running_loop()
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    target = _Target()
+    for sig in forwarded:
+        loop.add_signal_handler(sig, target.forward, sig)
     try:
         try:
-            proc = await asyncio.create_subprocess_exec(*cmd, env=child)
+            # Without a terminal, the harness gets its own process group so that signals reach
+            # the helpers it spawns too (Qwen Code re-launches itself); an interactive harness
+            # stays in the terminal's foreground group, which the terminal signals as a whole.
+            own_group = not sys.stdin.isatty()
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, env=child, process_group=0 if own_group else None
+            )
+            target.attach(proc, own_group)
         except FileNotFoundError:
             hint = f" (npm install -g {recipe.npm})" if recipe.npm else ""
             print(f"polar-mitm: command not found: {cmd[0]}{hint}", file=sys.stderr)
@@ -110,23 +152,21 @@ async def run_harness(
                 sampled_tokens=0,
                 db=proxy.config.db,
             )
-        loop = asyncio.get_running_loop()
-        forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        for sig in forwarded:
-            loop.add_signal_handler(sig, _forward, proc, sig)
         verdict: dict[str, bool] = {}
-        watch = asyncio.create_task(_watchdog(proxy, proc, untrusted_timeout, verdict))
+        watch = asyncio.create_task(_watchdog(proxy, proc, untrusted_timeout, verdict, own_group))
         try:
             code = await proc.wait()
         finally:
-            for sig in forwarded:
-                loop.remove_signal_handler(sig)
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
+            if own_group:
+                _signal_group(proc.pid, signal.SIGKILL)  # leftovers of the harness, if any
         untrusted = verdict.get("untrusted", False)
         exit_code = EXIT_UNTRUSTED if untrusted else (128 - code if code < 0 else code)
         await proxy.store.end_session(session_id, exit_code)
     finally:
+        for sig in forwarded:
+            loop.remove_signal_handler(sig)
         await proxy.stop()
     turns, ptoks, stoks = session_summary(proxy.config.db, session_id)
     return RunResult(
@@ -140,13 +180,47 @@ async def run_harness(
     )
 
 
-def _forward(proc: asyncio.subprocess.Process, sig: int) -> None:
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Target:
+    """Where forwarded signals go: the harness (or its process group) once it is running."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+        self.own_group = False
+        self.pending: list[int] = []
+
+    def attach(self, proc: asyncio.subprocess.Process, own_group: bool) -> None:
+        self.proc, self.own_group = proc, own_group
+        for sig in self.pending:
+            _forward(proc, sig, own_group)
+
+    def forward(self, sig: int) -> None:
+        if self.proc is None:
+            self.pending.append(sig)
+        else:
+            _forward(self.proc, sig, self.own_group)
+
+
+def _forward(proc: asyncio.subprocess.Process, sig: int, own_group: bool) -> None:
     if proc.returncode is None:
-        proc.send_signal(sig)
+        if own_group:
+            _signal_group(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
 
 
 async def _watchdog(
-    proxy: PolarProxy, proc: asyncio.subprocess.Process, timeout: float, verdict: dict[str, bool]
+    proxy: PolarProxy,
+    proc: asyncio.subprocess.Process,
+    timeout: float,
+    verdict: dict[str, bool],
+    own_group: bool = False,
 ) -> None:
     """Stop the harness (and set verdict["untrusted"]) when it keeps refusing our CA."""
     try:
@@ -169,11 +243,11 @@ async def _watchdog(
                 file=sys.stderr,
             )
             verdict["untrusted"] = True
-            proc.terminate()
+            _forward(proc, signal.SIGTERM, own_group)
             try:
                 await asyncio.wait_for(proc.wait(), 5)
             except TimeoutError:
-                proc.kill()
+                _forward(proc, signal.SIGKILL, own_group)
             return
     except asyncio.CancelledError:
         return

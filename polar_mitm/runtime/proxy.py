@@ -1,7 +1,9 @@
 """The embedded proxy: mitmproxy (regular mode) + our addons + the gateway, in one event loop.
 
 TLS is intercepted only for provider hosts and known side hosts; every other host passes
-through untouched (its TLS is never opened).
+through untouched (its TLS is never opened). In harvest mode there is no policy and no stub:
+provider hosts are intercepted only to record their model exchanges on the way to the real
+upstream (`addons/harvest.py`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from mitmproxy.master import Master
 from pydantic import BaseModel, Field
 
 from polar_mitm import providers
+from polar_mitm.addons.harvest import Harvest
 from polar_mitm.addons.routing import Routing
 from polar_mitm.addons.sessions import Sessions
 from polar_mitm.addons.stubs import Stubs, host_pattern
 from polar_mitm.addons.tlswatch import TlsWatch
 from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.gateway import Gateway
+from polar_mitm.harvest import parse_upstream
 from polar_mitm.runtime import recipes
 from polar_mitm.runtime.certs import CA, ensure_ca
 from polar_mitm.store.db import Store
@@ -39,6 +43,10 @@ class ProxyConfig(BaseModel):
     recipe: str | None = None  # tags side calls with this recipe's rules; None: all recipes
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     mode: Literal["policy", "harvest"] = "policy"
+    # Harvest mode: provider host -> URL its requests go to instead (--upstream HOST=URL), and
+    # whether those upstreams' certificates go unchecked (--upstream-insecure).
+    upstreams: dict[str, str] = Field(default_factory=dict)
+    upstream_insecure: bool = False
 
 
 def register_recipe_hosts() -> None:
@@ -55,6 +63,7 @@ class PolarProxy:
         self.store: Store | None = None
         self.policy: Policy | None = None
         self.gateway: Gateway | None = None
+        self.harvest: Harvest | None = None
         self.master: Master | None = None
         self.tls = TlsWatch()
         self.port = 0
@@ -76,11 +85,16 @@ class PolarProxy:
         register_recipe_hosts()
         self.ca = ensure_ca(self.config.certs_dir)
         self.store = await Store.open(self.config.db)
-        self.policy = Policy(self.config.policy, self.store)
-        self.gateway = Gateway(self.policy, default_session=self.config.default_session, tagger=self.tagger())
-        gw_port = await self.gateway.start()
-
-        intercepted = set(providers.HOST_STYLES) | recipes.stub_hosts()
+        if self.config.mode == "harvest":
+            intercepted, mode_addons = self._harvest_addons()
+        else:
+            self.policy = Policy(self.config.policy, self.store)
+            self.gateway = Gateway(
+                self.policy, default_session=self.config.default_session, tagger=self.tagger()
+            )
+            gw_port = await self.gateway.start()
+            intercepted = set(providers.HOST_STYLES) | recipes.stub_hosts()
+            mode_addons = [Routing(gw_port), Stubs(intercepted)]
         opts = options.Options(
             listen_host=self.config.listen_host,
             listen_port=self.config.listen_port,
@@ -90,8 +104,7 @@ class PolarProxy:
         self.master.addons.add(*default_addons())
         self.master.addons.add(
             Sessions(self.config.default_session),
-            Routing(gw_port),
-            Stubs(intercepted),
+            *mode_addons,
             self.tls,
         )
         self.master.options.update(
@@ -103,6 +116,20 @@ class PolarProxy:
         self._task = asyncio.create_task(self.master.run())
         self.port = await self._wait_listening()
         return self.port
+
+    def _harvest_addons(self) -> tuple[set[str], list[object]]:
+        """Harvest mode: no policy and no stubs. Provider hosts (and --upstream hosts) are
+        intercepted so their model exchanges can be recorded; everything reaches a real upstream."""
+        assert self.store is not None
+        upstreams = dict(parse_upstream(f"{h}={u}") for h, u in self.config.upstreams.items())
+        self.harvest = Harvest(
+            self.store,
+            upstreams=upstreams,
+            upstream_insecure=self.config.upstream_insecure,
+            tagger=self.tagger(),
+            default_session=self.config.default_session,
+        )
+        return set(providers.HOST_STYLES) | set(upstreams), [self.harvest]
 
     async def _wait_listening(self, timeout: float = 15.0) -> int:
         ps = self.master.addons.get("proxyserver")

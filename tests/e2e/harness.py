@@ -94,9 +94,19 @@ def harness_env(home: Path) -> dict[str, str]:
     return env
 
 
-def polar_run(args: list[str], cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 240):
+def polar_run(
+    args: list[str], cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 240, stdin=None
+):
+    """`polar-mitm run ARGS -- CMD`; pass stdin=subprocess.DEVNULL for harnesses that read a piped
+    stdin to its end before starting (Pi, OpenCode)."""
     return subprocess.run(
-        [*POLAR, "run", *args, "--", *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [*POLAR, "run", *args, "--", *cmd],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=stdin,
     )
 
 

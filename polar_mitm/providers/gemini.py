@@ -1,0 +1,496 @@
+"""Google Gemini API (generativelanguage): native request → ChatRequest, Completion/events → native
+JSON or SSE.
+
+Serves `POST /{v1,v1beta,v1alpha}/models/{model}:generateContent`, `:streamGenerateContent`
+and `:countTokens`, and `GET …/models`. The model and the stream flag live in the URL, so the
+gateway passes the path (`PARSE_NEEDS_PATH`). Streams are always SSE, as `?alt=sse` asks (every
+Google SDK sends it); the JSON-array stream Google sends without it is not produced.
+
+Gemini function calls carry no ids of their own: ids are given to every call we render (Gemini
+CLI echoes them back, prefixed with the tool name) and made up deterministically for history
+calls that arrive without one. Splicing never depends on them: the conversation hash ignores ids.
+`thought: true` text parts are reasoning; Gemini CLI drops them from the history it echoes, which
+the hash ignores as well. API keys (`x-goog-api-key`, `?key=`) are never read here; the gateway
+redacts both before anything is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import unquote
+
+from polar_mitm.neutral import (
+    ChatRequest,
+    Completion,
+    Done,
+    Event,
+    Message,
+    Ping,
+    ProviderError,
+    ReasoningDelta,
+    Sampling,
+    Started,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallEvent,
+)
+
+NAME = "gemini"
+ID_PREFIX = "call_"
+HOSTS = ["generativelanguage.googleapis.com"]
+PARSE_NEEDS_PATH = True
+
+# …/models/{model}:{method}; Vertex-style prefixes (projects/…/publishers/google/) are accepted too.
+_MODEL_PATH = re.compile(
+    r"^/(?:v1|v1beta|v1alpha)/(?:[^?]*/)?models/([^/:?]+):(generateContent|streamGenerateContent|countTokens)$"
+)
+_MODELS_LIST = re.compile(r"^/(?:v1|v1beta|v1alpha)/models$")
+
+# neutral kind -> (HTTP status, google.rpc.Code name). Gemini CLI retries 429 and 5xx, so an
+# unreachable policy backend is 503 UNAVAILABLE (Google's own code for it), never Anthropic's 529.
+ERROR_CODES: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "INVALID_ARGUMENT"),
+    "authentication": (401, "UNAUTHENTICATED"),
+    "permission": (403, "PERMISSION_DENIED"),
+    "not_found": (404, "NOT_FOUND"),
+    "rate_limit": (429, "RESOURCE_EXHAUSTED"),
+    "overloaded": (503, "UNAVAILABLE"),
+    "timeout": (504, "DEADLINE_EXCEEDED"),
+    "api_error": (500, "INTERNAL"),
+}
+
+
+def endpoint(method: str, path: str) -> str | None:
+    """Which Gemini API endpoint a request is for, or None for a side endpoint."""
+    p = unquote(path.split("?", 1)[0]).rstrip("/")
+    m = _MODEL_PATH.match(p)
+    if method == "POST" and m:
+        return "count_tokens" if m.group(2) == "countTokens" else "generate"
+    if method == "GET" and _MODELS_LIST.match(p):
+        return "models"
+    return None
+
+
+def model_and_stream(path: str) -> tuple[str, bool]:
+    """The model name and whether the reply streams, both taken from the request path."""
+    m = _MODEL_PATH.match(unquote(path.split("?", 1)[0]).rstrip("/"))
+    if m is None:
+        raise _bad(
+            f"{path.split('?', 1)[0]} is not a generateContent, streamGenerateContent or countTokens path"
+        )
+    return m.group(1), m.group(2) == "streamGenerateContent"
+
+
+# ---- request -----------------------------------------------------------------------------------
+
+
+def _bad(msg: str) -> ProviderError:
+    return ProviderError("invalid_request", msg, 400)
+
+
+def openapi_to_json_schema(schema: Any) -> Any:
+    """Gemini's OpenAPI-subset `Schema` (`type: "OBJECT"`, `nullable`) as standard JSON Schema, so
+    SGLang's constrained decoding and chat templates can read it. Standard schemas pass unchanged.
+
+    Gemini CLI writes upper-case types even in `responseJsonSchema` (its router schema), which
+    Google accepts and a JSON Schema validator does not, so every schema goes through here."""
+    if isinstance(schema, list):
+        return [openapi_to_json_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "type" and isinstance(v, str):
+            out[k] = v.lower()
+        elif k == "type" and isinstance(v, list):
+            out[k] = [t.lower() if isinstance(t, str) else t for t in v]
+        elif k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            out[k] = {name: openapi_to_json_schema(s) for name, s in v.items()}
+        elif k in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "additionalProperties"):
+            out[k] = openapi_to_json_schema(v)
+        elif k in ("nullable", "propertyOrdering"):
+            continue  # handled below / presentation only
+        else:
+            out[k] = v
+    if schema.get("nullable") is True and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+def _call_id(i: int, j: int) -> str:
+    # Stable across requests, so the same history always renders the same ids.
+    return f"{ID_PREFIX}h{i}_{j}"
+
+
+def _tool_response_text(resp: Any) -> str:
+    """A functionResponse's `response` as the tool message content. Gemini CLI sends
+    `{"output": text}` or `{"error": text}`; anything else is kept as JSON."""
+    if isinstance(resp, dict) and len(resp) == 1:
+        ((key, value),) = resp.items()
+        if key == "output" and isinstance(value, str):
+            return value
+        if key == "error" and isinstance(value, str):
+            return f"Error: {value}"
+    if isinstance(resp, str):
+        return resp
+    return json.dumps(resp, ensure_ascii=False)
+
+
+def _placeholder(part: dict[str, Any]) -> str | None:
+    if isinstance(part.get("inlineData"), dict):
+        return f"[inline data: {part['inlineData'].get('mimeType', 'application/octet-stream')}]"
+    if isinstance(part.get("fileData"), dict):
+        fd = part["fileData"]
+        return f"[file: {fd.get('fileUri', '')} ({fd.get('mimeType', 'application/octet-stream')})]"
+    if isinstance(part.get("executableCode"), dict):
+        return str(part["executableCode"].get("code", ""))
+    if isinstance(part.get("codeExecutionResult"), dict):
+        return str(part["codeExecutionResult"].get("output", ""))
+    return None
+
+
+def _parts(content: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    parts = content.get("parts", [])
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        raise _bad(f"{where}.parts: must be a list of Part objects")
+    return parts
+
+
+def _parse_model(i: int, content: dict[str, Any]) -> Message:
+    where = f"contents[{i}]"
+    texts, reasoning, calls = [], [], []
+    for j, p in enumerate(_parts(content, where)):
+        if isinstance(p.get("functionCall"), dict):
+            fc = p["functionCall"]
+            if not isinstance(fc.get("name"), str):
+                raise _bad(f"{where}.parts[{j}].functionCall.name: required")
+            args = fc.get("args", {})
+            calls.append(
+                ToolCall(
+                    id=str(fc.get("id") or _call_id(i, j)),
+                    name=fc["name"],
+                    arguments=args if isinstance(args, dict) else {},
+                )
+            )
+        elif isinstance(p.get("text"), str):
+            (reasoning if p.get("thought") is True else texts).append(p["text"])
+        else:
+            placeholder = _placeholder(p)
+            if placeholder is not None:
+                texts.append(placeholder)
+    # Gemini CLI joins streamed text parts without a separator; so do we.
+    return Message(
+        role="assistant", content="".join(texts), reasoning="".join(reasoning) or None, tool_calls=calls
+    )
+
+
+def _parse_user(i: int, content: dict[str, Any], pending: list[ToolCall]) -> list[Message]:
+    """A user content: function responses become tool messages (first), other parts one user
+    message. A response without an id takes the id of the earliest unanswered call of its name."""
+    where = f"contents[{i}]"
+    out: list[Message] = []
+    texts: list[str] = []
+    for j, p in enumerate(_parts(content, where)):
+        if isinstance(p.get("functionResponse"), dict):
+            fr = p["functionResponse"]
+            name = fr.get("name")
+            if not isinstance(name, str):
+                raise _bad(f"{where}.parts[{j}].functionResponse.name: required")
+            call_id = fr.get("id")
+            match = next((c for c in pending if (c.id == call_id if call_id else c.name == name)), None)
+            if match is not None:
+                pending.remove(match)
+            out.append(
+                Message(
+                    role="tool",
+                    content=_tool_response_text(fr.get("response")),
+                    tool_call_id=str(call_id or (match.id if match else _call_id(i, j))),
+                    name=name,
+                )
+            )
+        elif isinstance(p.get("text"), str):
+            if p.get("thought") is not True:
+                texts.append(p["text"])
+        else:
+            placeholder = _placeholder(p)
+            if placeholder is not None:
+                texts.append(placeholder)
+    if texts:
+        out.append(Message(role="user", content="\n".join(texts)))
+    return out
+
+
+def _system_text(si: Any) -> str:
+    if si is None:
+        return ""
+    if isinstance(si, str):
+        return si
+    if isinstance(si, dict):
+        return "\n".join(p["text"] for p in _parts(si, "systemInstruction") if isinstance(p.get("text"), str))
+    raise _bad("systemInstruction: must be a Content object")
+
+
+def _parse_tools(tools: Any) -> list[Tool]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise _bad("tools: must be a list of Tool objects")
+    out: list[Tool] = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise _bad(f"tools[{i}]: must be an object")
+        # googleSearch, codeExecution, urlContext …: server-side tools the policy cannot run.
+        decls = t.get("functionDeclarations") or []
+        if not isinstance(decls, list):
+            raise _bad(f"tools[{i}].functionDeclarations: must be a list")
+        for j, d in enumerate(decls):
+            if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+                raise _bad(f"tools[{i}].functionDeclarations[{j}].name: required")
+            params = d.get("parametersJsonSchema")
+            if params is None:
+                params = d.get("parameters")
+            params = (
+                openapi_to_json_schema(params) if params is not None else {"type": "object", "properties": {}}
+            )
+            out.append(Tool(name=d["name"], description=str(d.get("description", "")), parameters=params))
+    return out
+
+
+def _tool_choice(tc: Any) -> str | dict[str, Any] | None:
+    if not isinstance(tc, dict) or not isinstance(tc.get("functionCallingConfig"), dict):
+        return None
+    fcc = tc["functionCallingConfig"]
+    mode = str(fcc.get("mode", "AUTO")).upper()
+    allowed = fcc.get("allowedFunctionNames") or []
+    if mode in ("ANY", "VALIDATED") and isinstance(allowed, list) and len(allowed) == 1:
+        return {"name": allowed[0]}
+    return {"AUTO": "auto", "ANY": "required", "NONE": "none", "VALIDATED": "auto"}.get(mode)
+
+
+def _json_schema(gc: dict[str, Any]) -> dict[str, Any] | None:
+    if gc.get("responseJsonSchema") is not None:
+        return openapi_to_json_schema(gc["responseJsonSchema"])
+    if gc.get("responseSchema") is not None:
+        return openapi_to_json_schema(gc["responseSchema"])
+    if gc.get("responseMimeType") == "application/json":
+        return {}  # JSON mode without a schema: any JSON value
+    return None
+
+
+def _thinking(gc: dict[str, Any]) -> bool | None:
+    tc = gc.get("thinkingConfig")
+    if not isinstance(tc, dict):
+        return None
+    budget = tc.get("thinkingBudget")
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return budget != 0  # -1 is "dynamic"
+    level = tc.get("thinkingLevel")
+    if isinstance(level, str):
+        return level.upper() not in ("MINIMAL", "THINKING_LEVEL_UNSPECIFIED")
+    return None
+
+
+def _sampling(gc: Any) -> Sampling:
+    if gc is None:
+        return Sampling()
+    if not isinstance(gc, dict):
+        raise _bad("generationConfig: must be an object")
+    stops = gc.get("stopSequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("generationConfig.stopSequences: must be a list of strings")
+    try:
+        return Sampling(
+            max_tokens=gc.get("maxOutputTokens"),
+            temperature=gc.get("temperature"),
+            top_p=gc.get("topP"),
+            top_k=gc.get("topK"),
+            stop=stops,
+            json_schema=_json_schema(gc),
+        )
+    except ValueError as e:
+        raise _bad(f"generationConfig: invalid sampling parameter: {e}") from e
+
+
+def parse_request(body: Any, *, path: str, require_max_tokens: bool = False) -> ChatRequest:
+    """A generateContent / streamGenerateContent / countTokens body (model and stream from `path`)."""
+    del require_max_tokens  # Gemini never requires maxOutputTokens
+    model, stream = model_and_stream(path)
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    # countTokens accepts a whole GenerateContentRequest in place of bare contents.
+    if isinstance(body.get("generateContentRequest"), dict):
+        body = body["generateContentRequest"]
+    contents = body.get("contents")
+    if not isinstance(contents, list):
+        raise _bad("contents: field required (a list of Content objects)")
+    messages: list[Message] = []
+    system = _system_text(body.get("systemInstruction"))
+    if system:
+        messages.append(Message(role="system", content=system))
+    pending: list[ToolCall] = []
+    for i, c in enumerate(contents):
+        if not isinstance(c, dict):
+            raise _bad(f"contents[{i}]: must be a Content object")
+        role = c.get("role") or "user"
+        if role == "model":
+            msg = _parse_model(i, c)
+            pending = list(msg.tool_calls)
+            messages.append(msg)
+        elif role in ("user", "function"):
+            messages.extend(_parse_user(i, c, pending))
+        else:
+            raise _bad(f"contents[{i}].role: unexpected value {role!r}; expected 'user' or 'model'")
+    sampling = _sampling(body.get("generationConfig"))
+    thinking = _thinking(body.get("generationConfig") or {})
+    if sampling.json_schema is not None:
+        # Constrained decoding applies from the first sampled token, so the policy cannot think
+        # before its JSON (Gemini CLI's router asks for both): render the prompt without thinking.
+        thinking = False
+    return ChatRequest(
+        style=NAME,
+        model=model,
+        messages=messages,
+        tools=_parse_tools(body.get("tools")),
+        tool_choice=_tool_choice(body.get("toolConfig")),
+        sampling=sampling,
+        stream=stream,
+        thinking=thinking,
+    )
+
+
+# ---- response ----------------------------------------------------------------------------------
+
+_FINISH = {"stop": "STOP", "tool_calls": "STOP", "length": "MAX_TOKENS", "abort": "OTHER", "error": "OTHER"}
+
+
+def _finish_reason(c: Completion) -> str:
+    # A call whose arguments are not a JSON object cannot be a Gemini functionCall.
+    if any(call.raw is not None for call in c.tool_calls):
+        return "MALFORMED_FUNCTION_CALL"
+    return _FINISH.get(c.finish_reason, "STOP")
+
+
+def response_id(turn_id: str) -> str:
+    return turn_id.removeprefix("turn_")
+
+
+def _usage(c: Completion) -> dict[str, int]:
+    # Gemini counts thoughts apart from candidates; the policy knows only the total it sampled.
+    out = {
+        "promptTokenCount": c.usage.prompt_tokens,
+        "candidatesTokenCount": c.usage.completion_tokens,
+        "totalTokenCount": c.usage.prompt_tokens + c.usage.completion_tokens,
+    }
+    if c.usage.cached_tokens:
+        out["cachedContentTokenCount"] = c.usage.cached_tokens
+    return out
+
+
+def _function_call(call: ToolCall) -> dict[str, Any]:
+    return {"functionCall": {"id": call.id, "name": call.name, "args": call.arguments}}
+
+
+def render_response(c: Completion) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = []
+    if c.reasoning:
+        parts.append({"text": c.reasoning, "thought": True})
+    if c.text:
+        parts.append({"text": c.text})
+    parts.extend(_function_call(call) for call in c.tool_calls if call.raw is None)
+    return {
+        "candidates": [
+            {"content": {"role": "model", "parts": parts}, "finishReason": _finish_reason(c), "index": 0}
+        ],
+        "usageMetadata": _usage(c),
+        "modelVersion": c.model,
+        "responseId": response_id(c.turn_id),
+    }
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    # Google terminates events with CRLF CRLF; the data line must stay one line.
+    return f"data: {json.dumps(data, ensure_ascii=False)}\r\n\r\n".encode()
+
+
+# Keep-alive: a bare line break. An SSE comment (": ping") would wedge the google-genai JS parser,
+# which only accepts `data:` lines, optionally preceded by whitespace.
+KEEPALIVE = b"\r\n"
+
+
+async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
+    """One GenerateContentResponse chunk per delta, then a last chunk with finishReason and
+    usageMetadata, sent only after the turn is committed."""
+    rid = ""
+
+    def chunk(parts: list[dict[str, Any]], **candidate: Any) -> bytes:
+        body: dict[str, Any] = {
+            "candidates": [{"content": {"role": "model", "parts": parts}, "index": 0, **candidate}],
+            "modelVersion": req.model,
+            "responseId": rid,
+        }
+        return _sse(body)
+
+    async for ev in events:
+        if isinstance(ev, Started):
+            rid = response_id(ev.turn_id)
+        elif isinstance(ev, Ping):
+            yield KEEPALIVE
+        elif isinstance(ev, ReasoningDelta):
+            yield chunk([{"text": ev.text, "thought": True}])
+        elif isinstance(ev, TextDelta):
+            yield chunk([{"text": ev.text}])
+        elif isinstance(ev, ToolCallEvent):
+            if ev.call.raw is None:
+                yield chunk([_function_call(ev.call)])
+        elif isinstance(ev, Done):
+            c = ev.completion
+            rid = response_id(c.turn_id)
+            # Empty model parts are valid for Gemini CLI; an empty text part is not.
+            yield _sse(
+                {
+                    "candidates": [
+                        {
+                            "content": {"role": "model", "parts": []},
+                            "finishReason": _finish_reason(c),
+                            "index": 0,
+                        }
+                    ],
+                    "usageMetadata": _usage(c),
+                    "modelVersion": req.model,
+                    "responseId": rid,
+                }
+            )
+
+
+def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:
+    status, code = ERROR_CODES.get(e.kind, (e.status, "UNKNOWN"))
+    return status, {"error": {"code": status, "message": e.message, "status": code}}
+
+
+def render_stream_error(e: ProviderError) -> bytes:
+    # Google ends a broken stream with a bare JSON error object (no `data:` line); the genai SDK
+    # recognizes it and raises an ApiError with its code, which Gemini CLI retries when 429/5xx.
+    return json.dumps(render_error(e)[1], ensure_ascii=False).encode()
+
+
+def render_count(n: int) -> dict[str, Any]:
+    return {"totalTokens": n}
+
+
+def render_models(names: list[str]) -> dict[str, Any]:
+    return {
+        "models": [
+            {
+                "name": f"models/{n}",
+                "baseModelId": n,
+                "version": "polar",
+                "displayName": n,
+                "supportedGenerationMethods": ["generateContent", "streamGenerateContent", "countTokens"],
+            }
+            for n in names
+        ]
+    }

@@ -1,0 +1,483 @@
+"""OpenAI Chat Completions: native request → ChatRequest, Completion/events → native JSON or SSE.
+
+Serves `POST …/chat/completions` under any prefix, so OpenAI's `/v1/chat/completions` and the
+OpenAI-compatible modes of other providers (DashScope's `/compatible-mode/v1/chat/completions`,
+which Qwen Code calls by default) are one style. On api.openai.com, paths that are not ours
+(`/v1/responses`) are left to the Responses module.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from polar_mitm.neutral import (
+    ChatRequest,
+    Completion,
+    Done,
+    Event,
+    Message,
+    Ping,
+    ProviderError,
+    ReasoningDelta,
+    Sampling,
+    Started,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallEvent,
+)
+
+NAME = "openai-chat"
+ID_PREFIX = "call_"
+HOSTS = [
+    "api.openai.com",
+    # DashScope (Alibaba Model Studio) OpenAI-compatible regions, and Qwen Code's coding plan.
+    "dashscope.aliyuncs.com",
+    "dashscope-intl.aliyuncs.com",
+    "dashscope-us.aliyuncs.com",
+    "cn-hongkong.dashscope.aliyuncs.com",
+    "coding.dashscope.aliyuncs.com",
+    "coding-intl.dashscope.aliyuncs.com",
+]
+
+# neutral kind -> (OpenAI error type, code, status override). OpenAI's node SDK retries 408,
+# 409, 429 and every 5xx, so an overloaded or unreachable policy backend is a 503 (not
+# Anthropic's 529, which some OpenAI-compatible clients do not know) and the harness retries.
+ERROR_SHAPES: dict[str, tuple[str, str | None, int | None]] = {
+    "invalid_request": ("invalid_request_error", None, None),
+    "authentication": ("authentication_error", "invalid_api_key", 401),
+    "permission": ("permission_error", None, 403),
+    "not_found": ("invalid_request_error", "not_found", 404),
+    "rate_limit": ("rate_limit_error", "rate_limit_exceeded", 429),
+    "overloaded": ("server_error", "overloaded", 503),
+    "timeout": ("server_error", "timeout", 504),
+    "api_error": ("server_error", None, None),
+}
+
+
+def endpoint(method: str, path: str) -> str | None:
+    """Which Chat Completions endpoint a request is for, or None when it is not ours."""
+    p = path.split("?", 1)[0].rstrip("/")
+    if method == "POST" and p.endswith("/chat/completions"):
+        return "generate"
+    if method == "GET" and p.endswith("/models"):
+        return "models"
+    return None
+
+
+class ChatCompletionsRequest(ChatRequest):
+    """A ChatRequest that remembers what the Chat Completions stream must include.
+
+    `stream_options.include_usage` shapes only this style's SSE, so it rides on a subclass the
+    gateway hands back to `render_stream`, not on the neutral model.
+    """
+
+    include_usage: bool = False
+
+
+# ---- request -----------------------------------------------------------------------------------
+
+
+class InvalidRequest(ProviderError):
+    """A 400 that names the offending request field, as OpenAI's `param` does."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__("invalid_request", message, 400)
+        self.param = param
+
+
+def _bad(msg: str, param: str | None = None) -> ProviderError:
+    return InvalidRequest(msg, param)
+
+
+_PART_PLACEHOLDERS = {
+    "image_url": "[image]",
+    "input_image": "[image]",
+    "input_audio": "[audio]",
+    "file": "[file]",
+    "video_url": "[video]",
+}
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content (a string, null, or a list of content parts) as text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}: must be a string or a list of content parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            parts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise _bad(f"{where}.{j}: content parts must be objects", f"{where}.{j}")
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text"):
+            parts.append(str(part.get("text", "")))
+        elif kind == "refusal":
+            parts.append(str(part.get("refusal", "")))
+        elif kind in _PART_PLACEHOLDERS:
+            parts.append(_PART_PLACEHOLDERS[kind])
+        else:
+            raise _bad(f"{where}.{j}.type: unsupported content part type {kind!r}", f"{where}.{j}.type")
+    # Text parts are concatenated as written: DashScope-style clients split one system prompt
+    # into parts only to attach cache_control markers, and those must not change the text.
+    return "".join(parts)
+
+
+def _parse_arguments(raw: Any, where: str) -> ToolCall:
+    """Tool-call arguments arrive as a JSON string; keep the text when it is not a JSON object."""
+    if isinstance(raw, dict):
+        return ToolCall(id="", name="", arguments=raw)
+    if raw is None or raw == "":
+        return ToolCall(id="", name="", arguments={})
+    if not isinstance(raw, str):
+        raise _bad(f"{where}: must be a JSON string", where)
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return ToolCall(id="", name="", raw=raw)
+    if isinstance(parsed, dict):
+        return ToolCall(id="", name="", arguments=parsed)
+    return ToolCall(id="", name="", raw=raw)
+
+
+def _parse_tool_calls(calls: Any, where: str) -> list[ToolCall]:
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise _bad(f"{where}: must be a list", where)
+    out = []
+    for j, c in enumerate(calls):
+        w = f"{where}.{j}"
+        if not isinstance(c, dict):
+            raise _bad(f"{w}: must be an object", w)
+        fn = c.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{w}.function.name: required", f"{w}.function.name")
+        call = _parse_arguments(fn.get("arguments"), f"{w}.function.arguments")
+        out.append(call.model_copy(update={"id": str(c.get("id") or ""), "name": fn["name"]}))
+    return out
+
+
+def _parse_message(i: int, m: Any) -> Message:
+    where = f"messages.{i}"
+    if not isinstance(m, dict):
+        raise _bad(f"{where}: must be an object", where)
+    role = m.get("role")
+    content = _text_of(m.get("content"), f"{where}.content")
+    if role in ("system", "developer"):
+        return Message(role="system", content=content)
+    if role == "user":
+        return Message(role="user", content=content)
+    if role == "assistant":
+        calls = _parse_tool_calls(m.get("tool_calls"), f"{where}.tool_calls")
+        legacy = m.get("function_call")
+        if isinstance(legacy, dict) and isinstance(legacy.get("name"), str):
+            call = _parse_arguments(legacy.get("arguments"), f"{where}.function_call.arguments")
+            calls.append(call.model_copy(update={"id": "", "name": legacy["name"]}))
+        reasoning = m.get("reasoning_content")
+        if reasoning is None:
+            reasoning = m.get("reasoning")
+        return Message(
+            role="assistant",
+            content=content,
+            reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
+            tool_calls=calls,
+        )
+    if role == "tool":
+        return Message(role="tool", content=content, tool_call_id=str(m.get("tool_call_id") or ""))
+    if role == "function":  # the pre-tools form of a tool result
+        return Message(role="tool", content=content, name=m.get("name"))
+    raise _bad(
+        f"{where}.role: unexpected value {role!r}; expected system, developer, user, assistant or tool",
+        f"{where}.role",
+    )
+
+
+def _parse_tools(body: dict[str, Any]) -> list[Tool]:
+    tools = []
+    for j, t in enumerate(body.get("tools") or []):
+        where = f"tools.{j}"
+        if not isinstance(t, dict):
+            raise _bad(f"{where}: must be an object", where)
+        if t.get("type", "function") != "function":
+            raise _bad(f"{where}.type: unsupported tool type {t.get('type')!r}; expected 'function'", where)
+        fn = t.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{where}.function.name: required", f"{where}.function.name")
+        tools.append(_tool(fn))
+    for j, fn in enumerate(body.get("functions") or []):  # the pre-tools form
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"functions.{j}.name: required", f"functions.{j}.name")
+        tools.append(_tool(fn))
+    return tools
+
+
+def _tool(fn: dict[str, Any]) -> Tool:
+    params = fn.get("parameters")
+    return Tool(
+        name=fn["name"],
+        description=str(fn.get("description") or ""),
+        parameters=params if isinstance(params, dict) else {"type": "object", "properties": {}},
+    )
+
+
+def _tool_choice(tc: Any) -> str | dict[str, Any] | None:
+    if tc is None or isinstance(tc, str):
+        return tc
+    if isinstance(tc, dict):
+        fn = tc.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return {"name": fn["name"]}
+        if isinstance(tc.get("name"), str):  # the pre-tools function_call form
+            return {"name": tc["name"]}
+    raise _bad("tool_choice: expected 'none', 'auto', 'required' or a named function", "tool_choice")
+
+
+def _json_schema(rf: Any) -> dict[str, Any] | None:
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise _bad("response_format: must be an object", "response_format")
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _bad("response_format.json_schema.schema: required (an object)", "response_format")
+        return schema
+    raise _bad(f"response_format.type: unsupported value {kind!r}", "response_format.type")
+
+
+def _thinking(body: dict[str, Any]) -> bool | None:
+    """Qwen-style switches (`enable_thinking`, `chat_template_kwargs`) or OpenAI's reasoning_effort."""
+    if isinstance(body.get("enable_thinking"), bool):
+        return body["enable_thinking"]
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and isinstance(kwargs.get("enable_thinking"), bool):
+        return kwargs["enable_thinking"]
+    effort = body.get("reasoning_effort")
+    if isinstance(effort, str):
+        return effort not in ("none", "minimal")
+    return None
+
+
+def parse_request(body: Any, *, require_max_tokens: bool = False) -> ChatCompletionsRequest:
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages: field required (a non-empty list of messages)", "messages")
+    messages = [_parse_message(i, m) for i, m in enumerate(msgs)]
+    n = body.get("n")
+    if n not in (None, 1):
+        raise _bad("n: only one choice per request is supported", "n")
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = stop
+    else:
+        raise _bad("stop: must be a string or a list of strings", "stop")
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise _bad("max_tokens: must be a positive integer", "max_tokens")
+    try:
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=body.get("temperature"),
+            top_p=body.get("top_p"),
+            top_k=body.get("top_k"),
+            stop=stops,
+            json_schema=_json_schema(body.get("response_format")),
+        )
+    except ValueError as e:
+        raise _bad(f"invalid sampling parameter: {e}") from e
+    options = body.get("stream_options")
+    return ChatCompletionsRequest(
+        style=NAME,
+        model=str(body.get("model", "")),
+        messages=messages,
+        tools=_parse_tools(body),
+        tool_choice=_tool_choice(body.get("tool_choice", body.get("function_call"))),
+        sampling=sampling,
+        stream=bool(body.get("stream", False)),
+        thinking=_thinking(body),
+        include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+    )
+
+
+# ---- response ----------------------------------------------------------------------------------
+
+_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
+
+
+def completion_id(turn_id: str) -> str:
+    return "chatcmpl-" + turn_id.removeprefix("turn_")
+
+
+def _usage(c: Completion) -> dict[str, Any]:
+    return {
+        "prompt_tokens": c.usage.prompt_tokens,
+        "completion_tokens": c.usage.completion_tokens,
+        "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": c.usage.cached_tokens},
+    }
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json()},
+    }
+
+
+def render_response(c: Completion) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        # OpenAI sends null content when the reply is only tool calls.
+        "content": c.text if c.text or not c.tool_calls else None,
+        "refusal": None,
+    }
+    if c.reasoning:
+        message["reasoning_content"] = c.reasoning
+    if c.tool_calls:
+        message["tool_calls"] = [_tool_call(call) for call in c.tool_calls]
+    return {
+        "id": completion_id(c.turn_id),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": c.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": _FINISH.get(c.finish_reason, "stop"),
+            }
+        ],
+        "usage": _usage(c),
+    }
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
+    """Chat Completions SSE, produced as the policy generates. `[DONE]` comes only after the commit."""
+    include_usage = getattr(req, "include_usage", False)
+    chunk_id = completion_id("turn_pending")
+    created = int(time.time())
+    started = False
+    tool_index = -1
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        data: dict[str, Any] = {
+            "id": chunk_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if include_usage:
+            data["usage"] = None
+        return _sse(data)
+
+    def first() -> bytes:
+        return chunk({"role": "assistant", "content": ""})
+
+    async for ev in events:
+        if isinstance(ev, Started):
+            chunk_id = completion_id(ev.turn_id)
+            started = True
+            yield first()
+            continue
+        if not started:
+            started = True
+            yield first()
+        if isinstance(ev, Ping):
+            # An SSE comment: every client skips it, and it keeps idle timeouts away.
+            yield b": ping\n\n"
+        elif isinstance(ev, ReasoningDelta):
+            yield chunk({"reasoning_content": ev.text})
+        elif isinstance(ev, TextDelta):
+            yield chunk({"content": ev.text})
+        elif isinstance(ev, ToolCallEvent):
+            tool_index += 1
+            call = ev.call
+            # As OpenAI streams them: the call's id and name first, then its arguments.
+            yield chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": tool_index,
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": ""},
+                        }
+                    ]
+                }
+            ) + chunk(
+                {"tool_calls": [{"index": tool_index, "function": {"arguments": call.arguments_json()}}]}
+            )
+        elif isinstance(ev, Done):
+            c = ev.completion
+            out = chunk({}, _FINISH.get(c.finish_reason, "stop"))
+            if include_usage:
+                out += _sse(
+                    {
+                        "id": chunk_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": req.model,
+                        "choices": [],
+                        "usage": _usage(c),
+                    }
+                )
+            yield out + b"data: [DONE]\n\n"
+
+
+def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:
+    kind, code, status = ERROR_SHAPES.get(e.kind, ("server_error", None, None))
+    return status or e.status, {
+        "error": {
+            "message": e.message,
+            "type": kind,
+            "param": getattr(e, "param", None),
+            "code": code,
+        }
+    }
+
+
+def render_stream_error(e: ProviderError) -> bytes:
+    # OpenAI's SDKs raise an APIError for a data chunk that carries `error`.
+    return _sse(render_error(e)[1])
+
+
+def render_count(n: int) -> dict[str, Any]:
+    return {"object": "token_count", "prompt_tokens": n}
+
+
+def render_models(names: list[str]) -> dict[str, Any]:
+    now = int(time.time())
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": now, "owned_by": "polar-mitm"} for n in names],
+    }

@@ -1,0 +1,796 @@
+"""OpenAI Responses API: native request → ChatRequest, Completion/events → native JSON or SSE.
+
+Spoken by Codex CLI, Pi and OpenCode. Requests are stateless: the whole conversation arrives as
+`input` items each time, and a harness that asks us to remember one (`previous_response_id`,
+`conversation`) is refused with a 400 that says so. Input items are grouped back into neutral
+messages: the reasoning, message and function-call items of one model reply become one
+assistant message, in the order we render them, so an echoed reply hashes like the turn that
+sampled it. Reasoning we render carries its text in `encrypted_content` (a recognizable
+`polar-r1:` token) as well as in `summary`, so the echo maps back to the same reasoning even when
+a harness drops the summary.
+
+Streaming follows the full event sequence real clients require: `response.created`,
+`response.in_progress`, per output item `response.output_item.added` … `response.output_item.done`
+with the part/delta/done events of its kind, then `response.completed` (or `response.incomplete`
+when the token limit cut the reply) carrying the whole response object.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import Field
+
+from polar_mitm.neutral import (
+    ChatRequest,
+    Completion,
+    Done,
+    Event,
+    Message,
+    Ping,
+    ProviderError,
+    ReasoningDelta,
+    Sampling,
+    Started,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallEvent,
+)
+
+NAME = "openai-responses"
+ID_PREFIX = "call_"
+HOSTS = ["api.openai.com"]
+
+REASONING_TOKEN_PREFIX = "polar-r1:"
+
+# Neutral error kind -> (OpenAI error type, code).
+ERROR_TYPES: dict[str, tuple[str, str | None]] = {
+    "invalid_request": ("invalid_request_error", None),
+    "authentication": ("invalid_request_error", "invalid_api_key"),
+    "permission": ("invalid_request_error", "permission_denied"),
+    "not_found": ("invalid_request_error", "not_found"),
+    # Not "server_is_overloaded": Codex takes that code as "model at capacity" and gives up, while
+    # a backend that is down or broke mid-stream is worth the harness's retries.
+    "overloaded": ("server_error", "server_error"),
+    "rate_limit": ("requests", "rate_limit_exceeded"),
+    "api_error": ("server_error", "server_error"),
+    "timeout": ("server_error", "timeout"),
+}
+
+# Tool types that are not functions but that a local policy can still be offered as one.
+# local_shell: Codex's built-in shell, called with an argv array.
+LOCAL_SHELL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "array", "items": {"type": "string"}, "description": "argv of the command"},
+        "workdir": {"type": "string", "description": "working directory"},
+        "timeout_ms": {"type": "integer", "description": "timeout in milliseconds"},
+    },
+    "required": ["command"],
+}
+
+
+class ResponsesRequest(ChatRequest):
+    """A ChatRequest that remembers how each non-function tool's calls must be rendered."""
+
+    tool_kinds: dict[str, str] = Field(default_factory=dict)  # tool name -> "custom" | "local_shell"
+
+
+def endpoint(method: str, path: str) -> str | None:
+    """Which Responses endpoint a request is for, or None (for Chat Completions, side calls…).
+
+    The API lives at `/v1/responses`, and under other prefixes too (Codex with a ChatGPT login
+    uses `/backend-api/codex/responses`, Azure `/openai/responses`): the suffix decides.
+    """
+    p = path.split("?", 1)[0].rstrip("/")
+    if method == "POST" and p.endswith("/responses"):
+        return "generate"
+    if method == "POST" and p.endswith("/responses/input_tokens"):
+        return "count_tokens"
+    return None
+
+
+# ---- request -----------------------------------------------------------------------------------
+
+
+def _bad(msg: str) -> ProviderError:
+    return ProviderError("invalid_request", msg, 400)
+
+
+def reasoning_token(text: str) -> str:
+    """The `encrypted_content` we give our reasoning: the text itself, recognizable on echo."""
+    return REASONING_TOKEN_PREFIX + base64.b64encode(text.encode()).decode()
+
+
+def reasoning_from_token(token: Any) -> str | None:
+    if not isinstance(token, str) or not token.startswith(REASONING_TOKEN_PREFIX):
+        return None
+    try:
+        return base64.b64decode(token[len(REASONING_TOKEN_PREFIX) :], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def _parts_text(content: Any, where: str) -> str:
+    """The text of a message's content: a string or a list of content parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}: must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise _bad(f"{where}.{j}: content parts must be objects")
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            texts.append(str(part.get("text", "")))
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        elif kind in ("input_image", "input_file", "input_audio"):
+            texts.append(f"[{kind.removeprefix('input_')}]")
+    return "".join(texts)
+
+
+def _arguments(raw: Any, name: str, call_id: str) -> ToolCall:
+    if isinstance(raw, dict):
+        return ToolCall(id=call_id, name=name, arguments=raw)
+    text = raw if isinstance(raw, str) else ""
+    try:
+        parsed = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return ToolCall(id=call_id, name=name, raw=text)
+    if isinstance(parsed, dict):
+        return ToolCall(id=call_id, name=name, arguments=parsed)
+    return ToolCall(id=call_id, name=name, raw=text)
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    own = reasoning_from_token(item.get("encrypted_content"))
+    if own is not None:
+        return own
+    for key in ("content", "summary"):
+        text = _parts_text(item.get(key), "reasoning")
+        if text:
+            return text
+    return ""
+
+
+def _tool_call(item: dict[str, Any], where: str) -> ToolCall:
+    kind = item.get("type")
+    call_id = str(item.get("call_id") or item.get("id") or "")
+    if kind == "local_shell_call":
+        action = item.get("action") if isinstance(item.get("action"), dict) else {}
+        args: dict[str, Any] = {"command": action.get("command") or []}
+        if action.get("working_directory"):
+            args["workdir"] = action["working_directory"]
+        if action.get("timeout_ms") is not None:
+            args["timeout_ms"] = action["timeout_ms"]
+        return ToolCall(id=call_id, name="local_shell", arguments=args)
+    if not isinstance(item.get("name"), str):
+        raise _bad(f"{where}.name: required")
+    if kind == "custom_tool_call":
+        return ToolCall(id=call_id, name=item["name"], arguments={"input": str(item.get("input", ""))})
+    return _arguments(item.get("arguments"), item["name"], call_id)
+
+
+def _output_text(output: Any, where: str) -> str:
+    if isinstance(output, dict):  # some clients send {"content": …} or {"output": …}
+        output = output.get("content", output.get("output", json.dumps(output)))
+    return _parts_text(output, where)
+
+
+def _convert_tool(t: Any, where: str) -> Tool | None:
+    """A Responses tool as a neutral function tool; None for hosted tools a policy cannot run."""
+    if not isinstance(t, dict):
+        raise _bad(f"{where}: each tool must be an object")
+    kind = t.get("type", "function")
+    if kind == "function":
+        fn = t.get("function") if isinstance(t.get("function"), dict) else t  # tolerate Chat's nesting
+        if not isinstance(fn.get("name"), str):
+            raise _bad(f"{where}.name: function tools need a name")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        return Tool(name=fn["name"], description=fn.get("description") or "", parameters=params)
+    if kind == "custom":  # freeform tools (Codex's apply_patch) take one string
+        if not isinstance(t.get("name"), str):
+            raise _bad(f"{where}.name: custom tools need a name")
+        fmt = t.get("format") if isinstance(t.get("format"), dict) else {}
+        hint = "The raw input for this tool."
+        if fmt.get("type") == "grammar" and fmt.get("definition"):
+            hint += f" It must match this {fmt.get('syntax', 'grammar')} grammar:\n{fmt['definition']}"
+        return Tool(
+            name=t["name"],
+            description=t.get("description") or "",
+            parameters={
+                "type": "object",
+                "properties": {"input": {"type": "string", "description": hint}},
+                "required": ["input"],
+            },
+        )
+    if kind == "local_shell":
+        return Tool(
+            name="local_shell", description="Runs a shell command.", parameters=LOCAL_SHELL_PARAMETERS
+        )
+    return None  # web_search, file_search, image_generation, mcp, …: hosted, not offered
+
+
+def _tools(raw: Any, where: str, kinds: dict[str, str]) -> list[Tool]:
+    """The offered tools; `kinds` learns which of them are not plain functions."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise _bad(f"{where}: must be a list of tools")
+    out = []
+    for j, t in enumerate(raw):
+        if isinstance(t, dict) and t.get("type") == "namespace":
+            # Codex groups tools in namespaces ("functions", "clock", …); calls name the tool alone.
+            out.extend(_tools(t.get("tools"), f"{where}.{j}.tools", kinds))
+            continue
+        tool = _convert_tool(t, f"{where}.{j}")
+        if tool is not None:
+            out.append(tool)
+            if t.get("type") in ("custom", "local_shell"):
+                kinds[tool.name] = t["type"]
+    return out
+
+
+class _Conversation:
+    """Folds Responses input items into neutral messages, one assistant message per model reply."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.tools: list[Tool] = []
+        self.tool_kinds: dict[str, str] = {}
+        self.reply: Message | None = None
+
+    def flush(self) -> None:
+        if self.reply is not None:
+            self.messages.append(self.reply)
+            self.reply = None
+
+    def assistant(self) -> Message:
+        if self.reply is None:
+            self.reply = Message(role="assistant")
+        return self.reply
+
+    def add(self, i: int, item: Any) -> None:
+        where = f"input.{i}"
+        if not isinstance(item, dict):
+            raise _bad(f"{where}: each input item must be an object")
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            text = _parts_text(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                # A reply's text precedes its tool calls: text after text or calls is a new reply.
+                if self.reply is not None and (self.reply.content or self.reply.tool_calls):
+                    self.flush()
+                self.assistant().content = text
+                return
+            if role not in ("user", "system", "developer"):
+                raise _bad(
+                    f"{where}.role: unexpected value {role!r}; expected user, system, developer or assistant"
+                )
+            self.flush()
+            self.messages.append(Message(role="user" if role == "user" else "system", content=text))
+        elif kind == "reasoning":
+            # Reasoning opens a reply; a second one after text or calls opens the next reply.
+            r = self.reply
+            if r is not None and (r.content or r.tool_calls):
+                self.flush()
+            reply = self.assistant()
+            text = _reasoning_text(item)
+            reply.reasoning = (reply.reasoning or "") + text if text else reply.reasoning
+        elif kind in ("function_call", "custom_tool_call", "local_shell_call"):
+            self.assistant().tool_calls.append(_tool_call(item, where))
+        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
+            self.flush()
+            self.messages.append(
+                Message(
+                    role="tool",
+                    content=_output_text(item.get("output"), f"{where}.output"),
+                    tool_call_id=str(item.get("call_id", "")),
+                )
+            )
+        elif kind == "additional_tools":
+            # Codex's "responses-lite" shape: the tool list travels as an input item.
+            self.tools.extend(_tools(item.get("tools"), f"{where}.tools", self.tool_kinds))
+        elif kind == "item_reference":
+            raise _bad(
+                f"{where}: item_reference is not supported: polar-mitm keeps no server-side state; "
+                "send the full items in `input` (store: false)"
+            )
+        # Other items (web_search_call, image_generation_call, compaction markers…) carry nothing
+        # a local policy can render; they are skipped rather than refused.
+
+
+def _json_schema(text: Any) -> dict[str, Any] | None:
+    if not isinstance(text, dict) or not isinstance(text.get("format"), dict):
+        return None
+    fmt = text["format"]
+    if fmt.get("type") == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise _bad("text.format.schema: required for json_schema (an object)")
+        return schema
+    if fmt.get("type") == "json_object":
+        return {"type": "object"}
+    return None
+
+
+def _tool_choice(tc: Any) -> str | dict[str, Any] | None:
+    if isinstance(tc, str):
+        return tc if tc in ("auto", "none", "required") else None
+    if isinstance(tc, dict):
+        if tc.get("type") in ("function", "custom") and isinstance(tc.get("name"), str):
+            return {"name": tc["name"]}
+        if tc.get("type") == "allowed_tools":
+            return tc.get("mode") if tc.get("mode") in ("auto", "required") else "auto"
+    return None
+
+
+def parse_request(body: Any, *, require_max_tokens: bool = False) -> ChatRequest:
+    del require_max_tokens  # max_output_tokens is optional in this API
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    for key in ("previous_response_id", "conversation"):
+        if body.get(key):
+            raise _bad(
+                f"{key} is not supported: polar-mitm answers statelessly and keeps no responses to "
+                "continue from. Send the whole conversation in `input` (with store: false)."
+            )
+    if body.get("background"):
+        raise _bad("background responses are not supported by polar-mitm; send stream or wait for the reply")
+    conv = _Conversation()
+    instructions = body.get("instructions")
+    if instructions is not None:
+        text = _parts_text(instructions, "instructions")
+        if text:
+            conv.messages.append(Message(role="system", content=text))
+    raw_input = body.get("input")
+    if raw_input is None:
+        raise _bad("input: field required (a string or a list of input items)")
+    if isinstance(raw_input, str):
+        conv.messages.append(Message(role="user", content=raw_input))
+    elif isinstance(raw_input, list):
+        for i, item in enumerate(raw_input):
+            conv.add(i, item)
+        conv.flush()
+    else:
+        raise _bad("input: must be a string or a list of input items")
+    tools = _tools(body.get("tools"), "tools", conv.tool_kinds) + conv.tools
+    max_tokens = body.get("max_output_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
+        raise _bad("max_output_tokens: must be an integer")
+    reasoning = body.get("reasoning")
+    thinking: bool | None = None
+    if isinstance(reasoning, dict) and reasoning.get("effort"):
+        thinking = reasoning["effort"] != "none"
+    try:
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=body.get("temperature"),
+            top_p=body.get("top_p"),
+            json_schema=_json_schema(body.get("text")),
+        )
+    except ValueError as e:
+        raise _bad(f"invalid sampling parameter: {e}") from e
+    return ResponsesRequest(
+        style=NAME,
+        model=str(body.get("model", "")),
+        messages=conv.messages,
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice")),
+        sampling=sampling,
+        stream=bool(body.get("stream", False)),
+        thinking=thinking,
+        tool_kinds=conv.tool_kinds,
+    )
+
+
+# ---- response ----------------------------------------------------------------------------------
+
+
+def response_id(turn_id: str) -> str:
+    return "resp_" + turn_id.removeprefix("turn_")
+
+
+def _suffix(turn_id: str) -> str:
+    return turn_id.removeprefix("turn_")
+
+
+def _usage(c: Completion) -> dict[str, Any]:
+    return {
+        "input_tokens": c.usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": c.usage.cached_tokens},
+        "output_tokens": c.usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens,
+    }
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [{"type": "summary_text", "text": text}],
+        "encrypted_content": reasoning_token(text),
+    }
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": content if status == "completed" else [],
+    }
+
+
+def _call_item(item_id: str, call: ToolCall, kind: str, status: str = "completed") -> dict[str, Any]:
+    done = status == "completed"
+    if kind == "custom":
+        value = call.arguments.get("input") if call.raw is None else call.raw
+        if not isinstance(value, str):
+            value = json.dumps(call.arguments, ensure_ascii=False)
+        return {
+            "type": "custom_tool_call",
+            "id": item_id,
+            "call_id": call.id,
+            "name": call.name,
+            "input": value if done else "",
+            "status": status,
+        }
+    if kind == "local_shell":
+        cmd = call.arguments.get("command")
+        if isinstance(cmd, str):
+            cmd = ["bash", "-lc", cmd]
+        action: dict[str, Any] = {"type": "exec", "command": cmd or [], "env": {}}
+        if call.arguments.get("workdir"):
+            action["working_directory"] = call.arguments["workdir"]
+        if call.arguments.get("timeout_ms") is not None:
+            action["timeout_ms"] = call.arguments["timeout_ms"]
+        return {
+            "type": "local_shell_call",
+            "id": item_id,
+            "call_id": call.id,
+            "status": status,
+            "action": action,
+        }
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments_json() if done else "",
+        "status": status,
+    }
+
+
+def _status(c: Completion) -> tuple[str, dict[str, str] | None]:
+    if c.finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def _response_object(
+    resp_id: str,
+    model: str,
+    created: int,
+    status: str,
+    output: list[dict[str, Any]],
+    *,
+    usage: dict[str, Any] | None = None,
+    incomplete: dict[str, str] | None = None,
+    error: dict[str, Any] | None = None,
+    req: ChatRequest | None = None,
+) -> dict[str, Any]:
+    s = req.sampling if req is not None else Sampling()
+    return {
+        "id": resp_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": error,
+        "incomplete_details": incomplete,
+        "instructions": None,
+        "max_output_tokens": s.max_tokens,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,
+        "temperature": s.temperature,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": s.top_p,
+        "truncation": "disabled",
+        "usage": usage,
+        "metadata": {},
+    }
+
+
+def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, Any]:
+    sfx = _suffix(c.turn_id)
+    kinds = req.tool_kinds if isinstance(req, ResponsesRequest) else {}
+    output: list[dict[str, Any]] = []  # item ids as the stream names them: kind, turn, index
+    if c.reasoning:
+        output.append(_reasoning_item(f"rs_{sfx}_{len(output)}", c.reasoning))
+    if c.text:
+        output.append(_message_item(f"msg_{sfx}_{len(output)}", c.text))
+    for call in c.tool_calls:
+        output.append(_call_item(f"fc_{sfx}_{len(output)}", call, kinds.get(call.name, "function")))
+    status, incomplete = _status(c)
+    return _response_object(
+        response_id(c.turn_id),
+        c.model,
+        int(time.time()),
+        status,
+        output,
+        usage=_usage(c),
+        incomplete=incomplete,
+        req=req,
+    )
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def _error_body(e: ProviderError) -> dict[str, Any]:
+    kind, code = ERROR_TYPES.get(e.kind, ("server_error", "server_error"))
+    if e.kind == "invalid_request" and "too long" in e.message:
+        code = "context_length_exceeded"  # harnesses compact or stop instead of retrying
+    return {"message": e.message, "type": kind, "param": None, "code": code}
+
+
+class _StreamWriter:
+    """The state of one SSE response: sequence numbers, the open output item, finished items."""
+
+    def __init__(self, req: ChatRequest, kinds: dict[str, str]):
+        self.req = req
+        self.kinds = kinds
+        self.seq = 0
+        self.resp_id = "resp_pending"
+        self.sfx = "pending"
+        self.created = int(time.time())
+        self.started = False
+        self.items: list[dict[str, Any]] = []
+        self.open: str | None = None  # "reasoning" | "message"
+        self.buf = ""
+
+    def ev(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return _sse(data)
+
+    def obj(self, status: str, **kw: Any) -> dict[str, Any]:
+        return _response_object(
+            self.resp_id, self.req.model, self.created, status, list(self.items), req=self.req, **kw
+        )
+
+    def start(self, turn_id: str) -> bytes:
+        self.started = True
+        self.resp_id, self.sfx = response_id(turn_id), _suffix(turn_id)
+        return self.ev("response.created", response=self.obj("in_progress")) + self.ev(
+            "response.in_progress", response=self.obj("in_progress")
+        )
+
+    @property
+    def index(self) -> int:
+        return len(self.items)
+
+    def item_id(self) -> str:
+        return {"reasoning": "rs_", "message": "msg_"}[self.open or "message"] + f"{self.sfx}_{self.index}"
+
+    def open_item(self, kind: str) -> bytes:
+        out = self.close()
+        self.open, self.buf = kind, ""
+        iid = self.item_id()
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": iid, "summary": []}
+            part = {"type": "summary_text", "text": ""}
+            return (
+                out
+                + self.ev("response.output_item.added", output_index=self.index, item=item)
+                + self.ev(
+                    "response.reasoning_summary_part.added",
+                    item_id=iid,
+                    output_index=self.index,
+                    summary_index=0,
+                    part=part,
+                )
+            )
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return (
+            out
+            + self.ev(
+                "response.output_item.added",
+                output_index=self.index,
+                item=_message_item(iid, "", "in_progress"),
+            )
+            + self.ev(
+                "response.content_part.added",
+                item_id=iid,
+                output_index=self.index,
+                content_index=0,
+                part=part,
+            )
+        )
+
+    def delta(self, text: str) -> bytes:
+        self.buf += text
+        iid = self.item_id()
+        if self.open == "reasoning":
+            return self.ev(
+                "response.reasoning_summary_text.delta",
+                item_id=iid,
+                output_index=self.index,
+                summary_index=0,
+                delta=text,
+            )
+        return self.ev(
+            "response.output_text.delta",
+            item_id=iid,
+            output_index=self.index,
+            content_index=0,
+            delta=text,
+            logprobs=[],
+        )
+
+    def close(self) -> bytes:
+        if self.open is None:
+            return b""
+        iid, i, text = self.item_id(), self.index, self.buf
+        if self.open == "reasoning":
+            item = _reasoning_item(iid, text)
+            out = self.ev(
+                "response.reasoning_summary_text.done",
+                item_id=iid,
+                output_index=i,
+                summary_index=0,
+                text=text,
+            ) + self.ev(
+                "response.reasoning_summary_part.done",
+                item_id=iid,
+                output_index=i,
+                summary_index=0,
+                part={"type": "summary_text", "text": text},
+            )
+        else:
+            item = _message_item(iid, text)
+            out = self.ev(
+                "response.output_text.done",
+                item_id=iid,
+                output_index=i,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            ) + self.ev(
+                "response.content_part.done",
+                item_id=iid,
+                output_index=i,
+                content_index=0,
+                part=item["content"][0],
+            )
+        self.open = None
+        self.items.append(item)
+        return out + self.ev("response.output_item.done", output_index=i, item=item)
+
+    def call(self, call: ToolCall) -> bytes:
+        out = self.close()
+        kind = self.kinds.get(call.name, "function")
+        i = self.index
+        iid = f"fc_{self.sfx}_{i}"
+        item = _call_item(iid, call, kind)
+        out += self.ev(
+            "response.output_item.added", output_index=i, item=_call_item(iid, call, kind, "in_progress")
+        )
+        if kind == "custom":
+            out += self.ev(
+                "response.custom_tool_call_input.delta", item_id=iid, output_index=i, delta=item["input"]
+            )
+            out += self.ev(
+                "response.custom_tool_call_input.done", item_id=iid, output_index=i, input=item["input"]
+            )
+        elif kind == "function":
+            args = item["arguments"]
+            out += self.ev("response.function_call_arguments.delta", item_id=iid, output_index=i, delta=args)
+            out += self.ev(
+                "response.function_call_arguments.done",
+                item_id=iid,
+                output_index=i,
+                name=call.name,
+                arguments=args,
+            )
+        self.items.append(item)
+        return out + self.ev("response.output_item.done", output_index=i, item=item)
+
+    def done(self, c: Completion) -> bytes:
+        out = self.close()
+        status, incomplete = _status(c)
+        final = self.obj(status, usage=_usage(c), incomplete=incomplete)
+        return out + self.ev(
+            "response.completed" if status == "completed" else "response.incomplete", response=final
+        )
+
+    def failed(self, e: ProviderError) -> bytes:
+        err = _error_body(e)
+        out = b"" if self.started else self.start("turn_failed")
+        return (
+            out
+            + self.ev("error", code=err["code"], message=err["message"], param=None)
+            + self.ev(
+                "response.failed",
+                response=self.obj("failed", error={"code": err["code"], "message": e.message}),
+            )
+        )
+
+
+async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
+    """Responses SSE, produced as the policy generates. The end arrives only after the commit.
+
+    A ProviderError from the policy mid-stream becomes `error` + `response.failed` events here,
+    where the sequence numbers are known.
+    """
+    w = _StreamWriter(req, req.tool_kinds if isinstance(req, ResponsesRequest) else {})
+    try:
+        async for ev in events:
+            if isinstance(ev, Started):
+                yield w.start(ev.turn_id)
+                continue
+            if not w.started:
+                yield w.start("turn_pending")
+            if isinstance(ev, Ping):
+                yield b": keep-alive\n\n"  # the API has no ping event; SSE comments are ignored
+            elif isinstance(ev, ReasoningDelta):
+                yield (w.open_item("reasoning") if w.open != "reasoning" else b"") + w.delta(ev.text)
+            elif isinstance(ev, TextDelta):
+                yield (w.open_item("message") if w.open != "message" else b"") + w.delta(ev.text)
+            elif isinstance(ev, ToolCallEvent):
+                yield w.call(ev.call)
+            elif isinstance(ev, Done):
+                yield w.done(ev.completion)
+    except ProviderError as e:
+        yield w.failed(e)
+
+
+def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:
+    return e.status, {"error": _error_body(e)}
+
+
+def render_stream_error(e: ProviderError) -> bytes:
+    """An error after the stream began, when no stream state is at hand."""
+    err = _error_body(e)
+    failed = _response_object(
+        "resp_failed", "", int(time.time()), "failed", [], error={"code": err["code"], "message": e.message}
+    )
+    return _sse(
+        {"type": "error", "sequence_number": 0, "code": err["code"], "message": e.message, "param": None}
+    ) + _sse({"type": "response.failed", "sequence_number": 1, "response": failed})
+
+
+def render_count(n: int) -> dict[str, Any]:
+    return {"object": "response.input_tokens", "input_tokens": n}
+
+
+def render_models(names: list[str]) -> dict[str, Any]:
+    now = int(time.time())
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": now, "owned_by": "polar-mitm"} for n in names],
+    }
