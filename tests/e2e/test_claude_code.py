@@ -28,8 +28,18 @@ def test_tool_call_is_executed_and_every_turn_is_captured_token_exact(tmp_path, 
     work, db = tmp_path / "work", tmp_path / "runs.sqlite"
     work.mkdir()
     r = polar_run(
-        ["--backend", backend.url, "--tokenizer", str(qwen_tokenizer_dir), "--tool-parser", "qwen25", "--db", str(db),
-         "--session", "cc-e2e"],
+        [
+            "--backend",
+            backend.url,
+            "--tokenizer",
+            str(qwen_tokenizer_dir),
+            "--tool-parser",
+            "qwen25",
+            "--db",
+            str(db),
+            "--session",
+            "cc-e2e",
+        ],
         ["claude", "-p", "Create out.txt containing hi", "--allowedTools", "Bash"],
         cwd=work,
         env=harness_env(tmp_path / "home"),
@@ -45,18 +55,41 @@ def test_tool_call_is_executed_and_every_turn_is_captured_token_exact(tmp_path, 
     assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
     assert_turns_match_backend(backend, db)
     con = sqlite3.connect(db)
-    assert con.execute("SELECT harness, exit_code FROM sessions WHERE id='cc-e2e'").fetchone() == ("claude-code", 0)
+    assert con.execute("SELECT harness, exit_code FROM sessions WHERE id='cc-e2e'").fetchone() == (
+        "claude-code",
+        0,
+    )
 
 
 def test_untrusted_ca_is_reported_instead_of_hanging(tmp_path, backend, qwen_tokenizer_dir):
     require_binary("claude")
     env = harness_env(tmp_path / "home")
     r = polar_run(
-        ["--backend", backend.url, "--tokenizer", str(qwen_tokenizer_dir), "--db", str(tmp_path / "x.sqlite"),
-         "--recipe", "claude-code", "--untrusted-timeout", "3"],
+        [
+            "--backend",
+            backend.url,
+            "--tokenizer",
+            str(qwen_tokenizer_dir),
+            "--db",
+            str(tmp_path / "x.sqlite"),
+            "--recipe",
+            "claude-code",
+            "--untrusted-timeout",
+            "3",
+        ],
         # Strip every CA variable the recipe sets: the harness now distrusts our certificates.
-        ["env", "-u", "NODE_EXTRA_CA_CERTS", "-u", "SSL_CERT_FILE", "-u", "REQUESTS_CA_BUNDLE",
-         "claude", "-p", "hi"],
+        [
+            "env",
+            "-u",
+            "NODE_EXTRA_CA_CERTS",
+            "-u",
+            "SSL_CERT_FILE",
+            "-u",
+            "REQUESTS_CA_BUNDLE",
+            "claude",
+            "-p",
+            "hi",
+        ],
         cwd=tmp_path,
         env=env,
         timeout=120,
