@@ -91,6 +91,52 @@ def _finish(chunk: GenerateChunk | None, has_tool_calls: bool) -> tuple[str, str
     return ("tool_calls" if has_tool_calls else "stop"), stop_seq
 
 
+def turn_record(
+    turn_id: str,
+    req: ChatRequest,
+    ctx: TurnContext,
+    *,
+    status: str,
+    completion: Completion | None,
+    prompt_ids: list[int],
+    ref: str | None,
+    ref_len: int,
+    output_ids: list[int],
+    output_logprobs: list[float],
+    weight_version: str | None,
+    msg_hash: str,
+    error: str | None,
+    started: float,
+) -> TurnRecord:
+    """The stored form of one generation; post_hash lets a later echo of the reply find it."""
+    return TurnRecord(
+        id=turn_id,
+        session_id=ctx.session_id,
+        style=req.style,
+        host=ctx.host,
+        path=ctx.path,
+        model=req.model,
+        tag=ctx.tag,
+        status=status,
+        finish_reason=completion.finish_reason if completion else status,
+        prompt_ids=prompt_ids,
+        prompt_ref=ref,
+        prompt_ref_len=ref_len,
+        output_ids=output_ids,
+        output_logprobs=output_logprobs,
+        weight_version=weight_version,
+        msg_hash=msg_hash,
+        post_hash=conversation_hashes(req.messages + [completion.as_message()], req.tools)[-1]
+        if completion
+        else None,
+        request=ctx.raw_request,
+        request_headers=ctx.headers,
+        response=completion.model_dump_json() if completion else None,
+        error=error,
+        latency_ms=(time.perf_counter() - started) * 1000,
+    )
+
+
 class Policy:
     def __init__(self, config: PolicyConfig, store: Store):
         self.config = config
@@ -222,33 +268,21 @@ class Policy:
         pending: asyncio.Future | None = None
 
         def record(status: str, completion: Completion | None) -> TurnRecord:
-            out_ids = state.output_ids if state else []
-            finish = completion.finish_reason if completion else status
-            return TurnRecord(
-                id=turn_id,
-                session_id=ctx.session_id,
-                style=req.style,
-                host=ctx.host,
-                path=ctx.path,
-                model=req.model,
-                tag=ctx.tag,
+            return turn_record(
+                turn_id,
+                req,
+                ctx,
                 status=status,
-                finish_reason=finish,
+                completion=completion,
                 prompt_ids=prompt_ids,
-                prompt_ref=ref,
-                prompt_ref_len=ref_len,
-                output_ids=out_ids,
+                ref=ref,
+                ref_len=ref_len,
+                output_ids=state.output_ids if state else [],
                 output_logprobs=state.output_logprobs if state else [],
                 weight_version=state.weight_version if state else None,
                 msg_hash=hashes[-1],
-                post_hash=conversation_hashes(req.messages + [completion.as_message()], req.tools)[-1]
-                if completion
-                else None,
-                request=ctx.raw_request,
-                request_headers=ctx.headers,
-                response=completion.model_dump_json() if completion else None,
                 error=error,
-                latency_ms=(time.perf_counter() - t0) * 1000,
+                started=t0,
             )
 
         try:
@@ -360,27 +394,21 @@ class Policy:
                 cached_tokens=result.cached_tokens,
             ),
         )
-        rec = TurnRecord(
-            id=turn_id,
-            session_id=ctx.session_id,
-            style=req.style,
-            host=ctx.host,
-            path=ctx.path,
-            model=req.model,
-            tag=ctx.tag,
-            finish_reason=completion.finish_reason,
+        rec = turn_record(
+            turn_id,
+            req,
+            ctx,
+            status="ok",
+            completion=completion,
             prompt_ids=result.prompt_ids,
-            prompt_ref=ref,
-            prompt_ref_len=ref_len,
+            ref=ref,
+            ref_len=ref_len,
             output_ids=result.output_ids,
             output_logprobs=result.output_logprobs,
             weight_version=result.weight_version,
             msg_hash=hashes[-1],
-            post_hash=conversation_hashes(req.messages + [completion.as_message()], req.tools)[-1],
-            request=ctx.raw_request,
-            request_headers=ctx.headers,
-            response=completion.model_dump_json(),
-            latency_ms=(time.perf_counter() - t0) * 1000,
+            error=None,
+            started=t0,
         )
         await asyncio.shield(self.store.insert_turn(rec))
         if completion.reasoning:

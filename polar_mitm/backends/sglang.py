@@ -86,11 +86,7 @@ class SGLangClient:
                 info.context_length = await self._context_length(http)
             return info
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            raise ProviderError(
-                "overloaded",
-                f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})",
-                529,
-            ) from e
+            raise self._unreachable(e) from e
 
     async def _context_length(self, http: aiohttp.ClientSession) -> int | None:
         """SGLang reports it in /get_server_info (server args) and /v1/models (max_model_len)."""
@@ -115,6 +111,11 @@ class SGLangClient:
                 continue
         return None
 
+    def _unreachable(self, e: BaseException) -> ProviderError:
+        return ProviderError(
+            "overloaded", f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})", 529
+        )
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /v1/chat/completions (chat backend mode), errors mapped like /generate."""
         http = await self._http()
@@ -122,21 +123,9 @@ class SGLangClient:
             async with http.post(f"{self.base_url}/v1/chat/completions", json=body) as resp:
                 text = await resp.text()
                 if resp.status != 200:
-                    if resp.status in (400, 422):
-                        raise ProviderError(
-                            "invalid_request", f"policy backend rejected the request: {text[:2000]}", 400
-                        )
-                    raise ProviderError(
-                        "overloaded" if resp.status in (429, 503) else "api_error",
-                        f"policy backend answered HTTP {resp.status}: {text[:2000]}",
-                        529 if resp.status in (429, 503) else 500,
-                    )
+                    raise status_error(resp.status, text)
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise ProviderError(
-                "overloaded",
-                f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})",
-                529,
-            ) from e
+            raise self._unreachable(e) from e
         try:
             return json.loads(text)
         except ValueError as e:
@@ -154,23 +143,10 @@ class SGLangClient:
         try:
             resp = await http.post(f"{self.base_url}/generate", json=body)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            raise ProviderError(
-                "overloaded",
-                f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})",
-                529,
-            ) from e
+            raise self._unreachable(e) from e
         async with resp:
             if resp.status != 200:
-                detail = (await resp.text())[:2000]
-                if resp.status in (400, 422):
-                    raise ProviderError(
-                        "invalid_request", f"policy backend rejected the request: {detail}", 400
-                    )
-                raise ProviderError(
-                    "overloaded" if resp.status in (429, 503) else "api_error",
-                    f"policy backend answered HTTP {resp.status}: {detail}",
-                    529 if resp.status in (429, 503) else 500,
-                )
+                raise status_error(resp.status, await resp.text())
             state = GenerateChunk()
             buf = b""
             try:
@@ -188,6 +164,16 @@ class SGLangClient:
                             yield state
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 raise ProviderError("overloaded", f"policy backend stream broke: {e}", 529) from e
+
+
+def status_error(status: int, body: str) -> ProviderError:
+    """A non-200 answer from the backend, as the error the harness should see."""
+    detail = body[:2000]
+    if status in (400, 422):
+        return ProviderError("invalid_request", f"policy backend rejected the request: {detail}", 400)
+    if status in (429, 503):
+        return ProviderError("overloaded", f"policy backend answered HTTP {status}: {detail}", 529)
+    return ProviderError("api_error", f"policy backend answered HTTP {status}: {detail}", 500)
 
 
 def _apply_chunk(state: GenerateChunk, payload: bytes) -> GenerateChunk:

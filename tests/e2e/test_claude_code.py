@@ -5,7 +5,6 @@ import sqlite3
 import pytest
 
 from tests.e2e.harness import (
-    FakeBackend,
     assert_turns_match_backend,
     harness_env,
     main_turns,
@@ -14,13 +13,6 @@ from tests.e2e.harness import (
 )
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def backend(qwen_tokenizer_dir):
-    b = FakeBackend(qwen_tokenizer_dir)
-    yield b
-    b.stop()
 
 
 def test_tool_call_is_executed_and_every_turn_is_captured_token_exact(tmp_path, backend, qwen_tokenizer_dir):

@@ -28,13 +28,6 @@ pytestmark = pytest.mark.e2e
 CODEX = ["codex", "exec", "--skip-git-repo-check", "-s", "workspace-write"]
 
 
-@pytest.fixture
-def backend(qwen_tokenizer_dir):
-    b = FakeBackend(qwen_tokenizer_dir)
-    yield b
-    b.stop()
-
-
 def run_codex(
     tmp_path: Path, backend: FakeBackend, tokenizer_dir: Path, session: str, *codex_args: str, turns: int = 2
 ):

@@ -18,13 +18,6 @@ from tests.e2e.harness import (
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture
-def backend(qwen_tokenizer_dir):
-    b = FakeBackend(qwen_tokenizer_dir)
-    yield b
-    b.stop()
-
-
 # A thinking policy that is slow to start: every reply opens with a <think> block, and the first
 # token comes after the proxy's 5 s keep-alive interval.
 THINKING_SCRIPT = [

@@ -12,7 +12,6 @@ import pytest
 
 from polar_mitm.store.db import read_turns
 from tests.e2e.harness import (
-    FakeBackend,
     assert_turns_match_backend,
     harness_env,
     main_turns,
@@ -21,13 +20,6 @@ from tests.e2e.harness import (
 )
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def backend(qwen_tokenizer_dir):
-    b = FakeBackend(qwen_tokenizer_dir)
-    yield b
-    b.stop()
 
 
 def backend_args(backend, tokenizer_dir) -> list[str]:

@@ -25,13 +25,6 @@ pytestmark = pytest.mark.e2e
 QWEN = ["qwen", "--auth-type", "openai", "-m", "gpt-4o", "--yolo", "-p"]
 
 
-@pytest.fixture
-def backend(qwen_tokenizer_dir):
-    b = FakeBackend(qwen_tokenizer_dir)
-    yield b
-    b.stop()
-
-
 def polar_args(backend, tokenizer_dir, db, session):
     return [
         "--backend",
