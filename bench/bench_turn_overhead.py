@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from polar_mitm.backends.fake_server import FakeBackendConfig, start_fake_backend
+from polar_mitm.backends.fake import FakeBackendConfig, start_fake_backend
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer

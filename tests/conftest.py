@@ -66,7 +66,7 @@ class Stack:
 @pytest.fixture
 async def make_stack(tmp_path, certs_dir, qwen_tokenizer_dir):
     """await make_stack(backend=dict(...), policy=dict(...), backend_up=True) -> Stack."""
-    from polar_mitm.backends.fake_server import FakeBackendConfig, start_fake_backend
+    from polar_mitm.backends.fake import FakeBackendConfig, start_fake_backend
     from polar_mitm.backends.policy import PolicyConfig
     from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
 

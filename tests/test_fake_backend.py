@@ -13,7 +13,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from polar_mitm.backends.fake_server import (
+from polar_mitm.backends.fake import (
     DEFAULT_TEXT,
     STATE,
     ContractError,
