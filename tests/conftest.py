@@ -81,7 +81,12 @@ async def make_stack(tmp_path, certs_dir, qwen_tokenizer_dir):
                 FakeBackendConfig(tokenizer_path=str(qwen_tokenizer_dir), **(backend or {}))
             )
         pcfg = PolicyConfig(
-            backend_url=url, tokenizer=str(qwen_tokenizer_dir), ping_interval=0.2, **(policy or {})
+            **{
+                "backend_url": url,
+                "tokenizer": str(qwen_tokenizer_dir),
+                "ping_interval": 0.2,
+                **(policy or {}),
+            }
         )
         proxy = PolarProxy(
             ProxyConfig(

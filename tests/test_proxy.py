@@ -339,3 +339,23 @@ async def test_each_turn_records_the_weight_version_that_sampled_it(make_stack):
             await admin.post(stack.backend_url + "/update_weight_version", json={"new_version": "step-2"})
         await c.post(URL, json=body([{"role": "user", "content": "hello"}], stream=True))
     assert [t.weight_version for t in read_turns(stack.db)] == ["step-1", "step-2"]
+
+
+async def test_tokenizer_defaults_to_the_servers_model_info(make_stack, qwen_tokenizer_dir):
+    stack = await make_stack(policy={"tokenizer": None})
+    async with stack.client() as c:
+        r = await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
+    assert r.status_code == 200
+    assert stack.proxy.policy._tok.path == str(qwen_tokenizer_dir)
+
+
+async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_stack):
+    from polar_mitm.backends.sglang import ModelInfo
+
+    stack = await make_stack(policy={"tokenizer": None})
+    # A real SGLang server often reports a hub id, which is not a directory on this machine.
+    stack.proxy.policy._info = ModelInfo(model_path="Qwen/Qwen3-8B", tokenizer_path="Qwen/Qwen3-8B")
+    async with stack.client() as c:
+        r = await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
+    assert r.status_code == 500
+    assert "pass --tokenizer" in r.json()["error"]["message"]

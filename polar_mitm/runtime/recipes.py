@@ -53,7 +53,6 @@ class Recipe(BaseModel):
     ca: CAEnv = Field(default_factory=CAEnv)
     env: dict[str, str] = Field(default_factory=dict)
     env_default: dict[str, str] = Field(default_factory=dict)
-    args_default: list[str] = Field(default_factory=list)
     side_calls: list[SideCall] = Field(default_factory=list)
 
     def tag(self, req: ChatRequest, path: str) -> str | None:
