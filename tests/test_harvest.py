@@ -940,3 +940,32 @@ async def test_sft_jsonl_from_a_harvested_openai_chat_session(tmp_path):
     assert row["messages"][1]["tool_calls"][0]["function"] == {"name": "shell", "arguments": '{"cmd": "ls"}'}
     assert row["messages"][-1]["content"] == "There is a.txt." and row["metadata"]["style"] == "openai-chat"
     assert row["metadata"]["turn_ids"] == [t.id for t in turns] and KEY not in out.read_text()
+
+
+async def test_openai_responses_stream_assembles_to_the_response_the_json_api_returns():
+    from polar_mitm.providers import openai_responses
+
+    req = openai_responses.parse_request({"model": "gpt-x", "input": "ls", "stream": True})
+    body = await rendered(openai_responses, COMPLETION, req)
+    got = assemble("openai-responses", body, "text/event-stream")
+    want = openai_responses.render_response(COMPLETION)
+    assert [i["type"] for i in got["output"]] == [i["type"] for i in want["output"]]
+    msg, finish = reply_message("openai-responses", got)
+    assert msg.content == COMPLETION.text and msg.reasoning == COMPLETION.reasoning
+    assert [(c.name, c.arguments) for c in msg.tool_calls] == [("Bash", {"command": "ls -la"})]
+    assert finish == "tool_calls"
+
+
+async def test_gemini_stream_assembles_to_the_reply_the_json_api_returns():
+    from polar_mitm.providers import gemini
+
+    path = "/v1beta/models/gemini-x:streamGenerateContent?alt=sse"
+    req = gemini.parse_request({"contents": [{"role": "user", "parts": [{"text": "ls"}]}]}, path=path)
+    body = await rendered(gemini, COMPLETION, req)
+    got = assemble("gemini", body, "text/event-stream")
+    msg, finish = reply_message("gemini", got)
+    want, _ = reply_message("gemini", gemini.render_response(COMPLETION))
+    assert msg.content == want.content == COMPLETION.text
+    assert msg.reasoning == want.reasoning == COMPLETION.reasoning
+    assert [(c.name, c.arguments) for c in msg.tool_calls] == [("Bash", {"command": "ls -la"})]
+    assert finish == "tool_calls"
