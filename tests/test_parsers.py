@@ -25,7 +25,7 @@ def run(text: str, sizes: int) -> OutputParser:
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
 def test_chunking_does_not_change_the_result(size):
     p = run(SAMPLE, size)
-    assert p.reasoning == "I should list files.\n"
+    assert p.reasoning == "I should list files."
     assert p.text == "Let me look."
     assert [(c.name, c.arguments) for c in p.tool_calls] == [
         ("Bash", {"command": "ls -la"}),
@@ -77,3 +77,11 @@ def test_tool_call_ids_use_the_provider_prefix():
 def test_unknown_parser_names_are_refused():
     with pytest.raises(ValueError, match="unknown tool parser"):
         OutputParser("nope", None)
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_reasoning_keeps_inner_blank_lines_and_drops_the_outer_ones(size):
+    p = run("<think>\n\nstep one\n\nstep two\n\n</think>\n\nanswer", size)
+    assert p.reasoning == "step one\n\nstep two"
+    assert "".join(e.text for e in p.events if isinstance(e, ReasoningDelta)) == p.reasoning
+    assert p.text == "answer"

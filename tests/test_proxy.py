@@ -299,7 +299,7 @@ async def test_thinking_is_streamed_signed_and_its_echo_still_splices(make_stack
         [sig] = [
             d["delta"]["signature"] for e, d in events if d.get("delta", {}).get("type") == "signature_delta"
         ]
-        assert thinking == "I should run a command.\n"
+        assert thinking == "I should run a command."
         [use] = [
             d["content_block"]
             for e, d in events

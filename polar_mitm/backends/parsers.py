@@ -72,6 +72,7 @@ class OutputParser:
         self.state = "thinking" if in_reasoning else ("start" if reasoning_parser else "text")
         self.buf = ""
         self.pending_ws = ""  # whitespace held back in text state
+        self.pending_rws = ""  # whitespace held back in thinking state
         self.text_started = False
         self.reasoning = ""
         self.text = ""
@@ -108,12 +109,12 @@ class OutputParser:
     def _step_thinking(self, out: list[ParsedEvent], final: bool) -> bool:
         i = self.buf.find(THINK_CLOSE)
         if i >= 0:
-            self._reason(out, self.buf[:i])
+            self._reason(out, self.buf[:i], final=True)
             self.buf = self.buf[i + len(THINK_CLOSE) :].lstrip()
             self.state = "text"
             return True
         keep = 0 if final else _partial_suffix(self.buf, THINK_CLOSE)
-        self._reason(out, self.buf[: len(self.buf) - keep])
+        self._reason(out, self.buf[: len(self.buf) - keep], final=final)
         self.buf = self.buf[len(self.buf) - keep :]
         return False
 
@@ -146,12 +147,18 @@ class OutputParser:
         self.state = "text"
         return True
 
-    def _reason(self, out: list[ParsedEvent], s: str) -> None:
+    def _reason(self, out: list[ParsedEvent], s: str, final: bool = False) -> None:
+        """Emit reasoning without the newlines around it (as SGLang's reasoning parsers do)."""
+        s = self.pending_rws + s
+        self.pending_rws = ""
         if not self.reasoning:
-            s = s.lstrip("\n")
-        if s:
-            self.reasoning += s
-            out.append(ReasoningDelta(text=s))
+            s = s.lstrip()
+        body = s.rstrip()
+        if not final:
+            self.pending_rws = s[len(body) :]
+        if body:
+            self.reasoning += body
+            out.append(ReasoningDelta(text=body))
 
     def _emit_text(self, out: list[ParsedEvent], s: str, final: bool) -> None:
         """Emit text, holding back trailing whitespace until something follows it."""
