@@ -31,8 +31,16 @@ Tagger = Callable[[ChatRequest, str], str | None]
 
 
 class Gateway:
-    def __init__(self, policy: Policy, *, default_session: str, tagger: Tagger | None = None):
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        default_session: str,
+        tagger: Tagger | None = None,
+        default_host: str | None = None,
+    ):
         self.policy = policy
+        self.default_host = default_host  # the provider this gateway stands in for, if any
         self.default_session = default_session
         self.tagger = tagger
         self.runner: web.AppRunner | None = None
@@ -46,10 +54,11 @@ class Gateway:
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> int:
+        """Listen on loopback; with an ssl_context it can also stand in for a provider's HTTPS API."""
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self.port
@@ -61,7 +70,10 @@ class Gateway:
     # -- dispatch -------------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        host = request.headers.get(HOST_HEADER, "")
+        # Routed flows name their provider host; a direct request (stand-in use) has it in Host.
+        host = request.headers.get(HOST_HEADER) or request.host.rsplit(":", 1)[0]
+        if host.lower() not in providers.HOST_STYLES and self.default_host:
+            host = self.default_host
         self.first_request.set()
         found = providers.route(host, request.method, request.path_qs)
         if found is None:
