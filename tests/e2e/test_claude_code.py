@@ -89,3 +89,73 @@ def test_untrusted_ca_is_reported_instead_of_hanging(tmp_path, backend, qwen_tok
     assert r.returncode == 69, r.stderr
     assert "refused our CA" in r.stderr and "api.anthropic.com" in r.stderr
     assert "0 turns" in r.stderr
+
+
+def test_a_longer_session_is_one_spliced_chain_and_one_trajectory(tmp_path, qwen_tokenizer_dir):
+    import json
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    from tests.e2e.harness import POLAR, FakeBackend
+
+    require_binary("claude")
+    script = tmp_path / "script.json"
+    script.write_text(
+        json.dumps(
+            [
+                {"match": "step2-done", "text": "Finished after two commands."},
+                {"match": "step1-done", "shell": "echo step2-done"},
+                {"match": "[Bb]egin", "shell": "echo step1-done"},
+            ]
+        )
+    )
+    backend = FakeBackend(qwen_tokenizer_dir, "--script", str(script))
+    try:
+        work, db = tmp_path / "work", tmp_path / "runs.sqlite"
+        work.mkdir()
+        r = polar_run(
+            [
+                "--backend",
+                backend.url,
+                "--tokenizer",
+                str(qwen_tokenizer_dir),
+                "--db",
+                str(db),
+                "--task",
+                "t-42",
+            ],
+            ["claude", "-p", "Begin the two-step check", "--allowedTools", "Bash"],
+            cwd=work,
+            env=harness_env(tmp_path / "home"),
+        )
+        assert r.returncode == 0, r.stderr
+        assert "Finished after two commands." in r.stdout
+        t1, t2, t3 = main_turns(db)
+        for a, b in ((t1, t2), (t2, t3)):
+            assert b.prompt_ref == a.id
+            assert b.prompt_ids[: len(a.prompt_ids) + len(a.output_ids)] == a.prompt_ids + a.output_ids
+        assert_turns_match_backend(backend, db)
+    finally:
+        backend.stop()
+
+    out = tmp_path / "traj.parquet"
+    e = subprocess.run(
+        [*POLAR, "export", "--db", str(db), "--strategy", "prefix-merge", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert e.returncode == 0, e.stderr
+    [row] = pq.read_table(out).to_pylist()
+    assert row["num_turns"] == 3 and row["task_id"] == "t-42"
+    assert row["turn_ids"] == [t1.id, t2.id, t3.id]
+    # prompt + response is exactly the last prompt + its sampled ids; mask 1 exactly where sampled.
+    assert row["prompt_ids"] + row["response_ids"] == t3.prompt_ids + t3.output_ids
+    sampled = [i for i, m in enumerate(row["loss_mask"]) if m == 1]
+    assert len(sampled) == len(t1.output_ids) + len(t2.output_ids) + len(t3.output_ids)
+    import numpy as np
+
+    want = np.array(t1.output_logprobs + t2.output_logprobs + t3.output_logprobs, dtype=np.float32)
+    got = np.array([row["response_logprobs"][i] for i in sampled], dtype=np.float32)
+    assert got.tobytes() == want.tobytes()  # bit for bit
