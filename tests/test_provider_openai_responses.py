@@ -557,3 +557,59 @@ async def test_backend_down_is_a_retryable_server_error(make_stack):
     async with stack.client() as c:
         r = await c.post(URL, json=codex_like([{"type": "message", "role": "user", "content": "hi"}]))
     assert r.status_code >= 500 and r.json()["error"]["type"] == "server_error"
+
+
+COMPACT_BODY = {
+    "model": "gpt-6.2-sol",
+    "stream": True,
+    "input": [
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Create out.txt containing hi"}],
+        },
+        {"type": "function_call", "call_id": "call_1", "name": "exec_command", "arguments": '{"cmd": "ls"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"},
+        {"type": "compaction_trigger"},
+    ],
+}
+
+
+async def test_compaction_trigger_gets_exactly_one_compaction_item_that_round_trips():
+    req = responses.parse_request(COMPACT_BODY)
+    assert req.compaction and req.messages[-1].content == responses.COMPACTION_PROMPT
+    c = completion(text="Wrote nothing yet; ls showed a.txt.", tool_calls=[])
+    out = responses.render_response(c, req)["output"]
+    assert [i["type"] for i in out] == ["compaction"]
+    raw = await collect(
+        [Started(turn_id="turn_c", prompt_tokens=5), TextDelta(text="Wrote"), Done(completion=c)], req
+    )
+    evs = parse_sse(raw)
+    assert "response.output_text.delta" not in [e for e, _ in evs]  # the summary goes out whole
+    [final] = [d for e, d in evs if e == "response.completed"]
+    [item] = final["response"]["output"]
+    assert item["type"] == "compaction" and item["encrypted_content"] == out[0]["encrypted_content"]
+    # The next request carries the item instead of the history; it reads back as the summary.
+    later = responses.parse_request(
+        {
+            "model": "m",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Create out.txt"}],
+                },
+                item,
+            ],
+        }
+    )
+    assert not later.compaction
+    assert later.messages[-1].role == "user"
+    assert later.messages[-1].content == responses.COMPACTION_HEADER + "Wrote nothing yet; ls showed a.txt."
+
+
+def test_a_foreign_compaction_item_is_an_explicit_gap():
+    req = responses.parse_request(
+        {"model": "m", "input": [{"type": "compaction", "encrypted_content": "gAAAA-opaque"}]}
+    )
+    assert req.messages[-1].content == "[earlier conversation compacted]"

@@ -48,6 +48,15 @@ ID_PREFIX = "call_"
 HOSTS = ["api.openai.com"]
 
 REASONING_TOKEN_PREFIX = "polar-r1:"
+COMPACTION_TOKEN_PREFIX = "polar-c1:"
+# Codex's "responses_compaction_v2" ends its input with a `compaction_trigger` item and expects
+# exactly one `compaction` output item back; the policy writes the summary (a turn tagged
+# "compaction"), which comes back in later requests as that item's encrypted_content.
+COMPACTION_PROMPT = (
+    "Context checkpoint: summarize the conversation so far (the task, what has been done, the "
+    "current state and what remains) so that the work can continue from this summary alone."
+)
+COMPACTION_HEADER = "Summary of the earlier conversation:\n"
 
 # Neutral error kind -> (OpenAI error type, code).
 ERROR_TYPES: dict[str, tuple[str, str | None]] = {
@@ -80,6 +89,7 @@ class ResponsesRequest(ChatRequest):
     """A ChatRequest that remembers how each non-function tool's calls must be rendered."""
 
     tool_kinds: dict[str, str] = Field(default_factory=dict)  # tool name -> "custom" | "local_shell"
+    compaction: bool = False  # the reply must be one `compaction` item (Codex compaction v2)
 
 
 def endpoint(method: str, path: str) -> str | None:
@@ -108,13 +118,18 @@ def reasoning_token(text: str) -> str:
     return REASONING_TOKEN_PREFIX + base64.b64encode(text.encode()).decode()
 
 
-def reasoning_from_token(token: Any) -> str | None:
-    if not isinstance(token, str) or not token.startswith(REASONING_TOKEN_PREFIX):
+def reasoning_from_token(token: Any, prefix: str = REASONING_TOKEN_PREFIX) -> str | None:
+    if not isinstance(token, str) or not token.startswith(prefix):
         return None
     try:
-        return base64.b64decode(token[len(REASONING_TOKEN_PREFIX) :], validate=True).decode()
+        return base64.b64decode(token[len(prefix) :], validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
         return None
+
+
+def compaction_token(summary: str) -> str:
+    """The `encrypted_content` of a compaction item we produce: the summary, recognizable later."""
+    return COMPACTION_TOKEN_PREFIX + base64.b64encode(summary.encode()).decode()
 
 
 def _parts_text(content: Any, where: str) -> str:
@@ -252,6 +267,7 @@ class _Conversation:
         self.tools: list[Tool] = []
         self.tool_kinds: dict[str, str] = {}
         self.reply: Message | None = None
+        self.compaction = False
 
     def flush(self) -> None:
         if self.reply is not None:
@@ -305,6 +321,16 @@ class _Conversation:
         elif kind == "additional_tools":
             # Codex's "responses-lite" shape: the tool list travels as an input item.
             self.tools.extend(_tools(item.get("tools"), f"{where}.tools", self.tool_kinds))
+        elif kind == "compaction_trigger":
+            self.flush()
+            self.compaction = True
+            self.messages.append(Message(role="user", content=COMPACTION_PROMPT))
+        elif kind == "compaction":
+            self.flush()
+            summary = reasoning_from_token(item.get("encrypted_content"), COMPACTION_TOKEN_PREFIX)
+            # A compaction made elsewhere is opaque to a local policy: say that history was cut.
+            text = COMPACTION_HEADER + summary if summary is not None else "[earlier conversation compacted]"
+            self.messages.append(Message(role="user", content=text))
         elif kind == "item_reference":
             raise _bad(
                 f"{where}: item_reference is not supported: polar-mitm keeps no server-side state; "
@@ -395,6 +421,7 @@ def parse_request(body: Any, *, require_max_tokens: bool = False) -> ChatRequest
         stream=bool(body.get("stream", False)),
         thinking=thinking,
         tool_kinds=conv.tool_kinds,
+        compaction=conv.compaction,
     )
 
 
@@ -524,15 +551,25 @@ def _response_object(
     }
 
 
+def _compaction_item(item_id: str, summary: str) -> dict[str, Any]:
+    return {"type": "compaction", "id": item_id, "encrypted_content": compaction_token(summary)}
+
+
+def _is_compaction(req: ChatRequest | None) -> bool:
+    return isinstance(req, ResponsesRequest) and req.compaction
+
+
 def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, Any]:
     sfx = _suffix(c.turn_id)
     kinds = req.tool_kinds if isinstance(req, ResponsesRequest) else {}
     output: list[dict[str, Any]] = []  # item ids as the stream names them: kind, turn, index
-    if c.reasoning:
+    if _is_compaction(req):
+        output.append(_compaction_item(f"cmp_{sfx}_0", c.text))
+    elif c.reasoning:
         output.append(_reasoning_item(f"rs_{sfx}_{len(output)}", c.reasoning))
-    if c.text:
+    if c.text and not _is_compaction(req):
         output.append(_message_item(f"msg_{sfx}_{len(output)}", c.text))
-    for call in c.tool_calls:
+    for call in c.tool_calls if not _is_compaction(req) else []:
         output.append(_call_item(f"fc_{sfx}_{len(output)}", call, kinds.get(call.name, "function")))
     status, incomplete = _status(c)
     return _response_object(
@@ -720,6 +757,14 @@ class _StreamWriter:
         self.items.append(item)
         return out + self.ev("response.output_item.done", output_index=i, item=item)
 
+    def compaction(self, summary: str) -> bytes:
+        i = self.index
+        item = _compaction_item(f"cmp_{self.sfx}_{i}", summary)
+        self.items.append(item)
+        return self.ev("response.output_item.added", output_index=i, item=item) + self.ev(
+            "response.output_item.done", output_index=i, item=item
+        )
+
     def done(self, c: Completion) -> bytes:
         out = self.close()
         status, incomplete = _status(c)
@@ -748,6 +793,7 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
     where the sequence numbers are known.
     """
     w = _StreamWriter(req, req.tool_kinds if isinstance(req, ResponsesRequest) else {})
+    compaction = _is_compaction(req)
     try:
         async for ev in events:
             if isinstance(ev, Started):
@@ -755,7 +801,11 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
                 continue
             if not w.started:
                 yield w.start("turn_pending")
-            if isinstance(ev, Ping):
+            if compaction and not isinstance(ev, Done | Ping):
+                continue  # the summary goes out whole, as one compaction item, at the end
+            if compaction and isinstance(ev, Done):
+                yield w.compaction(ev.completion.text) + w.done(ev.completion)
+            elif isinstance(ev, Ping):
                 yield b": keep-alive\n\n"  # the API has no ping event; SSE comments are ignored
             elif isinstance(ev, ReasoningDelta):
                 yield (w.open_item("reasoning") if w.open != "reasoning" else b"") + w.delta(ev.text)

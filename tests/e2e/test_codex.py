@@ -146,3 +146,37 @@ def test_backend_breaking_mid_stream_is_retried_by_codex(tmp_path, backend, qwen
     db = run_codex(tmp_path, backend, qwen_tokenizer_dir, "codex-retry", turns=3)
     statuses = [t.status for t in read_turns(db)]
     assert statuses[0] == "error" and statuses[1:] == ["ok", "ok"]
+
+
+COMPACTION_SCRIPT = [
+    {"match": "<tool_response>", "text": "Done. The command finished."},
+    {"match": "Summary of the earlier conversation", "text": "Done. The command finished."},
+    {"match": "Context checkpoint", "text": "The user asked for out.txt containing hi; it was written."},
+    {"match": "[Cc]reate (\\S+) containing (\\S+)", "shell": "printf '%s\\n' '\\2' > '\\1'"},
+]
+
+
+def test_auto_compaction_is_answered_by_the_policy_and_tagged(tmp_path, qwen_tokenizer_dir):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(COMPACTION_SCRIPT))
+    backend = FakeBackend(qwen_tokenizer_dir, "--script", str(script))
+    try:
+        # A tiny auto-compaction limit makes Codex compact after the first tool call.
+        db = run_codex(
+            tmp_path,
+            backend,
+            qwen_tokenizer_dir,
+            "codex-compact",
+            "-c",
+            "model_auto_compact_token_limit=3000",
+            turns=3,
+        )
+        t1, compact, t3 = list(read_turns(db, with_raw=True))
+        assert compact.tag == "compaction" and t1.tag is None and t3.tag is None
+        assert compact.prompt_ref == t1.id  # the summary request extends the conversation so far
+        # Codex replaced its history with our compaction item, which reads back as the summary.
+        [item] = [i for i in json.loads(t3.request)["input"] if i.get("type") == "compaction"]
+        assert item["encrypted_content"].startswith("polar-c1:")
+        assert_turns_match_backend(backend, db)
+    finally:
+        backend.stop()
