@@ -359,3 +359,29 @@ async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_s
         r = await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
     assert r.status_code == 500
     assert "pass --tokenizer" in r.json()["error"]["message"]
+
+
+async def test_replies_stream_as_generated_with_pings_while_the_backend_is_silent(make_stack):
+    import time
+
+    stack = await make_stack(
+        backend={
+            "first_token_delay": 1.0,
+            "token_delay": 0.03,
+            "script": [{"match": "", "text": "one two three " * 10}],
+        }
+    )
+    seen: list[tuple[float, str]] = []
+    t0 = time.perf_counter()
+    async with stack.client() as c:
+        async with c.stream("POST", URL, json=body([{"role": "user", "content": "hi"}], stream=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("event: "):
+                    seen.append((time.perf_counter() - t0, line[7:]))
+    names = [n for _, n in seen]
+    first_delta = names.index("content_block_delta")
+    assert "ping" in names[:first_delta]  # keep-alives while the backend was still silent
+    t_first = seen[first_delta][0]
+    t_stop = seen[names.index("message_stop")][0]
+    assert t_stop - t_first > 0.5  # the text arrived over time, not all at the end
+    assert sum(n == "content_block_delta" for n in names) > 10
