@@ -313,13 +313,10 @@ from polar_mitm.backends.fake_cli import fake_backend  # noqa: E402
 
 main.add_command(fake_backend)
 
-try:
-    from polar_mitm.reconstruct.commands import COMMANDS  # noqa: E402
+from polar_mitm.reconstruct.commands import COMMANDS  # noqa: E402
 
-    for _c in COMMANDS:
-        main.add_command(_c)
-except ImportError as e:  # pragma: no cover - only while the room is being built
-    logging.getLogger("polar_mitm").debug("reconstruct commands unavailable: %s", e)
+for _c in COMMANDS:
+    main.add_command(_c)
 
 
 if __name__ == "__main__":
