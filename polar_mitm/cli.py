@@ -209,7 +209,13 @@ def run(
 @click.option(
     "--session", default="default", show_default=True, help="Session for clients without credentials."
 )
-def proxy(listen, session, db, certs, harvest, upstreams, upstream_insecure, **policy) -> None:
+@click.option(
+    "--token",
+    envvar="POLAR_MITM_PROXY_TOKEN",
+    default=None,
+    help="Require this token as the proxy password (HTTPS_PROXY=http://SESSION:TOKEN@…); others get 407.",
+)
+def proxy(listen, session, token, db, certs, harvest, upstreams, upstream_insecure, **policy) -> None:
     """A long-lived shared proxy for many harnesses.
 
     Sessions are told apart by the credentials in each harness's proxy URL:
@@ -225,6 +231,7 @@ def proxy(listen, session, db, certs, harvest, upstreams, upstream_insecure, **p
         db=db,
         certs_dir=certs,
         default_session=session,
+        token=token,
         policy=make_policy_config(**policy),
         **harvest_config(harvest, upstreams, upstream_insecure),
     )

@@ -17,7 +17,8 @@ URL = "https://api.anthropic.com/v1/messages"
 
 
 @pytest.fixture
-def shared_proxy(tmp_path, certs_dir, qwen_tokenizer_dir):
+def shared_proxy(request, tmp_path, certs_dir, qwen_tokenizer_dir):
+    extra = getattr(request, "param", [])
     backend = FakeBackend(qwen_tokenizer_dir, "--token-delay", "0.02")
     port = free_port()
     db = tmp_path / "shared.sqlite"
@@ -37,6 +38,7 @@ def shared_proxy(tmp_path, certs_dir, qwen_tokenizer_dir):
             str(db),
             "--certs",
             str(certs_dir),
+            *extra,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -97,3 +99,18 @@ def test_a_killed_proxy_leaves_the_database_consistent_with_what_the_harness_saw
     # The finished turn survived; the interrupted one was never committed, as the harness saw no end.
     assert len(rows) == 1 and rows[0][0] == "ok"
     assert json.loads(rows[0][1])["text"] == done["content"][0]["text"]
+
+
+@pytest.mark.parametrize("shared_proxy", [["--token", "secret-token"]], indirect=True)
+def test_a_proxy_with_a_token_refuses_clients_without_it(shared_proxy):
+    port, db, _, certs = shared_proxy
+    with httpx.Client(
+        proxy=f"http://intruder:wrong@127.0.0.1:{port}",
+        verify=str(certs / "mitmproxy-ca-cert.pem"),
+        timeout=30,
+    ) as c:
+        with pytest.raises(httpx.ProxyError, match="407"):
+            c.post(URL, json=body("hi"))
+    with client(port, certs, "worker-1") as c:  # the right token, any session name
+        assert c.post(URL, json=body("hi")).status_code == 200
+    assert [t.session_id for t in read_turns(db)] == ["worker-1"]

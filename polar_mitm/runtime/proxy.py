@@ -40,6 +40,7 @@ class ProxyConfig(BaseModel):
     db: str = "polar-mitm.sqlite"
     certs_dir: Path | None = None
     default_session: str = "default"
+    token: str | None = None  # when set, clients must send it as the proxy password
     recipe: str | None = None  # tags side calls with this recipe's rules; None: all recipes
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     mode: Literal["policy", "harvest"] = "policy"
@@ -103,7 +104,7 @@ class PolarProxy:
         self.master = Master(opts)
         self.master.addons.add(*default_addons())
         self.master.addons.add(
-            Sessions(self.config.default_session),
+            Sessions(self.config.default_session, token=self.config.token),
             *mode_addons,
             self.tls,
         )
