@@ -16,6 +16,11 @@ if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q -e '.[test]'
 
+# tmux drives the interactive-terminal end-to-end test.
+if ! command -v tmux >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || echo "install: could not install tmux" >&2
+fi
+
 # Harness CLIs, pinned to the versions the end-to-end tests were written against.
 NPM_PACKAGES=(
   "@anthropic-ai/claude-code@2.1.197"

@@ -861,7 +861,11 @@ def test_harvest_gives_the_harness_no_dummy_credentials(certs_dir):
     ca, recipe = ensure_ca(certs_dir), recipes.get("claude-code")
     policy = child_env({}, recipe, "http://127.0.0.1:1", ca, "s")
     harvest = child_env({}, recipe, "http://127.0.0.1:1", ca, "s", harvest=True)
-    assert policy["ANTHROPIC_API_KEY"] and "ANTHROPIC_API_KEY" not in harvest
+    assert (
+        policy["ANTHROPIC_AUTH_TOKEN"]
+        and "ANTHROPIC_AUTH_TOKEN" not in harvest
+        and "ANTHROPIC_API_KEY" not in harvest
+    )
     assert harvest["NODE_EXTRA_CA_CERTS"] == str(ca.cert) and harvest["HTTPS_PROXY"] == "http://127.0.0.1:1"
 
 

@@ -35,9 +35,9 @@ def test_child_env_for_claude_code(tmp_path):
     assert env["NODE_EXTRA_CA_CERTS"] == str(ca.cert)
     assert env["SSL_CERT_FILE"] == env["REQUESTS_CA_BUNDLE"] == str(ca.bundle)
     assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
-    assert env["ANTHROPIC_API_KEY"]  # a dummy key when none is set …
+    assert env["ANTHROPIC_AUTH_TOKEN"] and "ANTHROPIC_API_KEY" not in env  # a dummy credential …
     kept = child_env({"ANTHROPIC_API_KEY": "mine"}, rec, "http://x", ca, "s1")
-    assert kept["ANTHROPIC_API_KEY"] == "mine"  # … and the user's own otherwise
+    assert kept["ANTHROPIC_API_KEY"] == "mine" and "ANTHROPIC_AUTH_TOKEN" not in kept  # … or the user's own
 
 
 def test_recipe_is_chosen_by_binary_looking_past_wrappers():

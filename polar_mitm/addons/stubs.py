@@ -8,9 +8,12 @@ falls back to HTTP at once.
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 from mitmproxy import http
+
+log = logging.getLogger("polar_mitm.stubs")
 
 
 def host_pattern(host: str) -> str:
@@ -29,6 +32,12 @@ class Stubs:
     def handles(self, host: str) -> bool:
         return bool(self.pattern.match(host.lower()))
 
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        host = flow.request.pretty_host.lower()
+        if not self.handles(host):
+            # Not intercepted: the harness talks to this host directly, through the tunnel.
+            log.info("passing through %s:%s untouched", host, flow.request.port)
+
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or "polar_route" in flow.metadata:
             return
@@ -38,6 +47,13 @@ class Stubs:
         self.answered += 1
         flow.metadata["polar_stub"] = True
         flow.response = stub_response(flow.request)
+        log.info(
+            "answered %s %s%s locally: %d",
+            flow.request.method,
+            host,
+            flow.request.path,
+            flow.response.status_code,
+        )
 
 
 def stub_response(req: http.Request) -> http.Response:
@@ -47,6 +63,8 @@ def stub_response(req: http.Request) -> http.Response:
         return http.Response.make(426, b"Upgrade Required", {"content-type": "text/plain"})
     if req.method in ("HEAD", "OPTIONS") or path in ("", "/"):
         return http.Response.make(200, b"", headers)
+    if path.endswith("/hello"):  # connectivity probes (Claude Code's interactive start-up)
+        return http.Response.make(200, b'{"message": "hello"}', headers)
     if "event_logging" in path or "telemetry" in path or "/log" in path or req.method == "POST":
         return http.Response.make(200, b"{}", headers)
     body = {

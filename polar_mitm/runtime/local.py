@@ -63,9 +63,11 @@ def child_env(
     for k in recipe.ca.bundle_env:
         env[k] = str(ca.bundle)
     env.update(recipe.env)
+    # The user's own credentials (any of the variables the harness reads) win over our dummy one.
+    has_credential = any(env.get(k) for k in recipe.credential_env)
     for k, v in recipe.env_default.items():
         # Harvest talks to the real provider: a dummy key would replace the harness's own login.
-        if harvest and _CREDENTIAL_NAME.search(k):
+        if (harvest or has_credential) and (_CREDENTIAL_NAME.search(k) or k in recipe.credential_env):
             continue
         if not env.get(k):
             env[k] = v

@@ -53,6 +53,8 @@ class Recipe(BaseModel):
     ca: CAEnv = Field(default_factory=CAEnv)
     env: dict[str, str] = Field(default_factory=dict)
     env_default: dict[str, str] = Field(default_factory=dict)
+    # Variables the harness reads credentials from; when any is set, no dummy credential is added.
+    credential_env: list[str] = Field(default_factory=list)
     side_calls: list[SideCall] = Field(default_factory=list)
 
     def tag(self, req: ChatRequest, path: str) -> str | None:

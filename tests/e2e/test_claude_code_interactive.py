@@ -1,0 +1,78 @@
+"""Claude Code's interactive terminal UI, unmodified, through `polar-mitm run`, driven in tmux.
+
+Its first-run screens (theme, security notes, folder trust) are answered as a user would, the
+prompt is typed, and the tool call and answer must appear on screen and in the store.
+"""
+
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests.e2e.harness import POLAR, harness_env, main_turns, require_binary
+
+pytestmark = pytest.mark.e2e
+
+
+def screen(name: str) -> str:
+    return subprocess.run(["tmux", "capture-pane", "-t", name, "-p"], capture_output=True, text=True).stdout
+
+
+def keys(name: str, *k: str) -> None:
+    subprocess.run(["tmux", "send-keys", "-t", name, *k], check=True)
+
+
+def test_interactive_session_through_the_proxy(tmp_path, backend, qwen_tokenizer_dir):
+    require_binary("claude")
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is not installed; scripts/install.sh installs it")
+    work, db, name = tmp_path / "work", tmp_path / "runs.sqlite", f"polar-{tmp_path.name}"
+    work.mkdir()
+    env = harness_env(tmp_path / "home")
+    cmd = [
+        *POLAR,
+        "run",
+        "--backend",
+        backend.url,
+        "--tokenizer",
+        str(qwen_tokenizer_dir),
+        "--db",
+        str(db),
+        "--",
+        "claude",
+        "--allowedTools",
+        "Bash",
+    ]
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", name, "-x", "200", "-y", "50", *cmd],
+        cwd=work,
+        env=env,
+        check=True,
+    )
+    typed = False
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            time.sleep(1.5)
+            s = screen(name)
+            if "Done. The command finished." in s:
+                break
+            if typed:
+                continue
+            if "? for shortcuts" in s:  # the prompt box is ready
+                keys(name, "Create tui.txt containing yo")
+                time.sleep(0.5)
+                keys(name, "Enter")
+                typed = True
+            elif "Enter to confirm" in s or "Press Enter" in s or "Choose the text style" in s:
+                keys(name, "Enter")  # first-run screens: default theme, notes, trust this folder
+        else:
+            pytest.fail("no answer on screen:\n" + screen(name))
+        assert "Bash(printf" in screen(name)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+    assert (work / "tui.txt").read_text() == "yo\n"
+    t1, t2 = main_turns(db)
+    assert t1.finish_reason == "tool_calls" and t2.finish_reason == "stop"
+    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
