@@ -93,8 +93,9 @@ class ChatRequest(BaseModel):
 
 class Usage(BaseModel):
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # all sampled tokens, reasoning included
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those of the reasoning block
 
 
 class Completion(BaseModel):

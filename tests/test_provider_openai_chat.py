@@ -274,6 +274,7 @@ def test_json_response_with_only_a_tool_call():
         "completion_tokens": 3,
         "total_tokens": 13,
         "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 

@@ -385,3 +385,26 @@ async def test_replies_stream_as_generated_with_pings_while_the_backend_is_silen
     t_stop = seen[names.index("message_stop")][0]
     assert t_stop - t_first > 0.5  # the text arrived over time, not all at the end
     assert sum(n == "content_block_delta" for n in names) > 10
+
+
+async def test_reasoning_tokens_are_counted_up_to_the_closing_tag(make_stack, qwen_tokenizer_dir):
+    stack = await make_stack(backend={"script": THINK_THEN_CALL})
+    async with stack.client() as c:
+        r = await c.post(
+            "https://api.openai.com/v1/responses",
+            json={
+                "model": "gpt-x",
+                "input": "list files",
+                "tools": [{"type": "function", "name": "Bash", "parameters": {"type": "object"}}],
+            },
+        )
+    usage = r.json()["usage"]
+    [turn] = list(read_turns(stack.db))
+    end = Tokenizer.load(qwen_tokenizer_dir).token_id("</think>")
+    assert usage["output_tokens_details"]["reasoning_tokens"] == turn.output_ids.index(end) + 1
+    assert (
+        0
+        < usage["output_tokens_details"]["reasoning_tokens"]
+        < usage["output_tokens"]
+        == len(turn.output_ids)
+    )

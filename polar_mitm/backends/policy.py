@@ -91,6 +91,16 @@ def _finish(chunk: GenerateChunk | None, has_tool_calls: bool) -> tuple[str, str
     return ("tool_calls" if has_tool_calls else "stop"), stop_seq
 
 
+def reasoning_token_count(tok: Tokenizer, output_ids: list[int], has_reasoning: bool) -> int:
+    """How many sampled tokens belong to the reasoning block (through its closing tag)."""
+    if not has_reasoning:
+        return 0
+    end = tok.token_id("</think>")
+    if end is not None and end in output_ids:
+        return output_ids.index(end) + 1
+    return len(output_ids)
+
+
 def turn_record(
     turn_id: str,
     req: ChatRequest,
@@ -329,6 +339,9 @@ class Policy:
                     prompt_tokens=len(prompt_ids),
                     completion_tokens=len(state.output_ids) if state else 0,
                     cached_tokens=(state.cached_tokens or 0) if state else 0,
+                    reasoning_tokens=reasoning_token_count(
+                        tok, state.output_ids if state else [], bool(parser.reasoning)
+                    ),
                 ),
             )
             await asyncio.shield(self.store.insert_turn(record("ok", completion)))

@@ -379,12 +379,14 @@ def response_id(turn_id: str) -> str:
 
 
 def _usage(c: Completion) -> dict[str, int]:
-    # Gemini counts thoughts apart from candidates; the policy knows only the total it sampled.
+    # Gemini counts thoughts apart from candidates.
     out = {
         "promptTokenCount": c.usage.prompt_tokens,
-        "candidatesTokenCount": c.usage.completion_tokens,
+        "candidatesTokenCount": c.usage.completion_tokens - c.usage.reasoning_tokens,
         "totalTokenCount": c.usage.prompt_tokens + c.usage.completion_tokens,
     }
+    if c.usage.reasoning_tokens:
+        out["thoughtsTokenCount"] = c.usage.reasoning_tokens
     if c.usage.cached_tokens:
         out["cachedContentTokenCount"] = c.usage.cached_tokens
     return out

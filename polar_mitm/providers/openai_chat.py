@@ -337,6 +337,7 @@ def _usage(c: Completion) -> dict[str, Any]:
         "completion_tokens": c.usage.completion_tokens,
         "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": c.usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": c.usage.reasoning_tokens},
     }
 
 

@@ -441,7 +441,7 @@ def _usage(c: Completion) -> dict[str, Any]:
         "input_tokens": c.usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": c.usage.cached_tokens},
         "output_tokens": c.usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": c.usage.reasoning_tokens},
         "total_tokens": c.usage.prompt_tokens + c.usage.completion_tokens,
     }
 
