@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -70,23 +71,30 @@ def init_db(path: str | Path) -> None:
 
 
 class _SequenceCache:
-    """Full sequences (prompt + output) of recent turns, bounded by total tokens."""
+    """Full sequences (prompt + output) of recent turns, bounded by total tokens.
 
-    def __init__(self, max_tokens: int = 8_000_000):
+    `compact` keeps them as int32 arrays (4 B a token instead of ~36 B for a list of Python ints),
+    for the long-lived proxy; the offline reader keeps lists, which it slices on every turn.
+    """
+
+    def __init__(self, max_tokens: int = 8_000_000, *, compact: bool = False):
         self.max_tokens = max_tokens
+        self.compact = compact
         self.size = 0
-        self.items: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+        self.items: OrderedDict[str, tuple[list[int] | array, int]] = OrderedDict()
 
     def get(self, turn_id: str) -> tuple[list[int], int] | None:
         hit = self.items.get(turn_id)
-        if hit is not None:
-            self.items.move_to_end(turn_id)
-        return hit
+        if hit is None:
+            return None
+        self.items.move_to_end(turn_id)
+        seq, prompt_len = hit
+        return (seq.tolist() if isinstance(seq, array) else seq), prompt_len
 
     def put(self, turn_id: str, seq: list[int], prompt_len: int) -> None:
         if turn_id in self.items:
             return
-        self.items[turn_id] = (seq, prompt_len)
+        self.items[turn_id] = (array("i", seq) if self.compact else seq, prompt_len)
         self.size += len(seq)
         while self.size > self.max_tokens and len(self.items) > 1:
             _, (old, _) = self.items.popitem(last=False)
@@ -100,7 +108,7 @@ class Store:
         self.path = str(path)
         self._db = db
         self._seq = 0
-        self.cache = _SequenceCache()
+        self.cache = _SequenceCache(compact=True)
         self._sessions: set[str] = set()
 
     @classmethod
