@@ -34,7 +34,7 @@ from polar_mitm.neutral import Completion, Message, ProviderError, Tool
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, Trajectory
-from polar_mitm.store.db import connect
+from polar_mitm.store.db import connect, turn_filter
 
 # ---- reading turns as text ------------------------------------------------------------------------
 
@@ -64,20 +64,10 @@ _COLUMNS = (
 
 
 def _where(sel: Selection, *, harvested_only: bool) -> tuple[list[str], list[Any]]:
-    where = ["t.request IS NOT NULL", "t.response IS NOT NULL"]
-    args: list[Any] = []
-    if harvested_only:
-        where.append("t.prompt_len = 0 AND t.output_len = 0")
-    if sel.session:
-        where.append("t.session_id = ?")
-        args.append(sel.session)
-    if sel.task:
-        where.append("s.task_id = ?")
-        args.append(sel.task)
-    if sel.since is not None:
-        where.append("t.created_at >= ?")
-        args.append(sel.since)
-    return where, args
+    where, args = turn_filter(
+        session=sel.session, task=sel.task, since=sel.since, tokens=False if harvested_only else None
+    )
+    return ["t.request IS NOT NULL", "t.response IS NOT NULL", *where], args
 
 
 def _sessions(path: str | Path, sel: Selection, *, harvested_only: bool) -> list[str]:

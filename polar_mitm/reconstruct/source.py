@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from polar_mitm.reconstruct.stats import ReconstructStats
-from polar_mitm.store.db import StoredTurn, connect, read_turns
+from polar_mitm.store.db import StoredTurn, connect, read_turns, turn_filter
 
 
 @dataclass(frozen=True)
@@ -46,18 +46,8 @@ def parse_since(value: str) -> float:
 
 
 def _where(sel: Selection, session: str | None = None) -> tuple[str, list[object]]:
-    # Mirrors read_turns' filters, so counts match what it yields.
-    where = ["(t.output_len > 0 OR t.prompt_len > 0)"]
-    args: list[object] = []
-    if session or sel.session:
-        where.append("t.session_id = ?")
-        args.append(session or sel.session)
-    if sel.task:
-        where.append("s.task_id = ?")
-        args.append(sel.task)
-    if sel.since is not None:
-        where.append("t.created_at >= ?")
-        args.append(sel.since)
+    # The store's own filter, so counts match what read_turns yields.
+    where, args = turn_filter(session=session or sel.session, task=sel.task, since=sel.since)
     return " WHERE " + " AND ".join(where), args
 
 

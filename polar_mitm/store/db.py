@@ -303,6 +303,36 @@ def connect(path: str | Path) -> sqlite3.Connection:
     return db
 
 
+def turn_filter(
+    *,
+    session: str | None = None,
+    task: str | None = None,
+    since: float | None = None,
+    tokens: bool | None = True,
+) -> tuple[list[str], list[object]]:
+    """SQL conditions and their arguments over `turns t JOIN sessions s`, for every reader.
+
+    tokens: True keeps turns with token ids (policy turns), False only text turns (harvested),
+    None both.
+    """
+    where: list[str] = []
+    args: list[object] = []
+    if session:
+        where.append("t.session_id = ?")
+        args.append(session)
+    if task:
+        where.append("s.task_id = ?")
+        args.append(task)
+    if since is not None:
+        where.append("t.created_at >= ?")
+        args.append(since)
+    if tokens is True:
+        where.append("(t.output_len > 0 OR t.prompt_len > 0)")
+    elif tokens is False:
+        where.append("t.prompt_len = 0 AND t.output_len = 0")
+    return where, args
+
+
 def read_turns(
     path: str | Path,
     *,
@@ -319,18 +349,9 @@ def read_turns(
     """
     db = connect(path)
     cache = _SequenceCache()
-    where, args = [], []
-    if session:
-        where.append("t.session_id = ?")
-        args.append(session)
-    if task:
-        where.append("s.task_id = ?")
-        args.append(task)
-    if since is not None:
-        where.append("t.created_at >= ?")
-        args.append(since)
-    if not include_text_only:
-        where.append("(t.output_len > 0 OR t.prompt_len > 0)")
+    where, args = turn_filter(
+        session=session, task=task, since=since, tokens=None if include_text_only else True
+    )
     raw_cols = ", t.request, t.response" if with_raw else ", NULL, NULL"
     sql = (
         "SELECT t.id, t.session_id, t.seq, t.created_at, t.style, t.model, t.tag, t.status, t.finish_reason,"
