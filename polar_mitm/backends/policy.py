@@ -24,6 +24,7 @@ from polar_mitm.backends.parsers import OutputParser, new_call_id
 from polar_mitm.backends.render import (
     SpliceError,
     conversation_hashes,
+    extend_hash,
     generation_opens_reasoning,
     render_continuation,
     render_full,
@@ -136,9 +137,7 @@ def turn_record(
         output_logprobs=output_logprobs,
         weight_version=weight_version,
         msg_hash=msg_hash,
-        post_hash=conversation_hashes(req.messages + [completion.as_message()], req.tools)[-1]
-        if completion
-        else None,
+        post_hash=extend_hash(msg_hash, completion.as_message()) if completion else None,
         request=ctx.raw_request,
         request_headers=ctx.headers,
         response=completion.model_dump_json() if completion else None,
@@ -201,30 +200,38 @@ class Policy:
     def template_kwargs(self, req: ChatRequest) -> dict[str, Any]:
         return {} if req.thinking is None else {"enable_thinking": req.thinking}
 
-    async def prompt(self, req: ChatRequest, session_id: str) -> tuple[list[int], str | None, int, list[str]]:
-        """(prompt ids, referenced turn, tokens reused from it, conversation hashes)."""
-        tok = await self.tokenizer()
-        kw = self.template_kwargs(req)
+    async def echoed_turn(
+        self, req: ChatRequest, session_id: str
+    ) -> tuple[list[str], tuple[str, int] | None]:
+        """The conversation's hashes, and the newest turn whose prompt + reply the request repeats
+        (its id and how many of the request's messages that covers), if any."""
         msgs = req.messages
         hashes = conversation_hashes(msgs, req.tools)
         candidates = [hashes[i] for i in range(len(msgs) - 1, 0, -1) if msgs[i - 1].role == "assistant"]
         hit = await self.store.find_by_post_hash(session_id, candidates) if candidates else None
-        if hit is not None:
-            turn_id, h = hit
-            k = hashes.index(h)
+        return hashes, (hit[0], hashes.index(hit[1])) if hit is not None else None
+
+    async def extends(self, prompt_ids: list[int], turn_id: str) -> tuple[str | None, int]:
+        """(turn_id, its sequence length) when that sequence is a token prefix of prompt_ids."""
+        seq, _ = await self.store.sequence(turn_id)
+        return (turn_id, len(seq)) if prompt_ids[: len(seq)] == seq else (None, 0)
+
+    async def prompt(self, req: ChatRequest, session_id: str) -> tuple[list[int], str | None, int, list[str]]:
+        """(prompt ids, referenced turn, tokens reused from it, conversation hashes)."""
+        tok = await self.tokenizer()
+        kw = self.template_kwargs(req)
+        hashes, echo = await self.echoed_turn(req, session_id)
+        if echo is not None and self.config.history == "splice":
+            turn_id, k = echo
             seq, plen = await self.store.sequence(turn_id)
-            if self.config.history == "splice":
-                try:
-                    cont = await asyncio.to_thread(render_continuation, tok, msgs[k:], seq[plen:], kw)
-                    return seq + cont, turn_id, len(seq), hashes
-                except SpliceError as e:
-                    log.warning("splice failed (%s); rendering the whole conversation", e)
-            full = await asyncio.to_thread(render_full, tok, msgs, req.tools, kw)
-            if full[: len(seq)] == seq:
-                return full, turn_id, len(seq), hashes
-            return full, None, 0, hashes
-        full = await asyncio.to_thread(render_full, tok, msgs, req.tools, kw)
-        return full, None, 0, hashes
+            try:
+                cont = await asyncio.to_thread(render_continuation, tok, req.messages[k:], seq[plen:], kw)
+                return seq + cont, turn_id, len(seq), hashes
+            except SpliceError as e:
+                log.warning("splice failed (%s); rendering the whole conversation", e)
+        full = await asyncio.to_thread(render_full, tok, req.messages, req.tools, kw)
+        ref, ref_len = await self.extends(full, echo[0]) if echo is not None else (None, 0)
+        return full, ref, ref_len, hashes
 
     async def count_tokens(self, req: ChatRequest) -> int:
         tok = await self.tokenizer()
@@ -383,15 +390,8 @@ class Policy:
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task})
-        hashes = conversation_hashes(req.messages, req.tools)
-        msgs = req.messages
-        candidates = [hashes[i] for i in range(len(msgs) - 1, 0, -1) if msgs[i - 1].role == "assistant"]
-        ref, ref_len = None, 0
-        hit = await self.store.find_by_post_hash(ctx.session_id, candidates) if candidates else None
-        if hit is not None:
-            seq, _ = await self.store.sequence(hit[0])
-            if result.prompt_ids[: len(seq)] == seq:
-                ref, ref_len = hit[0], len(seq)
+        hashes, echo = await self.echoed_turn(req, ctx.session_id)
+        ref, ref_len = await self.extends(result.prompt_ids, echo[0]) if echo is not None else (None, 0)
         calls = [c.model_copy(update={"id": new_call_id(ctx.id_prefix)}) for c in result.tool_calls]
         completion = Completion(
             turn_id=turn_id,

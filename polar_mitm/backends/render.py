@@ -27,14 +27,20 @@ def _message_key(m: Message) -> str:
     return json.dumps([m.role, m.content.strip(), calls], sort_keys=True, ensure_ascii=False)
 
 
+def extend_hash(prev: str, message: Message) -> str:
+    """The hash of a conversation one message longer than the one `prev` identifies."""
+    return hashlib.sha256(prev.encode() + b"\x00" + _message_key(message).encode()).hexdigest()[:32]
+
+
 def conversation_hashes(messages: list[Message], tools: list[Tool]) -> list[str]:
     """h[i] identifies the conversation made of the first i messages (and the tool set)."""
-    h = hashlib.sha256()
-    h.update(json.dumps([t.model_dump() for t in tools], sort_keys=True, ensure_ascii=False).encode())
-    out = [h.copy().hexdigest()[:32]]
+    h = hashlib.sha256(
+        json.dumps([t.model_dump() for t in tools], sort_keys=True, ensure_ascii=False).encode()
+    ).hexdigest()[:32]
+    out = [h]
     for m in messages:
-        h.update(b"\x00" + _message_key(m).encode())
-        out.append(h.copy().hexdigest()[:32])
+        h = extend_hash(h, m)
+        out.append(h)
     return out
 
 
