@@ -166,10 +166,10 @@ class Gateway:
             await resp.write_eof()
         except (ConnectionResetError, ConnectionError, asyncio.CancelledError) as e:
             log.info("harness went away mid-stream (%s); turn recorded as aborted", e.__class__.__name__)
-            await asyncio.shield(self._close(rendered, events))
             raise
         finally:
-            await self._close(rendered, events)
+            # Shielded: closing the policy's stream records an unfinished turn, even when cancelled.
+            await asyncio.shield(self._close(rendered, events))
         return resp
 
     @staticmethod
