@@ -42,6 +42,7 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
+from polar_mitm.providers import openai_chat
 
 NAME = "openai-responses"
 ID_PREFIX = "call_"
@@ -838,9 +839,5 @@ def render_count(n: int) -> dict[str, Any]:
     return {"object": "response.input_tokens", "input_tokens": n}
 
 
-def render_models(names: list[str]) -> dict[str, Any]:
-    now = int(time.time())
-    return {
-        "object": "list",
-        "data": [{"id": n, "object": "model", "created": now, "owned_by": "polar-mitm"} for n in names],
-    }
+# GET /v1/models is one OpenAI endpoint, whichever generation API a client speaks.
+render_models = openai_chat.render_models
