@@ -7,14 +7,8 @@ import pytest
 from polar_mitm.backends.chat_mode import parse_chat_result
 from polar_mitm.neutral import ProviderError
 from polar_mitm.store.db import read_turns
-from tests.test_proxy import sse_events
-
-URL = "https://api.anthropic.com/v1/messages"
-BASH = {
-    "name": "Bash",
-    "description": "run",
-    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
-}
+from tests.helpers import BASH, sse_events
+from tests.helpers import MESSAGES_URL as URL
 
 
 async def test_chat_mode_turns_are_token_exact_and_linked(make_stack):

@@ -46,18 +46,10 @@ from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA
 from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
 from polar_mitm.store.db import Store, TurnRecord
+from tests.helpers import BASH, MESSAGES_URL, stream_bytes
 
 KEY = "sk-ant-api03-HARVEST-SECRET-0123456789abcdef"
-URL = "https://api.anthropic.com/v1/messages"
-BASH = {
-    "name": "Bash",
-    "description": "Run a shell command",
-    "input_schema": {
-        "type": "object",
-        "properties": {"command": {"type": "string"}},
-        "required": ["command"],
-    },
-}
+URL = MESSAGES_URL
 
 # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -73,20 +65,17 @@ def sse(*events: tuple[str | None, dict | str]) -> bytes:
 async def rendered(module, completion: Completion, req: ChatRequest) -> bytes:
     """What a style's own stream renderer sends for `completion` (deltas split in two)."""
 
-    async def events():
-        yield Started(turn_id=completion.turn_id, prompt_tokens=completion.usage.prompt_tokens)
-        if completion.reasoning:
-            half = len(completion.reasoning) // 2
-            yield ReasoningDelta(text=completion.reasoning[:half])
-            yield ReasoningDelta(text=completion.reasoning[half:])
-        half = len(completion.text) // 2
-        yield TextDelta(text=completion.text[:half])
-        yield TextDelta(text=completion.text[half:])
-        for call in completion.tool_calls:
-            yield ToolCallEvent(call=call)
-        yield Done(completion=completion)
-
-    return b"".join([chunk async for chunk in module.render_stream(events(), req)])
+    events: list = [Started(turn_id=completion.turn_id, prompt_tokens=completion.usage.prompt_tokens)]
+    if completion.reasoning:
+        half = len(completion.reasoning) // 2
+        events += [
+            ReasoningDelta(text=completion.reasoning[:half]),
+            ReasoningDelta(text=completion.reasoning[half:]),
+        ]
+    half = len(completion.text) // 2
+    events += [TextDelta(text=completion.text[:half]), TextDelta(text=completion.text[half:])]
+    events += [ToolCallEvent(call=call) for call in completion.tool_calls]
+    return await stream_bytes(module, [*events, Done(completion=completion)], req)
 
 
 COMPLETION = Completion(

@@ -17,6 +17,7 @@ from polar_mitm.neutral import (
     Usage,
 )
 from polar_mitm.providers import anthropic
+from tests.helpers import stream_bytes
 
 CC_BODY = {
     "model": "claude-sonnet-4-5-20250929",
@@ -136,14 +137,7 @@ def parse_sse(raw: bytes):
 
 
 async def collect(events, req):
-    async def gen():
-        for e in events:
-            yield e
-
-    out = b""
-    async for chunk in anthropic.render_stream(gen(), req):
-        out += chunk
-    return parse_sse(out)
+    return parse_sse(await stream_bytes(anthropic, events, req))
 
 
 async def test_sse_event_sequence():

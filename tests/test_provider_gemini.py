@@ -25,6 +25,7 @@ from polar_mitm.neutral import (
 )
 from polar_mitm.providers import gemini
 from polar_mitm.store.db import read_turns
+from tests.helpers import stream_bytes
 
 STREAM_PATH = "/v1beta/models/gemini-3.1-pro-preview:streamGenerateContent?alt=sse"
 JSON_PATH = "/v1beta/models/gemini-3.5-flash-lite:generateContent"
@@ -486,14 +487,7 @@ def sdk_chunks(raw: bytes) -> list[dict]:
 
 
 async def collect(events, req):
-    async def gen():
-        for e in events:
-            yield e
-
-    out = b""
-    async for chunk in gemini.render_stream(gen(), req):
-        out += chunk
-    return out
+    return await stream_bytes(gemini, events, req)
 
 
 async def test_sse_chunk_sequence():

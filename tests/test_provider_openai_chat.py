@@ -21,6 +21,7 @@ from polar_mitm.neutral import (
 )
 from polar_mitm.providers import openai_chat, route
 from polar_mitm.store.db import read_turns
+from tests.helpers import stream_bytes
 
 SHELL = {
     "type": "function",
@@ -329,14 +330,7 @@ def parse_sse(raw: bytes):
 
 
 async def collect(events, req):
-    async def gen():
-        for e in events:
-            yield e
-
-    out = b""
-    async for chunk in openai_chat.render_stream(gen(), req):
-        out += chunk
-    return out
+    return await stream_bytes(openai_chat, events, req)
 
 
 def accumulate(chunks):

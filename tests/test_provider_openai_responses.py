@@ -21,6 +21,7 @@ from polar_mitm.neutral import (
 )
 from polar_mitm.providers import openai_responses as responses
 from polar_mitm.store.db import read_turns
+from tests.helpers import stream_bytes
 
 EXEC_COMMAND = {
     "type": "function",
@@ -360,16 +361,7 @@ def parse_sse(raw: bytes):
 
 
 async def collect(events, req, raise_at_end: ProviderError | None = None):
-    async def gen():
-        for e in events:
-            yield e
-        if raise_at_end is not None:
-            raise raise_at_end
-
-    out = b""
-    async for chunk in responses.render_stream(gen(), req):
-        out += chunk
-    return out
+    return await stream_bytes(responses, events, req, raise_at_end)
 
 
 async def test_sse_event_sequence():

@@ -15,17 +15,9 @@ from polar_mitm.backends.render import render_full
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.providers import anthropic
 from polar_mitm.store.db import read_turns
+from tests.helpers import BASH, MESSAGES_URL, sse_events
 
-URL = "https://api.anthropic.com/v1/messages"
-BASH = {
-    "name": "Bash",
-    "description": "Run a shell command",
-    "input_schema": {
-        "type": "object",
-        "properties": {"command": {"type": "string"}},
-        "required": ["command"],
-    },
-}
+URL = MESSAGES_URL
 
 
 def body(messages, **kw):
@@ -36,15 +28,6 @@ def body(messages, **kw):
         "system": "You are a test agent.",
     }
     out.update(kw)
-    return out
-
-
-def sse_events(raw: str):
-    out = []
-    for block in raw.strip().split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
-        if "data" in fields:
-            out.append((fields.get("event"), json.loads(fields["data"])))
     return out
 
 

@@ -12,8 +12,9 @@ import pytest
 
 from polar_mitm.store.db import read_turns
 from tests.e2e.harness import FakeBackend, free_port
+from tests.helpers import MESSAGES_URL
 
-URL = "https://api.anthropic.com/v1/messages"
+URL = MESSAGES_URL
 
 
 @pytest.fixture
