@@ -80,13 +80,43 @@ def new_turn_id() -> str:
     return f"turn_{time.time_ns():x}{uuid.uuid4().hex[:8]}"
 
 
+def _aborted(fr: Any) -> bool:
+    return isinstance(fr, dict) and fr.get("type") == "abort"
+
+
+def abort_error(fr: dict[str, Any], backend_url: str) -> ProviderError:
+    """What the harness is told when the engine aborted its generation (SGLang's finish_reason
+    `{"type": "abort"}`: a weight update, a scheduler restart, an operator's /abort_request).
+
+    The reply is incomplete, so it is an error, never a finished turn: a retryable one in the
+    style's own shape, unless the engine says the request itself was at fault."""
+    detail = fr.get("message") or "aborted"
+    if fr.get("status_code") in (400, 422):
+        return ProviderError("invalid_request", f"policy backend aborted the request: {detail}", 400)
+    return ProviderError(
+        "overloaded",
+        f"policy backend {backend_url} aborted the generation ({detail}); retry the request",
+        529,
+    )
+
+
+def _chat_abort(data: Any) -> dict[str, Any] | None:
+    """SGLang's abort finish reason in a chat completion (the choice's, or its meta_info's)."""
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        return None
+    fr = (choice.get("meta_info") or {}).get("finish_reason")
+    if _aborted(fr):
+        return fr
+    return {"type": "abort"} if choice.get("finish_reason") == "abort" else None
+
+
 def _finish(chunk: GenerateChunk | None, has_tool_calls: bool) -> tuple[str, str | None]:
     fr = (chunk.finish_reason if chunk else None) or {}
     kind = fr.get("type")
     if kind == "length":
         return "length", None
-    if kind == "abort":
-        return "abort", None
     matched = fr.get("matched")
     stop_seq = matched if isinstance(matched, str) else None
     return ("tool_calls" if has_tool_calls else "stop"), stop_seq
@@ -118,6 +148,7 @@ def turn_record(
     msg_hash: str,
     error: str | None,
     started: float,
+    finish_reason: str | None = None,
 ) -> TurnRecord:
     """The stored form of one generation; post_hash lets a later echo of the reply find it."""
     return TurnRecord(
@@ -129,7 +160,7 @@ def turn_record(
         model=req.model,
         tag=ctx.tag,
         status=status,
-        finish_reason=completion.finish_reason if completion else status,
+        finish_reason=finish_reason or (completion.finish_reason if completion else status),
         prompt_ids=prompt_ids,
         prompt_ref=ref,
         prompt_ref_len=ref_len,
@@ -284,7 +315,9 @@ class Policy:
         gen = self.client.generate(prompt_ids, params)
         pending: asyncio.Future | None = None
 
-        def record(status: str, completion: Completion | None) -> TurnRecord:
+        def record(
+            status: str, completion: Completion | None, finish_reason: str | None = None
+        ) -> TurnRecord:
             return turn_record(
                 turn_id,
                 req,
@@ -300,6 +333,7 @@ class Policy:
                 msg_hash=hashes[-1],
                 error=error,
                 started=t0,
+                finish_reason=finish_reason,
             )
 
         try:
@@ -321,6 +355,8 @@ class Policy:
                     state = fut.result()
                 except StopAsyncIteration:
                     break
+                if _aborted(state.finish_reason):
+                    break  # before Started: an abort on the first chunk sends the harness nothing
                 if not started:
                     started = True
                     yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
@@ -331,6 +367,13 @@ class Policy:
                     yield ev
                 if state.finish_reason is not None:
                     break
+            if state is not None and _aborted(state.finish_reason):
+                aborted = abort_error(state.finish_reason, self.config.backend_url)
+                error = aborted.message
+                # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
+                await asyncio.shield(self.store.insert_turn(record("aborted", None, finish_reason="abort")))
+                committed = True
+                raise aborted
             for ev in parser.finish():
                 yield ev
             finish, stop_seq = _finish(state, bool(parser.tool_calls))
@@ -385,11 +428,14 @@ class Policy:
                 done, _ = await asyncio.wait({task}, timeout=self.config.ping_interval)
                 if not done:
                     yield Ping()
-            result = parse_chat_result(task.result())
+            data = task.result()
+            result = parse_chat_result(data)
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task})
+        abort = _chat_abort(data)
+        aborted = abort_error(abort, self.config.backend_url) if abort is not None else None
         hashes, echo = await self.echoed_turn(req, ctx.session_id)
         ref, ref_len = await self.extends(result.prompt_ids, echo[0]) if echo is not None else (None, 0)
         calls = [c.model_copy(update={"id": new_call_id(ctx.id_prefix)}) for c in result.tool_calls]
@@ -411,8 +457,8 @@ class Policy:
             turn_id,
             req,
             ctx,
-            status="ok",
-            completion=completion,
+            status="aborted" if aborted else "ok",
+            completion=None if aborted else completion,
             prompt_ids=result.prompt_ids,
             ref=ref,
             ref_len=ref_len,
@@ -420,10 +466,13 @@ class Policy:
             output_logprobs=result.output_logprobs,
             weight_version=result.weight_version,
             msg_hash=hashes[-1],
-            error=None,
+            error=aborted.message if aborted else None,
             started=t0,
+            finish_reason="abort" if aborted else None,
         )
         await asyncio.shield(self.store.insert_turn(rec))
+        if aborted is not None:
+            raise aborted  # an incomplete reply: the harness retries, the sampled tokens are kept
         if completion.reasoning:
             yield ReasoningDelta(text=completion.reasoning)
         if completion.text:

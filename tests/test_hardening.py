@@ -1,0 +1,102 @@
+"""Failure paths a long run meets: an engine that aborts a generation, local processes that are not
+the proxy, database file modes, and a backend that stops answering.
+"""
+
+import sqlite3
+
+import httpx
+
+from polar_mitm.reconstruct.source import Selection
+from polar_mitm.store.db import read_turns
+from tests.helpers import MESSAGES_URL, sse_events
+
+LONG = [{"match": "", "text": " ".join(f"word{i}" for i in range(300))}]
+
+
+def body(messages, **kw):
+    return {"model": "claude-sonnet-4-5", "max_tokens": 512, "messages": messages, **kw}
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+async def inject(stack, mode: str) -> None:
+    async with httpx.AsyncClient() as c:
+        await c.post(stack.backend_url + "/_fake/fault", json={"mode": mode, "count": 1})
+
+
+async def backend_generate(stack, input_ids):
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(
+            stack.backend_url + "/generate",
+            json={"input_ids": input_ids, "sampling_params": {"max_new_tokens": 512}, "return_logprob": True},
+        )
+        return r.json()
+
+
+def rows(db: str, columns: str = "status, finish_reason") -> list[tuple]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(f"SELECT {columns} FROM turns").fetchall()
+    finally:
+        con.close()
+
+
+# --- an engine that aborts a generation -----------------------------------------------------------
+
+
+async def test_backend_abort_mid_stream_is_an_error_event_and_an_aborted_turn(make_stack):
+    stack = await make_stack(backend={"token_delay": 0.002, "script": LONG})
+    await inject(stack, "abort")
+    seen_at_error = None
+    raw = ""
+    async with stack.client() as c:
+        async with c.stream("POST", MESSAGES_URL, json=body(HI, stream=True)) as r:
+            async for line in r.aiter_lines():
+                raw += line + "\n"
+                if line == "event: error":
+                    seen_at_error = rows(stack.db)
+    events = sse_events(raw)
+    assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "overloaded_error"
+    assert "abort" in events[-1][1]["error"]["message"]
+    assert "message_stop" not in [e for e, _ in events] and "message_delta" not in [e for e, _ in events]
+    assert seen_at_error == [("aborted", "abort")]  # committed before the harness saw the end
+    [turn] = list(read_turns(stack.db, include_text_only=True))
+    full = await backend_generate(stack, turn.prompt_ids)
+    n = len(turn.output_ids)
+    assert 0 < n < len(full["output_ids"])
+    assert turn.output_ids == full["output_ids"][:n]  # exactly the tokens sampled before the abort
+    assert turn.output_logprobs == [t[0] for t in full["meta_info"]["output_token_logprobs"][:n]]
+    assert not Selection().keeps(turn) and Selection(include_aborted=True).keeps(turn)  # export filter
+
+
+async def test_backend_abort_before_any_byte_is_a_retryable_overload_error(make_stack):
+    stack = await make_stack(backend={"script": LONG})
+    await inject(stack, "abort")
+    async with stack.client() as c:
+        r = await c.post(MESSAGES_URL, json=body(HI))
+    assert r.status_code == 529 and r.headers.get("x-should-retry") == "true"
+    assert r.json()["error"]["type"] == "overloaded_error"
+    assert rows(stack.db) == [("aborted", "abort")]
+
+
+async def test_backend_abort_in_openai_styles_is_their_retryable_error(make_stack):
+    stack = await make_stack(backend={"script": LONG})
+    await inject(stack, "abort")
+    async with stack.client() as c:
+        r = await c.post(
+            "https://api.openai.com/v1/chat/completions",
+            json={"model": "gpt-x", "messages": HI},
+        )
+    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+    assert rows(stack.db) == [("aborted", "abort")]
+
+
+async def test_backend_abort_in_chat_mode_is_an_aborted_turn(make_stack):
+    stack = await make_stack(backend={"script": LONG}, policy={"backend_mode": "chat"})
+    await inject(stack, "abort")
+    async with stack.client() as c:
+        r = await c.post(MESSAGES_URL, json=body(HI))
+    assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
+    [(status, finish, n)] = rows(stack.db, "status, finish_reason, output_len")
+    assert (status, finish) == ("aborted", "abort") and n > 0
