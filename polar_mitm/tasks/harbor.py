@@ -1,0 +1,172 @@
+"""Harbor (Terminal-Bench) task directories, and task sets: directories of them.
+
+A task directory holds `instruction.md`, an optional `task.toml`, `environment/Dockerfile` (unless
+task.toml names a `docker_image`), `tests/test.sh` (the verifier) and optionally `solution/solve.sh`.
+task.toml is read by `HarborTaskConfig` with Harbor's section and field names; fields we do not use
+are ignored, since Harbor adds some over time, but a known field of the wrong type is an error.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from polar_mitm.tasks.model import EvaluatorSpec, Task, TaskFileError
+from polar_mitm.tasks.plain import read_document, read_text
+
+HARBOR_WORKDIR = "/app"  # where Terminal-Bench images put the task's files
+NetworkMode = Literal["public", "no-network", "allowlist"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class AgentSection(_Section):
+    timeout_sec: float = 600.0
+    network_mode: NetworkMode | None = None  # overrides [environment]'s while the agent runs
+    allowed_hosts: list[str] = Field(default_factory=list)
+
+
+class VerifierSection(_Section):
+    timeout_sec: float = 600.0
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class EnvironmentSection(_Section):
+    docker_image: str | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    memory: str | None = None  # legacy: "2G", "512M"
+    workdir: str = HARBOR_WORKDIR
+    env: dict[str, str] = Field(default_factory=dict)
+    allow_internet: bool | None = None  # legacy; network_mode wins
+    network_mode: NetworkMode | None = None
+    allowed_hosts: list[str] = Field(default_factory=list)
+    build_timeout_sec: float | None = None
+
+    @field_validator("memory")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None:
+            memory_mb_of(value)
+        return value
+
+
+class HarborTaskConfig(_Section):
+    """task.toml: every section and field optional."""
+
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    agent: AgentSection = Field(default_factory=AgentSection)
+    verifier: VerifierSection = Field(default_factory=VerifierSection)
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt])i?b?\s*", re.IGNORECASE)
+_MB_PER_UNIT = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
+
+
+def memory_mb_of(size: str) -> int:
+    """Megabytes in a size string of Harbor's legacy `memory` field: "2G" -> 2048, "512M" -> 512."""
+    match = _SIZE.fullmatch(size)
+    if match is None:
+        raise ValueError("expected a size like '2G' or '512M'")
+    return max(1, round(float(match[1]) * _MB_PER_UNIT[match[2].lower()]))
+
+
+def is_harbor_task(directory: Path) -> bool:
+    return (directory / "instruction.md").is_file()
+
+
+def load_harbor(directory: Path) -> list[Task]:
+    """One Harbor task directory, or a task set: the subdirectories holding `instruction.md`, by name.
+
+    A subdirectory without instruction.md is skipped, unless it has a task.toml (a broken task).
+    """
+    if is_harbor_task(directory):
+        return [load_harbor_task(directory)]
+    tasks = []
+    for child in sorted(p for p in directory.iterdir() if p.is_dir()):
+        if is_harbor_task(child):
+            tasks.append(load_harbor_task(child))
+        elif (child / "task.toml").is_file():
+            raise TaskFileError(child, "has task.toml but no instruction.md (the task's instruction)")
+    if not tasks:
+        raise TaskFileError(
+            directory,
+            "not a Harbor task (no instruction.md) nor a task set (no subdirectory holds one); "
+            "give plain task files (.toml, .yaml, .json) or SWE-bench rows (.jsonl) by their own path",
+        )
+    return tasks
+
+
+def load_harbor_task(directory: Path) -> Task:
+    """The task in one Harbor task directory; its id is the directory's name."""
+    directory = directory.absolute()
+    instruction = read_text(directory / "instruction.md")
+    if not instruction.strip():
+        raise TaskFileError(directory / "instruction.md", "empty: it should hold the task's instruction")
+    config = _read_config(directory / "task.toml")
+    tests_dir = directory / "tests"
+    if not (tests_dir / "test.sh").is_file():
+        raise TaskFileError(tests_dir / "test.sh", "missing: Harbor's verifier runs it to score the task")
+    env = config.environment
+    dockerfile = directory / "environment" / "Dockerfile"
+    allow_internet, metadata = _network(config)
+    memory_mb = env.memory_mb
+    if memory_mb is None and env.memory is not None:
+        memory_mb = memory_mb_of(env.memory)
+    if env.build_timeout_sec is not None:
+        metadata["build_timeout_sec"] = env.build_timeout_sec
+    try:
+        return Task(
+            id=directory.name,
+            instruction=instruction,
+            image=env.docker_image,
+            dockerfile=dockerfile if env.docker_image is None and dockerfile.is_file() else None,
+            workdir=env.workdir,
+            env=env.env,
+            allow_internet=allow_internet,
+            cpus=env.cpus,
+            memory_mb=memory_mb,
+            agent_timeout_sec=config.agent.timeout_sec,
+            evaluator=EvaluatorSpec(
+                kind="harbor",
+                tests_dir=tests_dir,
+                timeout_sec=config.verifier.timeout_sec,
+                env=config.verifier.env,
+            ),
+            source=str(directory),
+            metadata=metadata,
+        )
+    except ValidationError as e:
+        raise TaskFileError.from_validation(directory, e) from None
+
+
+def _read_config(path: Path) -> HarborTaskConfig:
+    if not path.exists():
+        return HarborTaskConfig()
+    try:
+        return HarborTaskConfig.model_validate(read_document(path))
+    except ValidationError as e:
+        raise TaskFileError.from_validation(path, e) from None
+
+
+def _network(config: HarborTaskConfig) -> tuple[bool, dict[str, Any]]:
+    """Whether the agent may reach the internet, and the task's metadata with any allowlist in it.
+
+    We cannot allow some hosts and not others yet, so an allowlist counts as no internet; its hosts
+    stay in the metadata.
+    """
+    agent, env = config.agent, config.environment
+    metadata = dict(config.metadata)
+    mode = agent.network_mode or env.network_mode
+    if mode is None:
+        return (True if env.allow_internet is None else env.allow_internet), metadata
+    if mode == "allowlist":
+        metadata["network_mode"] = "allowlist"
+        metadata["allowed_hosts"] = agent.allowed_hosts if agent.network_mode else env.allowed_hosts
+    return mode == "public", metadata

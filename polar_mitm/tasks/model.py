@@ -1,0 +1,168 @@
+"""The task model every loader produces and every runtime, evaluator and pipeline stage reads.
+
+A `Task` is one thing to ask a harness to do in a fresh sandbox, with what it takes to score the
+result. Loaders (`tasks/harbor.py`, `tasks/swebench.py`, `tasks/plain.py`) turn the formats users
+bring into it; nothing downstream knows which format a task came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Allowed for starting the sandbox when a task's total time is derived from its parts.
+SANDBOX_START_SEC = 300.0
+
+EvaluatorKind = Literal["command", "harbor", "swebench", "session_completed"]
+
+
+class EvaluatorSpec(BaseModel):
+    """How a sample of the task is scored, in its own sandbox after the harness ends.
+
+    - `command`: run `command` (a shell line) in the workdir; reward 1.0 when it exits 0, else 0.0,
+      unless `reward_file` names a file the command writes (a float, or JSON `{"reward": x}`).
+    - `harbor`: copy `tests_dir` to `/tests`, run `/tests/test.sh`, read
+      `/logs/verifier/reward.txt` or `reward.json`; the reward counts only if the verifier exits 0.
+    - `swebench`: apply `test_patch`, run `test_command`; 1.0 when every FAIL_TO_PASS test passes and
+      every PASS_TO_PASS test still passes.
+    - `session_completed`: 1.0 when the harness exited 0 within its time.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: EvaluatorKind = "session_completed"
+    command: str | None = None
+    reward_file: str | None = None
+    tests_dir: Path | None = None
+    test_patch: str | None = None
+    test_command: str | None = None
+    fail_to_pass: list[str] = Field(default_factory=list)
+    pass_to_pass: list[str] = Field(default_factory=list)
+    timeout_sec: float = 600.0
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _complete(self) -> EvaluatorSpec:
+        if self.kind == "command" and not self.command:
+            raise ValueError("evaluator 'command' needs a command to run")
+        if self.kind == "harbor" and self.tests_dir is None:
+            raise ValueError("evaluator 'harbor' needs tests_dir (the task's tests/ directory)")
+        if self.kind == "swebench" and not self.test_command:
+            raise ValueError("evaluator 'swebench' needs test_command")
+        return self
+
+
+class Task(BaseModel):
+    """One task: what the harness is asked, where it runs, and how its result is scored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    instruction: str = Field(min_length=1)
+    image: str | None = None  # container image (docker, apptainer)
+    dockerfile: Path | None = None  # built (cached by content) when no image is given
+    workdir: str = "/workspace"  # where the harness starts, inside the sandbox
+    setup: list[str] = Field(default_factory=list)  # shell lines run once the sandbox is up
+    env: dict[str, str] = Field(default_factory=dict)
+    allow_internet: bool = True  # False: the proxy refuses every host but the model's
+    cpus: float | None = None
+    memory_mb: int | None = None
+    agent_timeout_sec: float = 600.0
+    total_timeout_sec: float | None = None  # sandbox start to end of scoring; derived when not given
+    evaluator: EvaluatorSpec = Field(default_factory=EvaluatorSpec)
+    source: str | None = None  # the file or directory it was loaded from
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _default_total_timeout(self) -> Task:
+        # Unless given: the harness's time, the evaluator's, and a sandbox start.
+        if self.total_timeout_sec is None:
+            self.total_timeout_sec = self.agent_timeout_sec + self.evaluator.timeout_sec + SANDBOX_START_SEC
+        return self
+
+
+class TaskFileError(ValueError):
+    """A task file that cannot be loaded: names the file (and line), the field and what was expected."""
+
+    def __init__(self, path: str | Path, problem: str, *, line: int | None = None):
+        self.path = str(path)
+        self.problem = problem
+        self.line = line
+        where = self.path if line is None else f"{self.path} line {line}"
+        super().__init__(f"{where}: {problem}")
+
+    @classmethod
+    def from_validation(
+        cls,
+        path: str | Path,
+        error: ValidationError,
+        *,
+        line: int | None = None,
+        prefix: tuple[str | int, ...] = (),
+    ) -> TaskFileError:
+        """The error for a file whose content failed validation; `prefix` locates the validated part."""
+        return cls(path, "; ".join(validation_problems(error, prefix)), line=line)
+
+
+def field_path(loc: tuple[str | int, ...]) -> str:
+    """A pydantic location as the dotted path a user reads in their file: `tasks[1].evaluator.command`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f"{'.' if out else ''}{part}"
+    return out
+
+
+# What each pydantic error type expected, in the words of a task file (TOML, YAML or JSON).
+_EXPECTED = {
+    "string_type": "a string",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "list_type": "a list",
+    "dict_type": "a table (mapping)",
+    "model_type": "a table (mapping)",
+    "model_attributes_type": "a table (mapping)",
+    "path_type": "a path (string)",
+}
+
+
+def validation_problems(error: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[str]:
+    """One line per problem: `field 'x.y': expected ..., got ...` (or `: required`, `: unknown field`)."""
+    problems = []
+    for item in error.errors():
+        where = field_path(prefix + tuple(item["loc"]))
+        problem = _describe(item)
+        problems.append(f"field '{where}': {problem}" if where else problem)
+    return problems
+
+
+def _describe(item: Any) -> str:
+    kind, ctx, value = item["type"], item.get("ctx") or {}, item.get("input")
+    if kind == "missing":
+        return "required"
+    if kind == "extra_forbidden":
+        return "unknown field (check its spelling)"
+    if kind in ("value_error", "assertion_error"):
+        said = str(ctx.get("error", item["msg"]))
+        # A model's own check receives the whole table: repeating it would only be noise.
+        return said if isinstance(value, dict | list) else f"{said}, got {_show(value)}"
+    if kind == "literal_error":
+        expected = f"one of {ctx['expected']}"
+    elif kind == "string_too_short" and ctx.get("min_length") == 1:
+        expected = "a non-empty string"
+    elif kind == "too_short":
+        expected = f"at least {ctx.get('min_length')} item(s)"
+    else:
+        expected = _EXPECTED.get(kind) or item["msg"].removeprefix("Input should be ")
+    return f"expected {expected}, got {_show(value)}"
+
+
+def _show(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
