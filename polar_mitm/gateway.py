@@ -4,13 +4,20 @@ mitmproxy streams only responses that come from a server, so the routing addon s
 model calls here (on loopback, inside the same process) and streams our answer back. This
 server speaks each provider's API: it parses with the style module, asks the policy, and renders
 the reply as JSON or as SSE while the policy generates.
+
+Its port is reachable by every local process, so the proxy's gateway answers only requests that
+carry its per-process secret, which the routing addon adds to the flows it sends (a 403 in the
+provider's shape otherwise). A gateway made without a secret stands in for a provider's API and
+answers anyone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 from typing import Any
@@ -26,6 +33,9 @@ log = logging.getLogger("polar_mitm.gateway")
 # Headers the routing addon adds to every flow it sends here.
 HOST_HEADER = "x-polar-host"
 SESSION_HEADER = "x-polar-session"
+# Proves a request came through the proxy (and its --token check), not from any local process
+# that found the loopback port. Never stored (redact drops x-polar-* headers).
+SECRET_HEADER = "x-polar-secret"
 
 Tagger = Callable[[ChatRequest, str], str | None]
 
@@ -38,9 +48,13 @@ class Gateway:
         default_session: str,
         tagger: Tagger | None = None,
         default_host: str | None = None,
+        secret: str | None = None,
     ):
         self.policy = policy
         self.default_host = default_host  # the provider this gateway stands in for, if any
+        # Required of every request when set (the proxy always sets one); None: a stand-in that
+        # answers anyone who can reach it.
+        self.secret = secret
         self.default_session = default_session
         self.tagger = tagger
         self.runner: web.AppRunner | None = None
@@ -53,6 +67,10 @@ class Gateway:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
+
+    @staticmethod
+    def new_secret() -> str:
+        return secrets.token_urlsafe(32)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> int:
         """Listen on loopback; with an ssl_context it can also stand in for a provider's HTTPS API."""
@@ -74,8 +92,17 @@ class Gateway:
         host = request.headers.get(HOST_HEADER) or request.host.rsplit(":", 1)[0]
         if host.lower() not in providers.HOST_STYLES and self.default_host:
             host = self.default_host
-        self.first_request.set()
         found = providers.route(host, request.method, request.path_qs)
+        if not self._authorized(request):
+            log.warning("refused a %s %s that did not come through the proxy", request.method, request.path)
+            style = found[0] if found else providers.error_style(host)
+            return self._error(
+                style,
+                ProviderError(
+                    "permission", "this port only answers requests routed by the polar-mitm proxy", 403
+                ),
+            )
+        self.first_request.set()
         if found is None:
             style = providers.error_style(host)
             return self._error(
@@ -99,7 +126,7 @@ class Gateway:
                 session_id=request.headers.get(SESSION_HEADER) or self.default_session,
                 host=host,
                 path=redact.url(request.path_qs),
-                headers=redact.headers(request.headers.items()),
+                headers=redact.headers(request.headers.items()),  # x-polar-* never stored
                 raw_request=raw.decode("utf-8", "replace"),
                 tag=self.tagger(req, request.path) if self.tagger else None,
                 id_prefix=style.ID_PREFIX,
@@ -112,6 +139,12 @@ class Gateway:
         except ProviderError as e:
             log.warning("%s %s: %s", host, request.path, e.message)
             return self._error(style, e)
+
+    def _authorized(self, request: web.Request) -> bool:
+        if self.secret is None:
+            return True
+        given = request.headers.get(SECRET_HEADER, "").encode("utf-8", "replace")
+        return hmac.compare_digest(given, self.secret.encode())
 
     def _parse(self, style: ModuleType, ep: str, body: Any, request: web.Request) -> ChatRequest:
         kwargs: dict[str, Any] = {}

@@ -2,6 +2,7 @@
 the proxy, database file modes, and a backend that stops answering.
 """
 
+import glob
 import sqlite3
 
 import httpx
@@ -100,3 +101,41 @@ async def test_backend_abort_in_chat_mode_is_an_aborted_turn(make_stack):
     assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
     [(status, finish, n)] = rows(stack.db, "status, finish_reason, output_len")
     assert (status, finish) == ("aborted", "abort") and n > 0
+
+
+# --- the gateway's loopback port ------------------------------------------------------------------
+
+
+async def test_gateway_port_refuses_requests_without_the_proxys_secret(make_stack):
+    stack = await make_stack()
+    direct = f"http://127.0.0.1:{stack.proxy.gateway.port}/v1/messages"
+    forged = {"x-polar-host": "api.anthropic.com", "x-polar-session": "intruder"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(direct, json=body(HI), headers=forged)
+        assert r.status_code == 403
+        assert r.json()["error"]["type"] == "permission_error"
+        r = await c.post(direct, json=body(HI), headers={**forged, "x-polar-secret": "guess"})
+        assert r.status_code == 403
+    assert rows(stack.db) == []
+    async with stack.client() as c:  # the proxy's own flows still reach it
+        r = await c.post(MESSAGES_URL, json=body(HI))
+    assert r.status_code == 200
+    assert [t.session_id for t in read_turns(stack.db)] == ["s-test"]
+    await stack.proxy.store._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    blob = b"".join(open(p, "rb").read() for p in glob.glob(stack.db + "*"))
+    assert stack.proxy.gateway.secret.encode() not in blob
+
+
+async def test_a_gateway_without_a_secret_still_stands_in_for_a_provider(make_stack):
+    from polar_mitm.gateway import Gateway
+
+    stack = await make_stack()
+    gw = Gateway(stack.proxy.policy, default_session="standin", default_host="api.anthropic.com")
+    port = await gw.start()
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(f"http://127.0.0.1:{port}/v1/messages", json=body(HI))
+    finally:
+        await gw.stop()
+    assert r.status_code == 200 and r.json()["content"][0]["type"] == "text"
+    assert [t.session_id for t in read_turns(stack.db)] == ["standin"]

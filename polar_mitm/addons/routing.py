@@ -9,12 +9,13 @@ from __future__ import annotations
 from mitmproxy import http
 
 from polar_mitm import providers
-from polar_mitm.gateway import HOST_HEADER, SESSION_HEADER
+from polar_mitm.gateway import HOST_HEADER, SECRET_HEADER, SESSION_HEADER
 
 
 class Routing:
-    def __init__(self, gateway_port: int):
+    def __init__(self, gateway_port: int, secret: str | None = None):
         self.gateway_port = gateway_port
+        self.secret = secret  # the gateway's, so it can tell our flows from other local clients
         self.routed = 0
 
     def request(self, flow: http.HTTPFlow) -> None:
@@ -27,6 +28,8 @@ class Routing:
         flow.metadata["polar_route"] = found[1]
         flow.request.headers[HOST_HEADER] = host
         flow.request.headers[SESSION_HEADER] = flow.metadata.get("polar_session", "")
+        if self.secret is not None:
+            flow.request.headers[SECRET_HEADER] = self.secret
         flow.request.scheme = "http"
         flow.request.host = "127.0.0.1"
         flow.request.port = self.gateway_port
