@@ -139,3 +139,41 @@ async def test_a_gateway_without_a_secret_still_stands_in_for_a_provider(make_st
         await gw.stop()
     assert r.status_code == 200 and r.json()["content"][0]["type"] == "text"
     assert [t.session_id for t in read_turns(stack.db)] == ["standin"]
+
+
+# --- database file modes --------------------------------------------------------------------------
+
+
+async def test_a_new_database_and_its_wal_files_are_private(tmp_path):
+    import os
+    import stat
+
+    from polar_mitm.store.db import Store
+
+    path = tmp_path / "runs.sqlite"
+    old = os.umask(0o022)  # the usual umask, which would leave them readable by everyone
+    try:
+        store = await Store.open(path)
+        await store.ensure_session("s")
+        try:
+            for suffix in ("", "-wal", "-shm"):
+                mode = stat.S_IMODE(os.stat(f"{path}{suffix}").st_mode)
+                assert mode == 0o600, f"{path.name}{suffix} is {oct(mode)}"
+        finally:
+            await store.close()
+    finally:
+        os.umask(old)
+
+
+async def test_an_existing_database_keeps_its_mode(tmp_path):
+    import os
+    import stat
+
+    from polar_mitm.store.db import Store, init_db
+
+    path = tmp_path / "shared.sqlite"
+    init_db(path)
+    os.chmod(path, 0o640)  # the owner chose to share it with a group
+    store = await Store.open(path)
+    await store.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640

@@ -61,8 +61,14 @@ def _connect_sync(path: str | Path) -> sqlite3.Connection:
 
 
 def init_db(path: str | Path) -> None:
-    """Create the database if needed and bring its schema up to date."""
+    """Create the database if needed (mode 0600) and bring its schema up to date."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # Private from its first byte: it holds every prompt and reply. SQLite gives the -wal and
+        # -shm files the database's own mode; an existing file keeps the mode its owner chose.
+        Path(path).touch(mode=0o600, exist_ok=False)
+    except FileExistsError:
+        pass
     db = _connect_sync(path)
     try:
         migrate(db)
