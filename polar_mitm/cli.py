@@ -11,13 +11,7 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.backends.policy import PolicyConfig
-
-BACKEND_HELP = "SGLang server URL [env POLAR_MITM_BACKEND; default http://127.0.0.1:30000]"
-TOKENIZER_HELP = (
-    "Hugging Face tokenizer directory [env POLAR_MITM_TOKENIZER; default: the server's /model_info]"
-)
-DB_HELP = "SQLite database of sessions and turns [env POLAR_MITM_DB; default polar-mitm.sqlite]"
+from polar_mitm.cli_options import make_policy_config, policy_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,41 +28,6 @@ def main(verbose: int) -> None:
     logging.basicConfig(
         level=max(level, logging.DEBUG), format="polar-mitm %(levelname)s %(name)s: %(message)s"
     )
-
-
-def policy_options(f):
-    f = click.option(
-        "--backend", envvar="POLAR_MITM_BACKEND", default="http://127.0.0.1:30000", help=BACKEND_HELP
-    )(f)
-    f = click.option("--tokenizer", envvar="POLAR_MITM_TOKENIZER", default=None, help=TOKENIZER_HELP)(f)
-    f = click.option(
-        "--tool-parser",
-        default=None,
-        help="SGLang tool-call parser name (qwen25, …; 'none' to disable) [default: server's]",
-    )(f)
-    f = click.option(
-        "--reasoning-parser",
-        default=None,
-        help="SGLang reasoning parser name (qwen3, deepseek-r1, none) [default: server's]",
-    )(f)
-    f = click.option(
-        "--history",
-        type=click.Choice(["splice", "template"]),
-        default="splice",
-        show_default=True,
-        help="splice: echoed replies become the exact sampled ids; template: render history canonically.",
-    )(f)
-    f = click.option(
-        "--max-tokens-cap", type=int, default=None, help="Clamp the max_tokens harnesses ask for."
-    )(f)
-    f = click.option(
-        "--backend-timeout", type=float, default=None, help="Seconds of backend silence before a turn fails."
-    )(f)
-    f = click.option(
-        "--db", envvar="POLAR_MITM_DB", default="polar-mitm.sqlite", show_default=True, help=DB_HELP
-    )(f)
-    f = click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")(f)
-    return f
 
 
 def _parse_upstreams(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
@@ -116,20 +75,6 @@ def harvest_config(harvest: bool, upstreams: dict[str, str], upstream_insecure: 
         "upstreams": upstreams,
         "upstream_insecure": upstream_insecure,
     }
-
-
-def make_policy_config(
-    backend, tokenizer, tool_parser, reasoning_parser, history, max_tokens_cap, backend_timeout
-):
-    return PolicyConfig(
-        backend_url=backend,
-        tokenizer=tokenizer,
-        tool_parser=tool_parser,
-        reasoning_parser=reasoning_parser,
-        history=history,
-        max_tokens_cap=max_tokens_cap,
-        backend_timeout=backend_timeout,
-    )
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -321,6 +266,9 @@ from polar_mitm.backends.fake_cli import fake_backend  # noqa: E402
 main.add_command(fake_backend)
 
 from polar_mitm.reconstruct.commands import COMMANDS  # noqa: E402
+from polar_mitm.rollout.commands import rollout  # noqa: E402
+
+main.add_command(rollout)
 
 for _c in COMMANDS:
     main.add_command(_c)

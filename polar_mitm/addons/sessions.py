@@ -54,6 +54,7 @@ class Sessions:
             return
         if creds:
             self.by_client[flow.client_conn.id] = creds[0]
+        flow.metadata["polar_session"] = (creds[0] if creds else None) or self.default_session
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         creds = credentials(flow.request.headers.pop("proxy-authorization", None))

@@ -19,6 +19,7 @@ import click
 from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.export import FORMATS, STRATEGIES, SinkOptions, compute_stats, iter_trajectories
 from polar_mitm.reconstruct.export import export as export_rows
+from polar_mitm.reconstruct.groups import NORMALIZE
 from polar_mitm.reconstruct.show import find_rows, render_header, render_list, render_sequence
 from polar_mitm.reconstruct.source import Selection, parse_since, set_reward
 
@@ -82,6 +83,7 @@ def _selection_options(f: F) -> F:
             is_flag=True,
             help="Keep turns whose status is not 'ok' (aborted, error).",
         ),
+        click.option("--rollout", help="Only the samples of this rollout (see `polar-mitm rollout`)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -94,6 +96,7 @@ def _selection_options(f: F) -> F:
             since=kwargs.pop("since"),
             include_side_calls=kwargs.pop("include_side_calls"),
             include_aborted=kwargs.pop("include_aborted"),
+            rollout=kwargs.pop("rollout"),
         )
         return f(*args, **kwargs)
 
@@ -145,6 +148,13 @@ def _guarded(f: F) -> F:
     "Tokenizer directory, to classify breaks (retokenization vs other) in the metadata, and to render "
     "harvested (text-only) sessions with its chat template into rows (metadata retokenized: true)."
 )
+@click.option(
+    "--group-normalize",
+    type=click.Choice(NORMALIZE),
+    default=None,
+    help="Add a GRPO advantage per rollout sample: std = (reward - group mean) / group std; "
+    "loo = reward - mean of the group's other samples.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @_guarded
 def export(
@@ -154,13 +164,16 @@ def export(
     out: str,
     selection: Selection,
     tokenizer: Path | None,
+    group_normalize: str | None,
     quiet: bool,
 ) -> None:
     """Export recorded turns as training rows (parquet or JSON lines).
 
     Every row has the columns trajectory_id, session_id, task_id, prompt_ids, response_ids,
-    loss_mask, response_logprobs, num_turns, turn_ids, finish_reason, reward, metadata.
-    Side calls and turns that did not finish 'ok' are left out unless asked for.
+    loss_mask, response_logprobs, num_turns, turn_ids, finish_reason, reward, metadata, and for
+    rollout samples group_id, sample_index, status, reward_detail and advantage (null elsewhere).
+    Side calls and turns that did not finish 'ok' are left out unless asked for. Rows of samples
+    that failed (sandbox, evaluator) or were cancelled are kept with loss_mask 0 and reward 0.
 
     \b
     Examples:
@@ -169,6 +182,7 @@ def export(
       polar-mitm export --db runs.sqlite --format jsonl --out traj.jsonl --task swe-123
       polar-mitm export --db sft.sqlite --format sft-jsonl --out sft.jsonl
       polar-mitm export --db sft.sqlite --format parquet --tokenizer ./qwen3-tok --out sft.parquet
+      polar-mitm export --db runs.sqlite --rollout ro_1a2b --group-normalize std --out groups.parquet
     """
     db = _require_db(db)
     if fmt is None:
@@ -184,6 +198,7 @@ def export(
         text=_load_text(tokenizer),
         options=SinkOptions(tokenizer=str(tokenizer) if tokenizer else None),
         quiet=quiet,
+        normalize=group_normalize,  # type: ignore[arg-type]
     )
     if not quiet:
         ratio = stats.merge_ratio

@@ -32,11 +32,13 @@ from tqdm import tqdm
 
 from polar_mitm.reconstruct import sft
 from polar_mitm.reconstruct.breaks import TokenText
+from polar_mitm.reconstruct.groups import Normalize, annotate, group_advantages
 from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
 from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids, session_rewards
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA, Trajectory, to_table
+from polar_mitm.store.rollouts import read_samples
 
 STRATEGIES = ("prefix-merge", "per-request")
 
@@ -172,12 +174,17 @@ def iter_trajectories(
     text: TokenText | None = None,
     on_turn: Callable[[], object] | None = None,
     retokenize: str | Path | None = None,
+    normalize: Normalize | None = None,
 ) -> Iterator[Trajectory]:
     """The rows of a store under one strategy, streamed (see the module docstring). With
-    `retokenize` (a tokenizer directory), harvested conversations follow as retokenized rows."""
+    `retokenize` (a tokenizer directory), harvested conversations follow as retokenized rows.
+    Rows of rollout samples carry their group, sample and reward (`groups.annotate`); with
+    `normalize`, a GRPO advantage too."""
     selection = selection or Selection()
     stats = stats if stats is not None else ReconstructStats()
     rewards = session_rewards(path)
+    samples = read_samples(path, rollout=selection.rollout)
+    advantage = group_advantages(samples, normalize) if normalize else {}
     if strategy == "per-request":
         rows = per_request(
             read_selected(path, selection, stats=stats, on_turn=on_turn), rewards=rewards, stats=stats
@@ -208,6 +215,8 @@ def iter_trajectories(
             ),
         )
     for row in rows:
+        if samples:
+            annotate(row, samples.get(row.session_id), advantage.get(row.session_id))
         stats.add_row(row)
         yield row
 
@@ -229,6 +238,7 @@ def export(
     text: TokenText | None = None,
     options: SinkOptions | None = None,
     quiet: bool = False,
+    normalize: Normalize | None = None,
 ) -> ReconstructStats:
     """Write every row of the store to `out`; returns what happened on the way."""
     if fmt not in FORMATS:
@@ -251,6 +261,7 @@ def export(
                     text=text,
                     on_turn=bar.update,
                     retokenize=options.tokenizer,
+                    normalize=normalize,
                 )
             for row in rows:
                 sink.write(row)

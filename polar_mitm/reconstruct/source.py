@@ -26,6 +26,7 @@ class Selection:
     since: float | None = None  # unix seconds; turns created at or after
     include_side_calls: bool = False  # turns with a tag (title generation, routers, …)
     include_aborted: bool = False  # turns whose status is not 'ok' (aborted, error)
+    rollout: str | None = None  # only the sessions (samples) of this rollout
 
     def keeps(self, turn: StoredTurn) -> bool:
         return (self.include_side_calls or turn.tag is None) and (self.include_aborted or turn.status == "ok")
@@ -47,7 +48,9 @@ def parse_since(value: str) -> float:
 
 def _where(sel: Selection, session: str | None = None) -> tuple[str, list[object]]:
     # The store's own filter, so counts match what read_turns yields.
-    where, args = turn_filter(session=session or sel.session, task=sel.task, since=sel.since)
+    where, args = turn_filter(
+        session=session or sel.session, task=sel.task, since=sel.since, rollout=sel.rollout
+    )
     return " WHERE " + " AND ".join(where), args
 
 
@@ -120,7 +123,9 @@ def read_selected(
     on_turn: Callable[[], object] | None = None,
 ) -> Iterator[StoredTurn]:
     """The selected turns in creation order (of one session if `session` is given)."""
-    for turn in read_turns(path, session=session or sel.session, task=sel.task, since=sel.since):
+    for turn in read_turns(
+        path, session=session or sel.session, task=sel.task, since=sel.since, rollout=sel.rollout
+    ):
         if on_turn is not None:
             on_turn()
         if stats is not None:

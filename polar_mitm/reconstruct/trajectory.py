@@ -33,6 +33,12 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("reward", pa.float64(), nullable=True),
         pa.field("metadata", pa.string(), nullable=False),
+        # Rollouts (null for rows outside one): see reconstruct/groups.py.
+        pa.field("group_id", pa.string(), nullable=True),
+        pa.field("sample_index", pa.int32(), nullable=True),
+        pa.field("status", pa.string(), nullable=True),
+        pa.field("reward_detail", pa.string(), nullable=True),
+        pa.field("advantage", pa.float64(), nullable=True),
     ]
 )
 
@@ -53,6 +59,11 @@ class Trajectory:
     finish_reason: str
     reward: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    group_id: str | None = None
+    sample_index: int | None = None
+    status: str | None = None  # the sample's outcome: completed, agent_timeout, failed, …
+    reward_detail: str | None = None  # JSON from the evaluator
+    advantage: float | None = None
 
     @classmethod
     def from_sequence(
@@ -111,6 +122,11 @@ class Trajectory:
             "finish_reason": self.finish_reason,
             "reward": self.reward,
             "metadata": self.metadata,
+            "group_id": self.group_id,
+            "sample_index": self.sample_index,
+            "status": self.status,
+            "reward_detail": self.reward_detail,
+            "advantage": self.advantage,
         }
 
 
@@ -138,6 +154,11 @@ def to_table(rows: list[Trajectory]) -> pa.Table:
         pa.array([r.finish_reason for r in rows], type=pa.string()),
         pa.array([r.reward for r in rows], type=pa.float64()),
         pa.array([r.metadata for r in rows], type=pa.string()),
+        pa.array([r.group_id for r in rows], type=pa.string()),
+        pa.array([r.sample_index for r in rows], type=pa.int32()),
+        pa.array([r.status for r in rows], type=pa.string()),
+        pa.array([r.reward_detail for r in rows], type=pa.string()),
+        pa.array([r.advantage for r in rows], type=pa.float64()),
     ]
     return pa.Table.from_arrays(columns, schema=TRAJECTORY_SCHEMA)
 

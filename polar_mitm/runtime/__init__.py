@@ -1,0 +1,23 @@
+"""Launching harnesses: the embedded proxy, the CA, recipes, the local runner, and the sandbox
+runtimes rollouts use (`make_runtime`)."""
+
+from __future__ import annotations
+
+RUNTIMES = ("docker", "local", "apptainer")
+
+
+def make_runtime(name: str):
+    """The sandbox runtime called `name` (imported only when asked for)."""
+    if name == "docker":
+        from polar_mitm.runtime.docker import DockerRuntime
+
+        return DockerRuntime()
+    if name == "local":
+        from polar_mitm.runtime.tempdir import TempdirRuntime
+
+        return TempdirRuntime()
+    if name == "apptainer":
+        from polar_mitm.runtime.apptainer import ApptainerRuntime
+
+        return ApptainerRuntime()
+    raise ValueError(f"unknown runtime {name!r}; choose one of {', '.join(RUNTIMES)}")

@@ -34,9 +34,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from polar_mitm.runtime.certs import CA
 from polar_mitm.runtime.sandbox import (
-    CA_DIR,
     HARNESS_BIN,
     NODE_BIN,
     NPM_MODULES,
@@ -45,6 +43,8 @@ from polar_mitm.runtime.sandbox import (
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
+    ca_mounts,
+    sandbox_ca,
     tail,
 )
 from polar_mitm.tasks.model import Task
@@ -133,13 +133,6 @@ def task_image(task: Task) -> str:
     raise SandboxError(f"apptainer: task {task.id!r} names no image (a .sif file or a docker image)")
 
 
-def sandbox_ca(ca: CA) -> CA:
-    """Our CA's files as the sandbox sees them: the certificate and the bundle, bound under CA_DIR
-    with their host names. The private key never enters a sandbox (as in the docker runtime)."""
-    d = Path(CA_DIR)
-    return CA(dir=d, key_and_cert=d / "none", cert=d / ca.cert.name, bundle=d / ca.bundle.name)
-
-
 # --- command lines ------------------------------------------------------------------------------
 
 
@@ -159,8 +152,8 @@ def binds(spec: SandboxSpec) -> list[str]:
     """The session directory (read-write), our CA's public files and the harness installation
     (read-only). The CA files are bound one by one: the directory also holds the private key."""
     out = [bind_option(spec.session_dir.resolve(), SESSION_DIR)]
-    for f in (spec.ca.cert, spec.ca.bundle):
-        out.append(bind_option(f.resolve(), f"{CA_DIR}/{f.name}", read_only=True))
+    for host, inside in ca_mounts(spec.ca):
+        out.append(bind_option(host.resolve(), inside, read_only=True))
     if spec.harness is not None:
         out.append(bind_option(spec.harness.modules.resolve(), NPM_MODULES, read_only=True))
         out.append(bind_option(spec.harness.bin.resolve(), HARNESS_BIN, read_only=True))

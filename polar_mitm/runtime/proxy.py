@@ -19,6 +19,7 @@ from mitmproxy.master import Master
 from pydantic import BaseModel, Field
 
 from polar_mitm import providers
+from polar_mitm.addons.egress import Egress
 from polar_mitm.addons.harvest import Harvest
 from polar_mitm.addons.routing import Routing
 from polar_mitm.addons.sessions import Sessions
@@ -67,6 +68,7 @@ class PolarProxy:
         self.harvest: Harvest | None = None
         self.master: Master | None = None
         self.tls = TlsWatch()
+        self.egress: Egress | None = None  # policy mode: per-session internet access
         self.port = 0
         self._task: asyncio.Task | None = None
 
@@ -91,14 +93,12 @@ class PolarProxy:
         else:
             self.policy = Policy(self.config.policy, self.store)
             self.gateway = Gateway(
-                self.policy,
-                default_session=self.config.default_session,
-                tagger=self.tagger(),
-                secret=Gateway.new_secret(),
+                self.policy, default_session=self.config.default_session, tagger=self.tagger()
             )
             gw_port = await self.gateway.start()
             intercepted = set(providers.HOST_STYLES) | recipes.stub_hosts()
-            mode_addons = [Routing(gw_port, self.gateway.secret), Stubs(intercepted)]
+            self.egress = Egress(intercepted)
+            mode_addons = [self.egress, Routing(gw_port), Stubs(intercepted)]
         opts = options.Options(
             listen_host=self.config.listen_host,
             listen_port=self.config.listen_port,
@@ -162,6 +162,11 @@ class PolarProxy:
             await self.policy.close()
         if self.store is not None:
             await self.store.close()
+
+    def session_url(self, session: str) -> str:
+        """The proxy URL a harness of `session` uses (credentials in it; the token when required)."""
+        token = self.config.token or "x"
+        return f"http://{session}:{token}@{self.config.listen_host}:{self.port}"
 
     @property
     def url(self) -> str:

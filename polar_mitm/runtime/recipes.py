@@ -56,6 +56,21 @@ class Recipe(BaseModel):
     # Variables the harness reads credentials from; when any is set, no dummy credential is added.
     credential_env: list[str] = Field(default_factory=list)
     side_calls: list[SideCall] = Field(default_factory=list)
+    # The headless command a rollout runs, one argument per item; "{instruction}" inside an item is
+    # replaced by the task's instruction (as one argument, never through a shell).
+    headless: list[str] = Field(default_factory=list)
+
+    def headless_command(self, instruction: str, template: list[str] | None = None) -> list[str]:
+        """The command that runs this harness on `instruction` (`template` overrides the recipe's)."""
+        argv = template or self.headless
+        if not argv:
+            raise ValueError(
+                f"recipe {self.name!r} has no headless command; pass --harness-cmd "
+                "(e.g. --harness-cmd 'mytool --prompt {instruction}')"
+            )
+        if not any("{instruction}" in a for a in argv):
+            raise ValueError(f"the harness command {argv!r} has no {{instruction}} placeholder")
+        return [a.replace("{instruction}", instruction) for a in argv]
 
     def tag(self, req: ChatRequest, path: str) -> str | None:
         for sc in self.side_calls:

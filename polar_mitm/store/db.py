@@ -315,6 +315,7 @@ def turn_filter(
     task: str | None = None,
     since: float | None = None,
     tokens: bool | None = True,
+    rollout: str | None = None,
 ) -> tuple[list[str], list[object]]:
     """SQL conditions and their arguments over `turns t JOIN sessions s`, for every reader.
 
@@ -332,6 +333,12 @@ def turn_filter(
     if since is not None:
         where.append("t.created_at >= ?")
         args.append(since)
+    if rollout:
+        where.append(
+            "t.session_id IN (SELECT sa.session_id FROM samples sa JOIN rollout_groups g"
+            " ON g.id = sa.group_id WHERE g.rollout_id = ?)"
+        )
+        args.append(rollout)
     if tokens is True:
         where.append("(t.output_len > 0 OR t.prompt_len > 0)")
     elif tokens is False:
@@ -347,6 +354,7 @@ def read_turns(
     since: float | None = None,
     with_raw: bool = False,
     include_text_only: bool = False,
+    rollout: str | None = None,
 ) -> Iterator[StoredTurn]:
     """Turns in creation order, with prompt ids resolved through their references.
 
@@ -356,7 +364,7 @@ def read_turns(
     db = connect(path)
     cache = _SequenceCache()
     where, args = turn_filter(
-        session=session, task=task, since=since, tokens=None if include_text_only else True
+        session=session, task=task, since=since, tokens=None if include_text_only else True, rollout=rollout
     )
     raw_cols = ", t.request, t.response" if with_raw else ", NULL, NULL"
     sql = (

@@ -63,7 +63,49 @@ def m001_initial(db: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS: list[Migration] = [m001_initial]
+def m002_rollouts(db: sqlite3.Connection) -> None:
+    """Rollouts: groups of samples of one task, each sample one session (one attempt of it)."""
+    db.executescript(
+        """
+        CREATE TABLE rollouts (
+            id          TEXT PRIMARY KEY,
+            created_at  REAL NOT NULL,
+            ended_at    REAL,
+            status      TEXT NOT NULL DEFAULT 'running',   -- running | done | interrupted | failed
+            config      TEXT NOT NULL DEFAULT '{}'         -- JSON: harness, runtime, samples, ...
+        );
+        CREATE TABLE rollout_groups (
+            id          TEXT PRIMARY KEY,
+            rollout_id  TEXT NOT NULL REFERENCES rollouts(id),
+            task_id     TEXT NOT NULL,
+            num_samples INTEGER NOT NULL,
+            task        TEXT NOT NULL DEFAULT '{}',       -- JSON: the Task as loaded
+            created_at  REAL NOT NULL,
+            ended_at    REAL,
+            status      TEXT NOT NULL DEFAULT 'running'    -- running | done | early_stopped | cancelled
+        );
+        CREATE TABLE samples (
+            session_id    TEXT PRIMARY KEY REFERENCES sessions(id),
+            group_id      TEXT NOT NULL REFERENCES rollout_groups(id),
+            sample_index  INTEGER NOT NULL,
+            attempt       INTEGER NOT NULL DEFAULT 0,
+            -- queued | starting | ready | running | scoring (in flight), then completed |
+            -- agent_timeout (trainable) or failed | cancelled | retried (masked)
+            status        TEXT NOT NULL,
+            cause         TEXT,                 -- why it failed or was cancelled
+            reward        REAL,
+            reward_detail TEXT,                 -- JSON from the evaluator
+            exit_code     INTEGER,              -- the harness's
+            timings       TEXT NOT NULL DEFAULT '{}',   -- JSON: seconds per stage
+            created_at    REAL NOT NULL,
+            ended_at      REAL
+        );
+        CREATE INDEX samples_group ON samples(group_id, sample_index, attempt);
+        """
+    )
+
+
+MIGRATIONS: list[Migration] = [m001_initial, m002_rollouts]
 
 
 def migrate(db: sqlite3.Connection) -> list[str]:

@@ -1,0 +1,65 @@
+"""Options several commands share (the policy's: backend, tokenizer, parsers, store, CA), so
+`run`, `proxy` and `rollout` read them the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from polar_mitm.backends.policy import PolicyConfig
+
+BACKEND_HELP = "SGLang server URL [env POLAR_MITM_BACKEND; default http://127.0.0.1:30000]"
+TOKENIZER_HELP = (
+    "Hugging Face tokenizer directory [env POLAR_MITM_TOKENIZER; default: the server's /model_info]"
+)
+DB_HELP = "SQLite database of sessions and turns [env POLAR_MITM_DB; default polar-mitm.sqlite]"
+
+
+def policy_options(f):
+    f = click.option(
+        "--backend", envvar="POLAR_MITM_BACKEND", default="http://127.0.0.1:30000", help=BACKEND_HELP
+    )(f)
+    f = click.option("--tokenizer", envvar="POLAR_MITM_TOKENIZER", default=None, help=TOKENIZER_HELP)(f)
+    f = click.option(
+        "--tool-parser",
+        default=None,
+        help="SGLang tool-call parser name (qwen25, …; 'none' to disable) [default: server's]",
+    )(f)
+    f = click.option(
+        "--reasoning-parser",
+        default=None,
+        help="SGLang reasoning parser name (qwen3, deepseek-r1, none) [default: server's]",
+    )(f)
+    f = click.option(
+        "--history",
+        type=click.Choice(["splice", "template"]),
+        default="splice",
+        show_default=True,
+        help="splice: echoed replies become the exact sampled ids; template: render history canonically.",
+    )(f)
+    f = click.option(
+        "--max-tokens-cap", type=int, default=None, help="Clamp the max_tokens harnesses ask for."
+    )(f)
+    f = click.option(
+        "--backend-timeout", type=float, default=None, help="Seconds of backend silence before a turn fails."
+    )(f)
+    f = click.option(
+        "--db", envvar="POLAR_MITM_DB", default="polar-mitm.sqlite", show_default=True, help=DB_HELP
+    )(f)
+    f = click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")(f)
+    return f
+
+
+def make_policy_config(
+    backend, tokenizer, tool_parser, reasoning_parser, history, max_tokens_cap, backend_timeout
+):
+    return PolicyConfig(
+        backend_url=backend,
+        tokenizer=tokenizer,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+        history=history,
+        max_tokens_cap=max_tokens_cap,
+        backend_timeout=backend_timeout,
+    )

@@ -1,0 +1,252 @@
+"""`polar-mitm rollout`: tasks × samples through the pipeline, a table per task, groups as parquet."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from polar_mitm.cli_options import make_policy_config, policy_options
+from polar_mitm.reconstruct.export import STRATEGIES
+from polar_mitm.reconstruct.groups import NORMALIZE
+from polar_mitm.runtime import RUNTIMES
+
+EXIT_INTERRUPTED = 130
+
+
+@click.command()
+@click.argument("tasks", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--harness",
+    required=True,
+    help="Harness recipe: claude-code, codex, gemini-cli, qwen-code, pi, opencode.",
+)
+@click.option(
+    "--harness-cmd",
+    default=None,
+    help="The harness command instead of the recipe's, with an {instruction} placeholder "
+    "(split like a shell line): --harness-cmd 'claude -p {instruction} --allowedTools Bash'.",
+)
+@click.option("--runtime", type=click.Choice(RUNTIMES), default="docker", show_default=True)
+@click.option(
+    "--samples",
+    "-n",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Samples per task (the group size).",
+)
+@policy_options
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="Write the groups here as parquet."
+)
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="prefix-merge", show_default=True)
+@click.option(
+    "--group-normalize",
+    type=click.Choice(NORMALIZE),
+    default="std",
+    show_default=True,
+    help="The advantage column: std = (r - mean) / std; loo = r - mean of the others.",
+)
+@click.option(
+    "--early-stop",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cancel a group's remaining samples once K usable ones are in.",
+)
+@click.option(
+    "--retries",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Retries per sample after a sandbox failure.",
+)
+@click.option(
+    "--agent-timeout", type=float, default=None, help="Seconds per harness run [default: each task's]."
+)
+@click.option(
+    "--total-timeout",
+    type=float,
+    default=None,
+    help="Seconds per sample, sandbox start to score [default: each task's].",
+)
+@click.option(
+    "--init-workers", type=click.IntRange(min=1), default=None, help="Sandboxes starting at once [default 4]."
+)
+@click.option(
+    "--run-workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Harnesses running at once [default: by CPUs, 2 here].",
+)
+@click.option(
+    "--postrun-workers", type=click.IntRange(min=1), default=None, help="Samples scored at once [default 4]."
+)
+@click.option(
+    "--ready-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Warm sandboxes kept ready [default: --run-workers].",
+)
+@click.option(
+    "--env",
+    "extra_env",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Extra environment for every harness (repeatable).",
+)
+@click.option(
+    "--keep-workdirs", is_flag=True, help="Keep each sample's host directory (logs, HOME) after it ends."
+)
+def rollout(
+    tasks,
+    harness,
+    harness_cmd,
+    runtime,
+    samples,
+    db,
+    certs,
+    out,
+    strategy,
+    group_normalize,
+    early_stop,
+    retries,
+    agent_timeout,
+    total_timeout,
+    init_workers,
+    run_workers,
+    postrun_workers,
+    ready_size,
+    extra_env,
+    keep_workdirs,
+    **policy,
+) -> None:
+    """Run each task SAMPLES times in a fresh sandbox with an unmodified harness, score every
+    sample with the task's own tests, and write the groups for GRPO.
+
+    \b
+    polar-mitm rollout tasks/ --harness claude-code --runtime docker --samples 8 \\
+        --backend http://127.0.0.1:30000 --tokenizer ./qwen3-tok --tool-parser qwen25 \\
+        --db runs.sqlite --out groups.parquet
+
+    TASKS are Harbor / Terminal-Bench task directories (or a folder of them), JSON lines of
+    SWE-bench-shaped rows, or plain .toml / .yaml / .json task files. Every harness call goes
+    through one proxy and is recorded token-exactly; each sample is one session in --db.
+    Live progress goes to stderr; at the end a table per task (samples, mean reward, pass@1,
+    pass@k, groups without signal, failures by cause, seconds per stage) and, with --out, the
+    parquet (one row per trajectory with group_id, sample_index, status, reward, advantage).
+    Ctrl-C stops every sandbox and records the unfinished samples as cancelled.
+    """
+    from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, new_token
+    from polar_mitm.rollout.progress import Progress
+    from polar_mitm.rollout.report import render_table, rollout_reports
+    from polar_mitm.runtime import make_runtime, recipes
+    from polar_mitm.runtime.harness import HarnessNotInstalled
+    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+    from polar_mitm.runtime.sandbox import RuntimeUnavailable
+    from polar_mitm.tasks import TaskFileError, load_tasks
+
+    try:
+        loaded = load_tasks(tasks)
+    except TaskFileError as e:
+        raise click.ClickException(str(e)) from None
+    if not loaded:
+        raise click.ClickException(f"no tasks in {', '.join(map(str, tasks))}")
+    try:
+        recipes.get(harness)
+    except KeyError as e:
+        raise click.BadParameter(str(e.args[0]), param_hint="--harness") from None
+    env: dict[str, str] = {}
+    for item in extra_env:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--env")
+        env[k] = v
+    fields = dict(
+        harness=harness,
+        harness_cmd=shlex.split(harness_cmd) if harness_cmd else None,
+        runtime=runtime,
+        samples=samples,
+        early_stop=early_stop,
+        retries=retries,
+        agent_timeout=agent_timeout,
+        total_timeout=total_timeout,
+        ready_size=ready_size,
+        env=env,
+        keep_workdirs=keep_workdirs,
+    )
+    for name, value in (
+        ("init_workers", init_workers),
+        ("run_workers", run_workers),
+        ("postrun_workers", postrun_workers),
+    ):
+        if value is not None:
+            fields[name] = value
+    opts = RolloutOptions(**fields)
+    rt = make_runtime(runtime)
+    work_dir = Path(tempfile.mkdtemp(prefix="polar-rollout-"))
+    proxy = PolarProxy(
+        ProxyConfig(
+            db=db,
+            certs_dir=certs,
+            default_session="rollout-unattributed",
+            token=new_token(),
+            recipe=harness,
+            policy=make_policy_config(**policy),
+        )
+    )
+
+    async def go():
+        await rt.check()  # before anything starts: a clear error when the runtime cannot work
+        await proxy.start()
+        try:
+            with Progress() as progress:
+                pipeline = Pipeline(opts, proxy, rt, work_dir=work_dir, on_change=progress.update)
+                click.echo(
+                    f"rollout {pipeline.rollout_id}: {len(loaded)} tasks × {samples} samples · {harness} · "
+                    f"{runtime} · proxy {proxy.url} · db {db}",
+                    err=True,
+                )
+                return await pipeline.run(loaded)
+        finally:
+            await proxy.stop()
+
+    try:
+        result = asyncio.run(go())
+    except KeyboardInterrupt:
+        click.echo(
+            "polar-mitm: rollout interrupted; sandboxes stopped, unfinished samples recorded as cancelled",
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
+    except (RuntimeUnavailable, HarnessNotInstalled, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        if not keep_workdirs:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    click.echo(
+        render_table(
+            rollout_reports(db, result.rollout_id),
+            title=f"rollout {result.rollout_id} ({result.seconds:.1f} s)",
+        ),
+        err=True,
+    )
+    if out is not None:
+        from polar_mitm.reconstruct.export import export
+        from polar_mitm.reconstruct.source import Selection
+
+        stats = export(
+            db,
+            out,
+            strategy=strategy,
+            fmt="parquet",
+            selection=Selection(rollout=result.rollout_id),
+            normalize=group_normalize,
+            quiet=True,
+        )
+        click.echo(f"wrote {stats.trajectories} rows ({len(stats.sessions)} samples) to {out}", err=True)

@@ -1,0 +1,550 @@
+"""The gateway-node pipeline: tasks × samples through INIT → READY → RUN → POSTRUN.
+
+```
+queue ──▶ INIT workers: start a sandbox, run the task's setup      (init_workers at once)
+          READY: a bounded buffer of warm sandboxes                 (ready_size, default run_workers)
+          RUN workers: the harness in its sandbox, through the proxy (run_workers at once)
+          POSTRUN workers: evaluate, stop the sandbox, record        (postrun_workers at once)
+```
+
+Sandboxes start ahead of time, so a RUN worker never waits for one while the buffer holds any.
+Every sample is a session of the shared proxy (its id is the user name in the harness's proxy URL,
+with the rollout's token as password), so its turns are recorded token-exactly like any `run`.
+
+Outcomes (each recorded in the store's `samples` table, never dropped):
+- `completed`: the harness ended and the evaluator scored it.
+- `agent_timeout`: the harness overran its time and was killed; its turns stay trainable, reward 0.
+- `failed`: the sandbox or the evaluator failed (`retries` times over, for sandbox failures); its
+  rows are masked in exports (loss_mask 0, reward 0) and flagged with the cause.
+- `retried`: an attempt that failed and was run again as a new attempt (a new session).
+- `cancelled`: early stop (`early_stop` usable samples of its group were in) or an interrupt.
+
+The pipeline is a library: `polar-mitm rollout` drives it from the command line, and a rollout
+service can host it the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from polar_mitm.runtime import recipes
+from polar_mitm.runtime.harness import harness_mount
+from polar_mitm.runtime.local import child_env
+from polar_mitm.runtime.proxy import PolarProxy
+from polar_mitm.runtime.sandbox import Runtime, Sandbox, SandboxError, SandboxSpec
+from polar_mitm.store.rollouts import TRAINABLE, RolloutLog
+from polar_mitm.tasks.evaluators import EvaluatorError, HarnessOutcome, evaluate
+from polar_mitm.tasks.model import Task
+
+log = logging.getLogger("polar_mitm.rollout")
+
+Stage = Literal["queued", "starting", "ready", "running", "scoring", "done"]
+STAGES: tuple[Stage, ...] = ("queued", "starting", "ready", "running", "scoring", "done")
+ROLLOUT_LABEL = "polar-mitm.rollout"
+
+
+def default_workers() -> tuple[int, int, int]:
+    """INIT / RUN / POSTRUN worker counts for this machine: Polar's 4 / 2 / 4, fewer harnesses at
+    once on a small machine (a harness is a busy node process)."""
+    cpus = os.cpu_count() or 2
+    run = max(1, min(8, cpus // 2)) if cpus >= 4 else max(1, min(2, cpus))
+    return 4, run, 4
+
+
+class RolloutOptions(BaseModel):
+    """How a rollout runs. Task fields (timeouts) apply unless overridden here."""
+
+    harness: str = Field(description="recipe name: claude-code, codex, gemini-cli, qwen-code, pi, opencode")
+    harness_cmd: list[str] | None = None  # overrides the recipe's headless command
+    runtime: str = "docker"
+    samples: int = Field(1, ge=1)
+    init_workers: int = Field(default_factory=lambda: default_workers()[0], ge=1)
+    run_workers: int = Field(default_factory=lambda: default_workers()[1], ge=1)
+    postrun_workers: int = Field(default_factory=lambda: default_workers()[2], ge=1)
+    ready_size: int | None = Field(None, ge=1)  # default: run_workers
+    early_stop: int | None = Field(None, ge=1)
+    retries: int = Field(2, ge=0)  # per sample, for sandbox and infrastructure failures
+    agent_timeout: float | None = None
+    total_timeout: float | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # extra environment for every harness
+    keep_workdirs: bool = False
+
+
+@dataclass(eq=False)
+class SampleJob:
+    task: Task
+    group: GroupState
+    index: int
+    attempt: int = 0
+    session_id: str = ""
+    stage: Stage = "queued"
+    sandbox: Sandbox | None = None
+    session_dir: Path | None = None
+    outcome: HarnessOutcome | None = None
+    started: float = 0.0  # monotonic time INIT began (the total budget's start)
+    mark: float = 0.0  # when the current stage began
+    timings: dict[str, float] = field(default_factory=dict)
+    current: asyncio.Future | None = None  # the stage's work, cancelled on early stop
+    cancel_reason: str | None = None
+    final: str | None = None  # the recorded outcome, once there is one
+    reward: float | None = None
+    cause: str | None = None
+
+
+@dataclass(eq=False)
+class GroupState:
+    id: str
+    task: Task
+    size: int
+    jobs: list[SampleJob] = field(default_factory=list)
+    usable: int = 0
+    finished: int = 0
+    stopped: str | None = None  # why the rest of the group was cancelled
+
+
+@dataclass
+class SampleResult:
+    task_id: str
+    group_id: str
+    index: int
+    attempt: int
+    session_id: str
+    status: str
+    reward: float | None
+    cause: str | None
+    timings: dict[str, float]
+
+
+@dataclass
+class RolloutResult:
+    rollout_id: str
+    db: str
+    samples: list[SampleResult]
+    interrupted: bool = False
+    seconds: float = 0.0
+
+    def by_task(self) -> dict[str, list[SampleResult]]:
+        out: dict[str, list[SampleResult]] = {}
+        for s in self.samples:
+            out.setdefault(s.task_id, []).append(s)
+        return out
+
+
+class _Cancelled(Exception):
+    """The job was cancelled (early stop); not an error."""
+
+
+class Pipeline:
+    def __init__(
+        self,
+        options: RolloutOptions,
+        proxy: PolarProxy,
+        runtime: Runtime,
+        *,
+        work_dir: Path,
+        on_change: Callable[[Pipeline], None] | None = None,
+        rollout_id: str | None = None,
+    ):
+        self.opts = options
+        self.proxy = proxy
+        self.runtime = runtime
+        self.work_dir = work_dir
+        self.on_change = on_change
+        self.rollout_id = rollout_id or f"ro_{uuid.uuid4().hex[:12]}"
+        self.recipe = recipes.get(options.harness)
+        self.counts: Counter[str] = Counter()  # stage -> jobs in it; plus passed / failed tallies
+        self.outcomes: Counter[str] = Counter()
+        self.jobs: list[SampleJob] = []
+        self.groups: list[GroupState] = []
+        self._log: RolloutLog | None = None
+        self._ready: asyncio.Queue[SampleJob] | None = None
+        self._init_q: asyncio.Queue[SampleJob | None] = asyncio.Queue()
+        self._post_q: asyncio.Queue[SampleJob | None] = asyncio.Queue()
+        self._remaining = 0
+        self._all_done = asyncio.Event()
+
+    # -- public ---------------------------------------------------------------------------------
+
+    async def run(self, tasks: Sequence[Task]) -> RolloutResult:
+        """Run every task `samples` times; returns when every sample has an outcome. Cancelling
+        this coroutine (Ctrl-C) stops every sandbox and records the unfinished samples as cancelled."""
+        t0 = time.monotonic()
+        store = self.proxy.store
+        assert store is not None, "start the proxy first"
+        self._log = RolloutLog(store)
+        await self.runtime.check()
+        harness = None
+        if self.runtime.isolated:
+            binary = self.opts.harness_cmd[0] if self.opts.harness_cmd else None
+            harness = harness_mount(self.recipe, binary)
+        self._harness = harness
+        self._ready = asyncio.Queue(maxsize=self.opts.ready_size or self.opts.run_workers)
+        await self._log.begin_rollout(
+            self.rollout_id, {**self.opts.model_dump(), "tasks": [t.id for t in tasks]}
+        )
+        for t in tasks:
+            self._check_task(t)
+        for t in tasks:
+            await self.runtime.prepare(t)
+        for t in tasks:
+            g = GroupState(id=f"{self.rollout_id}/{t.id}", task=t, size=self.opts.samples)
+            self.groups.append(g)
+            await self._log.add_group(g.id, self.rollout_id, t.id, g.size, t.model_dump_json())
+            for i in range(g.size):
+                job = SampleJob(task=t, group=g, index=i)
+                g.jobs.append(job)
+                self.jobs.append(job)
+                await self._new_attempt(job)
+                self._init_q.put_nowait(job)
+        self._remaining = len(self.jobs)
+        if not self.jobs:
+            self._all_done.set()
+        workers = (
+            [asyncio.create_task(self._init_worker(), name=f"init{i}") for i in range(self.opts.init_workers)]
+            + [asyncio.create_task(self._run_worker(), name=f"run{i}") for i in range(self.opts.run_workers)]
+            + [
+                asyncio.create_task(self._post_worker(), name=f"post{i}")
+                for i in range(self.opts.postrun_workers)
+            ]
+        )
+        interrupted = False
+        try:
+            await self._all_done.wait()
+        except asyncio.CancelledError:
+            interrupted = True
+            raise
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.shield(self._finish(interrupted))
+        return RolloutResult(
+            self.rollout_id,
+            store.path,
+            self._results(),
+            interrupted=interrupted,
+            seconds=time.monotonic() - t0,
+        )
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _check_task(self, task: Task) -> None:
+        if not self.runtime.isolated and task.evaluator.kind in ("harbor", "swebench"):
+            raise ValueError(
+                f"task {task.id}: its {task.evaluator.kind} evaluator works on absolute paths "
+                f"(/tests, /logs, {task.workdir}) and needs a container: use --runtime docker or apptainer"
+            )
+        self.recipe.headless_command(task.instruction, self.opts.harness_cmd)  # raises when unusable
+
+    async def _new_attempt(self, job: SampleJob) -> None:
+        assert self._log is not None and self.proxy.store is not None
+        job.session_id = f"s_{uuid.uuid4().hex[:16]}"
+        job.stage, job.sandbox, job.outcome, job.timings = "queued", None, None, {}
+        self.counts["queued"] += 1
+        await self.proxy.store.ensure_session(
+            job.session_id,
+            task_id=job.task.id,
+            harness=self.recipe.name,
+            command=self.recipe.headless_command(job.task.instruction, self.opts.harness_cmd),
+            metadata={
+                "rollout": self.rollout_id,
+                "group": job.group.id,
+                "sample_index": job.index,
+                "attempt": job.attempt,
+                "runtime": self.runtime.name,
+                "backend": self.proxy.config.policy.backend_url,
+            },
+        )
+        await self._log.add_sample(job.session_id, job.group.id, job.index, job.attempt, "queued")
+        if not job.task.allow_internet and self.proxy.egress is not None:
+            self.proxy.egress.deny_internet(job.session_id)
+
+    def _move(self, job: SampleJob, stage: Stage) -> None:
+        now = time.monotonic()
+        if job.mark:
+            job.timings[job.stage] = job.timings.get(job.stage, 0.0) + (now - job.mark)
+        self.counts[job.stage] -= 1
+        self.counts[stage] += 1
+        job.stage, job.mark = stage, now
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def _budget(self, job: SampleJob, stage_limit: float | None = None) -> float | None:
+        """Seconds this stage may take: its own limit, within what the total budget has left."""
+        total = self.opts.total_timeout or job.task.total_timeout_sec
+        if total is None:
+            return stage_limit
+        left = max(0.0, total - (time.monotonic() - job.started))
+        return left if stage_limit is None else min(stage_limit, left)
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    async def _stage(self, job: SampleJob, coro: Any) -> Any:
+        """Run one stage's work so that early stop can cancel it without cancelling the worker."""
+        job.current = asyncio.ensure_future(coro)
+        try:
+            return await job.current
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if job.cancel_reason and task is not None and not task.cancelling():
+                raise _Cancelled(job.cancel_reason) from None
+            raise
+        finally:
+            job.current = None
+
+    async def _init_worker(self) -> None:
+        while True:
+            job = await self._init_q.get()
+            if job is None:
+                return
+            if job.group.stopped:
+                await self._cancel(job, job.group.stopped)
+                continue
+            job.started = time.monotonic()
+            self._move(job, "starting")
+            try:
+                await self._stage(job, self._start_sandbox(job))
+            except _Cancelled as e:
+                await self._cancel(job, str(e))
+                continue
+            except (SandboxError, EvaluatorError, OSError, TimeoutError, RuntimeError) as e:
+                await self._infra_failure(job, f"sandbox start: {_describe(e)}")
+                continue
+            self._move(job, "ready")
+            assert self._ready is not None
+            await self._ready.put(job)  # blocks while the READY buffer is full
+
+    async def _start_sandbox(self, job: SampleJob) -> None:
+        assert self.proxy.ca is not None
+        job.session_dir = self.work_dir / job.session_id
+        job.session_dir.mkdir(parents=True, exist_ok=True)
+        (job.session_dir / "home").mkdir(exist_ok=True)
+        spec = SandboxSpec(
+            name=f"polar-{job.session_id}",
+            session_dir=job.session_dir,
+            ca=self.proxy.ca,
+            harness=self._harness,
+            labels={ROLLOUT_LABEL: self.rollout_id, "polar-mitm.session": job.session_id},
+        )
+        job.sandbox = await asyncio.wait_for(self.runtime.start(job.task, spec), self._budget(job))
+        for n, line in enumerate(job.task.setup, 1):
+            r = await job.sandbox.exec(["sh", "-c", line], env=job.task.env, timeout=self._budget(job))
+            if r.exit_code != 0:
+                raise SandboxError(f"setup step {n} ({line[:60]!r}) exited {r.exit_code}: {r.output[-300:]}")
+
+    async def _run_worker(self) -> None:
+        assert self._ready is not None
+        while True:
+            job = await self._ready.get()
+            if job.group.stopped:
+                await self._cancel(job, job.group.stopped)
+                continue
+            self._move(job, "running")
+            try:
+                await self._stage(job, self._run_harness(job))
+            except _Cancelled as e:
+                await self._cancel(job, str(e))
+                continue
+            except (SandboxError, OSError, RuntimeError) as e:
+                await self._infra_failure(job, f"harness run: {_describe(e)}")
+                continue
+            self._move(job, "scoring")
+            self._post_q.put_nowait(job)
+
+    def harness_env(self, job: SampleJob) -> dict[str, str]:
+        """The harness's environment inside its sandbox: the proxy with this sample's
+        credentials, our CA as the sandbox sees it, the recipe's settings, a fresh HOME."""
+        assert job.sandbox is not None and job.session_dir is not None
+        home = str(job.session_dir / "home") if not self.runtime.isolated else "/opt/polar-mitm/session/home"
+        base = {"HOME": home, "CI": "1", "TERM": "dumb", "LANG": "C.UTF-8"}
+        if not self.runtime.isolated:  # a host process: keep the host's PATH and the like
+            base = {
+                **{
+                    k: v
+                    for k, v in os.environ.items()
+                    if "PROXY" not in k.upper() and not k.endswith("_API_KEY")
+                },
+                **base,
+            }
+        env = child_env(
+            base, self.recipe, self.proxy.session_url(job.session_id), job.sandbox.ca, job.session_id
+        )
+        env["PWD"] = job.sandbox.workdir
+        env.update(job.task.env)
+        env.update(self.opts.env)
+        return env
+
+    async def _run_harness(self, job: SampleJob) -> None:
+        assert job.sandbox is not None
+        cmd = self.recipe.headless_command(job.task.instruction, self.opts.harness_cmd)
+        limit = self.opts.agent_timeout or job.task.agent_timeout_sec
+        r = await job.sandbox.exec(cmd, env=self.harness_env(job), timeout=self._budget(job, limit))
+        if job.session_dir is not None:
+            (job.session_dir / "harness.log").write_text(r.output)
+        if not await job.sandbox.alive():
+            raise SandboxError(
+                f"the sandbox died while the harness ran (exit {r.exit_code}): {r.output[-300:]}"
+            )
+        job.outcome = HarnessOutcome(exit_code=r.exit_code, timed_out=r.timed_out)
+
+    async def _post_worker(self) -> None:
+        while True:
+            job = await self._post_q.get()
+            if job is None:
+                return
+            try:
+                score = await self._stage(job, self._score(job))
+            except _Cancelled as e:
+                await self._cancel(job, str(e))
+                continue
+            except (SandboxError, EvaluatorError, OSError, TimeoutError, RuntimeError) as e:
+                await self._finish_job(job, "failed", reward=0.0, cause=f"evaluator: {_describe(e)}")
+                continue
+            assert job.outcome is not None
+            if job.outcome.timed_out:
+                # Trainable: the harness did work until it was stopped; it gets no credit for it.
+                await self._finish_job(
+                    job, "agent_timeout", reward=0.0, cause="agent timeout", detail=score.detail
+                )
+            else:
+                await self._finish_job(job, "completed", reward=score.reward, detail=score.detail)
+
+    async def _score(self, job: SampleJob):
+        assert job.sandbox is not None and job.outcome is not None
+        limit = job.task.evaluator.timeout_sec + 60
+        return await asyncio.wait_for(evaluate(job.task, job.sandbox, job.outcome), self._budget(job, limit))
+
+    # -- outcomes -------------------------------------------------------------------------------
+
+    async def _infra_failure(self, job: SampleJob, cause: str) -> None:
+        log.warning("task %s sample %d attempt %d: %s", job.task.id, job.index, job.attempt, cause)
+        if job.attempt < self.opts.retries and not job.group.stopped:
+            await self._finish_job(job, "retried", reward=None, cause=cause, final=False)
+            job.attempt += 1
+            await self._new_attempt(job)
+            self._init_q.put_nowait(job)
+            return
+        await self._finish_job(job, "failed", reward=0.0, cause=cause)
+
+    async def _cancel(self, job: SampleJob, reason: str) -> None:
+        await self._finish_job(job, "cancelled", reward=None, cause=reason)
+
+    async def _finish_job(
+        self,
+        job: SampleJob,
+        status: str,
+        *,
+        reward: float | None,
+        cause: str | None = None,
+        detail: dict[str, Any] | None = None,
+        final: bool = True,
+    ) -> None:
+        assert self._log is not None
+        if job.sandbox is not None:
+            try:
+                await asyncio.shield(job.sandbox.stop())
+            except Exception as e:  # never lose the outcome over a failed removal
+                log.warning("stopping the sandbox of %s: %s", job.session_id, e)
+            job.sandbox = None
+        self._move(job, "done" if final else "queued")
+        if not final:
+            self.counts["queued"] -= 1  # _new_attempt counts it again
+        exit_code = job.outcome.exit_code if job.outcome else None
+        await asyncio.shield(
+            self._log.finish_sample(
+                job.session_id,
+                status=status,
+                reward=reward,
+                cause=cause,
+                detail=detail,
+                exit_code=exit_code,
+                timings={k: round(v, 3) for k, v in job.timings.items()},
+            )
+        )
+        if self.proxy.egress is not None:
+            self.proxy.egress.allow_internet(job.session_id)
+        if job.session_dir is not None and not self.opts.keep_workdirs:
+            shutil.rmtree(job.session_dir, ignore_errors=True)
+        if not final:
+            return
+        job.final, job.reward, job.cause = status, reward, cause
+        self.outcomes[status] += 1
+        if status in TRAINABLE:
+            self.outcomes["passed" if (reward or 0.0) >= 1.0 else "not_passed"] += 1
+        g = job.group
+        g.finished += 1
+        g.usable += status in TRAINABLE
+        if (
+            self.opts.early_stop
+            and g.usable >= self.opts.early_stop
+            and not g.stopped
+            and g.finished < g.size
+        ):
+            self._stop_group(g, f"early stop: {g.usable} usable samples in")
+        if g.finished == g.size:
+            await self._log.end_group(g.id, "early_stopped" if g.stopped else "done")
+        if self.on_change is not None:
+            self.on_change(self)
+        self._remaining -= 1
+        if self._remaining == 0:
+            self._all_done.set()
+
+    def _stop_group(self, g: GroupState, reason: str) -> None:
+        g.stopped = reason
+        for j in g.jobs:
+            if j.final is None and j.current is not None and not j.current.done():
+                j.cancel_reason = reason
+                j.current.cancel()
+
+    async def _finish(self, interrupted: bool) -> None:
+        """After the workers stopped: nothing unrecorded, nothing left running."""
+        assert self._log is not None
+        for job in self.jobs:
+            if job.final is None:
+                await self._finish_job(job, "cancelled", reward=None, cause="interrupted")
+        # Any sandbox a crash left behind (a worker cancelled mid-start): found by label.
+        await self.runtime.cleanup({ROLLOUT_LABEL: self.rollout_id})
+        await self._log.end_rollout(self.rollout_id, "interrupted" if interrupted else "done")
+
+    def _results(self) -> list[SampleResult]:
+        return [
+            SampleResult(
+                task_id=j.task.id,
+                group_id=j.group.id,
+                index=j.index,
+                attempt=j.attempt,
+                session_id=j.session_id,
+                status=j.final or "cancelled",
+                reward=j.reward,
+                cause=j.cause,
+                timings=dict(j.timings),
+            )
+            for j in self.jobs
+        ]
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or e.__class__.__name__
+    return text if len(text) < 600 else text[:600] + "…"
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(18)
+
+
+def options_json(opts: RolloutOptions) -> str:
+    return json.dumps(opts.model_dump(), default=str)

@@ -1,0 +1,363 @@
+"""The `docker` runtime: one container per sample, through the `docker` SDK.
+
+A container starts from the task's image (built from its Dockerfile when it has no image, tagged
+by the content of its build context so a rebuild happens only when something changed), runs
+`sleep infinity`, and everything else is `exec`: setup, the harness, the evaluator. It shares the
+host's network, so the harness reaches the proxy on 127.0.0.1 (the proxy decides what else it may
+reach). Mounted: the sample's session directory, our CA (read-only) and the host's harness
+installation (read-only). Containers carry labels naming their rollout, so a crashed run's
+leftovers can be found and removed.
+
+The SDK is blocking; every call runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import re
+import tarfile
+import time
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from polar_mitm.runtime.certs import CA
+from polar_mitm.runtime.sandbox import (
+    HARNESS_BIN,
+    NODE_BIN,
+    NPM_MODULES,
+    SESSION_DIR,
+    ExecResult,
+    RuntimeUnavailable,
+    SandboxError,
+    SandboxSpec,
+    ca_mounts,
+    sandbox_ca,
+    tail,
+)
+from polar_mitm.tasks.model import Task
+
+log = logging.getLogger("polar_mitm.docker")
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+LABEL = "polar-mitm"
+
+
+class ImageUnavailable(RuntimeError):
+    """The task's image is not here and cannot be built or pulled."""
+
+
+def context_digest(context: Path, dockerfile: Path) -> str:
+    """A digest of a build context's files (names, modes and bytes) and its Dockerfile."""
+    h = hashlib.sha256()
+    for p in sorted(context.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(context)).encode() + b"\0")
+            h.update(oct(p.stat().st_mode & 0o777).encode())
+            h.update(p.read_bytes())
+    h.update(b"dockerfile\0" + dockerfile.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def image_tag(task: Task, digest: str) -> str:
+    name = re.sub(r"[^a-z0-9_.-]+", "-", task.id.lower()).strip("-.") or "task"
+    return f"polar-mitm/task-{name[:100]}:{digest}"
+
+
+def _tar_of(src: Path, arcname: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(str(src), arcname=arcname)
+    return buf.getvalue()
+
+
+class DockerSandbox:
+    def __init__(
+        self,
+        runtime: DockerRuntime,
+        container: Any,
+        workdir: str,
+        ca: CA,
+        path_prefix: list[str],
+        base_path: str,
+    ):
+        self.runtime = runtime
+        self.container = container
+        self.name = container.name
+        self.workdir = workdir
+        self.ca = ca
+        self.path_prefix = path_prefix
+        self.base_path = base_path
+        self._stopped = False
+
+    @property
+    def api(self) -> Any:
+        return self.runtime.client.api
+
+    def _env(self, env: dict[str, str] | None) -> dict[str, str]:
+        out = dict(env or {})
+        path = out.get("PATH") or self.base_path
+        out["PATH"] = ":".join([*self.path_prefix, path]) if self.path_prefix else path
+        return out
+
+    def _run(self, cmd: list[str], env: dict[str, str], workdir: str) -> tuple[int, bytes]:
+        ex = self.api.exec_create(
+            self.container.id, cmd, environment=env, workdir=workdir, stdin=False, tty=False
+        )
+        out = self.api.exec_start(ex["Id"], demux=False)
+        code = self.api.exec_inspect(ex["Id"]).get("ExitCode")
+        return (code if code is not None else -1), out or b""
+
+    async def exec(
+        self,
+        cmd: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        workdir: str | None = None,
+    ) -> ExecResult:
+        if self._stopped:
+            raise SandboxError(f"container {self.name} is stopped")
+        t0 = time.monotonic()
+        fut = asyncio.ensure_future(
+            asyncio.to_thread(self._run, cmd, self._env(env), workdir or self.workdir)
+        )
+        timed_out = False
+        try:
+            code, out = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            timed_out = True
+            await self._kill_all()
+            code, out = await self._settle(fut)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill_all())
+            raise
+        except Exception as e:  # the daemon refused: the container is gone or broken
+            raise SandboxError(f"container {self.name}: exec {cmd[0]} failed: {e}") from e
+        return ExecResult(
+            124 if timed_out else code, tail(out), timed_out=timed_out, seconds=time.monotonic() - t0
+        )
+
+    async def _settle(self, fut: asyncio.Future) -> tuple[int, bytes]:
+        try:
+            return await asyncio.wait_for(fut, 15)
+        except Exception:
+            return 124, b""
+
+    async def _kill_all(self) -> None:
+        """Kill every process in the container but its PID 1 (`sleep infinity`), so the exec that
+        overran returns and the container stays usable for scoring."""
+        try:
+            await asyncio.to_thread(self._run, ["kill", "-KILL", "-1"], self._env(None), "/")
+        except Exception as e:
+            log.debug("kill in %s: %s", self.name, e)
+
+    async def put(self, src: Path, dest: str) -> None:
+        d = PurePosixPath(dest)
+        code, out = await asyncio.to_thread(self._run, ["mkdir", "-p", str(d.parent)], self._env(None), "/")
+        if code != 0:
+            raise SandboxError(f"container {self.name}: mkdir {d.parent}: {tail(out, 500)}")
+        data = await asyncio.to_thread(_tar_of, src, d.name)
+        try:
+            ok = await asyncio.to_thread(self.container.put_archive, str(d.parent), data)
+        except Exception as e:
+            raise SandboxError(f"container {self.name}: copy {src} to {dest}: {e}") from e
+        if not ok:
+            raise SandboxError(f"container {self.name}: copy {src} to {dest} refused")
+
+    async def read(self, path: str) -> bytes | None:
+        import docker.errors
+
+        def get() -> bytes | None:
+            try:
+                stream, stat = self.container.get_archive(path)
+            except docker.errors.NotFound:
+                return None
+            raw = b"".join(stream)
+            with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+                member = next((m for m in tar.getmembers() if m.isfile()), None)
+                f = tar.extractfile(member) if member else None
+                return f.read() if f else None
+
+        try:
+            return await asyncio.to_thread(get)
+        except Exception as e:
+            raise SandboxError(f"container {self.name}: read {path}: {e}") from e
+
+    async def alive(self) -> bool:
+        try:
+            await asyncio.to_thread(self.container.reload)
+        except Exception:
+            return False
+        return self.container.status == "running"
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.runtime.remove(self.container)
+
+
+class DockerRuntime:
+    """`--runtime docker`."""
+
+    name = "docker"
+    isolated = True
+
+    def __init__(self, client: Any | None = None, *, network: str = "host"):
+        self._client = client
+        self.network = network
+        self._images: dict[str, str] = {}  # task id -> image to start from
+        self._build_lock = asyncio.Lock()
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import docker
+
+            self._client = docker.from_env(timeout=120)
+        return self._client
+
+    async def check(self) -> None:
+        try:
+            await asyncio.to_thread(lambda: self.client.ping())
+        except Exception as e:
+            raise RuntimeUnavailable(
+                f"docker: cannot reach the Docker daemon ({e.__class__.__name__}: {e}). Start it "
+                "(`dockerd &`, or `bash scripts/docker.sh` in a source checkout), check DOCKER_HOST, "
+                "or use --runtime local"
+            ) from None
+
+    async def prepare(self, task: Task) -> None:
+        if task.id in self._images:
+            return
+        if task.image:
+            self._images[task.id] = await self._ensure_image(task.image)
+        elif task.dockerfile is not None:
+            async with self._build_lock:
+                self._images[task.id] = await self._build(task)
+        else:
+            raise ImageUnavailable(
+                f"task {task.id}: no image and no Dockerfile; the docker runtime needs one"
+            )
+
+    async def _ensure_image(self, image: str) -> str:
+        import docker.errors
+
+        def find() -> str:
+            try:
+                self.client.images.get(image)
+                return image
+            except docker.errors.ImageNotFound:
+                pass
+            try:
+                self.client.images.pull(image)
+                return image
+            except Exception as e:
+                raise ImageUnavailable(
+                    f"image {image!r} is not on this machine and could not be pulled ({e.__class__.__name__}: "
+                    f"{str(e)[:200]}); build or import it first (docker build / docker import)"
+                ) from None
+
+        return await asyncio.to_thread(find)
+
+    async def _build(self, task: Task) -> str:
+        import docker.errors
+
+        dockerfile = Path(task.dockerfile)  # type: ignore[arg-type]
+        if not dockerfile.is_file():
+            raise ImageUnavailable(f"task {task.id}: Dockerfile {dockerfile} does not exist")
+        context = dockerfile.parent
+        tag = image_tag(task, context_digest(context, dockerfile))
+
+        def build() -> str:
+            try:
+                self.client.images.get(tag)
+                return tag
+            except docker.errors.ImageNotFound:
+                pass
+            log.info("building %s from %s", tag, dockerfile)
+            try:
+                self.client.images.build(
+                    path=str(context), dockerfile=dockerfile.name, tag=tag, rm=True, forcerm=True, pull=False
+                )
+            except docker.errors.BuildError as e:
+                lines = [str(x.get("stream") or x.get("error") or "").rstrip() for x in e.build_log]
+                raise ImageUnavailable(
+                    f"task {task.id}: building {dockerfile} failed: {e.msg}\n" + "\n".join(lines[-15:])
+                ) from None
+            return tag
+
+        return await asyncio.to_thread(build)
+
+    async def start(self, task: Task, spec: SandboxSpec) -> DockerSandbox:
+        await self.prepare(task)
+        image = self._images[task.id]
+        volumes = {str(spec.session_dir): {"bind": SESSION_DIR, "mode": "rw"}}
+        for host, inside in ca_mounts(spec.ca):
+            volumes[str(host)] = {"bind": inside, "mode": "ro"}
+        prefix: list[str] = []
+        if spec.harness is not None:
+            volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
+            volumes[str(spec.harness.bin)] = {"bind": HARNESS_BIN, "mode": "ro"}
+            prefix.append(HARNESS_BIN)
+            if spec.harness.node is not None:
+                volumes[str(spec.harness.node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
+                prefix.append(NODE_BIN)
+        kwargs: dict[str, Any] = dict(
+            entrypoint=["sleep", "infinity"],
+            command=[],
+            name=spec.name,
+            labels={LABEL: "1", **spec.labels},
+            detach=True,
+            network_mode=self.network,
+            volumes=volumes,
+            environment=task.env,
+        )
+        if task.cpus:
+            kwargs["nano_cpus"] = int(task.cpus * 1e9)
+        if task.memory_mb:
+            kwargs["mem_limit"] = f"{task.memory_mb}m"
+
+        def run() -> Any:
+            return self.client.containers.run(image, **kwargs)
+
+        try:
+            container = await asyncio.to_thread(run)
+        except Exception as e:
+            raise SandboxError(f"task {task.id}: starting a container from {image} failed: {e}") from e
+        env_list = (
+            (await asyncio.to_thread(lambda: self.client.images.get(image))).attrs.get("Config") or {}
+        ).get("Env") or []
+        base_path = next((e.split("=", 1)[1] for e in env_list if e.startswith("PATH=")), DEFAULT_PATH)
+        sb = DockerSandbox(self, container, task.workdir, sandbox_ca(spec.ca), prefix, base_path)
+        try:
+            r = await sb.exec(["mkdir", "-p", task.workdir], workdir="/")
+            if r.exit_code != 0:
+                raise SandboxError(f"task {task.id}: container {sb.name} did not start: {r.output[-500:]}")
+        except BaseException:
+            await sb.stop()
+            raise
+        return sb
+
+    async def remove(self, container: Any) -> None:
+        import docker.errors
+
+        try:
+            await asyncio.to_thread(container.remove, force=True)
+        except docker.errors.NotFound:
+            pass
+        except Exception as e:
+            log.warning("could not remove container %s: %s", container.name, e)
+
+    async def cleanup(self, labels: dict[str, str]) -> int:
+        filters = {"label": [f"{k}={v}" for k, v in labels.items()]}
+        try:
+            found = await asyncio.to_thread(self.client.containers.list, all=True, filters=filters)
+        except Exception:
+            return 0
+        for c in found:
+            await self.remove(c)
+        return len(found)

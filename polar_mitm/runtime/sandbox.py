@@ -1,0 +1,139 @@
+"""The sandbox interface every runtime implements: start one for a task, run a command in it with
+an environment and a timeout, copy files in and out, stop it.
+
+Runtimes: `local` (a temporary directory on the host, `runtime/tempdir.py`), `docker`
+(`runtime/docker.py`) and `apptainer` (`runtime/apptainer.py`). The rollout pipeline talks only
+to this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from polar_mitm.runtime.certs import CA
+from polar_mitm.tasks.model import Task
+
+# Where the harness CLIs and our CA appear inside container sandboxes.
+HARNESS_ROOT = "/opt/polar-mitm"
+NPM_MODULES = f"{HARNESS_ROOT}/npm/lib/node_modules"
+HARNESS_BIN = f"{HARNESS_ROOT}/npm/bin"
+NODE_BIN = f"{HARNESS_ROOT}/node/bin"
+CA_DIR = f"{HARNESS_ROOT}/ca"
+SESSION_DIR = f"{HARNESS_ROOT}/session"
+
+
+def sandbox_ca(ca: CA) -> CA:
+    """Our CA's files as a sandbox sees them: the certificate and the bundle, mounted one by one
+    under CA_DIR with their host names. The private key never enters a sandbox."""
+    d = Path(CA_DIR)
+    return CA(dir=d, key_and_cert=d / "none", cert=d / ca.cert.name, bundle=d / ca.bundle.name)
+
+
+def ca_mounts(ca: CA) -> list[tuple[Path, str]]:
+    """(host file, sandbox path) for each CA file a sandbox gets, read-only."""
+    inside = sandbox_ca(ca)
+    return [(ca.cert, str(inside.cert)), (ca.bundle, str(inside.bundle))]
+
+
+class RuntimeUnavailable(RuntimeError):
+    """The runtime cannot work on this machine (no daemon, no binary): say what to do."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox failed (could not start, died, a copy failed): an infrastructure failure."""
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    output: str  # stdout and stderr together, the tail only (see OUTPUT_TAIL)
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+OUTPUT_TAIL = 16_000  # characters of a command's output kept
+
+
+def tail(data: bytes | str | None, limit: int = OUTPUT_TAIL) -> str:
+    if data is None:
+        return ""
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    return text[-limit:]
+
+
+@dataclass
+class HarnessMount:
+    """The host's harness installation, shown read-only inside a container sandbox.
+
+    `modules` is the npm prefix's `lib/node_modules`; `bin` a host directory of relative links
+    (`claude -> ../lib/node_modules/...`) made for it; `node` the node binary the JavaScript
+    harnesses run on. Inside the sandbox they appear at NPM_MODULES, HARNESS_BIN and NODE_BIN.
+    """
+
+    modules: Path
+    bin: Path
+    node: Path | None
+
+
+@dataclass
+class SandboxSpec:
+    """What a runtime needs besides the task to start a sandbox."""
+
+    name: str  # unique per sample: container / instance name
+    session_dir: Path  # a host directory for this sample (logs, copies), mounted in containers
+    ca: CA  # host paths of our CA
+    harness: HarnessMount | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class Sandbox(Protocol):
+    name: str
+    workdir: str  # the task's workdir as the sandbox sees it
+    ca: CA  # our CA's files as the sandbox sees them
+    path_prefix: list[str]  # directories to put first on PATH so the harness binaries are found
+
+    async def exec(
+        self,
+        cmd: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        workdir: str | None = None,
+    ) -> ExecResult:
+        """Run cmd to its end (or kill everything it started after `timeout` seconds)."""
+        ...
+
+    async def put(self, src: Path, dest: str) -> None:
+        """Copy a host file or directory to `dest` (a path in the sandbox)."""
+        ...
+
+    async def read(self, path: str) -> bytes | None:
+        """A file's bytes from the sandbox, or None when it does not exist."""
+        ...
+
+    async def alive(self) -> bool: ...
+
+    async def stop(self) -> None:
+        """Stop and remove the sandbox; safe to call twice."""
+        ...
+
+
+class Runtime(Protocol):
+    name: str
+    isolated: bool  # True when the sandbox has its own filesystem (absolute task paths are safe)
+
+    async def check(self) -> None:
+        """Raise RuntimeUnavailable, with what to do, when this runtime cannot work here."""
+        ...
+
+    async def prepare(self, task: Task) -> None:
+        """Make the task's image available (build from its Dockerfile, cached by content)."""
+        ...
+
+    async def start(self, task: Task, spec: SandboxSpec) -> Sandbox: ...
+
+    async def cleanup(self, labels: dict[str, str]) -> int:
+        """Remove every sandbox carrying these labels (left by a crash); returns how many."""
+        ...

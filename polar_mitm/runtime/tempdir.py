@@ -1,0 +1,134 @@
+"""The `local` runtime: each sample in its own temporary directory on the host.
+
+No isolation: commands run as host processes with the task's workdir mapped to a fresh temporary
+directory (what `polar-mitm run` does for one harness). Good for quick loops and for tasks whose
+commands stay inside their workdir; tasks that write to absolute paths (Harbor's `/logs`,
+SWE-bench's `/testbed`) need a container runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from polar_mitm.runtime.certs import CA
+from polar_mitm.runtime.sandbox import ExecResult, SandboxError, SandboxSpec, tail
+from polar_mitm.tasks.model import Task
+
+
+class TempdirSandbox:
+    def __init__(self, root: Path, ca: CA, path_prefix: list[str]):
+        self.root = root
+        self.name = root.name
+        self.workdir = str(root / "work")
+        self.ca = ca
+        self.path_prefix = path_prefix
+        self._procs: set[asyncio.subprocess.Process] = set()
+        self._stopped = False
+
+    def host_path(self, path: str) -> Path:
+        """A sandbox path on the host: relative paths and paths under the workdir stay in it."""
+        p = Path(path)
+        return p if p.is_absolute() else Path(self.workdir) / p
+
+    async def exec(
+        self,
+        cmd: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        workdir: str | None = None,
+    ) -> ExecResult:
+        if self._stopped:
+            raise SandboxError(f"sandbox {self.name} is stopped")
+        t0 = time.monotonic()
+        full_env = {**os.environ, **(env or {})}
+        if self.path_prefix:
+            full_env["PATH"] = os.pathsep.join([*self.path_prefix, full_env.get("PATH", "")])
+        full_env["PWD"] = workdir or self.workdir
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                cwd=workdir or self.workdir,
+                env=full_env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # its own process group: a timeout kills everything it started
+            )
+        except FileNotFoundError as e:
+            return ExecResult(127, f"{cmd[0]}: command not found ({e})", seconds=time.monotonic() - t0)
+        self._procs.add(proc)
+        timed_out = False
+        try:
+            try:
+                out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+            except TimeoutError:
+                timed_out = True
+                _kill_group(proc.pid)
+                out, _ = await proc.communicate()
+        except asyncio.CancelledError:
+            _kill_group(proc.pid)
+            await proc.wait()
+            raise
+        finally:
+            self._procs.discard(proc)
+            _kill_group(proc.pid)  # helpers the command left behind
+        code = 124 if timed_out else (128 - proc.returncode if proc.returncode < 0 else proc.returncode)
+        return ExecResult(code, tail(out), timed_out=timed_out, seconds=time.monotonic() - t0)
+
+    async def put(self, src: Path, dest: str) -> None:
+        target = self.host_path(dest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, target, dirs_exist_ok=True, symlinks=True)
+        else:
+            shutil.copy2(src, target)
+
+    async def read(self, path: str) -> bytes | None:
+        try:
+            return self.host_path(path).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    async def alive(self) -> bool:
+        return not self._stopped and self.root.is_dir()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        for proc in list(self._procs):
+            _kill_group(proc.pid)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class TempdirRuntime:
+    """`--runtime local`."""
+
+    name = "local"
+    isolated = False
+
+    async def check(self) -> None:
+        return None
+
+    async def prepare(self, task: Task) -> None:
+        return None
+
+    async def start(self, task: Task, spec: SandboxSpec) -> TempdirSandbox:
+        root = spec.session_dir / "sandbox"
+        (root / "work").mkdir(parents=True, exist_ok=True)
+        prefix = [str(spec.harness.bin)] if spec.harness is not None else []
+        return TempdirSandbox(root, spec.ca, prefix)
+
+    async def cleanup(self, labels: dict[str, str]) -> int:
+        return 0
