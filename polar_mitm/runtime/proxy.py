@@ -93,12 +93,15 @@ class PolarProxy:
         else:
             self.policy = Policy(self.config.policy, self.store)
             self.gateway = Gateway(
-                self.policy, default_session=self.config.default_session, tagger=self.tagger()
+                self.policy,
+                default_session=self.config.default_session,
+                tagger=self.tagger(),
+                secret=Gateway.new_secret(),
             )
             gw_port = await self.gateway.start()
             intercepted = set(providers.HOST_STYLES) | recipes.stub_hosts()
             self.egress = Egress(intercepted)
-            mode_addons = [self.egress, Routing(gw_port), Stubs(intercepted)]
+            mode_addons = [self.egress, Routing(gw_port, self.gateway.secret), Stubs(intercepted)]
         opts = options.Options(
             listen_host=self.config.listen_host,
             listen_port=self.config.listen_port,
