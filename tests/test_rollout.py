@@ -132,7 +132,7 @@ async def test_early_stop_cancels_the_rest_of_the_group(make_stack, tmp_path):
     stack = await make_stack()
     tasks = [shell_task("t", "x", "true")]
     # Sample 0 finishes at once; the others would take 30 s.
-    cmd = sh('if [ -e "$HOME/../../first" ]; then sleep 30; else touch "$HOME/../../first"; fi')
+    cmd = sh('mkdir "$HOME/../../first" 2>/dev/null || sleep 30')
     (tmp_path / "work").mkdir()
     _, result = await run_pipeline(
         stack, tasks, tmp_path, samples=4, early_stop=1, run_workers=2, harness_cmd=cmd
