@@ -148,7 +148,7 @@ def rollout(
     from polar_mitm.runtime import make_runtime, recipes
     from polar_mitm.runtime.harness import HarnessNotInstalled
     from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
-    from polar_mitm.runtime.sandbox import RuntimeUnavailable
+    from polar_mitm.runtime.sandbox import RuntimeUnavailable, SandboxError
     from polar_mitm.tasks import TaskFileError, load_tasks
 
     try:
@@ -224,7 +224,7 @@ def rollout(
             err=True,
         )
         sys.exit(EXIT_INTERRUPTED)
-    except (RuntimeUnavailable, HarnessNotInstalled, ValueError) as e:
+    except (RuntimeUnavailable, HarnessNotInstalled, SandboxError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     finally:
         if not keep_workdirs:

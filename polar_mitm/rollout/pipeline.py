@@ -42,10 +42,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from polar_mitm.runtime import recipes
-from polar_mitm.runtime.harness import harness_mount
+from polar_mitm.runtime.harness import HarnessNotInstalled, harness_mount
 from polar_mitm.runtime.local import child_env
 from polar_mitm.runtime.proxy import PolarProxy
-from polar_mitm.runtime.sandbox import Runtime, Sandbox, SandboxError, SandboxSpec
+from polar_mitm.runtime.sandbox import HarnessMount, Runtime, Sandbox, SandboxError, SandboxSpec
 from polar_mitm.store.rollouts import TRAINABLE, RolloutLog
 from polar_mitm.tasks.evaluators import EvaluatorError, HarnessOutcome, evaluate
 from polar_mitm.tasks.model import Task
@@ -144,6 +144,10 @@ class RolloutResult:
         return out
 
 
+class SandboxDied(SandboxError):
+    """The sandbox stopped existing under a running sample."""
+
+
 class _Cancelled(Exception):
     """The job was cancelled (early stop); not an error."""
 
@@ -187,19 +191,15 @@ class Pipeline:
         assert store is not None, "start the proxy first"
         self._log = RolloutLog(store)
         await self.runtime.check()
-        harness = None
-        if self.runtime.isolated:
-            binary = self.opts.harness_cmd[0] if self.opts.harness_cmd else None
-            harness = harness_mount(self.recipe, binary)
-        self._harness = harness
+        self._harness = self._harness_mount() if self.runtime.isolated else None
         self._ready = asyncio.Queue(maxsize=self.opts.ready_size or self.opts.run_workers)
-        await self._log.begin_rollout(
-            self.rollout_id, {**self.opts.model_dump(), "tasks": [t.id for t in tasks]}
-        )
-        for t in tasks:
+        for t in tasks:  # every task checked and its image ready before anything is recorded
             self._check_task(t)
         for t in tasks:
             await self.runtime.prepare(t)
+        await self._log.begin_rollout(
+            self.rollout_id, {**self.opts.model_dump(), "tasks": [t.id for t in tasks]}
+        )
         for t in tasks:
             g = GroupState(id=f"{self.rollout_id}/{t.id}", task=t, size=self.opts.samples)
             self.groups.append(g)
@@ -241,6 +241,17 @@ class Pipeline:
         )
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    def _harness_mount(self) -> HarnessMount | None:
+        """The host's installation of the harness, for containers. A --harness-cmd that runs
+        something else (a script in the image) needs none."""
+        cmd = self.opts.harness_cmd
+        if cmd and os.path.basename(cmd[0]) not in self.recipe.binaries:
+            try:
+                return harness_mount(self.recipe)
+            except HarnessNotInstalled:
+                return None
+        return harness_mount(self.recipe, os.path.basename(cmd[0]) if cmd else None)
 
     def _check_task(self, task: Task) -> None:
         if not self.runtime.isolated and task.evaluator.kind in ("harbor", "swebench"):
@@ -359,6 +370,9 @@ class Pipeline:
             except _Cancelled as e:
                 await self._cancel(job, str(e))
                 continue
+            except SandboxDied as e:
+                await self._infra_failure(job, f"sandbox died: {_describe(e)}")
+                continue
             except (SandboxError, OSError, RuntimeError) as e:
                 await self._infra_failure(job, f"harness run: {_describe(e)}")
                 continue
@@ -396,9 +410,7 @@ class Pipeline:
         if job.session_dir is not None:
             (job.session_dir / "harness.log").write_text(r.output)
         if not await job.sandbox.alive():
-            raise SandboxError(
-                f"the sandbox died while the harness ran (exit {r.exit_code}): {r.output[-300:]}"
-            )
+            raise SandboxDied(f"while the harness ran (exit {r.exit_code}): {r.output[-300:]}")
         job.outcome = HarnessOutcome(exit_code=r.exit_code, timed_out=r.timed_out)
 
     async def _post_worker(self) -> None:
@@ -412,7 +424,12 @@ class Pipeline:
                 await self._cancel(job, str(e))
                 continue
             except (SandboxError, EvaluatorError, OSError, TimeoutError, RuntimeError) as e:
-                await self._finish_job(job, "failed", reward=0.0, cause=f"evaluator: {_describe(e)}")
+                if job.sandbox is not None and not await job.sandbox.alive():
+                    # Killed under us (at the end of the run, or while scoring): the harness's
+                    # result cannot be scored, so the sample is run again like any sandbox failure.
+                    await self._infra_failure(job, f"sandbox died: while scoring: {_describe(e)}")
+                else:
+                    await self._finish_job(job, "failed", reward=0.0, cause=f"evaluator: {_describe(e)}")
                 continue
             assert job.outcome is not None
             if job.outcome.timed_out:

@@ -45,7 +45,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LABEL = "polar-mitm"
 
 
-class ImageUnavailable(RuntimeError):
+class ImageUnavailable(RuntimeUnavailable):
     """The task's image is not here and cannot be built or pulled."""
 
 
