@@ -12,9 +12,20 @@ for cand in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12" python3 pyt
 done
 if [ -z "$PY" ]; then echo "install: Python 3.12 not found (mitmproxy 12 needs it)" >&2; exit 1; fi
 
-if [ ! -x .venv/bin/python ]; then "$PY" -m venv .venv; fi
-.venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/pip install -q -e '.[test]'
+say() { echo "install: $*" >&2; }
+
+if [ ! -x .venv/bin/python ]; then say "creating .venv with $PY"; "$PY" -m venv .venv; fi
+# Reinstall the package only when its dependencies changed (a stamp holds pyproject.toml's hash).
+stamp=.venv/.polar-mitm-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  say "installing polar-mitm and its test extras into .venv (a few minutes the first time)"
+  .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/pip install -q -e '.[test]'
+  echo "$want" > "$stamp"
+else
+  say "Python packages up to date"
+fi
 
 # tmux drives the interactive-terminal end-to-end test.
 if ! command -v tmux >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
@@ -38,5 +49,16 @@ for spec in "${NPM_PACKAGES[@]}"; do
   [ "$have" = "$want" ] || missing+=("$spec")
 done
 if [ ${#missing[@]} -gt 0 ]; then
+  say "installing harness CLIs from npm: ${missing[*]}"
   npm install -g --no-fund --no-audit "${missing[@]}"
+else
+  say "harness CLIs up to date"
 fi
+
+# Docker for the rollout tests: Debian's docker.io, a daemon in the background, the base image.
+if [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then
+  say "skipping Docker (POLAR_MITM_NO_DOCKER=1): run the tests with -m 'not docker'"
+else
+  bash scripts/docker.sh
+fi
+say "done"

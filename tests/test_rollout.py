@@ -81,6 +81,17 @@ async def test_groups_are_scored_recorded_and_reported(make_stack, tmp_path):
     assert reports["good"].groups_all_equal == 1  # all rewards equal: no GRPO signal
     assert set(reports["good"].stage_seconds) >= {"starting", "ready", "running", "scoring"}
     assert p.counts["done"] == 6 and p.counts["running"] == 0 and p.counts["queued"] == 0
+    # `stats` reports the same per task.
+    from click.testing import CliRunner
+
+    from polar_mitm.cli import main
+
+    r = CliRunner().invoke(main, ["stats", "--db", stack.db, "--json", "--rollout", result.rollout_id])
+    by_task = {t["task_id"]: t for t in json.loads(r.output)["tasks"]}
+    assert by_task["good"]["pass@1"] == 1.0 and by_task["good"]["pass@3"] == 1.0
+    assert by_task["bad"]["mean_reward"] == 0.0 and by_task["bad"]["groups_all_equal"] == 1
+    r = CliRunner().invoke(main, ["stats", "--db", stack.db])
+    assert "rollout samples by task" in r.output and "(k=3)" in r.output
     assert not list((tmp_path / "work").iterdir())  # sample directories removed
 
 

@@ -22,6 +22,7 @@ from polar_mitm.reconstruct.export import export as export_rows
 from polar_mitm.reconstruct.groups import NORMALIZE
 from polar_mitm.reconstruct.show import find_rows, render_header, render_list, render_sequence
 from polar_mitm.reconstruct.source import Selection, parse_since, set_reward
+from polar_mitm.rollout.report import render_table, rollout_reports
 
 F = Callable[..., Any]
 
@@ -225,6 +226,8 @@ def stats(db: Path | None, selection: Selection, tokenizer: Path | None, as_json
     (tokens of per-request rows ÷ tokens of merged rows), retries dropped, branches, breaks by
     class (template, retokenization, other; unknown without --tokenizer) and mismatches
     (prompts that rewrote sampled tokens, unconfirmed store hints, logprob count errors).
+    For rollouts, a table per task: samples, usable samples, mean reward, pass@1, pass@k, groups
+    whose rewards are all equal (no GRPO signal), failures by cause and seconds per stage.
 
     \b
     Examples:
@@ -233,10 +236,16 @@ def stats(db: Path | None, selection: Selection, tokenizer: Path | None, as_json
     """
     db = _require_db(db)
     result = compute_stats(db, selection=selection, text=_load_text(tokenizer), quiet=quiet or as_json)
+    tasks = rollout_reports(db, selection.rollout)
+    if selection.task:
+        tasks = [t for t in tasks if t.task_id == selection.task]
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        click.echo(json.dumps({**result.to_dict(), "tasks": [t.to_dict() for t in tasks]}, indent=2))
     else:
         click.echo(result.render())
+        if tasks:
+            click.echo()
+            click.echo(render_table(tasks, title="rollout samples by task"))
 
 
 @click.command()
