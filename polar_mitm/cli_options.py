@@ -42,7 +42,25 @@ def policy_options(f):
         "--max-tokens-cap", type=int, default=None, help="Clamp the max_tokens harnesses ask for."
     )(f)
     f = click.option(
-        "--backend-timeout", type=float, default=None, help="Seconds of backend silence before a turn fails."
+        "--first-token-timeout",
+        type=float,
+        default=None,
+        help="Seconds to wait for the backend's first token (a long prompt on a busy engine) before "
+        "the turn fails and the harness is told to retry; in chat backend mode, for the whole reply; "
+        f"0 waits forever [default: {PolicyConfig().first_token_timeout:g}]",
+    )(f)
+    f = click.option(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        help="Seconds of backend silence between streamed tokens before the turn fails (its tokens "
+        f"are kept as an 'error' turn); 0 waits forever [default: {PolicyConfig().idle_timeout:g}]",
+    )(f)
+    f = click.option(
+        "--backend-timeout",
+        type=float,
+        default=None,
+        help="Sets both --first-token-timeout and --idle-timeout (either one given too wins).",
     )(f)
     f = click.option(
         "--db", envvar="POLAR_MITM_DB", default="polar-mitm.sqlite", show_default=True, help=DB_HELP
@@ -52,8 +70,20 @@ def policy_options(f):
 
 
 def make_policy_config(
-    backend, tokenizer, tool_parser, reasoning_parser, history, max_tokens_cap, backend_timeout
+    backend,
+    tokenizer,
+    tool_parser,
+    reasoning_parser,
+    history,
+    max_tokens_cap,
+    first_token_timeout=None,
+    idle_timeout=None,
+    backend_timeout=None,
 ):
+    timeouts = {
+        "first_token_timeout": first_token_timeout if first_token_timeout is not None else backend_timeout,
+        "idle_timeout": idle_timeout if idle_timeout is not None else backend_timeout,
+    }
     return PolicyConfig(
         backend_url=backend,
         tokenizer=tokenizer,
@@ -61,5 +91,5 @@ def make_policy_config(
         reasoning_parser=reasoning_parser,
         history=history,
         max_tokens_cap=max_tokens_cap,
-        backend_timeout=backend_timeout,
+        **{k: v for k, v in timeouts.items() if v is not None},
     )

@@ -177,3 +177,120 @@ async def test_an_existing_database_keeps_its_mode(tmp_path):
     store = await Store.open(path)
     await store.close()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+# --- a backend that stops answering ---------------------------------------------------------------
+
+
+async def test_no_first_token_before_any_byte_is_a_retryable_overload_error(make_stack):
+    # hang_seconds bounds the hang if the timeout does not fire; it then answers 503 itself.
+    stack = await make_stack(
+        backend={"hang_seconds": 5}, policy={"first_token_timeout": 0.5, "ping_interval": 30}
+    )
+    await inject(stack, "hang")
+    async with stack.client() as c:
+        r = await c.post(MESSAGES_URL, json=body(HI, stream=True))
+    assert r.status_code == 529 and r.headers.get("x-should-retry") == "true"
+    assert r.json()["error"]["type"] == "overloaded_error"
+    assert "--first-token-timeout" in r.json()["error"]["message"]
+    assert rows(stack.db) == []
+
+
+async def test_no_first_token_after_pings_ends_the_stream_with_an_error_event(make_stack):
+    stack = await make_stack(backend={"hang_seconds": 5}, policy={"first_token_timeout": 0.5})
+    await inject(stack, "hang")
+    async with stack.client() as c:
+        r = await c.post(MESSAGES_URL, json=body(HI, stream=True))
+    events = sse_events(r.text)
+    assert events[0][0] == "message_start"
+    assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "overloaded_error"
+    assert "--first-token-timeout" in events[-1][1]["error"]["message"]
+    assert rows(stack.db) == []  # nothing was sampled
+
+
+async def test_a_backend_that_stalls_mid_stream_fails_the_turn_and_keeps_it_as_error(make_stack):
+    # Four tokens 1.5 s apart: without an idle limit the reply would just arrive slowly.
+    stack = await make_stack(
+        backend={"token_delay": 1.5, "script": [{"match": "", "text": "one two three"}]},
+        policy={"first_token_timeout": 10, "idle_timeout": 0.5},
+    )
+    async with stack.client() as c:
+        r = await c.post(MESSAGES_URL, json=body(HI, stream=True))
+    events = sse_events(r.text)
+    assert [d["delta"]["text"] for e, d in events if e == "content_block_delta"]  # a token got through
+    assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "overloaded_error"
+    assert "--idle-timeout" in events[-1][1]["error"]["message"]
+    assert "message_stop" not in [e for e, _ in events]
+    [turn] = list(read_turns(stack.db, include_text_only=True))
+    assert (turn.status, turn.finish_reason) == ("error", "error")
+    assert 0 < len(turn.output_ids) == len(turn.output_logprobs) < 4  # the tokens sampled so far
+
+
+async def test_chat_mode_waits_for_its_whole_reply_no_longer_than_the_first_token_timeout(make_stack):
+    stack = await make_stack(
+        backend={"hang_seconds": 5}, policy={"backend_mode": "chat", "first_token_timeout": 0.5}
+    )
+    await inject(stack, "hang")
+    async with stack.client() as c:
+        r = await c.post(MESSAGES_URL, json=body(HI))
+    assert r.status_code == 529 and "--first-token-timeout" in r.json()["error"]["message"]
+    assert rows(stack.db) == []
+
+
+async def test_info_requests_to_a_silent_backend_time_out():
+    import asyncio
+
+    import pytest
+    from aiohttp import web
+
+    from polar_mitm.backends.sglang import SGLangClient
+    from polar_mitm.neutral import ProviderError
+
+    release = asyncio.Event()
+
+    async def silent(request):
+        await asyncio.wait_for(release.wait(), 30)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/model_info", silent)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    client = SGLangClient(f"http://127.0.0.1:{port}", timeout=0.3)
+    try:
+        with pytest.raises(ProviderError) as e:
+            await asyncio.wait_for(client.model_info(), 5)
+        assert e.value.kind == "overloaded"
+    finally:
+        release.set()
+        await client.close()
+        await runner.cleanup()
+
+
+def test_timeouts_have_defaults_for_real_engines_and_command_line_options():
+    import click
+    from click.testing import CliRunner
+
+    from polar_mitm.backends.policy import PolicyConfig
+    from polar_mitm.cli_options import make_policy_config, policy_options
+
+    assert (PolicyConfig().first_token_timeout, PolicyConfig().idle_timeout) == (600, 120)
+
+    @click.command()
+    @policy_options
+    def show(db, certs, **policy):
+        cfg = make_policy_config(**policy)
+        click.echo(f"{cfg.first_token_timeout} {cfg.idle_timeout}")
+
+    def run(*args):
+        result = CliRunner().invoke(show, list(args))
+        assert result.exit_code == 0, result.output
+        return result.output.split()
+
+    assert run() == ["600.0", "120.0"]
+    assert run("--first-token-timeout", "30", "--idle-timeout", "5") == ["30.0", "5.0"]
+    assert run("--backend-timeout", "7") == ["7.0", "7.0"]  # the older option sets both
+    assert run("--backend-timeout", "7", "--idle-timeout", "2") == ["7.0", "2.0"]

@@ -60,7 +60,12 @@ class PolicyConfig(BaseModel):
     default_max_tokens: int = 4096
     max_tokens_cap: int | None = None  # clamp what harnesses ask for (Claude Code asks for 32k)
     ping_interval: float = 5.0
-    backend_timeout: float | None = None  # seconds of silence from the backend before giving up
+    # Seconds the backend may stay silent before the turn fails (the harness is told to retry;
+    # tokens sampled so far are kept as an 'error' turn); None or 0 waits forever. The first token
+    # may take long: a long prompt on a busy engine. Chat mode gets its whole reply at once, so
+    # there the first-token limit bounds the whole reply.
+    first_token_timeout: float | None = 600.0
+    idle_timeout: float | None = 120.0  # between streamed chunks
 
 
 class TurnContext(BaseModel):
@@ -181,7 +186,8 @@ class Policy:
     def __init__(self, config: PolicyConfig, store: Store):
         self.config = config
         self.store = store
-        self.client = SGLangClient(config.backend_url, timeout=config.backend_timeout)
+        # Info requests (/model_info …) are small: the idle limit bounds them too.
+        self.client = SGLangClient(config.backend_url, timeout=config.idle_timeout)
         self._tok: Tokenizer | None = None
         self._info: ModelInfo | None = None
         self._reasoning_open: dict[str, bool] = {}
@@ -225,6 +231,18 @@ class Policy:
             tp = tp if tp is not None else (info.tool_call_parser or "qwen25")
             rp = rp if rp is not None else (info.reasoning_parser or "qwen3")
         return (tp or None) if tp != "none" else None, (rp or None) if rp != "none" else None
+
+    def silence(self, first_token: bool) -> ProviderError:
+        """The retryable error for a backend that went quiet for longer than it may."""
+        if first_token:
+            what, limit, option = "sent no token", self.config.first_token_timeout, "--first-token-timeout"
+        else:
+            what, limit, option = "stopped sending tokens", self.config.idle_timeout, "--idle-timeout"
+        return ProviderError(
+            "overloaded",
+            f"policy backend {self.config.backend_url} {what} for {limit:g} s ({option}); retry the request",
+            529,
+        )
 
     # -- prompt -------------------------------------------------------------------------------
 
@@ -336,6 +354,8 @@ class Policy:
                 finish_reason=finish_reason,
             )
 
+        loop = asyncio.get_running_loop()
+        heard = loop.time()  # when the request went out, then when the last chunk came
         try:
             it = gen.__aiter__()
             prev_text = ""
@@ -343,8 +363,15 @@ class Policy:
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(it.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=self.config.ping_interval)
+                limit = self.config.first_token_timeout if state is None else self.config.idle_timeout
+                left = heard + limit - loop.time() if limit else None
+                last_wait = left is not None and left <= self.config.ping_interval
+                done, _ = await asyncio.wait(
+                    {pending}, timeout=max(left, 0.0) if last_wait else self.config.ping_interval
+                )
                 if not done:
+                    if last_wait:
+                        raise self.silence(first_token=state is None)
                     if not started:
                         started = True
                         yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
@@ -355,6 +382,7 @@ class Policy:
                     state = fut.result()
                 except StopAsyncIteration:
                     break
+                heard = loop.time()
                 if _aborted(state.finish_reason):
                     break  # before Started: an abort on the first chunk sends the harness nothing
                 if not started:
@@ -422,11 +450,20 @@ class Policy:
         if self.config.max_tokens_cap:
             max_tokens = min(max_tokens, self.config.max_tokens_cap)
         task = asyncio.ensure_future(self.client.chat(chat_body(req, max_tokens)))
+        loop = asyncio.get_running_loop()
+        limit = self.config.first_token_timeout  # the reply arrives whole: no tokens to time
+        deadline = loop.time() + limit if limit else None
         try:
             yield Started(turn_id=turn_id, prompt_tokens=0)
             while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=self.config.ping_interval)
+                left = deadline - loop.time() if deadline is not None else None
+                last_wait = left is not None and left <= self.config.ping_interval
+                done, _ = await asyncio.wait(
+                    {task}, timeout=max(left, 0.0) if last_wait else self.config.ping_interval
+                )
                 if not done:
+                    if last_wait:
+                        raise self.silence(first_token=True)
                     yield Ping()
             data = task.result()
             result = parse_chat_result(data)

@@ -60,6 +60,9 @@ def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
 
 class SGLangClient:
     def __init__(self, base_url: str, *, timeout: float | None = None):
+        """`timeout`: seconds an info request (/model_info, /get_server_info, /v1/models) may take.
+        Generations are timed by their caller, which knows whether it awaits a first token (that
+        can take minutes on a busy engine) or the next one."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
@@ -67,10 +70,13 @@ class SGLangClient:
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                 connector=aiohttp.TCPConnector(limit=0),
             )
         return self._session
+
+    def _info_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.timeout or None, sock_connect=10)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -79,7 +85,7 @@ class SGLangClient:
     async def model_info(self) -> ModelInfo:
         http = await self._http()
         try:
-            async with http.get(f"{self.base_url}/model_info") as r:
+            async with http.get(f"{self.base_url}/model_info", timeout=self._info_timeout()) as r:
                 r.raise_for_status()
                 info = ModelInfo.model_validate(await r.json(content_type=None))
             if info.context_length is None:
@@ -95,7 +101,7 @@ class SGLangClient:
             ("/v1/models", lambda d: (d.get("data") or [{}])[0].get("max_model_len")),
         ):
             try:
-                async with http.get(f"{self.base_url}{path}") as r:
+                async with http.get(f"{self.base_url}{path}", timeout=self._info_timeout()) as r:
                     if r.status == 200:
                         value = pick(await r.json(content_type=None))
                         if isinstance(value, int) and value > 0:
