@@ -34,7 +34,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -179,7 +179,13 @@ class Pipeline:
         self._init_q: asyncio.Queue[SampleJob | None] = asyncio.Queue()
         self._post_q: asyncio.Queue[SampleJob | None] = asyncio.Queue()
         self._remaining = 0
-        self._all_done = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._groups: dict[str, GroupState] = {}
+        self._workers: list[asyncio.Task] = []
+        self._harness: HarnessMount | None = None
+        # Called with each sample once its outcome is recorded (a node reports it to its server).
+        self.on_done: Callable[[SampleJob], Awaitable[None]] | None = None
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -187,33 +193,43 @@ class Pipeline:
         """Run every task `samples` times; returns when every sample has an outcome. Cancelling
         this coroutine (Ctrl-C) stops every sandbox and records the unfinished samples as cancelled."""
         t0 = time.monotonic()
-        store = self.proxy.store
-        assert store is not None, "start the proxy first"
-        self._log = RolloutLog(store)
         await self.runtime.check()
         self._harness = self._harness_mount() if self.runtime.isolated else None
-        self._ready = asyncio.Queue(maxsize=self.opts.ready_size or self.opts.run_workers)
         for t in tasks:  # every task checked and its image ready before anything is recorded
             self._check_task(t)
         for t in tasks:
             await self.runtime.prepare(t)
-        await self._log.begin_rollout(
-            self.rollout_id, {**self.opts.model_dump(), "tasks": [t.id for t in tasks]}
+        await self.start(tasks=[t.id for t in tasks], checked=True)
+        interrupted = False
+        try:
+            for t in tasks:
+                await self.add(t)
+            await self.drain()
+        except asyncio.CancelledError:
+            interrupted = True
+            raise
+        finally:
+            await asyncio.shield(self.close(interrupted))
+        assert self.proxy.store is not None
+        return RolloutResult(
+            self.rollout_id,
+            self.proxy.store.path,
+            self._results(),
+            interrupted=interrupted,
+            seconds=time.monotonic() - t0,
         )
-        for t in tasks:
-            g = GroupState(id=f"{self.rollout_id}/{t.id}", task=t, size=self.opts.samples)
-            self.groups.append(g)
-            await self._log.add_group(g.id, self.rollout_id, t.id, g.size, t.model_dump_json())
-            for i in range(g.size):
-                job = SampleJob(task=t, group=g, index=i)
-                g.jobs.append(job)
-                self.jobs.append(job)
-                await self._new_attempt(job)
-                self._init_q.put_nowait(job)
-        self._remaining = len(self.jobs)
-        if not self.jobs:
-            self._all_done.set()
-        workers = (
+
+    async def start(self, *, checked: bool = False, **config: Any) -> None:
+        """Start the stage workers; samples come with `add` (a long-lived pipeline, e.g. a node's)."""
+        store = self.proxy.store
+        assert store is not None, "start the proxy first"
+        self._log = RolloutLog(store)
+        if not checked:
+            await self.runtime.check()
+            self._harness = self._harness_mount() if self.runtime.isolated else None
+        self._ready = asyncio.Queue(maxsize=self.opts.ready_size or self.opts.run_workers)
+        await self._log.begin_rollout(self.rollout_id, {**self.opts.model_dump(), **config})
+        self._workers = (
             [asyncio.create_task(self._init_worker(), name=f"init{i}") for i in range(self.opts.init_workers)]
             + [asyncio.create_task(self._run_worker(), name=f"run{i}") for i in range(self.opts.run_workers)]
             + [
@@ -221,24 +237,57 @@ class Pipeline:
                 for i in range(self.opts.postrun_workers)
             ]
         )
-        interrupted = False
-        try:
-            await self._all_done.wait()
-        except asyncio.CancelledError:
-            interrupted = True
-            raise
-        finally:
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-            await asyncio.shield(self._finish(interrupted))
-        return RolloutResult(
-            self.rollout_id,
-            store.path,
-            self._results(),
-            interrupted=interrupted,
-            seconds=time.monotonic() - t0,
-        )
+
+    async def add(
+        self,
+        task: Task,
+        *,
+        indices: Sequence[int] | None = None,
+        group_id: str | None = None,
+        size: int | None = None,
+    ) -> list[SampleJob]:
+        """Queue samples of `task` (indices 0…samples-1 by default) in its group (made on first use)."""
+        assert self._log is not None, "start the pipeline first"
+        self._check_task(task)
+        await self.runtime.prepare(task)
+        gid = group_id or f"{self.rollout_id}/{task.id}"
+        g = self._groups.get(gid)
+        if g is None:
+            g = GroupState(id=gid, task=task, size=size or self.opts.samples)
+            self._groups[gid] = g
+            self.groups.append(g)
+            await self._log.add_group(g.id, self.rollout_id, task.id, g.size, task.model_dump_json())
+        jobs = []
+        for i in indices if indices is not None else range(g.size):
+            job = SampleJob(task=task, group=g, index=i)
+            g.jobs.append(job)
+            self.jobs.append(job)
+            jobs.append(job)
+            await self._new_attempt(job)
+            self._remaining += 1
+            self._idle.clear()
+            self._init_q.put_nowait(job)
+        return jobs
+
+    async def drain(self) -> None:
+        """Wait until every sample added so far has an outcome."""
+        await self._idle.wait()
+
+    def cancel(self, job: SampleJob, reason: str) -> None:
+        """Cancel one sample wherever it is (queued, starting, running, scoring)."""
+        if job.final is not None:
+            return
+        job.cancel_reason = reason
+        if job.current is not None and not job.current.done():
+            job.current.cancel()
+
+    async def close(self, interrupted: bool = False) -> None:
+        """Stop the workers; nothing unrecorded, nothing left running."""
+        for w in self._workers:
+            w.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+        await self._finish(interrupted)
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -322,8 +371,8 @@ class Pipeline:
             job = await self._init_q.get()
             if job is None:
                 return
-            if job.group.stopped:
-                await self._cancel(job, job.group.stopped)
+            if job.cancel_reason or job.group.stopped:
+                await self._cancel(job, job.cancel_reason or job.group.stopped or "cancelled")
                 continue
             job.started = time.monotonic()
             self._move(job, "starting")
@@ -361,8 +410,8 @@ class Pipeline:
         assert self._ready is not None
         while True:
             job = await self._ready.get()
-            if job.group.stopped:
-                await self._cancel(job, job.group.stopped)
+            if job.cancel_reason or job.group.stopped:
+                await self._cancel(job, job.cancel_reason or job.group.stopped or "cancelled")
                 continue
             self._move(job, "running")
             try:
@@ -449,7 +498,7 @@ class Pipeline:
 
     async def _infra_failure(self, job: SampleJob, cause: str) -> None:
         log.warning("task %s sample %d attempt %d: %s", job.task.id, job.index, job.attempt, cause)
-        if job.attempt < self.opts.retries and not job.group.stopped:
+        if job.attempt < self.opts.retries and not (job.group.stopped or job.cancel_reason):
             await self._finish_job(job, "retried", reward=None, cause=cause, final=False)
             job.attempt += 1
             await self._new_attempt(job)
@@ -516,9 +565,14 @@ class Pipeline:
             await self._log.end_group(g.id, "early_stopped" if g.stopped else "done")
         if self.on_change is not None:
             self.on_change(self)
+        if self.on_done is not None:
+            try:
+                await self.on_done(job)
+            except Exception:
+                log.exception("reporting sample %s", job.session_id)
         self._remaining -= 1
         if self._remaining == 0:
-            self._all_done.set()
+            self._idle.set()
 
     def _stop_group(self, g: GroupState, reason: str) -> None:
         g.stopped = reason
