@@ -191,6 +191,29 @@ class Policy:
         self._tok: Tokenizer | None = None
         self._info: ModelInfo | None = None
         self._reasoning_open: dict[str, bool] = {}
+        # Weight sync: while the gate is closed no generation starts (harnesses get keep-alive
+        # pings instead); `generating` counts the generations under way, to drain them.
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.generating = 0
+
+    def pause(self) -> None:
+        """Start no new generation until `resume` (those under way finish)."""
+        self.gate.clear()
+
+    def resume(self) -> None:
+        self.gate.set()
+
+    async def _through_gate(self, turn_id: str, prompt_tokens: int) -> AsyncIterator[Event]:
+        """While paused: the turn starts for the harness and keeps it alive with pings."""
+        if self.gate.is_set():
+            return
+        yield Started(turn_id=turn_id, prompt_tokens=prompt_tokens)
+        while not self.gate.is_set():
+            try:
+                await asyncio.wait_for(self.gate.wait(), self.config.ping_interval)
+            except TimeoutError:
+                yield Ping()
 
     async def close(self) -> None:
         await self.client.close()
@@ -355,11 +378,17 @@ class Policy:
             )
 
         loop = asyncio.get_running_loop()
-        heard = loop.time()  # when the request went out, then when the last chunk came
+        started = False
+        counted = False
         try:
+            async for ev in self._through_gate(turn_id, len(prompt_ids)):
+                started = True
+                yield ev
+            self.generating += 1
+            counted = True
+            heard = loop.time()  # when the request went out, then when the last chunk came
             it = gen.__aiter__()
             prev_text = ""
-            started = False
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(it.__anext__())
@@ -429,6 +458,8 @@ class Policy:
             error = e.message
             raise
         finally:
+            if counted:
+                self.generating -= 1
             if pending is not None and not pending.done():
                 pending.cancel()
                 await asyncio.wait({pending})
@@ -449,12 +480,19 @@ class Policy:
         max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
         if self.config.max_tokens_cap:
             max_tokens = min(max_tokens, self.config.max_tokens_cap)
+        gated = False
+        async for ev in self._through_gate(turn_id, 0):
+            gated = True
+            yield ev
         task = asyncio.ensure_future(self.client.chat(chat_body(req, max_tokens)))
+        self.generating += 1
+        task.add_done_callback(lambda _: setattr(self, "generating", self.generating - 1))
         loop = asyncio.get_running_loop()
         limit = self.config.first_token_timeout  # the reply arrives whole: no tokens to time
         deadline = loop.time() + limit if limit else None
         try:
-            yield Started(turn_id=turn_id, prompt_tokens=0)
+            if not gated:
+                yield Started(turn_id=turn_id, prompt_tokens=0)
             while not task.done():
                 left = deadline - loop.time() if deadline is not None else None
                 last_wait = left is not None and left <= self.config.ping_interval
