@@ -135,7 +135,7 @@ class Gateway:
                 return await self._stream(style, req, ctx, request)
             completion = await self.policy.complete(req, ctx)
             self._count(completion.usage.completion_tokens)
-            return web.json_response(style.render_response(completion))
+            return web.json_response(style.render_response(completion, req))
         except ProviderError as e:
             log.warning("%s %s: %s", host, request.path, e.message)
             return self._error(style, e)

@@ -526,6 +526,29 @@ async def test_tool_call_then_echo_is_spliced_through_the_proxy(make_stack):
     assert t2.prompt_ref == t1.id
 
 
+async def test_non_streamed_reply_calls_a_freeform_tool_as_a_custom_tool_call(make_stack):
+    """The gateway renders a JSON reply with its request, as it renders a stream: a call of a
+    `custom` tool is a custom_tool_call item with its raw input, never a function_call."""
+    stack = await make_stack()
+    exec_tool = {
+        "type": "custom",
+        "name": "exec",
+        "description": "Run JavaScript",
+        "format": {"type": "text"},
+    }
+    body = codex_like(
+        [{"type": "message", "role": "user", "content": "Create out.txt containing hi"}],
+        tools=[exec_tool],
+        stream=False,
+    )
+    async with stack.client() as c:
+        r = await c.post(URL, json=body)
+    assert r.status_code == 200, r.text
+    [call] = [i for i in r.json()["output"] if i["type"] != "reasoning"]
+    assert call["type"] == "custom_tool_call" and call["name"] == "exec"
+    assert "out.txt" in call["input"] and "arguments" not in call
+
+
 async def test_websocket_attempt_gets_426_and_errors_are_openai_shaped(make_stack):
     stack = await make_stack()
     async with stack.client() as c:

@@ -242,7 +242,8 @@ def message_id(turn_id: str) -> str:
     return "msg_" + turn_id.removeprefix("turn_")
 
 
-def render_response(c: Completion) -> dict[str, Any]:
+def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, Any]:
+    del req  # the reply does not depend on how the request was made
     content: list[dict[str, Any]] = []
     if c.reasoning:
         content.append({"type": "thinking", "thinking": c.reasoning, "signature": signature_for(c.reasoning)})

@@ -396,7 +396,8 @@ def _function_call(call: ToolCall) -> dict[str, Any]:
     return {"functionCall": {"id": call.id, "name": call.name, "args": call.arguments}}
 
 
-def render_response(c: Completion) -> dict[str, Any]:
+def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, Any]:
+    del req  # the reply does not depend on how the request was made
     parts: list[dict[str, Any]] = []
     if c.reasoning:
         parts.append({"text": c.reasoning, "thought": True})

@@ -349,7 +349,8 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def render_response(c: Completion) -> dict[str, Any]:
+def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, Any]:
+    del req  # the reply does not depend on how the request was made
     message: dict[str, Any] = {
         "role": "assistant",
         # OpenAI sends null content when the reply is only tool calls.
