@@ -31,6 +31,7 @@ from urllib.parse import parse_qsl, urlsplit
 from polar_mitm import redact
 from polar_mitm.backends.policy import new_turn_id
 from polar_mitm.neutral import ChatRequest, Message, ProviderError, ToolCall
+from polar_mitm.providers import openai_responses
 from polar_mitm.store.db import TurnRecord
 
 # ---- server-sent events -------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def error_of(reply: dict[str, Any]) -> str | None:
 
 # ---- a reply → a neutral assistant message -------------------------------------------------------
 
-ReplyParser = Callable[[dict[str, Any]], tuple[Message, str]]
+ReplyParser = Callable[[dict[str, Any]], tuple[list[Message], str]]
 
 
 def _arguments(raw: Any) -> tuple[dict[str, Any], str | None]:
@@ -313,7 +314,7 @@ _ANTHROPIC_FINISH = {
 }
 
 
-def _anthropic_reply(reply: dict[str, Any]) -> tuple[Message, str]:
+def _anthropic_reply(reply: dict[str, Any]) -> tuple[list[Message], str]:
     texts, reasoning, calls = [], [], []
     for b in reply.get("content") or []:
         if not isinstance(b, dict):
@@ -331,13 +332,13 @@ def _anthropic_reply(reply: dict[str, Any]) -> tuple[Message, str]:
     msg = Message(
         role="assistant", content="".join(texts), reasoning="".join(reasoning) or None, tool_calls=calls
     )
-    return msg, _ANTHROPIC_FINISH.get(str(reply.get("stop_reason")), "stop")
+    return [msg], _ANTHROPIC_FINISH.get(str(reply.get("stop_reason")), "stop")
 
 
 _OPENAI_FINISH = {"tool_calls": "tool_calls", "function_call": "tool_calls", "length": "length"}
 
 
-def _openai_chat_reply(reply: dict[str, Any]) -> tuple[Message, str]:
+def _openai_chat_reply(reply: dict[str, Any]) -> tuple[list[Message], str]:
     choices = reply.get("choices") or [{}]
     choice = choices[0] if isinstance(choices[0], dict) else {}
     m = choice.get("message") or {}
@@ -361,53 +362,10 @@ def _openai_chat_reply(reply: dict[str, Any]) -> tuple[Message, str]:
         tool_calls=calls,
     )
     finish = _OPENAI_FINISH.get(str(choice.get("finish_reason")), "stop")
-    return msg, "tool_calls" if calls and finish == "stop" else finish
+    return [msg], "tool_calls" if calls and finish == "stop" else finish
 
 
-def _openai_responses_reply(reply: dict[str, Any]) -> tuple[Message, str]:
-    texts, reasoning, calls = [], [], []
-    for item in reply.get("output") or []:
-        if not isinstance(item, dict):
-            continue
-        kind = item.get("type")
-        if kind == "message":
-            for part in item.get("content") or []:
-                if isinstance(part, dict) and part.get("type") in ("output_text", "refusal"):
-                    texts.append(str(part.get("text") or part.get("refusal") or ""))
-        elif kind == "reasoning":
-            for part in (item.get("content") or []) or (item.get("summary") or []):
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    reasoning.append(part["text"])
-        elif kind == "function_call":
-            args, raw = _arguments(item.get("arguments"))
-            calls.append(
-                ToolCall(
-                    id=str(item.get("call_id") or item.get("id", "")),
-                    name=str(item.get("name", "")),
-                    arguments=args,
-                    raw=raw,
-                )
-            )
-        elif kind == "custom_tool_call":
-            calls.append(
-                ToolCall(
-                    id=str(item.get("call_id", "")),
-                    name=str(item.get("name", "")),
-                    raw=str(item.get("input", "")),
-                )
-            )
-        elif kind == "local_shell_call":
-            action = item.get("action") if isinstance(item.get("action"), dict) else {}
-            calls.append(ToolCall(id=str(item.get("call_id", "")), name="local_shell", arguments=action))
-    msg = Message(
-        role="assistant", content="".join(texts), reasoning="\n".join(reasoning) or None, tool_calls=calls
-    )
-    if reply.get("status") == "incomplete":
-        return msg, "length"
-    return msg, "tool_calls" if calls else "stop"
-
-
-def _gemini_reply(reply: dict[str, Any]) -> tuple[Message, str]:
+def _gemini_reply(reply: dict[str, Any]) -> tuple[list[Message], str]:
     cands = reply.get("candidates") or [{}]
     cand = cands[0] if isinstance(cands[0], dict) else {}
     texts, reasoning, calls = [], [], []
@@ -428,20 +386,20 @@ def _gemini_reply(reply: dict[str, Any]) -> tuple[Message, str]:
         role="assistant", content="".join(texts), reasoning="".join(reasoning) or None, tool_calls=calls
     )
     if cand.get("finishReason") == "MAX_TOKENS":
-        return msg, "length"
-    return msg, "tool_calls" if calls else "stop"
+        return [msg], "length"
+    return [msg], "tool_calls" if calls else "stop"
 
 
 REPLY_PARSERS: dict[str, ReplyParser] = {
     "anthropic": _anthropic_reply,
     "openai-chat": _openai_chat_reply,
-    "openai-responses": _openai_responses_reply,
+    "openai-responses": lambda reply: openai_responses.parse_reply(reply, lenient=True),
     "gemini": _gemini_reply,
 }
 
 
-def reply_message(style: str, reply: dict[str, Any]) -> tuple[Message, str]:
-    """An assembled reply as a neutral assistant message and its neutral finish reason."""
+def reply_message(style: str, reply: dict[str, Any]) -> tuple[list[Message], str]:
+    """An assembled reply as neutral assistant messages and its neutral finish reason."""
     fn = REPLY_PARSERS.get(style)
     if fn is None:
         raise KeyError(f"no reply parser for style {style!r}; known: {', '.join(sorted(REPLY_PARSERS))}")

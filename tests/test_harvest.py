@@ -104,7 +104,7 @@ async def test_anthropic_stream_assembles_to_the_message_the_json_api_returns():
     want = anthropic.render_response(COMPLETION)
     assert got["content"] == want["content"]  # thinking + signature, text, tool_use with parsed input
     assert (got["id"], got["stop_reason"], got["usage"]["output_tokens"]) == (want["id"], "tool_use", 9)
-    msg, finish = reply_message("anthropic", got)
+    [msg], finish = reply_message("anthropic", got)
     assert msg == COMPLETION.as_message() and finish == "tool_calls"
 
 
@@ -174,7 +174,7 @@ async def test_openai_chat_stream_assembles_to_the_completion_the_json_api_retur
     for k in ("content", "reasoning_content", "tool_calls"):
         assert gm[k] == wm[k], k
     assert got["choices"][0]["finish_reason"] == "tool_calls" and got["usage"] == want["usage"]
-    msg, finish = reply_message("openai-chat", got)
+    [msg], finish = reply_message("openai-chat", got)
     assert msg == COMPLETION.as_message() and finish == "tool_calls"
 
 
@@ -224,7 +224,7 @@ def test_openai_chat_assembly_of_parallel_tool_calls_split_arguments():
         (None, "[DONE]"),
     )
     got = assemble("openai-chat", body, "text/event-stream")
-    msg, finish = reply_message("openai-chat", got)
+    [msg], finish = reply_message("openai-chat", got)
     assert [(c.id, c.arguments) for c in msg.tool_calls] == [
         ("call_a", {"path": "a.txt"}),
         ("call_b", {"path": "b.txt"}),
@@ -258,7 +258,7 @@ def test_openai_responses_assembly_takes_the_completed_response():
     )
     got = assemble("openai-responses", body, "text/event-stream")
     assert got == final
-    msg, finish = reply_message("openai-responses", got)
+    [msg], finish = reply_message("openai-responses", got)
     assert (msg.content, msg.reasoning, finish) == ("Running it.", "Plan.", "tool_calls")
     assert msg.tool_calls[0].arguments == {"cmd": ["ls"]}
 
@@ -292,7 +292,7 @@ def test_gemini_assembly_merges_text_parts_and_keeps_thoughts_and_calls_apart():
         {"text": "Hello there."},
         {"functionCall": {"name": "ls", "args": {"d": "."}}},
     ]
-    msg, finish = reply_message("gemini", streamed)
+    [msg], finish = reply_message("gemini", streamed)
     assert (msg.content, msg.reasoning, msg.tool_calls[0].name, finish) == (
         "Hello there.",
         "Thinking.",
@@ -943,7 +943,7 @@ async def test_openai_responses_stream_assembles_to_the_response_the_json_api_re
     got = assemble("openai-responses", body, "text/event-stream")
     want = openai_responses.render_response(COMPLETION)
     assert [i["type"] for i in got["output"]] == [i["type"] for i in want["output"]]
-    msg, finish = reply_message("openai-responses", got)
+    [msg], finish = reply_message("openai-responses", got)
     assert msg.content == COMPLETION.text and msg.reasoning == COMPLETION.reasoning
     assert [(c.name, c.arguments) for c in msg.tool_calls] == [("Bash", {"command": "ls -la"})]
     assert finish == "tool_calls"
@@ -956,9 +956,68 @@ async def test_gemini_stream_assembles_to_the_reply_the_json_api_returns():
     req = gemini.parse_request({"contents": [{"role": "user", "parts": [{"text": "ls"}]}]}, path=path)
     body = await rendered(gemini, COMPLETION, req)
     got = assemble("gemini", body, "text/event-stream")
-    msg, finish = reply_message("gemini", got)
-    want, _ = reply_message("gemini", gemini.render_response(COMPLETION))
+    [msg], finish = reply_message("gemini", got)
+    [want], _ = reply_message("gemini", gemini.render_response(COMPLETION))
     assert msg.content == want.content == COMPLETION.text
     assert msg.reasoning == want.reasoning == COMPLETION.reasoning
     assert [(c.name, c.arguments) for c in msg.tool_calls] == [("Bash", {"command": "ls -la"})]
     assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize("kind", ["custom", "local_shell"])
+async def test_a_harvested_codex_session_with_a_freeform_or_shell_call_is_one_conversation(tmp_path, kind):
+    """A reply parsed from the upstream and the same reply echoed in the next request are parsed
+    the same way, so the session's two turns are one conversation, not two."""
+    from polar_mitm.providers import openai_responses
+
+    tools = [{"type": "custom", "name": "apply_patch", "format": {"type": "text"}}, {"type": "local_shell"}]
+    if kind == "custom":
+        call = ToolCall(
+            id="call_1", name="apply_patch", arguments={"input": "*** Begin Patch\n*** End Patch"}
+        )
+    else:
+        call = ToolCall(id="call_1", name="local_shell", arguments={"command": ["ls"], "workdir": "/w"})
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go"}]}
+
+    async def exchange(items: list) -> tuple[TurnRecord, list]:
+        body = {"model": "gpt-5", "input": items, "tools": tools, "stream": True, "store": False}
+        req = openai_responses.parse_request(body)
+        last = [m for m in req.messages if m.role == "tool"]
+        c = Completion(
+            turn_id=f"turn_{len(items):04d}",
+            model="gpt-5",
+            text="Done." if last else "",
+            tool_calls=[] if last else [call],
+            finish_reason="stop" if last else "tool_calls",
+        )
+        reply = await rendered(openai_responses, c, req)
+        ex = Exchange(
+            session_id="codex",
+            style=openai_responses,
+            host="api.openai.com",
+            method="POST",
+            path="/v1/responses",
+            request_headers=[("authorization", f"Bearer {KEY}")],
+            request_body=json.dumps(body).encode(),
+        )
+        ex.tee(reply)
+        rec = ex.record(status_code=200, content_type="text/event-stream", reply_body=bytes(ex.reply))
+        return rec, assemble("openai-responses", reply, "text/event-stream")["output"]
+
+    first, output = await exchange([user])
+    result = {
+        "type": f"{'custom_tool_call' if kind == 'custom' else 'local_shell_call'}_output",
+        "call_id": "call_1",
+    }
+    second, _ = await exchange([user, *output, {**result, "output": "ok"}])
+    db = tmp_path / "codex.sqlite"
+    store = await Store.open(db)
+    for t in (first, second):
+        await store.insert_turn(t)
+    await store.close()
+    out = tmp_path / "codex.jsonl"
+    export(db, out, fmt="sft-jsonl")
+    (row,) = read_jsonl(out)
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert row["metadata"]["turn_ids"] == [first.id, second.id]
+    assert row["messages"][-1]["content"] == "Done."

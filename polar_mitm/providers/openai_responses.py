@@ -31,6 +31,7 @@ from polar_mitm.neutral import (
     Completion,
     Done,
     Event,
+    FinishReason,
     Message,
     Ping,
     ProviderError,
@@ -280,8 +281,7 @@ class _Conversation:
             self.reply = Message(role="assistant")
         return self.reply
 
-    def add(self, i: int, item: Any) -> None:
-        where = f"input.{i}"
+    def add(self, where: str, item: Any) -> None:
         if not isinstance(item, dict):
             raise _bad(f"{where}: each input item must be an object")
         kind = item.get("type") or ("message" if "role" in item else None)
@@ -391,7 +391,7 @@ def parse_request(body: Any, *, require_max_tokens: bool = False) -> ChatRequest
         conv.messages.append(Message(role="user", content=raw_input))
     elif isinstance(raw_input, list):
         for i, item in enumerate(raw_input):
-            conv.add(i, item)
+            conv.add(f"input.{i}", item)
         conv.flush()
     else:
         raise _bad("input: must be a string or a list of input items")
@@ -424,6 +424,37 @@ def parse_request(body: Any, *, require_max_tokens: bool = False) -> ChatRequest
         tool_kinds=conv.tool_kinds,
         compaction=conv.compaction,
     )
+
+
+# Output item types that carry the model's reply (the rest, e.g. web_search_call, carry nothing a
+# local policy can be trained on).
+REPLY_ITEMS = ("reasoning", "message", "function_call", "custom_tool_call", "local_shell_call")
+
+
+def parse_reply(reply: Any, *, lenient: bool = False) -> tuple[list[Message], FinishReason]:
+    """A response object's output items as assistant messages and the neutral finish reason.
+
+    The items are folded exactly as the same items echoed in a later request's `input` are, so a
+    recorded reply and its echo are the same messages. `lenient` skips items that do not parse
+    (an upstream's reply is not ours to refuse) instead of raising."""
+    if not isinstance(reply, dict):
+        raise _bad("reply must be a JSON object")
+    conv = _Conversation()
+    for i, item in enumerate(reply.get("output") or []):
+        kind = item.get("type") if isinstance(item, dict) else None
+        try:
+            if kind is None:
+                raise _bad(f"output.{i}: each output item must be an object with a type")
+            if kind in REPLY_ITEMS:
+                conv.add(f"output.{i}", {**item, "role": "assistant"} if kind == "message" else item)
+        except ProviderError:
+            if not lenient:
+                raise
+    conv.flush()
+    messages = conv.messages or [Message(role="assistant")]
+    if reply.get("status") == "incomplete":
+        return messages, "length"
+    return messages, "tool_calls" if any(m.tool_calls for m in messages) else "stop"
 
 
 # ---- response ----------------------------------------------------------------------------------

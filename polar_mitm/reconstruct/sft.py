@@ -152,10 +152,10 @@ def conversation_of(turn: TextTurn) -> Conversation:
     try:
         req = harvest.parse_request(module, json.loads(turn.request or ""), turn.path or "")
         if turn.harvested:
-            reply, finish = harvest.reply_message(turn.style, json.loads(turn.response or ""))
+            replies, finish = harvest.reply_message(turn.style, json.loads(turn.response or ""))
         else:
             completion = Completion.model_validate_json(turn.response or "")
-            reply, finish = completion.as_message(), completion.finish_reason
+            replies, finish = [completion.as_message()], completion.finish_reason
     except (ProviderError, ValueError, TypeError, KeyError) as e:
         raise UnreadableTurn(f"turn {turn.id}: {getattr(e, 'message', e)}") from e
     return Conversation(
@@ -163,7 +163,7 @@ def conversation_of(turn: TextTurn) -> Conversation:
         session_id=turn.session_id,
         task_id=turn.task_id,
         turn_ids=[turn.id],
-        messages=[*req.messages, reply],
+        messages=[*req.messages, *replies],
         tools=req.tools,
         thinking=req.thinking,
         finish_reason=finish,

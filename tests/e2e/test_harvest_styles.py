@@ -124,14 +124,11 @@ def test_harvest_of_a_real_session_in_each_api_style(harness, tmp_path, qwen_tok
         timeout=120,
     )
     assert e.returncode == 0, e.stderr
+    # Every conversation of the session: the tool call and the answer are one conversation.
     convs = [json.loads(line) for line in out.read_text().splitlines()]
-    finals = [
-        c
-        for c in convs
-        if c["messages"][-1]["role"] == "assistant" and ANSWER in c["messages"][-1]["content"]
-    ]
-    assert len(finals) == 1, [c["messages"][-1] for c in convs]
-    msgs = finals[0]["messages"]
+    assert len(convs) == 1, [c["messages"] for c in convs]
+    msgs = convs[0]["messages"]
+    assert msgs[-1]["role"] == "assistant" and ANSWER in msgs[-1]["content"], msgs
     calls = [m for m in msgs if m["role"] == "assistant" and m.get("tool_calls")]
     assert calls and "out.txt" in calls[-1]["tool_calls"][0]["function"]["arguments"]
     assert any(m["role"] == "tool" for m in msgs)
