@@ -7,6 +7,12 @@ from pathlib import Path
 
 import click
 
+from polar_mitm.backends.parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    check_reasoning_parser,
+    check_tool_parser,
+)
 from polar_mitm.backends.policy import PolicyConfig
 
 BACKEND_HELP = "SGLang server URL [env POLAR_MITM_BACKEND; default http://127.0.0.1:30000]"
@@ -14,6 +20,19 @@ TOKENIZER_HELP = (
     "Hugging Face tokenizer directory [env POLAR_MITM_TOKENIZER; default: the server's /model_info]"
 )
 DB_HELP = "SQLite database of sessions and turns [env POLAR_MITM_DB; default polar-mitm.sqlite]"
+
+
+def _parser_name(check):
+    """A callback refusing, at start-up, a parser name we do not implement (the error lists ours)."""
+
+    def callback(ctx, param, value):
+        try:
+            check(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        return value
+
+    return callback
 
 
 def policy_options(f):
@@ -24,12 +43,16 @@ def policy_options(f):
     f = click.option(
         "--tool-parser",
         default=None,
-        help="SGLang tool-call parser name (qwen25, …; 'none' to disable) [default: server's]",
+        callback=_parser_name(check_tool_parser),
+        help=f"SGLang tool-call parser name ({', '.join(sorted(TOOL_PARSERS))}; 'none' to disable) "
+        "[default: server's]",
     )(f)
     f = click.option(
         "--reasoning-parser",
         default=None,
-        help="SGLang reasoning parser name (qwen3, deepseek-r1, none) [default: server's]",
+        callback=_parser_name(check_reasoning_parser),
+        help=f"SGLang reasoning parser name ({', '.join(sorted(REASONING_PARSERS))}; 'none' to disable) "
+        "[default: server's]",
     )(f)
     f = click.option(
         "--history",

@@ -20,7 +20,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
-from polar_mitm.backends.parsers import OutputParser, new_call_id
+from polar_mitm.backends.parsers import (
+    OutputParser,
+    check_reasoning_parser,
+    check_tool_parser,
+    new_call_id,
+)
 from polar_mitm.backends.render import (
     SpliceError,
     conversation_hashes,
@@ -253,7 +258,12 @@ class Policy:
                 info = ModelInfo()
             tp = tp if tp is not None else (info.tool_call_parser or "qwen25")
             rp = rp if rp is not None else (info.reasoning_parser or "qwen3")
-        return (tp or None) if tp != "none" else None, (rp or None) if rp != "none" else None
+        try:
+            return check_tool_parser(tp), check_reasoning_parser(rp)
+        except ValueError as e:  # e.g. a parser the server reports that we do not implement
+            raise ProviderError(
+                "api_error", f"policy output parsing: {e}; pass --tool-parser / --reasoning-parser", 500
+            ) from None
 
     def silence(self, first_token: bool) -> ProviderError:
         """The retryable error for a backend that went quiet for longer than it may."""
