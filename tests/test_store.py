@@ -68,6 +68,29 @@ async def test_prompt_stored_as_reference_plus_suffix(tmp_path):
     assert turns[1].output_logprobs == [-1.0]
 
 
+async def test_two_writers_of_one_file_give_every_turn_its_own_seq(tmp_path):
+    """Two processes (here two connections) writing one database: seq comes from the database,
+    so their turns never share one, and each writer's turns keep their order."""
+    import asyncio
+
+    path = tmp_path / "shared.sqlite"
+    a, b = await Store.open(path), await Store.open(path)
+
+    async def write(store: Store, name: str) -> None:
+        for i in range(20):
+            await store.insert_turn(TurnRecord(id=f"{name}{i:02d}", session_id=name, style="anthropic"))
+
+    try:
+        await asyncio.gather(write(a, "a"), write(b, "b"))
+    finally:
+        await a.close()
+        await b.close()
+    rows = sqlite3.connect(path).execute("SELECT seq, id FROM turns ORDER BY seq").fetchall()
+    assert [seq for seq, _ in rows] == list(range(1, 41))
+    for name in "ab":
+        assert [i for _, i in rows if i.startswith(name)] == [f"{name}{i:02d}" for i in range(20)]
+
+
 @pytest.mark.parametrize(
     "name", ["Authorization", "x-api-key", "X-Goog-Api-Key", "Cookie", "Proxy-Authorization", "api-key"]
 )

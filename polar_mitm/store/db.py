@@ -108,12 +108,12 @@ class _SequenceCache:
 
 
 class Store:
-    """Async writer used by the proxy. One instance per process; safe for concurrent turns."""
+    """Async writer used by the proxy; safe for concurrent turns, and beside other writers (other
+    processes) of the same file."""
 
     def __init__(self, path: str | Path, db: aiosqlite.Connection):
         self.path = str(path)
         self._db = db
-        self._seq = 0
         self.cache = _SequenceCache(compact=True)
         self._sessions: set[str] = set()
 
@@ -124,10 +124,7 @@ class Store:
         await db.execute("PRAGMA journal_mode=WAL")
         await db.execute("PRAGMA synchronous=NORMAL")
         await db.execute("PRAGMA foreign_keys=ON")
-        store = cls(path, db)
-        async with db.execute("SELECT COALESCE(MAX(seq), 0) FROM turns") as cur:
-            store._seq = (await cur.fetchone())[0]
-        return store
+        return cls(path, db)
 
     async def close(self) -> None:
         await self._db.close()
@@ -173,19 +170,21 @@ class Store:
         await self._db.commit()
 
     async def insert_turn(self, rec: TurnRecord) -> None:
-        """Commit one turn. Returns only once the turn is durable in the WAL."""
+        """Commit one turn. Returns only once the turn is durable in the WAL.
+
+        Its `seq` is computed by the INSERT itself, under SQLite's write lock, so writers in other
+        processes sharing the file never hand out the same one (m004 indexes seq for the MAX)."""
         await self._ensure_known(rec.session_id)
-        self._seq += 1
         suffix = rec.prompt_ids[rec.prompt_ref_len :] if rec.prompt_ref else rec.prompt_ids
         await self._db.execute(
             "INSERT INTO turns (id, session_id, seq, created_at, style, host, path, model, tag, status,"
             " finish_reason, prompt_ref, prompt_ref_len, prompt_suffix, prompt_len, output_ids,"
             " output_logprobs, output_len, weight_version, msg_hash, post_hash, request, request_headers,"
-            " response, error, latency_ms) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " response, error, latency_ms) VALUES (?,?,(SELECT COALESCE(MAX(seq), 0) + 1 FROM turns),"
+            "?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 rec.id,
                 rec.session_id,
-                self._seq,
                 rec.created_at,
                 rec.style,
                 rec.host,

@@ -105,7 +105,13 @@ def m002_rollouts(db: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS: list[Migration] = [m001_initial, m002_rollouts]
+def m004_turns_seq(db: sqlite3.Connection) -> None:
+    """An index on turns.seq: every insert computes its seq as MAX(seq) + 1 inside the INSERT (so
+    writers in several processes never share one), which must not scan the table."""
+    db.execute("CREATE INDEX turns_seq ON turns(seq)")
+
+
+MIGRATIONS: list[Migration] = [m001_initial, m002_rollouts, m004_turns_seq]
 
 
 def migrate(db: sqlite3.Connection) -> list[str]:
