@@ -1,11 +1,23 @@
 """Options several commands share (the policy's: backend, tokenizer, parsers, store, CA), so
-`run`, `proxy` and `rollout` read them the same way."""
+`run`, `proxy` and `rollout` read them the same way.
+
+The policy's options are made from `PolicyConfig`'s fields: every field is an option (named after
+the field unless `FLAGS` names it otherwise), typed and defaulted by the field, and
+`make_policy_config` passes every one given through. A new field is a new option; `FLAGS` only
+adds what the field cannot say (help, an environment variable, a check).
+"""
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
+from pydantic.fields import FieldInfo
 
 from polar_mitm.backends.parsers import (
     REASONING_PARSERS,
@@ -15,10 +27,6 @@ from polar_mitm.backends.parsers import (
 )
 from polar_mitm.backends.policy import PolicyConfig
 
-BACKEND_HELP = "SGLang server URL [env POLAR_MITM_BACKEND; default http://127.0.0.1:30000]"
-TOKENIZER_HELP = (
-    "Hugging Face tokenizer directory [env POLAR_MITM_TOKENIZER; default: the server's /model_info]"
-)
 DB_HELP = "SQLite database of sessions and turns [env POLAR_MITM_DB; default polar-mitm.sqlite]"
 
 
@@ -35,84 +43,113 @@ def _parser_name(check):
     return callback
 
 
-def policy_options(f):
-    f = click.option(
-        "--backend", envvar="POLAR_MITM_BACKEND", default="http://127.0.0.1:30000", help=BACKEND_HELP
-    )(f)
-    f = click.option("--tokenizer", envvar="POLAR_MITM_TOKENIZER", default=None, help=TOKENIZER_HELP)(f)
-    f = click.option(
-        "--tool-parser",
-        default=None,
+@dataclass(frozen=True)
+class Flag:
+    """What the command line adds to one PolicyConfig field."""
+
+    help: str
+    name: str | None = None  # the option, when not --field-name
+    envvar: str | None = None
+    default: str | None = None  # how the default reads in --help, when not the field's value
+    callback: Callable[..., Any] | None = None
+
+
+FLAGS: dict[str, Flag] = {
+    "backend_url": Flag("SGLang server URL", name="--backend", envvar="POLAR_MITM_BACKEND"),
+    "tokenizer": Flag(
+        "Hugging Face tokenizer directory",
+        envvar="POLAR_MITM_TOKENIZER",
+        default="the server's /model_info",
+    ),
+    "tool_parser": Flag(
+        f"SGLang tool-call parser name ({', '.join(sorted(TOOL_PARSERS))}; 'none' to disable)",
+        default="the server's",
         callback=_parser_name(check_tool_parser),
-        help=f"SGLang tool-call parser name ({', '.join(sorted(TOOL_PARSERS))}; 'none' to disable) "
-        "[default: server's]",
-    )(f)
-    f = click.option(
-        "--reasoning-parser",
-        default=None,
+    ),
+    "reasoning_parser": Flag(
+        f"SGLang reasoning parser name ({', '.join(sorted(REASONING_PARSERS))}; 'none' to disable)",
+        default="the server's",
         callback=_parser_name(check_reasoning_parser),
-        help=f"SGLang reasoning parser name ({', '.join(sorted(REASONING_PARSERS))}; 'none' to disable) "
-        "[default: server's]",
-    )(f)
-    f = click.option(
-        "--history",
-        type=click.Choice(["splice", "template"]),
-        default="splice",
-        show_default=True,
-        help="splice: echoed replies become the exact sampled ids; template: render history canonically.",
-    )(f)
-    f = click.option(
-        "--max-tokens-cap", type=int, default=None, help="Clamp the max_tokens harnesses ask for."
-    )(f)
-    f = click.option(
-        "--first-token-timeout",
-        type=float,
-        default=None,
-        help="Seconds to wait for the backend's first token (a long prompt on a busy engine) before "
+    ),
+    "history": Flag(
+        "splice: echoed replies become the exact sampled ids; template: render history canonically."
+    ),
+    "backend_mode": Flag(
+        "render: polar-mitm renders the prompt and calls /generate; chat: the server renders it "
+        "(/v1/chat/completions, returning token ids) and replies arrive whole."
+    ),
+    "default_max_tokens": Flag("Tokens to sample when a harness asks for no limit."),
+    "max_tokens_cap": Flag("Clamp the max_tokens harnesses ask for.", default="no cap"),
+    "ping_interval": Flag("Seconds between keep-alive events while a reply is generated."),
+    "first_token_timeout": Flag(
+        "Seconds to wait for the backend's first token (a long prompt on a busy engine) before "
         "the turn fails and the harness is told to retry; in chat backend mode, for the whole reply; "
-        f"0 waits forever [default: {PolicyConfig().first_token_timeout:g}]",
-    )(f)
-    f = click.option(
-        "--idle-timeout",
-        type=float,
-        default=None,
-        help="Seconds of backend silence between streamed tokens before the turn fails (its tokens "
-        f"are kept as an 'error' turn); 0 waits forever [default: {PolicyConfig().idle_timeout:g}]",
-    )(f)
-    f = click.option(
-        "--backend-timeout",
-        type=float,
-        default=None,
-        help="Sets both --first-token-timeout and --idle-timeout (either one given too wins).",
-    )(f)
+        "0 waits forever"
+    ),
+    "idle_timeout": Flag(
+        "Seconds of backend silence between streamed tokens before the turn fails (its tokens "
+        "are kept as an 'error' turn); 0 waits forever"
+    ),
+}
+
+
+def _click_type(field: str, annotation: Any) -> click.ParamType:
+    """The click type of a field's annotation (`X | None` reads as X: None is the field's default)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return click.Choice([str(a) for a in typing.get_args(annotation)])
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _click_type(field, args[0])
+    if annotation in (str, int, float, bool):
+        return click.types.convert_type(annotation)
+    raise TypeError(f"PolicyConfig.{field}: no command-line type for {annotation!r}; declare one here")
+
+
+def _option(field: str, info: FieldInfo) -> Callable[[Any], Any]:
+    flag = FLAGS.get(field, Flag(field.replace("_", " ").capitalize() + "."))
+    default = flag.default if flag.default is not None else info.default
+    env = f"env {flag.envvar}; " if flag.envvar else ""
+    kind = _click_type(field, info.annotation)
+    return click.option(
+        flag.name or "--" + field.replace("_", "-"),
+        field,
+        type=kind,
+        default=None,  # not given: the field's own default
+        envvar=flag.envvar,
+        callback=flag.callback,
+        help=f"{flag.help} [{env}default: {default}]",
+    )
+
+
+# Not a field: a shorthand that sets both timeouts.
+BACKEND_TIMEOUT = click.option(
+    "--backend-timeout",
+    type=float,
+    default=None,
+    help="Sets both --first-token-timeout and --idle-timeout (either one given too wins).",
+)
+
+
+def policy_options(f):
+    """Every PolicyConfig field as an option (in the field order), then --backend-timeout, --db, --certs."""
+    f = click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")(f)
     f = click.option(
         "--db", envvar="POLAR_MITM_DB", default="polar-mitm.sqlite", show_default=True, help=DB_HELP
     )(f)
-    f = click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")(f)
+    f = BACKEND_TIMEOUT(f)
+    for field, info in reversed(PolicyConfig.model_fields.items()):
+        f = _option(field, info)(f)
     return f
 
 
-def make_policy_config(
-    backend,
-    tokenizer,
-    tool_parser,
-    reasoning_parser,
-    history,
-    max_tokens_cap,
-    first_token_timeout=None,
-    idle_timeout=None,
-    backend_timeout=None,
-):
-    timeouts = {
-        "first_token_timeout": first_token_timeout if first_token_timeout is not None else backend_timeout,
-        "idle_timeout": idle_timeout if idle_timeout is not None else backend_timeout,
-    }
-    return PolicyConfig(
-        backend_url=backend,
-        tokenizer=tokenizer,
-        tool_parser=tool_parser,
-        reasoning_parser=reasoning_parser,
-        history=history,
-        max_tokens_cap=max_tokens_cap,
-        **{k: v for k, v in timeouts.items() if v is not None},
-    )
+def make_policy_config(backend_timeout: float | None = None, **options: Any) -> PolicyConfig:
+    """The PolicyConfig of `policy_options`' values: every option given sets its field."""
+    unknown = set(options) - set(PolicyConfig.model_fields)
+    if unknown:
+        raise TypeError(f"not PolicyConfig fields: {', '.join(sorted(unknown))}")
+    if backend_timeout is not None:
+        for field in ("first_token_timeout", "idle_timeout"):
+            if options.get(field) is None:
+                options[field] = backend_timeout
+    return PolicyConfig(**{k: v for k, v in options.items() if v is not None})
