@@ -19,14 +19,14 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
-from types import ModuleType
 from typing import Any
 
 from aiohttp import web
 
 from polar_mitm import providers, redact
 from polar_mitm.backends.policy import Policy, TurnContext
-from polar_mitm.neutral import ChatRequest, Event, ProviderError
+from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError
+from polar_mitm.providers import Style
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -146,13 +146,11 @@ class Gateway:
         given = request.headers.get(SECRET_HEADER, "").encode("utf-8", "replace")
         return hmac.compare_digest(given, self.secret.encode())
 
-    def _parse(self, style: ModuleType, ep: str, body: Any, request: web.Request) -> ChatRequest:
-        kwargs: dict[str, Any] = {}
-        if ep == "count_tokens":
-            kwargs["require_max_tokens"] = False
-        if getattr(style, "PARSE_NEEDS_PATH", False):
-            kwargs["path"] = request.path_qs
-        return style.parse_request(body, **kwargs)
+    @staticmethod
+    def _parse(style: Style, ep: str, body: Any, request: web.Request) -> ChatRequest:
+        if ep == "count_tokens":  # counting needs no max_tokens, even where generating does
+            return style.parse_request(body, path=request.path_qs, require_max_tokens=False)
+        return style.parse_request(body, path=request.path_qs)
 
     async def _model_names(self) -> list[str]:
         try:
@@ -164,13 +162,13 @@ class Gateway:
         self.turns_served += 1
         self.tokens_sampled += tokens
 
-    def _error(self, style: ModuleType, e: ProviderError) -> web.Response:
+    def _error(self, style: Style, e: ProviderError) -> web.Response:
         status, body = style.render_error(e)
         headers = {"x-should-retry": "true"} if status >= 500 else None
         return web.json_response(body, status=status, headers=headers)
 
     async def _stream(
-        self, style: ModuleType, req: ChatRequest, ctx: TurnContext, request: web.Request
+        self, style: Style, req: ChatRequest, ctx: TurnContext, request: web.Request
     ) -> web.StreamResponse:
         events = self.policy.stream(req, ctx)
         try:
@@ -181,8 +179,8 @@ class Gateway:
         async def chained() -> AsyncIterator[Event]:
             yield first
             async for ev in events:
-                if getattr(ev, "kind", "") == "done":
-                    self._count(ev.completion.usage.completion_tokens)  # type: ignore[union-attr]
+                if isinstance(ev, Done):
+                    self._count(ev.completion.usage.completion_tokens)
                 yield ev
 
         resp = web.StreamResponse(

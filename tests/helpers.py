@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from types import ModuleType
 
-from polar_mitm.neutral import ChatRequest, Event, ProviderError
+from polar_mitm import sse
+from polar_mitm.neutral import ChatRequest, Completion, Event, ProviderError, ToolCall, Usage
 
 MESSAGES_URL = "https://api.anthropic.com/v1/messages"
 
@@ -21,15 +21,22 @@ BASH = {
     },
 }
 
+# A reply with reasoning, text and a tool call, as the policy produces one.
+COMPLETION = Completion(
+    turn_id="turn_0001abcd",
+    model="claude-test",
+    text="I'll list the files.",
+    reasoning="The user wants a listing.",
+    tool_calls=[ToolCall(id="toolu_01", name="Bash", arguments={"command": "ls -la"})],
+    finish_reason="tool_calls",
+    usage=Usage(prompt_tokens=12, completion_tokens=9),
+)
 
-def sse_events(raw: str) -> list[tuple[str | None, dict]]:
-    """(event name, data) of each SSE event that carries data; comments and pings without data skipped."""
-    out = []
-    for block in raw.strip().split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
-        if "data" in fields:
-            out.append((fields.get("event"), json.loads(fields["data"])))
-    return out
+
+def sse_events(raw: str | bytes) -> list[tuple[str | None, dict]]:
+    """(event name, data) of each SSE event whose data is a JSON object, read by the reader harvest
+    mode uses (comments, keep-alives and `[DONE]` left out)."""
+    return sse.json_events(raw)
 
 
 async def stream_bytes(

@@ -18,16 +18,7 @@ from click.testing import CliRunner
 
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.cli import main
-from polar_mitm.harvest import (
-    Exchange,
-    SSEEvent,
-    assemble,
-    error_of,
-    parse_sse,
-    parse_upstream,
-    reply_message,
-    secret_values,
-)
+from polar_mitm.harvest import Exchange, assemble, error_of, parse_upstream, secret_values
 from polar_mitm.neutral import (
     ChatRequest,
     Completion,
@@ -38,15 +29,16 @@ from polar_mitm.neutral import (
     TextDelta,
     ToolCall,
     ToolCallEvent,
-    Usage,
 )
-from polar_mitm.providers import anthropic, openai_chat
+from polar_mitm.providers import anthropic, gemini, openai_chat, openai_responses
 from polar_mitm.reconstruct.export import SinkOptions, export
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA
 from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+from polar_mitm.sse import SSEEvent
+from polar_mitm.sse import parse as parse_sse
 from polar_mitm.store.db import Store, TurnRecord
-from tests.helpers import BASH, MESSAGES_URL, stream_bytes
+from tests.helpers import BASH, COMPLETION, MESSAGES_URL, stream_bytes
 
 KEY = "sk-ant-api03-HARVEST-SECRET-0123456789abcdef"
 URL = MESSAGES_URL
@@ -78,17 +70,6 @@ async def rendered(module, completion: Completion, req: ChatRequest) -> bytes:
     return await stream_bytes(module, [*events, Done(completion=completion)], req)
 
 
-COMPLETION = Completion(
-    turn_id="turn_0001abcd",
-    model="claude-test",
-    text="I'll list the files.",
-    reasoning="The user wants a listing.",
-    tool_calls=[ToolCall(id="toolu_01", name="Bash", arguments={"command": "ls -la"})],
-    finish_reason="tool_calls",
-    usage=Usage(prompt_tokens=12, completion_tokens=9),
-)
-
-
 # ---- SSE and assembly per style ------------------------------------------------------------------
 
 
@@ -100,11 +81,11 @@ def test_parse_sse_joins_data_lines_and_skips_comments():
 async def test_anthropic_stream_assembles_to_the_message_the_json_api_returns():
     req = ChatRequest(style="anthropic", model="claude-test", messages=[Message(role="user", content="ls")])
     body = await rendered(anthropic, COMPLETION, req)
-    got = assemble("anthropic", body, "text/event-stream; charset=utf-8")
+    got = assemble(anthropic, body, "text/event-stream; charset=utf-8")
     want = anthropic.render_response(COMPLETION)
     assert got["content"] == want["content"]  # thinking + signature, text, tool_use with parsed input
     assert (got["id"], got["stop_reason"], got["usage"]["output_tokens"]) == (want["id"], "tool_use", 9)
-    [msg], finish = reply_message("anthropic", got)
+    [msg], finish = anthropic.parse_reply(got, lenient=True)
     assert msg == COMPLETION.as_message() and finish == "tool_calls"
 
 
@@ -150,7 +131,7 @@ def test_anthropic_assembly_of_split_tool_json_pings_and_an_error_event():
         ("content_block_stop", {"type": "content_block_stop", "index": 0}),
         ("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
     )
-    got = assemble("anthropic", body, "text/event-stream")
+    got = assemble(anthropic, body, "text/event-stream")
     assert got["content"] == [
         {"type": "tool_use", "id": "toolu_9", "name": "Bash", "input": {"command": 'echo "hi"'}}
     ]
@@ -168,13 +149,13 @@ async def test_openai_chat_stream_assembles_to_the_completion_the_json_api_retur
         }
     )
     body = await rendered(openai_chat, COMPLETION, req)
-    got = assemble("openai-chat", body, "text/event-stream")
+    got = assemble(openai_chat, body, "text/event-stream")
     want = openai_chat.render_response(COMPLETION)
     gm, wm = got["choices"][0]["message"], want["choices"][0]["message"]
     for k in ("content", "reasoning_content", "tool_calls"):
         assert gm[k] == wm[k], k
     assert got["choices"][0]["finish_reason"] == "tool_calls" and got["usage"] == want["usage"]
-    [msg], finish = reply_message("openai-chat", got)
+    [msg], finish = openai_chat.parse_reply(got, lenient=True)
     assert msg == COMPLETION.as_message() and finish == "tool_calls"
 
 
@@ -223,8 +204,8 @@ def test_openai_chat_assembly_of_parallel_tool_calls_split_arguments():
         (None, {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}),
         (None, "[DONE]"),
     )
-    got = assemble("openai-chat", body, "text/event-stream")
-    [msg], finish = reply_message("openai-chat", got)
+    got = assemble(openai_chat, body, "text/event-stream")
+    [msg], finish = openai_chat.parse_reply(got, lenient=True)
     assert [(c.id, c.arguments) for c in msg.tool_calls] == [
         ("call_a", {"path": "a.txt"}),
         ("call_b", {"path": "b.txt"}),
@@ -256,9 +237,9 @@ def test_openai_responses_assembly_takes_the_completed_response():
         ("response.output_text.delta", {"type": "response.output_text.delta", "delta": "Running"}),
         ("response.completed", {"type": "response.completed", "response": final}),
     )
-    got = assemble("openai-responses", body, "text/event-stream")
+    got = assemble(openai_responses, body, "text/event-stream")
     assert got == final
-    [msg], finish = reply_message("openai-responses", got)
+    [msg], finish = openai_responses.parse_reply(got, lenient=True)
     assert (msg.content, msg.reasoning, finish) == ("Running it.", "Plan.", "tool_calls")
     assert msg.tool_calls[0].arguments == {"cmd": ["ls"]}
 
@@ -283,8 +264,8 @@ def test_gemini_assembly_merges_text_parts_and_keeps_thoughts_and_calls_apart():
             "modelVersion": "gemini-x",
         },
     ]
-    streamed = assemble("gemini", sse(*[(None, c) for c in chunks]), "text/event-stream")
-    as_array = assemble("gemini", json.dumps(chunks).encode(), "application/json")  # no alt=sse
+    streamed = assemble(gemini, sse(*[(None, c) for c in chunks]), "text/event-stream")
+    as_array = assemble(gemini, json.dumps(chunks).encode(), "application/json")  # no alt=sse
     assert streamed == as_array
     parts = streamed["candidates"][0]["content"]["parts"]
     assert parts == [
@@ -292,7 +273,7 @@ def test_gemini_assembly_merges_text_parts_and_keeps_thoughts_and_calls_apart():
         {"text": "Hello there."},
         {"functionCall": {"name": "ls", "args": {"d": "."}}},
     ]
-    [msg], finish = reply_message("gemini", streamed)
+    [msg], finish = gemini.parse_reply(streamed, lenient=True)
     assert (msg.content, msg.reasoning, msg.tool_calls[0].name, finish) == (
         "Hello there.",
         "Thinking.",
@@ -301,18 +282,15 @@ def test_gemini_assembly_merges_text_parts_and_keeps_thoughts_and_calls_apart():
     )
 
 
-def test_json_replies_are_kept_and_unknown_styles_keep_their_events():
+def test_json_replies_are_kept_and_other_bodies_kept_as_text():
     reply = {
         "id": "msg_1",
         "type": "message",
         "content": [{"type": "text", "text": "hi"}],
         "stop_reason": "end_turn",
     }
-    assert assemble("anthropic", json.dumps(reply).encode(), "application/json") == reply
-    assert assemble("some-future-style", b"data: {}\n\n", "text/event-stream") == {
-        "events": [{"event": None, "data": "{}"}]
-    }
-    assert assemble("anthropic", b"<html>bad gateway</html>", "text/html") == {
+    assert assemble(anthropic, json.dumps(reply).encode(), "application/json") == reply
+    assert assemble(anthropic, b"<html>bad gateway</html>", "text/html") == {
         "text": "<html>bad gateway</html>"
     }
 
@@ -819,7 +797,7 @@ async def test_compressed_replies_are_stored_decoded(fake_provider, harvest_prox
         streamed = await client.post(URL, json=message_body(stream=True), headers={"accept-encoding": "gzip"})
     assert plain.headers["content-encoding"] == streamed.headers["content-encoding"] == "gzip"
     greeting = [{"type": "text", "text": fake_provider.GREETING}]
-    assert assemble("anthropic", streamed.content, "text/event-stream")["content"] == greeting  # decodable
+    assert assemble(anthropic, streamed.content, "text/event-stream")["content"] == greeting  # decodable
     con = sqlite3.connect(proxy.config.db)
     replies = [json.loads(r) for (r,) in con.execute("SELECT response FROM turns ORDER BY seq")]
     con.close()
@@ -936,28 +914,24 @@ async def test_sft_jsonl_from_a_harvested_openai_chat_session(tmp_path):
 
 
 async def test_openai_responses_stream_assembles_to_the_response_the_json_api_returns():
-    from polar_mitm.providers import openai_responses
-
     req = openai_responses.parse_request({"model": "gpt-x", "input": "ls", "stream": True})
     body = await rendered(openai_responses, COMPLETION, req)
-    got = assemble("openai-responses", body, "text/event-stream")
+    got = assemble(openai_responses, body, "text/event-stream")
     want = openai_responses.render_response(COMPLETION)
     assert [i["type"] for i in got["output"]] == [i["type"] for i in want["output"]]
-    [msg], finish = reply_message("openai-responses", got)
+    [msg], finish = openai_responses.parse_reply(got, lenient=True)
     assert msg.content == COMPLETION.text and msg.reasoning == COMPLETION.reasoning
     assert [(c.name, c.arguments) for c in msg.tool_calls] == [("Bash", {"command": "ls -la"})]
     assert finish == "tool_calls"
 
 
 async def test_gemini_stream_assembles_to_the_reply_the_json_api_returns():
-    from polar_mitm.providers import gemini
-
     path = "/v1beta/models/gemini-x:streamGenerateContent?alt=sse"
     req = gemini.parse_request({"contents": [{"role": "user", "parts": [{"text": "ls"}]}]}, path=path)
     body = await rendered(gemini, COMPLETION, req)
-    got = assemble("gemini", body, "text/event-stream")
-    [msg], finish = reply_message("gemini", got)
-    [want], _ = reply_message("gemini", gemini.render_response(COMPLETION))
+    got = assemble(gemini, body, "text/event-stream")
+    [msg], finish = gemini.parse_reply(got, lenient=True)
+    [want], _ = gemini.parse_reply(gemini.render_response(COMPLETION))
     assert msg.content == want.content == COMPLETION.text
     assert msg.reasoning == want.reasoning == COMPLETION.reasoning
     assert [(c.name, c.arguments) for c in msg.tool_calls] == [("Bash", {"command": "ls -la"})]
@@ -968,8 +942,6 @@ async def test_gemini_stream_assembles_to_the_reply_the_json_api_returns():
 async def test_a_harvested_codex_session_with_a_freeform_or_shell_call_is_one_conversation(tmp_path, kind):
     """A reply parsed from the upstream and the same reply echoed in the next request are parsed
     the same way, so the session's two turns are one conversation, not two."""
-    from polar_mitm.providers import openai_responses
-
     tools = [{"type": "custom", "name": "apply_patch", "format": {"type": "text"}}, {"type": "local_shell"}]
     if kind == "custom":
         call = ToolCall(
@@ -1002,7 +974,7 @@ async def test_a_harvested_codex_session_with_a_freeform_or_shell_call_is_one_co
         )
         ex.tee(reply)
         rec = ex.record(status_code=200, content_type="text/event-stream", reply_body=bytes(ex.reply))
-        return rec, assemble("openai-responses", reply, "text/event-stream")["output"]
+        return rec, assemble(openai_responses, reply, "text/event-stream")["output"]
 
     first, output = await exchange([user])
     result = {

@@ -17,7 +17,7 @@ from polar_mitm.neutral import (
     Usage,
 )
 from polar_mitm.providers import anthropic
-from tests.helpers import stream_bytes
+from tests.helpers import sse_events, stream_bytes
 
 CC_BODY = {
     "model": "claude-sonnet-4-5-20250929",
@@ -128,16 +128,8 @@ def test_json_response_with_thinking_text_and_tool_use():
     assert out["stop_reason"] == "tool_use" and out["usage"]["output_tokens"] == 3
 
 
-def parse_sse(raw: bytes):
-    events = []
-    for block in raw.decode().strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        events.append((lines["event"], json.loads(lines["data"])))
-    return events
-
-
 async def collect(events, req):
-    return parse_sse(await stream_bytes(anthropic, events, req))
+    return sse_events(await stream_bytes(anthropic, events, req))
 
 
 async def test_sse_event_sequence():

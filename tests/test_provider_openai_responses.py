@@ -21,7 +21,7 @@ from polar_mitm.neutral import (
 )
 from polar_mitm.providers import openai_responses as responses
 from polar_mitm.store.db import read_turns
-from tests.helpers import stream_bytes
+from tests.helpers import sse_events, stream_bytes
 
 EXEC_COMMAND = {
     "type": "function",
@@ -349,17 +349,6 @@ def test_rendered_reply_echoed_back_hashes_like_the_turn_that_sampled_it():
     assert conversation_hashes(again.messages, again.tools)[n + 1] == post
 
 
-def parse_sse(raw: bytes):
-    events = []
-    for block in raw.decode().strip().split("\n\n"):
-        lines = [ln for ln in block.split("\n") if not ln.startswith(":")]
-        if not lines:
-            continue
-        fields = dict(line.split(": ", 1) for line in lines)
-        events.append((fields["event"], json.loads(fields["data"])))
-    return events
-
-
 async def collect(events, req, raise_at_end: ProviderError | None = None):
     return await stream_bytes(responses, events, req, raise_at_end)
 
@@ -382,7 +371,7 @@ async def test_sse_event_sequence():
         req,
     )
     assert b": keep-alive\n\n" in raw  # the Ping, as an SSE comment
-    evs = parse_sse(raw)
+    evs = sse_events(raw)
     names = [e for e, _ in evs]
     assert names == [
         "response.created",
@@ -424,7 +413,7 @@ async def test_stream_renders_freeform_tool_calls_as_custom_tool_calls():
     req = responses.parse_request(CODEX_BODY)
     call = ToolCall(id="call_p", name="apply_patch", arguments={"input": "*** Begin Patch"})
     c = completion(tool_calls=[call], finish_reason="tool_calls")
-    evs = parse_sse(
+    evs = sse_events(
         await collect(
             [Started(turn_id="turn_abc", prompt_tokens=1), ToolCallEvent(call=call), Done(completion=c)], req
         )
@@ -448,7 +437,7 @@ async def test_stream_renders_freeform_tool_calls_as_custom_tool_calls():
 async def test_stream_cut_by_the_token_limit_ends_incomplete():
     req = responses.parse_request({"input": "x", "stream": True})
     c = completion(text="par", finish_reason="length")
-    evs = parse_sse(
+    evs = sse_events(
         await collect(
             [Started(turn_id="turn_abc", prompt_tokens=1), TextDelta(text="par"), Done(completion=c)], req
         )
@@ -459,7 +448,7 @@ async def test_stream_cut_by_the_token_limit_ends_incomplete():
 
 async def test_error_mid_stream_ends_with_failed_events_and_never_completes():
     req = responses.parse_request({"input": "x", "stream": True})
-    evs = parse_sse(
+    evs = sse_events(
         await collect(
             [Started(turn_id="turn_abc", prompt_tokens=1), TextDelta(text="pa")],
             req,
@@ -471,7 +460,7 @@ async def test_error_mid_stream_ends_with_failed_events_and_never_completes():
     assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
     failed = evs[-1][1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "backend went away"
-    lone = parse_sse(responses.render_stream_error(ProviderError("api_error", "boom", 500)))
+    lone = sse_events(responses.render_stream_error(ProviderError("api_error", "boom", 500)))
     assert [e for e, _ in lone] == ["error", "response.failed"]
 
 
@@ -510,7 +499,7 @@ async def test_tool_call_then_echo_is_spliced_through_the_proxy(make_stack):
     async with stack.client() as c:
         r1 = await c.post(URL, json=codex_like(first), headers={"authorization": "Bearer sk-test"})
         assert r1.status_code == 200 and r1.headers["content-type"].startswith("text/event-stream")
-        evs1 = parse_sse(r1.content)
+        evs1 = sse_events(r1.content)
         assert evs1[-1][0] == "response.completed"
         output = evs1[-1][1]["response"]["output"]
         [call] = [i for i in output if i["type"] == "function_call"]
@@ -599,7 +588,7 @@ async def test_compaction_trigger_gets_exactly_one_compaction_item_that_round_tr
     raw = await collect(
         [Started(turn_id="turn_c", prompt_tokens=5), TextDelta(text="Wrote"), Done(completion=c)], req
     )
-    evs = parse_sse(raw)
+    evs = sse_events(raw)
     assert "response.output_text.delta" not in [e for e, _ in evs]  # the summary goes out whole
     [final] = [d for e, d in evs if e == "response.completed"]
     [item] = final["response"]["output"]

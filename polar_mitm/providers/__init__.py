@@ -1,59 +1,59 @@
-"""One module per API style, each with the same two halves: parse the native request into the
-neutral model, and render a neutral completion (or event stream) as native JSON or SSE.
+"""The API styles, one module each, and the registry that routes a request to one.
 
-Each style module exposes:
-  NAME, ID_PREFIX, HOSTS (the provider hosts it answers by default)
-  endpoint(method, path) -> "generate" | "count_tokens" | "models" | None
-  parse_request(body, **kw) -> ChatRequest     (kw: require_max_tokens for count_tokens; path when
-                                                PARSE_NEEDS_PATH is true)
-  render_response(Completion) -> dict          render_stream(events, req) -> async iterator of bytes
-  render_error(ProviderError) -> (status, dict) render_stream_error(ProviderError) -> bytes
-  render_count(n) -> dict                      render_models(names) -> dict
-Modules in this package are discovered; a new style is a new file.
+Each style module implements `base.Style` (the module is the object): its hosts and endpoints,
+`parse_request` / `parse_reply` into the neutral model, `render_response` / `render_stream` back
+to native JSON or SSE, `assemble` of a recorded stream, and its errors. `STYLES` lists them and
+is where the type checker holds each module to the protocol; a new style is a new module added
+there.
+
+The registry is built once, at import: each style's own hosts plus the hosts the harness recipes
+name (e.g. Codex's chatgpt.com), and it is not changed afterwards.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from types import ModuleType
+from collections.abc import Mapping
+from types import MappingProxyType
 
-# host -> style modules that may answer it (a host can serve several styles, e.g. OpenAI's
-# Chat Completions and Responses). A request to one of these hosts is answered locally: by the
-# policy when its path is a model endpoint, by a stub otherwise.
-HOST_STYLES: dict[str, list[ModuleType]] = {}
-STYLES: dict[str, ModuleType] = {}
+from polar_mitm.providers import anthropic, gemini, openai_chat, openai_responses
+from polar_mitm.providers.base import Endpoint, Style
 
+__all__ = ["HOST_STYLES", "STYLES", "Style", "error_style", "route"]
 
-def register(module: ModuleType, hosts: list[str]) -> None:
-    STYLES[module.NAME] = module
-    for h in hosts:
-        mods = HOST_STYLES.setdefault(h.lower(), [])
-        if module not in mods:
-            mods.append(module)
+# The order a host's styles are tried in: OpenAI's host serves Chat Completions and Responses.
+_ALL: tuple[Style, ...] = (anthropic, gemini, openai_chat, openai_responses)
+
+STYLES: Mapping[str, Style] = MappingProxyType({s.NAME: s for s in _ALL})
 
 
-def _discover() -> None:
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if hasattr(module, "NAME") and hasattr(module, "endpoint"):
-            register(module, list(getattr(module, "HOSTS", [])))
+def _host_styles() -> Mapping[str, tuple[Style, ...]]:
+    from polar_mitm.runtime import recipes
+
+    pairs = [(h, s) for s in _ALL for h in s.HOSTS]
+    pairs += [(h, STYLES[name]) for h, name in sorted(recipes.provider_hosts().items()) if name in STYLES]
+    hosts: dict[str, list[Style]] = {}
+    for host, style in pairs:
+        styles = hosts.setdefault(host.lower(), [])
+        if style not in styles:
+            styles.append(style)
+    return MappingProxyType({h: tuple(sorted(ss, key=_ALL.index)) for h, ss in hosts.items()})
 
 
-def route(host: str, method: str, path: str) -> tuple[ModuleType, str] | None:
-    """The style module and endpoint that answer (host, method, path), if any."""
-    for module in HOST_STYLES.get(host.lower(), []):
-        ep = module.endpoint(method, path)
+# host -> the styles that may answer it. A request to one of these hosts is answered locally: by
+# the policy when its path is a model endpoint, by a stub otherwise.
+HOST_STYLES: Mapping[str, tuple[Style, ...]] = _host_styles()
+
+
+def route(host: str, method: str, path: str) -> tuple[Style, Endpoint] | None:
+    """The style and endpoint that answer (host, method, path), if any."""
+    for style in HOST_STYLES.get(host.lower(), ()):
+        ep = style.endpoint(method, path)
         if ep is not None:
-            return module, ep
+            return style, ep
     return None
 
 
-def error_style(host: str) -> ModuleType:
-    mods = HOST_STYLES.get(host.lower())
-    return mods[0] if mods else STYLES["anthropic"]
-
-
-_discover()
+def error_style(host: str) -> Style:
+    """The style an error for `host` is written in when no endpoint matched."""
+    styles = HOST_STYLES.get(host.lower())
+    return styles[0] if styles else anthropic

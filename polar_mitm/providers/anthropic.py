@@ -15,11 +15,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from polar_mitm import sse
 from polar_mitm.neutral import (
     ChatRequest,
     Completion,
     Done,
     Event,
+    FinishReason,
     Message,
     Ping,
     ProviderError,
@@ -31,6 +33,8 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
+from polar_mitm.providers.base import Endpoint, each
+from polar_mitm.sse import JsonEvent
 
 NAME = "anthropic"
 ID_PREFIX = "toolu_"
@@ -50,7 +54,7 @@ ERROR_TYPES = {
 }
 
 
-def endpoint(method: str, path: str) -> str | None:
+def endpoint(method: str, path: str) -> Endpoint | None:
     """Which Messages API endpoint a request is for, or None for a side endpoint."""
     p = path.split("?", 1)[0].rstrip("/")
     if method == "POST" and p == "/v1/messages":
@@ -99,6 +103,38 @@ def _system_text(system: Any) -> str:
     return re.sub(r"^(\s*\n)+", "", text).strip("\n") if text.strip() else ""
 
 
+def _block(where: str, b: Any) -> tuple[str, str | ToolCall] | None:
+    """One block of an assistant's content: ("text" | "thinking", text) or ("call", ToolCall)."""
+    if not isinstance(b, dict):
+        raise _bad(f"{where}: must be an object")
+    t = b.get("type")
+    if t == "text":
+        return "text", str(b.get("text", ""))
+    if t == "thinking":
+        return "thinking", str(b.get("thinking", ""))
+    if t in ("tool_use", "server_tool_use"):
+        if not isinstance(b.get("name"), str):
+            raise _bad(f"{where}.name: required")
+        if isinstance(b.get("input_raw"), str):  # invalid JSON from the model, kept by `assemble`
+            return "call", ToolCall(id=str(b.get("id", "")), name=b["name"], raw=b["input_raw"])
+        inp = b.get("input", {})
+        return "call", ToolCall(
+            id=str(b.get("id", "")), name=b["name"], arguments=inp if isinstance(inp, dict) else {}
+        )
+    return None  # redacted_thinking, citations' blocks …: nothing a policy renders
+
+
+def _assistant(content: list[Any], where: str, *, lenient: bool = False) -> Message:
+    """An assistant's content blocks (in a request's history or a reply) as one message."""
+    blocks = [b for b in each(content, lambda j, b: _block(f"{where}.{j}", b), lenient=lenient) if b]
+    return Message(
+        role="assistant",
+        content="".join(v for k, v in blocks if k == "text" and isinstance(v, str)),
+        reasoning="".join(v for k, v in blocks if k == "thinking" and isinstance(v, str)) or None,
+        tool_calls=[v for k, v in blocks if isinstance(v, ToolCall)],
+    )
+
+
 def _parse_message(i: int, m: Any) -> list[Message]:
     where = f"messages.{i}"
     if not isinstance(m, dict):
@@ -114,34 +150,7 @@ def _parse_message(i: int, m: Any) -> list[Message]:
     if not isinstance(content, list):
         raise _bad(f"{where}.content: must be a string or a list of content blocks")
     if role == "assistant":
-        texts, reasoning, calls = [], [], []
-        for j, b in enumerate(content):
-            if not isinstance(b, dict):
-                raise _bad(f"{where}.content.{j}: must be an object")
-            t = b.get("type")
-            if t == "text":
-                texts.append(str(b.get("text", "")))
-            elif t == "thinking":
-                reasoning.append(str(b.get("thinking", "")))
-            elif t in ("tool_use", "server_tool_use"):
-                if not isinstance(b.get("name"), str):
-                    raise _bad(f"{where}.content.{j}.name: required")
-                inp = b.get("input", {})
-                calls.append(
-                    ToolCall(
-                        id=str(b.get("id", "")),
-                        name=b["name"],
-                        arguments=inp if isinstance(inp, dict) else {},
-                    )
-                )
-        return [
-            Message(
-                role="assistant",
-                content="".join(texts),
-                reasoning="".join(reasoning) or None,
-                tool_calls=calls,
-            )
-        ]
+        return [_assistant(content, f"{where}.content")]
     out: list[Message] = []
     texts = []
     for j, b in enumerate(content):
@@ -162,7 +171,8 @@ def _parse_message(i: int, m: Any) -> list[Message]:
     return out
 
 
-def parse_request(body: Any, *, require_max_tokens: bool = True) -> ChatRequest:
+def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = True) -> ChatRequest:
+    del path  # everything is in the body
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     msgs = body.get("messages")
@@ -218,6 +228,25 @@ def parse_request(body: Any, *, require_max_tokens: bool = True) -> ChatRequest:
     )
 
 
+_REPLY_FINISH: dict[str, FinishReason] = {
+    "tool_use": "tool_calls",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+}
+
+
+def parse_reply(reply: Any, *, lenient: bool = False) -> tuple[list[Message], FinishReason]:
+    """A Message object (as the API returns it, or as `assemble` rebuilt it) as one assistant
+    message, its blocks read as the same blocks echoed in a later request are."""
+    if not isinstance(reply, dict):
+        raise _bad("reply must be a JSON object")
+    content = reply.get("content") or []
+    if not isinstance(content, list):
+        raise _bad("content: must be a list of content blocks")
+    msg = _assistant(content, "content", lenient=lenient)
+    return [msg], _REPLY_FINISH.get(str(reply.get("stop_reason")), "stop")
+
+
 # ---- response ----------------------------------------------------------------------------------
 
 _STOP = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}
@@ -264,7 +293,7 @@ def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, 
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return sse.encode(data, event=event)
 
 
 async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
@@ -379,6 +408,58 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
                 },
             )
             yield out + _sse("message_stop", {"type": "message_stop"})
+
+
+def assemble(events: list[JsonEvent]) -> dict[str, Any]:
+    """A recorded Messages stream as the Message object the non-streaming API returns (tool input
+    JSON parsed; JSON the model got wrong kept as `input_raw`)."""
+    msg: dict[str, Any] = {"type": "message", "role": "assistant", "content": []}
+    blocks: dict[int, dict[str, Any]] = {}
+    partial_json: dict[int, str] = {}
+
+    def finish_input(i: int) -> None:
+        raw = partial_json.pop(i, None)
+        if raw is None or i not in blocks:
+            return
+        try:
+            blocks[i]["input"] = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            blocks[i]["input"] = {}
+            blocks[i]["input_raw"] = raw
+
+    for name, d in events:
+        kind = d.get("type", name)
+        if kind == "message_start":
+            msg.update({k: v for k, v in (d.get("message") or {}).items() if k != "content"})
+        elif kind == "content_block_start":
+            blocks[int(d.get("index", len(blocks)))] = dict(d.get("content_block") or {})
+        elif kind == "content_block_delta":
+            i = int(d.get("index", 0))
+            block = blocks.setdefault(i, {})
+            delta = d.get("delta") or {}
+            dt = delta.get("type")
+            if dt == "text_delta":
+                block["text"] = block.get("text", "") + str(delta.get("text", ""))
+            elif dt == "thinking_delta":
+                block["thinking"] = block.get("thinking", "") + str(delta.get("thinking", ""))
+            elif dt == "signature_delta":
+                block["signature"] = delta.get("signature", "")
+            elif dt == "input_json_delta":
+                partial_json[i] = partial_json.get(i, "") + str(delta.get("partial_json", ""))
+            elif dt == "citations_delta":
+                block.setdefault("citations", []).append(delta.get("citation"))
+        elif kind == "content_block_stop":
+            finish_input(int(d.get("index", 0)))
+        elif kind == "message_delta":
+            msg.update(d.get("delta") or {})
+            if isinstance(d.get("usage"), dict):
+                msg["usage"] = {**(msg.get("usage") or {}), **d["usage"]}
+        elif kind == "error":
+            msg["error"] = d.get("error") or d
+    for i in list(partial_json):
+        finish_input(i)
+    msg["content"] = [blocks[i] for i in sorted(blocks)]
+    return msg
 
 
 def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:

@@ -2,8 +2,8 @@
 JSON or SSE.
 
 Serves `POST /{v1,v1beta,v1alpha}/models/{model}:generateContent`, `:streamGenerateContent`
-and `:countTokens`, and `GET …/models`. The model and the stream flag live in the URL, so the
-gateway passes the path (`PARSE_NEEDS_PATH`). Streams are always SSE, as `?alt=sse` asks (every
+and `:countTokens`, and `GET …/models`. The model and the stream flag live in the URL, which
+`parse_request` reads from its `path`. Streams are always SSE, as `?alt=sse` asks (every
 Google SDK sends it); the JSON-array stream Google sends without it is not produced.
 
 Gemini function calls carry no ids of their own: ids are given to every call we render (Gemini
@@ -22,11 +22,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import unquote
 
+from polar_mitm import sse
 from polar_mitm.neutral import (
     ChatRequest,
     Completion,
     Done,
     Event,
+    FinishReason,
     Message,
     Ping,
     ProviderError,
@@ -38,11 +40,12 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
+from polar_mitm.providers.base import Endpoint, each, first_of
+from polar_mitm.sse import JsonEvent
 
 NAME = "gemini"
 ID_PREFIX = "call_"
 HOSTS = ["generativelanguage.googleapis.com"]
-PARSE_NEEDS_PATH = True
 
 # …/models/{model}:{method}; Vertex-style prefixes (projects/…/publishers/google/) are accepted too.
 _MODEL_PATH = re.compile(
@@ -64,7 +67,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
 }
 
 
-def endpoint(method: str, path: str) -> str | None:
+def endpoint(method: str, path: str) -> Endpoint | None:
     """Which Gemini API endpoint a request is for, or None for a side endpoint."""
     p = unquote(path.split("?", 1)[0]).rstrip("/")
     m = _MODEL_PATH.match(p)
@@ -160,31 +163,41 @@ def _parts(content: dict[str, Any], where: str) -> list[dict[str, Any]]:
     return parts
 
 
-def _parse_model(i: int, content: dict[str, Any]) -> Message:
+def _model_part(i: int, j: int, p: Any, where: str) -> tuple[str, str | ToolCall] | None:
+    """One part of a model content: ("text" | "thought", text) or ("call", ToolCall)."""
+    if not isinstance(p, dict):
+        raise _bad(f"{where}.parts[{j}]: must be a Part object")
+    if isinstance(p.get("functionCall"), dict):
+        fc = p["functionCall"]
+        if not isinstance(fc.get("name"), str):
+            raise _bad(f"{where}.parts[{j}].functionCall.name: required")
+        args = fc.get("args", {})
+        return "call", ToolCall(
+            id=str(fc.get("id") or _call_id(i, j)),
+            name=fc["name"],
+            arguments=args if isinstance(args, dict) else {},
+        )
+    if isinstance(p.get("text"), str):
+        return ("thought" if p.get("thought") is True else "text"), p["text"]
+    placeholder = _placeholder(p)
+    return ("text", placeholder) if placeholder is not None else None
+
+
+def _parse_model(i: int, content: dict[str, Any], *, lenient: bool = False) -> Message:
+    """A model content (in a request's history, or a reply's candidate) as one assistant message."""
     where = f"contents[{i}]"
-    texts, reasoning, calls = [], [], []
-    for j, p in enumerate(_parts(content, where)):
-        if isinstance(p.get("functionCall"), dict):
-            fc = p["functionCall"]
-            if not isinstance(fc.get("name"), str):
-                raise _bad(f"{where}.parts[{j}].functionCall.name: required")
-            args = fc.get("args", {})
-            calls.append(
-                ToolCall(
-                    id=str(fc.get("id") or _call_id(i, j)),
-                    name=fc["name"],
-                    arguments=args if isinstance(args, dict) else {},
-                )
-            )
-        elif isinstance(p.get("text"), str):
-            (reasoning if p.get("thought") is True else texts).append(p["text"])
-        else:
-            placeholder = _placeholder(p)
-            if placeholder is not None:
-                texts.append(placeholder)
+    raw = content.get("parts", [])
+    if not isinstance(raw, list):
+        if not lenient:
+            raise _bad(f"{where}.parts: must be a list of Part objects")
+        raw = []
+    parts = [p for p in each(raw, lambda j, p: _model_part(i, j, p, where), lenient=lenient) if p]
     # Gemini CLI joins streamed text parts without a separator; so do we.
     return Message(
-        role="assistant", content="".join(texts), reasoning="".join(reasoning) or None, tool_calls=calls
+        role="assistant",
+        content="".join(v for k, v in parts if k == "text" and isinstance(v, str)),
+        reasoning="".join(v for k, v in parts if k == "thought" and isinstance(v, str)) or None,
+        tool_calls=[v for _, v in parts if isinstance(v, ToolCall)],
     )
 
 
@@ -362,6 +375,17 @@ def parse_request(body: Any, *, path: str, require_max_tokens: bool = False) -> 
     )
 
 
+def parse_reply(reply: Any, *, lenient: bool = False) -> tuple[list[Message], FinishReason]:
+    """A GenerateContentResponse's first candidate as one assistant message, read as the same
+    content echoed in a later request is."""
+    cand = first_of(reply, "candidates", lenient=lenient)
+    content = cand.get("content") if isinstance(cand.get("content"), dict) else {}
+    msg = _parse_model(0, content, lenient=lenient)
+    if cand.get("finishReason") == "MAX_TOKENS":
+        return [msg], "length"
+    return [msg], "tool_calls" if msg.tool_calls else "stop"
+
+
 # ---- response ----------------------------------------------------------------------------------
 
 _FINISH = {"stop": "STOP", "tool_calls": "STOP", "length": "MAX_TOKENS", "abort": "OTHER", "error": "OTHER"}
@@ -416,7 +440,7 @@ def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, 
 
 def _sse(data: dict[str, Any]) -> bytes:
     # Google terminates events with CRLF CRLF; the data line must stay one line.
-    return f"data: {json.dumps(data, ensure_ascii=False)}\r\n\r\n".encode()
+    return sse.encode(data, eol="\r\n")
 
 
 # Keep-alive: a bare line break. An SSE comment (": ping") would wedge the google-genai JS parser,
@@ -467,6 +491,40 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
                     "responseId": rid,
                 }
             )
+
+
+def assemble(events: list[JsonEvent]) -> dict[str, Any]:
+    """Recorded streamGenerateContent chunks (SSE, or the JSON array sent without alt=sse) as
+    one GenerateContentResponse, consecutive text parts of one kind merged."""
+    out: dict[str, Any] = {}
+    parts: list[dict[str, Any]] = []
+    candidate: dict[str, Any] = {"index": 0}
+    for _, d in events:
+        if "error" in d:
+            out["error"] = d["error"]
+            continue
+        for k in ("usageMetadata", "modelVersion", "responseId", "promptFeedback"):
+            if d.get(k) is not None:
+                out[k] = d[k]
+        for cand in (d.get("candidates") or [])[:1]:
+            for p in (cand.get("content") or {}).get("parts") or []:
+                last = parts[-1] if parts else None
+                if (
+                    last is not None
+                    and isinstance(p.get("text"), str)
+                    and isinstance(last.get("text"), str)
+                    and bool(last.get("thought")) == bool(p.get("thought"))
+                ):
+                    last["text"] += p["text"]
+                    if p.get("thoughtSignature"):
+                        last["thoughtSignature"] = p["thoughtSignature"]
+                else:
+                    parts.append(dict(p))
+            for k, v in cand.items():
+                if k not in ("content", "index"):
+                    candidate[k] = v
+    out["candidates"] = [{"content": {"role": "model", "parts": parts}, **candidate}]
+    return out
 
 
 def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:

@@ -13,11 +13,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from polar_mitm import sse
 from polar_mitm.neutral import (
     ChatRequest,
     Completion,
     Done,
     Event,
+    FinishReason,
     Message,
     Ping,
     ProviderError,
@@ -29,6 +31,8 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
+from polar_mitm.providers.base import Endpoint, each, first_of
+from polar_mitm.sse import JsonEvent
 
 NAME = "openai-chat"
 ID_PREFIX = "call_"
@@ -58,7 +62,7 @@ ERROR_SHAPES: dict[str, tuple[str, str | None, int | None]] = {
 }
 
 
-def endpoint(method: str, path: str) -> str | None:
+def endpoint(method: str, path: str) -> Endpoint | None:
     """Which Chat Completions endpoint a request is for, or None when it is not ours."""
     p = path.split("?", 1)[0].rstrip("/")
     if method == "POST" and p.endswith("/chat/completions"):
@@ -148,22 +152,46 @@ def _parse_arguments(raw: Any, where: str) -> ToolCall:
     return ToolCall(id="", name="", raw=raw)
 
 
-def _parse_tool_calls(calls: Any, where: str) -> list[ToolCall]:
+def _parse_tool_call(where: str, c: Any) -> ToolCall:
+    if not isinstance(c, dict):
+        raise _bad(f"{where}: must be an object", where)
+    fn = c.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad(f"{where}.function.name: required", f"{where}.function.name")
+    call = _parse_arguments(fn.get("arguments"), f"{where}.function.arguments")
+    return call.model_copy(update={"id": str(c.get("id") or ""), "name": fn["name"]})
+
+
+def _parse_tool_calls(calls: Any, where: str, *, lenient: bool = False) -> list[ToolCall]:
     if calls is None:
         return []
     if not isinstance(calls, list):
         raise _bad(f"{where}: must be a list", where)
-    out = []
-    for j, c in enumerate(calls):
-        w = f"{where}.{j}"
-        if not isinstance(c, dict):
-            raise _bad(f"{w}: must be an object", w)
-        fn = c.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad(f"{w}.function.name: required", f"{w}.function.name")
-        call = _parse_arguments(fn.get("arguments"), f"{w}.function.arguments")
-        out.append(call.model_copy(update={"id": str(c.get("id") or ""), "name": fn["name"]}))
-    return out
+    return each(calls, lambda j, c: _parse_tool_call(f"{where}.{j}", c), lenient=lenient)
+
+
+def _assistant(m: dict[str, Any], where: str, *, lenient: bool = False) -> Message:
+    """An assistant message (in a request's history, or a reply's choice) as neutral."""
+    try:
+        content = _text_of(m.get("content"), f"{where}.content")
+    except ProviderError:
+        if not lenient:
+            raise
+        content = ""
+    calls = _parse_tool_calls(m.get("tool_calls"), f"{where}.tool_calls", lenient=lenient)
+    legacy = m.get("function_call")
+    if isinstance(legacy, dict) and isinstance(legacy.get("name"), str):
+        call = _parse_arguments(legacy.get("arguments"), f"{where}.function_call.arguments")
+        calls.append(call.model_copy(update={"id": "", "name": legacy["name"]}))
+    reasoning = m.get("reasoning_content")
+    if reasoning is None:
+        reasoning = m.get("reasoning")
+    return Message(
+        role="assistant",
+        content=content,
+        reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
+        tool_calls=calls,
+    )
 
 
 def _parse_message(i: int, m: Any) -> Message:
@@ -171,26 +199,13 @@ def _parse_message(i: int, m: Any) -> Message:
     if not isinstance(m, dict):
         raise _bad(f"{where}: must be an object", where)
     role = m.get("role")
+    if role == "assistant":
+        return _assistant(m, where)
     content = _text_of(m.get("content"), f"{where}.content")
     if role in ("system", "developer"):
         return Message(role="system", content=content)
     if role == "user":
         return Message(role="user", content=content)
-    if role == "assistant":
-        calls = _parse_tool_calls(m.get("tool_calls"), f"{where}.tool_calls")
-        legacy = m.get("function_call")
-        if isinstance(legacy, dict) and isinstance(legacy.get("name"), str):
-            call = _parse_arguments(legacy.get("arguments"), f"{where}.function_call.arguments")
-            calls.append(call.model_copy(update={"id": "", "name": legacy["name"]}))
-        reasoning = m.get("reasoning_content")
-        if reasoning is None:
-            reasoning = m.get("reasoning")
-        return Message(
-            role="assistant",
-            content=content,
-            reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
-            tool_calls=calls,
-        )
     if role == "tool":
         return Message(role="tool", content=content, tool_call_id=str(m.get("tool_call_id") or ""))
     if role == "function":  # the pre-tools form of a tool result
@@ -273,7 +288,8 @@ def _thinking(body: dict[str, Any]) -> bool | None:
     return None
 
 
-def parse_request(body: Any, *, require_max_tokens: bool = False) -> ChatCompletionsRequest:
+def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = False) -> ChatCompletionsRequest:
+    del path, require_max_tokens  # everything is in the body; max_tokens is optional
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     msgs = body.get("messages")
@@ -320,6 +336,23 @@ def parse_request(body: Any, *, require_max_tokens: bool = False) -> ChatComplet
         thinking=_thinking(body),
         include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
     )
+
+
+_REPLY_FINISH: dict[str, FinishReason] = {
+    "tool_calls": "tool_calls",
+    "function_call": "tool_calls",
+    "length": "length",
+}
+
+
+def parse_reply(reply: Any, *, lenient: bool = False) -> tuple[list[Message], FinishReason]:
+    """A chat.completion's first choice as one assistant message, read as the same message
+    echoed in a later request is."""
+    choice = first_of(reply, "choices", lenient=lenient)
+    m = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    msg = _assistant(m, "choices.0.message", lenient=lenient)
+    finish = _REPLY_FINISH.get(str(choice.get("finish_reason")), "stop")
+    return [msg], "tool_calls" if msg.tool_calls and finish == "stop" else finish
 
 
 # ---- response ----------------------------------------------------------------------------------
@@ -378,13 +411,13 @@ def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, 
     }
 
 
-def _sse(data: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return sse.encode(data)
 
 
 async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
     """Chat Completions SSE, produced as the policy generates. `[DONE]` comes only after the commit."""
-    include_usage = getattr(req, "include_usage", False)
+    include_usage = isinstance(req, ChatCompletionsRequest) and req.include_usage
     chunk_id = completion_id("turn_pending")
     created = int(time.time())
     started = False
@@ -415,8 +448,7 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
             started = True
             yield first()
         if isinstance(ev, Ping):
-            # An SSE comment: every client skips it, and it keeps idle timeouts away.
-            yield b": ping\n\n"
+            yield sse.comment("ping")
         elif isinstance(ev, ReasoningDelta):
             yield chunk({"reasoning_content": ev.text})
         elif isinstance(ev, TextDelta):
@@ -453,7 +485,56 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
                         "usage": _usage(c),
                     }
                 )
-            yield out + b"data: [DONE]\n\n"
+            yield out + _sse("[DONE]")
+
+
+def assemble(events: list[JsonEvent]) -> dict[str, Any]:
+    """Recorded Chat Completions chunks as the chat.completion object the non-streaming API
+    returns (content, reasoning and each tool call's arguments joined)."""
+    out: dict[str, Any] = {"object": "chat.completion"}
+    choices: dict[int, dict[str, Any]] = {}
+    calls: dict[int, dict[int, dict[str, Any]]] = {}
+    for _, d in events:
+        if "error" in d:
+            out["error"] = d["error"]
+            continue
+        for k in ("id", "created", "model", "system_fingerprint", "service_tier"):
+            if d.get(k) is not None:
+                out[k] = d[k]
+        if d.get("usage"):
+            out["usage"] = d["usage"]
+        for ch in d.get("choices") or []:
+            i = int(ch.get("index", 0))
+            choice = choices.setdefault(
+                i, {"index": i, "message": {"role": "assistant", "content": None}, "finish_reason": None}
+            )
+            m = choice["message"]
+            delta = ch.get("delta") or {}
+            if delta.get("role"):
+                m["role"] = delta["role"]
+            for key in ("content", "reasoning_content", "reasoning", "refusal"):
+                if isinstance(delta.get(key), str):
+                    m[key] = (m.get(key) or "") + delta[key]
+            for tc in delta.get("tool_calls") or []:
+                j = int(tc.get("index", len(calls.get(i, {}))))
+                call = calls.setdefault(i, {}).setdefault(
+                    j, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+                if tc.get("id"):
+                    call["id"] = tc["id"]
+                if tc.get("type"):
+                    call["type"] = tc["type"]
+                fn = tc.get("function") or {}
+                if fn.get("name"):
+                    call["function"]["name"] += fn["name"]
+                if fn.get("arguments"):
+                    call["function"]["arguments"] += fn["arguments"]
+            if ch.get("finish_reason"):
+                choice["finish_reason"] = ch["finish_reason"]
+    for i, by_index in calls.items():
+        choices[i]["message"]["tool_calls"] = [by_index[j] for j in sorted(by_index)]
+    out["choices"] = [choices[i] for i in sorted(choices)]
+    return out
 
 
 def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:
@@ -462,7 +543,7 @@ def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:
         "error": {
             "message": e.message,
             "type": kind,
-            "param": getattr(e, "param", None),
+            "param": e.param if isinstance(e, InvalidRequest) else None,
             "code": code,
         }
     }

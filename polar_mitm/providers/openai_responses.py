@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import Field
 
+from polar_mitm import sse
 from polar_mitm.neutral import (
     ChatRequest,
     Completion,
@@ -44,6 +45,8 @@ from polar_mitm.neutral import (
     ToolCallEvent,
 )
 from polar_mitm.providers import openai_chat
+from polar_mitm.providers.base import Endpoint
+from polar_mitm.sse import JsonEvent
 
 NAME = "openai-responses"
 ID_PREFIX = "call_"
@@ -94,7 +97,7 @@ class ResponsesRequest(ChatRequest):
     compaction: bool = False  # the reply must be one `compaction` item (Codex compaction v2)
 
 
-def endpoint(method: str, path: str) -> str | None:
+def endpoint(method: str, path: str) -> Endpoint | None:
     """Which Responses endpoint a request is for, or None (for Chat Completions, side calls…).
 
     The API lives at `/v1/responses`, and under other prefixes too (Codex with a ChatGPT login
@@ -366,8 +369,8 @@ def _tool_choice(tc: Any) -> str | dict[str, Any] | None:
     return None
 
 
-def parse_request(body: Any, *, require_max_tokens: bool = False) -> ChatRequest:
-    del require_max_tokens  # max_output_tokens is optional in this API
+def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = False) -> ChatRequest:
+    del path, require_max_tokens  # everything is in the body; max_output_tokens is optional
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     for key in ("previous_response_id", "conversation"):
@@ -617,7 +620,7 @@ def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, 
 
 
 def _sse(data: dict[str, Any]) -> bytes:
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return sse.encode(data, event=data["type"])
 
 
 def _error_body(e: ProviderError) -> dict[str, Any]:
@@ -838,7 +841,7 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
             if compaction and isinstance(ev, Done):
                 yield w.compaction(ev.completion.text) + w.done(ev.completion)
             elif isinstance(ev, Ping):
-                yield b": keep-alive\n\n"  # the API has no ping event; SSE comments are ignored
+                yield sse.comment("keep-alive")  # the API has no ping event
             elif isinstance(ev, ReasoningDelta):
                 yield (w.open_item("reasoning") if w.open != "reasoning" else b"") + w.delta(ev.text)
             elif isinstance(ev, TextDelta):
@@ -849,6 +852,32 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
                 yield w.done(ev.completion)
     except ProviderError as e:
         yield w.failed(e)
+
+
+def assemble(events: list[JsonEvent]) -> dict[str, Any]:
+    """A recorded Responses stream as the final response object (what `response.completed`
+    carries); a stream that ended early keeps the items finished so far, as `incomplete`."""
+    final: dict[str, Any] | None = None
+    started: dict[str, Any] = {}
+    items: dict[int, dict[str, Any]] = {}
+    error: Any = None
+    for name, d in events:
+        kind = d.get("type", name)
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            final = dict(d.get("response") or {})
+        elif kind in ("response.created", "response.in_progress"):
+            started = dict(d.get("response") or {})
+        elif kind == "response.output_item.done":
+            items[int(d.get("output_index", len(items)))] = d.get("item") or {}
+        elif kind == "error":
+            error = d.get("error") or {k: v for k, v in d.items() if k != "type"}
+    if final is None:
+        final = {**started, "status": "incomplete", "output": [items[i] for i in sorted(items)]}
+    elif not final.get("output") and items:
+        final["output"] = [items[i] for i in sorted(items)]
+    if error is not None:
+        final["error"] = error
+    return final
 
 
 def render_error(e: ProviderError) -> tuple[int, dict[str, Any]]:

@@ -1,8 +1,8 @@
 """Text conversations from the store, for supervised fine-tuning.
 
 A turn's conversation is its raw request, parsed by its style module into neutral messages, plus
-its reply: for a harvested turn the assembled native reply (parsed per style in
-`polar_mitm.harvest`), for a policy turn the stored `Completion`. Two ways out:
+its reply: for a harvested turn the assembled native reply (parsed by its style module, as the
+same reply echoed in the next request is), for a policy turn the stored `Completion`. Two ways out:
 
 - `sft_records`: one OpenAI chat-format object per conversation (`messages` with `tool_calls` and
   `tool` messages, `tools`, `metadata`) — what `export --format sft-jsonl` writes.
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from polar_mitm import harvest, providers
+from polar_mitm import providers
 from polar_mitm.backends.render import conversation_hashes
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import Completion, Message, ProviderError, Tool
@@ -150,9 +150,9 @@ def conversation_of(turn: TextTurn) -> Conversation:
     if module is None:
         raise UnreadableTurn(f"turn {turn.id}: no style module named {turn.style!r}")
     try:
-        req = harvest.parse_request(module, json.loads(turn.request or ""), turn.path or "")
+        req = module.parse_request(json.loads(turn.request or ""), path=turn.path or "")
         if turn.harvested:
-            replies, finish = harvest.reply_message(turn.style, json.loads(turn.response or ""))
+            replies, finish = module.parse_reply(json.loads(turn.response or ""), lenient=True)
         else:
             completion = Completion.model_validate_json(turn.response or "")
             replies, finish = [completion.as_message()], completion.finish_reason

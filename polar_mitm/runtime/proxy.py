@@ -51,13 +51,6 @@ class ProxyConfig(BaseModel):
     upstream_insecure: bool = False
 
 
-def register_recipe_hosts() -> None:
-    for host, style in recipes.provider_hosts().items():
-        module = providers.STYLES.get(style)
-        if module is not None:
-            providers.register(module, [host])
-
-
 class PolarProxy:
     def __init__(self, config: ProxyConfig):
         self.config = config
@@ -85,7 +78,6 @@ class PolarProxy:
         return tag
 
     async def start(self) -> int:
-        register_recipe_hosts()
         self.ca = ensure_ca(self.config.certs_dir)
         self.store = await Store.open(self.config.db)
         if self.config.mode == "harvest":

@@ -20,7 +20,6 @@ import pytest
 from polar_mitm.backends.fake import FakeBackendConfig, start_fake_backend
 from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.gateway import Gateway
-from polar_mitm.runtime.proxy import register_recipe_hosts
 from polar_mitm.store.db import Store
 from tests.conftest import _self_signed
 from tests.e2e.harness import POLAR, harness_env, polar_run, require_binary
@@ -46,7 +45,6 @@ class ProviderStandIn:
         return self
 
     async def _start(self) -> None:
-        register_recipe_hosts()
         self.backend, url = await start_fake_backend(
             FakeBackendConfig(tokenizer_path=str(self.tokenizer_dir))
         )

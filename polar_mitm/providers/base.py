@@ -1,0 +1,89 @@
+"""What every API style implements: the `Style` protocol, and the small helpers they share.
+
+A style is one module (`anthropic`, `openai_chat`, `openai_responses`, `gemini`); the module
+itself is the object that implements `Style`, and the type checker holds each one to it (see the
+registry in `polar_mitm.providers`). Both directions of the API live in that one file: a request
+and an assistant reply are parsed by the same code whether the policy answers them or harvest
+mode records a real provider's, so an echoed reply always reads like the reply it echoes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, Literal, Protocol
+
+from polar_mitm.neutral import ChatRequest, Completion, Event, FinishReason, Message, ProviderError
+from polar_mitm.sse import JsonEvent
+
+Endpoint = Literal["generate", "count_tokens", "models"]
+
+
+class Style(Protocol):
+    """One provider API style: its hosts and paths, both halves of its wire format, its errors."""
+
+    NAME: str  # stored as turns.style
+    ID_PREFIX: str  # of the tool-call ids we make up
+    HOSTS: list[str]  # the provider hosts it answers by default
+
+    def endpoint(self, method: str, path: str) -> Endpoint | None:
+        """Which model endpoint (method, path) is, or None for anything else (side calls)."""
+        ...
+
+    def parse_request(self, body: Any, *, path: str, require_max_tokens: bool = ...) -> ChatRequest:
+        """A native request body (and its path, where the model or stream flag live) as neutral."""
+        ...
+
+    def parse_reply(self, reply: Any, *, lenient: bool = ...) -> tuple[list[Message], FinishReason]:
+        """A native (assembled) reply as assistant messages, parsed like the same reply echoed in
+        a later request; `lenient` leaves out what does not parse instead of raising."""
+        ...
+
+    def render_response(self, c: Completion, req: ChatRequest) -> dict[str, Any]:
+        """A completion as the native JSON reply to `req`."""
+        ...
+
+    def render_stream(self, events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
+        """The policy's events as the native SSE stream, produced as they arrive."""
+        ...
+
+    def assemble(self, events: list[JsonEvent]) -> dict[str, Any]:
+        """A recorded stream (its JSON events) as the JSON reply the non-streaming API returns."""
+        ...
+
+    def render_error(self, e: ProviderError) -> tuple[int, dict[str, Any]]:
+        """An error as (HTTP status, native error body)."""
+        ...
+
+    def render_stream_error(self, e: ProviderError) -> bytes:
+        """An error after a stream began, as the bytes that end it."""
+        ...
+
+    def render_count(self, n: int) -> dict[str, Any]: ...
+
+    def render_models(self, names: list[str]) -> dict[str, Any]: ...
+
+
+def each[T, R](items: Iterable[T], parse: Callable[[int, T], R], *, lenient: bool) -> list[R]:
+    """parse(i, item) of every item; with `lenient`, an item that raises ProviderError is left
+    out (an upstream's reply is not ours to refuse), without it the error is the caller's."""
+    out: list[R] = []
+    for i, item in enumerate(items):
+        try:
+            out.append(parse(i, item))
+        except ProviderError:
+            if not lenient:
+                raise
+    return out
+
+
+def first_of(reply: Any, key: str, *, lenient: bool) -> dict[str, Any]:
+    """reply[key][0] (a reply's first choice or candidate) as an object; {} where a lenient
+    reader finds none, a 400-style ProviderError where a strict one does."""
+    if not isinstance(reply, dict):
+        raise ProviderError("invalid_request", "reply must be a JSON object", 400)
+    items = reply.get(key)
+    if isinstance(items, list) and items and isinstance(items[0], dict):
+        return items[0]
+    if lenient:
+        return {}
+    raise ProviderError("invalid_request", f"{key}: a reply has at least one (an object)", 400)

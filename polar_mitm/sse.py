@@ -1,0 +1,70 @@
+"""Server-sent events: the one writer every API style renders with, and the one reader that
+harvest mode (and the tests) read a recorded stream with.
+
+Styles differ only in whether an event names itself (`event:` lines: Anthropic, Responses) and
+in the line ending (Google ends events with CRLF CRLF); both are arguments here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# (event name, data object) of one event that carries a JSON object.
+JsonEvent = tuple[str | None, dict[str, Any]]
+
+
+def encode(data: dict[str, Any] | str, *, event: str | None = None, eol: str = "\n") -> bytes:
+    """One event: an optional `event:` line, then the data (a JSON object on one line, or text)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    head = f"event: {event}{eol}" if event is not None else ""
+    return f"{head}data: {text}{eol}{eol}".encode()
+
+
+def comment(text: str) -> bytes:
+    """An SSE comment: every client skips it, and it keeps idle timeouts away."""
+    return f": {text}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class SSEEvent:
+    event: str | None
+    data: str
+
+
+def parse(text: str) -> list[SSEEvent]:
+    """The events of an SSE body (fields `event` and `data`; comments and `id`/`retry` ignored)."""
+    out: list[SSEEvent] = []
+    name: str | None = None
+    data: list[str] = []
+    for line in re.split(r"\r\n|\r|\n", text) + [""]:
+        if not line:
+            if data:
+                out.append(SSEEvent(name, "\n".join(data)))
+            name, data = None, []
+            continue
+        if line.startswith(":"):
+            continue
+        key, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if key == "event":
+            name = value
+        elif key == "data":
+            data.append(value)
+    return out
+
+
+def json_events(body: str | bytes) -> list[JsonEvent]:
+    """The events of an SSE body whose data is a JSON object (`[DONE]` and other text left out)."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    out: list[JsonEvent] = []
+    for ev in parse(text):
+        try:
+            data = json.loads(ev.data)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            out.append((ev.event, data))
+    return out
