@@ -107,6 +107,28 @@ class Trajectory:
     def metadata(self) -> str:
         return json.dumps(self.meta, separators=(",", ":"), sort_keys=True)
 
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Trajectory:
+        """A row as `to_row` wrote it (JSON lines, the rollout service), back as a Trajectory."""
+        return cls(
+            trajectory_id=row["trajectory_id"],
+            session_id=row["session_id"],
+            task_id=row.get("task_id"),
+            prompt_ids=np.asarray(row["prompt_ids"], dtype=TOKEN_DTYPE),
+            response_ids=np.asarray(row["response_ids"], dtype=TOKEN_DTYPE),
+            loss_mask=np.asarray(row["loss_mask"], dtype=MASK_DTYPE),
+            response_logprobs=np.asarray(row["response_logprobs"], dtype=LOGPROB_DTYPE),
+            turn_ids=list(row["turn_ids"]),
+            finish_reason=row["finish_reason"],
+            reward=row.get("reward"),
+            meta=json.loads(row.get("metadata") or "{}"),
+            group_id=row.get("group_id"),
+            sample_index=row.get("sample_index"),
+            status=row.get("status"),
+            reward_detail=row.get("reward_detail"),
+            advantage=row.get("advantage"),
+        )
+
     def to_row(self) -> dict[str, Any]:
         """The row as plain Python values, in schema column order (what JSON lines hold)."""
         return {

@@ -1,0 +1,373 @@
+"""`polar-mitm serve`, `node` and `submit`: the rollout service from the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import click
+
+from polar_mitm.cli_options import make_policy_config, policy_options
+from polar_mitm.runtime import RUNTIMES
+
+SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
+TOKEN_HELP = "The control token, sent as a bearer header [env POLAR_MITM_SERVICE_TOKEN]"
+
+
+def _host_port(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
+    return host or "127.0.0.1", int(port)
+
+
+def node_db(db: str | Path, name: str) -> str:
+    """`rollouts.sqlite` → `rollouts.node0.sqlite`: a node's own store beside the server's."""
+    p = Path(db)
+    return str(p.with_name(f"{p.stem}.{name}{p.suffix or '.sqlite'}"))
+
+
+def node_options(f):
+    for opt in reversed(
+        [
+            click.option(
+                "--init-workers",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Sandboxes starting at once per node [4].",
+            ),
+            click.option(
+                "--run-workers",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Harnesses at once per node [by CPUs].",
+            ),
+            click.option(
+                "--postrun-workers",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Samples scored at once per node [4].",
+            ),
+            click.option(
+                "--capacity",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Samples in flight per node [init + run workers].",
+            ),
+            click.option(
+                "--retries",
+                type=click.IntRange(min=0),
+                default=2,
+                show_default=True,
+                help="Retries per sample after a sandbox failure.",
+            ),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+@click.command()
+@click.option("--listen", default="127.0.0.1:8700", show_default=True, help="HOST:PORT of the HTTP API.")
+@click.option(
+    "--token", envvar="POLAR_MITM_SERVICE_TOKEN", default=None, help="Require this control token (bearer)."
+)
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Gateway nodes to start (local, or Ray actors with --ray).",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    metavar="ADDRESS|auto",
+    help="Place the nodes as Ray actors on this cluster.",
+)
+@click.option(
+    "--node-timeout",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="Seconds without a heartbeat before a node is lost.",
+)
+@node_options
+@policy_options
+def serve(
+    listen,
+    token,
+    nodes,
+    ray_address,
+    node_timeout,
+    init_workers,
+    run_workers,
+    postrun_workers,
+    capacity,
+    retries,
+    db,
+    certs,
+    **policy,
+) -> None:
+    """The rollout server and its gateway nodes.
+
+    \b
+    polar-mitm serve --backend http://127.0.0.1:30000 --db rollouts.sqlite
+    polar-mitm serve --ray auto --nodes 4 --backend http://10.0.0.5:30000
+
+    Trainers submit TaskRequests to the HTTP API (POST /v1/tasks; the schema is at
+    /openapi.json) or with `polar-mitm submit` / polar_mitm.client, and get scored groups back.
+    The nodes run the samples (sandbox, harness through their proxy, evaluator) with the policy
+    options given here; more nodes join from anywhere with `polar-mitm node --server URL`.
+    State is in --db: a restarted server loses no task and no finished sample.
+    """
+    from polar_mitm.service.node import NodeConfig, spawn_node, stop_node
+    from polar_mitm.service.server import RolloutServer
+
+    host, port = _host_port(listen)
+    policy_cfg = make_policy_config(**policy)
+
+    async def main() -> None:
+        server = RolloutServer(db, token=token, node_timeout=node_timeout)
+        try:
+            await server.start(host, port)
+        except OSError as e:
+            raise click.ClickException(f"cannot listen on {listen}: {e.strerror or e}") from None
+        url = f"http://{host}:{server.port}"
+        click.echo(
+            f"polar-mitm rollout server on {url} · db {db} · {nodes} {'Ray ' if ray_address else ''}nodes",
+            err=True,
+        )
+        cfg = dict(
+            server=url, token=token, db=str(db), certs_dir=certs, policy=policy_cfg, init_workers=init_workers,
+            run_workers=run_workers, postrun_workers=postrun_workers, capacity=capacity, retries=retries,
+        )  # fmt: skip
+        local: list[subprocess.Popen] = []
+        actors = []
+        try:
+            if ray_address:
+                from polar_mitm.service.ray_nodes import start_ray_nodes
+
+                actors = start_ray_nodes(ray_address, nodes, cfg)
+            else:
+                for i in range(nodes):
+                    # A process per node: each proxy has a core to itself, and each node writes its
+                    # turns to a file of its own beside --db (one writer per file).
+                    config = NodeConfig(**{**cfg, "node_id": f"local-{i}", "db": node_db(db, f"node{i}")})
+                    local.append(spawn_node(config, log=Path(node_db(db, f"node{i}")).with_suffix(".log")))
+            await asyncio.Event().wait()
+        finally:
+            for proc in local:
+                stop_node(proc)
+            if actors:
+                from polar_mitm.service.ray_nodes import stop_ray_nodes
+
+                stop_ray_nodes(actors)
+            await server.stop()
+
+    _run_until_signal(main())
+
+
+@click.command()
+@click.option("--server", envvar="POLAR_MITM_SERVER", default="http://127.0.0.1:8700", help=SERVER_HELP)
+@click.option("--token", envvar="POLAR_MITM_SERVICE_TOKEN", default=None, help=TOKEN_HELP)
+@click.option("--node-id", default=None, help="This node's id [default: host name + random suffix].")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A node configuration (JSON, as `serve` writes for its local nodes); other options are ignored.",
+)
+@node_options
+@policy_options
+def node(
+    server,
+    token,
+    node_id,
+    config_file,
+    init_workers,
+    run_workers,
+    postrun_workers,
+    capacity,
+    retries,
+    db,
+    certs,
+    **policy,
+) -> None:
+    """A gateway node for a rollout server, on this machine.
+
+    \b
+    polar-mitm node --server http://10.0.0.2:8700 --backend http://10.0.0.5:30000
+
+    It registers, takes samples when it has room, runs them (sandbox, harness through its own
+    proxy, evaluator), and reports each sample's rows; its turns are in --db on this machine.
+    """
+    from polar_mitm.service.node import GatewayNode, NodeConfig
+
+    if config_file is not None:
+        gw = GatewayNode(NodeConfig.model_validate_json(config_file.read_text()))
+        _run_until_signal(gw.run())
+        return
+    fields = dict(
+        server=server, token=token, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
+        init_workers=init_workers, run_workers=run_workers, postrun_workers=postrun_workers, capacity=capacity, retries=retries,
+    )  # fmt: skip
+    if node_id:
+        fields["node_id"] = node_id
+    gw = GatewayNode(NodeConfig(**fields))
+
+    async def main() -> None:
+        try:
+            await gw.start()
+        except OSError as e:
+            raise click.ClickException(f"cannot reach the server {server}: {e}") from None
+        click.echo(
+            f"polar-mitm node {gw.node_id} · server {server} · proxy {gw.proxy.url} · db {db}", err=True
+        )
+        await gw.run()
+
+    _run_until_signal(main())
+
+
+def _run_until_signal(coro) -> None:
+    """Run until Ctrl-C or SIGTERM; both stop cleanly."""
+
+    async def wrapped() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            await coro
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(wrapped())
+    except KeyboardInterrupt:
+        pass
+
+
+@click.command()
+@click.argument("tasks", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--harness", required=True, help="Harness recipe: claude-code, codex, gemini-cli, …")
+@click.option(
+    "--harness-cmd", default=None, help="The harness command instead of the recipe's, with {instruction}."
+)
+@click.option("--runtime", type=click.Choice(RUNTIMES), default="docker", show_default=True)
+@click.option("--samples", "-n", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--server", envvar="POLAR_MITM_SERVER", default="http://127.0.0.1:8700", help=SERVER_HELP)
+@click.option("--token", envvar="POLAR_MITM_SERVICE_TOKEN", default=None, help=TOKEN_HELP)
+@click.option("--priority", type=int, default=0, show_default=True)
+@click.option(
+    "--early-stop",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cancel a group's remaining samples once K usable ones are in.",
+)
+@click.option(
+    "--agent-timeout", type=float, default=None, help="Seconds per harness run [default: each task's]."
+)
+@click.option("--total-timeout", type=float, default=None, help="Seconds per sample [default: each task's].")
+@click.option(
+    "--builder", type=click.Choice(["prefix-merge", "per-request"]), default="prefix-merge", show_default=True
+)
+@click.option("--callback-url", default=None, help="POST each finished group here (retried with backoff).")
+@click.option(
+    "--id-prefix", default="", help="Prefix each task id (ids are unique per server: e.g. 'epoch3-')."
+)
+@click.option("--wait", is_flag=True, help="Block until every group is in, with progress.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="With --wait: write the groups as parquet."
+)
+def submit(
+    tasks,
+    harness,
+    harness_cmd,
+    runtime,
+    samples,
+    server,
+    token,
+    priority,
+    early_stop,
+    agent_timeout,
+    total_timeout,
+    builder,
+    callback_url,
+    id_prefix,
+    wait,
+    out,
+) -> None:
+    """Submit tasks to a rollout server.
+
+    \b
+    polar-mitm submit tasks/ --harness codex --runtime docker --samples 8 \\
+        --server http://127.0.0.1:8700 --wait --out groups.parquet
+
+    TASKS are read here (Harbor directories, SWE-bench JSON lines, task files) and sent inline;
+    paths inside them (tests/, Dockerfiles) must be readable by the nodes too (one machine, or a
+    shared file system). Prints each task id; with --wait, progress and a table per task.
+    """
+    import shlex
+
+    import httpx
+
+    from polar_mitm.client import RolloutClient, RolloutError
+    from polar_mitm.tasks import TaskFileError, load_tasks
+
+    if out is not None and not wait:
+        raise click.UsageError("--out needs --wait")
+    try:
+        loaded = load_tasks(tasks)
+    except TaskFileError as e:
+        raise click.ClickException(str(e)) from None
+    opts = dict(
+        runtime=runtime, priority=priority, early_stop_min_usable=early_stop, agent_timeout_seconds=agent_timeout,
+        timeout_seconds=total_timeout, builder=builder, callback_url=callback_url,
+        harness_cmd=shlex.split(harness_cmd) if harness_cmd else None,
+    )  # fmt: skip
+    client = RolloutClient(server, token=token)
+    ids = []
+    try:
+        for t in loaded:
+            given = {k: v for k, v in opts.items() if v is not None}
+            ids.append(client.submit(t, samples=samples, harness=harness, task_id=id_prefix + t.id, **given))
+            click.echo(ids[-1])
+        if not wait:
+            return
+        groups = []
+        t0 = time.monotonic()
+        for g in client.wait(ids):
+            groups.append(g)
+            usable = [o.reward or 0.0 for o in g.outcomes if o.status in ("completed", "agent_timeout")]
+            mean = f"{sum(usable) / len(usable):.2f}" if usable else "-"
+            failed = len(g.outcomes) - len(usable)
+            click.echo(
+                f"[{len(groups)}/{len(ids)}] {g.task_id}: {g.state} · {len(usable)}/{len(g.outcomes)} usable"
+                f" · mean reward {mean} · {failed} failed or cancelled · {len(g.samples)} rows"
+                f" · {time.monotonic() - t0:.0f} s",
+                err=True,
+            )
+        if out is not None:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            tables = [pq.read_table(pa.BufferReader(client.parquet(i))) for i in ids]
+            pq.write_table(pa.concat_tables(tables), str(out), compression="zstd")
+            click.echo(
+                f"wrote {sum(t.num_rows for t in tables)} rows of {len(ids)} groups to {out}", err=True
+            )
+    except RolloutError as e:
+        raise click.ClickException(f"{server}: {e}") from None
+    except (httpx.HTTPError, OSError) as e:
+        raise click.ClickException(f"cannot reach {server}: {e}") from None
+    finally:
+        client.close()
+
+
+COMMANDS = [serve, node, submit]

@@ -1,0 +1,81 @@
+"""`GET /metrics`: the service in Prometheus text format (`prometheus-client`).
+
+Samples by state and status, and each node's queue depth and in-flight count per stage, are read
+from the store and the last heartbeats at scrape time; turns served, samples finished and the
+seconds each stage took (sandbox start among them) are counted as results arrive.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from polar_mitm.service.server import RolloutServer
+
+STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class _Live:
+    """Gauges computed at scrape time from the store and the heartbeats."""
+
+    def __init__(self, server: RolloutServer):
+        self.server = server
+
+    def collect(self):
+        samples = GaugeMetricFamily(
+            "polar_samples", "Samples by state and outcome", labels=["state", "status"]
+        )
+        for (state, status), n in self.server.store.counts().items():
+            samples.add_metric([state, status or ""], n)
+        yield samples
+        queue = GaugeMetricFamily(
+            "polar_node_stage_queue", "Samples waiting per node and stage", labels=["node", "stage"]
+        )
+        flight = GaugeMetricFamily(
+            "polar_node_stage_in_flight", "Samples in flight per node and stage", labels=["node", "stage"]
+        )
+        gen = GaugeMetricFamily("polar_node_generating", "Generations under way per node", labels=["node"])
+        turns = GaugeMetricFamily("polar_node_turns", "Turns served since the node started", labels=["node"])
+        for node, hb in self.server.heartbeats.items():
+            for stage, load in hb.stages.items():
+                queue.add_metric([node, stage], load.queued)
+                flight.add_metric([node, stage], load.in_flight)
+            gen.add_metric([node], hb.generating)
+            turns.add_metric([node], hb.turns)
+        yield from (queue, flight, gen, turns)
+        healthy = GaugeMetricFamily("polar_nodes_healthy", "Nodes with a recent heartbeat")
+        healthy.add_metric([], len(self.server._healthy_nodes()))
+        yield healthy
+        paused = GaugeMetricFamily(
+            "polar_generation_paused", "1 while generation is paused for a weight update"
+        )
+        paused.add_metric([], 1 if self.server.store.get("paused") == "1" else 0)
+        yield paused
+
+
+class Metrics:
+    def __init__(self, server: RolloutServer):
+        self.registry = CollectorRegistry()
+        self.registry.register(_Live(server))
+        self.submitted = Counter("polar_tasks_submitted", "Tasks submitted", registry=self.registry)
+        self.samples_finished = Counter(
+            "polar_samples_finished", "Samples finished, by outcome", ["status"], registry=self.registry
+        )
+        self.stage_seconds = Histogram(
+            "polar_sample_stage_seconds",
+            "Seconds a sample spent per stage (starting = sandbox start)",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+
+    def finished(self, status: str, timings: dict[str, float]) -> None:
+        self.samples_finished.labels(status).inc()
+        for stage, secs in timings.items():
+            self.stage_seconds.labels(stage).observe(secs)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

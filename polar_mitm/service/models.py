@@ -1,0 +1,236 @@
+"""The rollout service's HTTP contract: every body that crosses it, as pydantic models.
+
+`/openapi.json` is built from these (`service/openapi.py`), and the client, the nodes and the
+server all import them, so the three cannot disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from polar_mitm.runtime import RUNTIMES
+from polar_mitm.runtime.recipes import all_recipes
+from polar_mitm.tasks.model import EvaluatorSpec, Task
+
+TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}")
+Builder = Literal["prefix-merge", "per-request"]
+SampleState = Literal["queued", "dispatched", "cancelling", "finished"]
+TaskState = Literal["queued", "running", "done", "cancelled"]
+
+
+class TaskRequest(BaseModel):
+    """One task to roll out `num_samples` times. The task is given inline (`task`), or as a path
+    the server and its nodes can read (`task_path`: a Harbor directory, or a task file with
+    `task_id` choosing one of its tasks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str | None = Field(None, description="The id for this request [default: the task's id]")
+    task: Task | None = None
+    task_path: str | None = None
+    num_samples: int = Field(1, ge=1, le=1024)
+    harness: str = Field(description="A recipe name: claude-code, codex, gemini-cli, qwen-code, pi, opencode")
+    harness_cmd: list[str] | None = None
+    runtime: str = "docker"
+    evaluator: EvaluatorSpec | None = Field(None, description="Replaces the task's evaluator")
+    builder: Builder = "prefix-merge"
+    priority: int = Field(0, description="Higher runs first")
+    early_stop_min_usable: int | None = Field(None, ge=1)
+    timeout_seconds: float | None = Field(None, gt=0, description="Per sample: sandbox start to score")
+    agent_timeout_seconds: float | None = Field(None, gt=0)
+    max_staleness: int | None = Field(
+        None, ge=0, description="Most weight-version changes a sample's turns may span"
+    )
+    stale_action: Literal["flag", "mask"] = "flag"
+    callback_url: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("task_id")
+    @classmethod
+    def _path_safe(cls, v: str | None) -> str | None:
+        if v is not None and not TASK_ID.fullmatch(v):
+            raise ValueError(f"task ids are letters, digits and . _ : - (they appear in URLs); got {v!r}")
+        return v
+
+    @field_validator("harness")
+    @classmethod
+    def _known_harness(cls, v: str) -> str:
+        known = all_recipes()
+        if v not in known:
+            raise ValueError(f"unknown harness {v!r}; known: {', '.join(sorted(known))}")
+        return v
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, v: str) -> str:
+        if v not in RUNTIMES:
+            raise ValueError(f"unknown runtime {v!r}; known: {', '.join(RUNTIMES)}")
+        return v
+
+    @field_validator("callback_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"callback_url must be an http(s) URL, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_task(self) -> TaskRequest:
+        if (self.task is None) == (self.task_path is None):
+            raise ValueError("give exactly one of task (inline) or task_path")
+        return self
+
+
+class Submitted(BaseModel):
+    task_id: str
+    num_samples: int
+    state: TaskState = "queued"
+
+
+class SampleView(BaseModel):
+    index: int
+    state: SampleState
+    stage: str | None = None
+    status: str | None = None
+    cause: str | None = None
+    node_id: str | None = None
+    dispatches: int = 0
+    reward: float | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    weight_versions: list[str] = Field(default_factory=list)
+    session_id: str | None = None
+
+
+class TaskView(BaseModel):
+    task_id: str
+    state: TaskState
+    num_samples: int
+    priority: int
+    harness: str
+    runtime: str
+    created_at: float
+    updated_at: float
+    samples: list[SampleView]
+    callback: str | None = None
+
+
+class Assignment(BaseModel):
+    """A sample a node is to run, under a lease."""
+
+    task_id: str
+    index: int
+    lease: str
+    task: Task
+    harness: str
+    harness_cmd: list[str] | None = None
+    runtime: str
+    builder: Builder
+    num_samples: int
+    agent_timeout_seconds: float | None = None
+    timeout_seconds: float | None = None
+
+
+class Control(BaseModel):
+    """What the server tells a node on every heartbeat and lease."""
+
+    paused: bool = False
+    weight_version: str | None = None
+    cancel: list[tuple[str, int]] = Field(default_factory=list)  # (task_id, index) to stop
+    draining: bool = False
+
+
+class NodeRegistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str
+    url: str | None = None
+    workers: dict[str, int] = Field(default_factory=dict)  # init / run / postrun / ready
+
+
+class StageLoad(BaseModel):
+    queued: int = 0
+    in_flight: int = 0
+
+
+class Heartbeat(BaseModel):
+    """A node's load: per stage its queue depth and in-flight count, plus its proxy's state."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stages: dict[str, StageLoad] = Field(default_factory=dict)
+    generating: int = 0  # generations under way in the node's proxy
+    paused: bool = False  # the node's proxy gate is closed
+    turns: int = 0  # turns served since the node started
+    samples: list[tuple[str, int, str]] = Field(default_factory=list)  # in flight: (task, index, stage)
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    capacity: int = Field(ge=0)
+
+
+class LeaseReply(BaseModel):
+    assignments: list[Assignment] = Field(default_factory=list)
+    control: Control = Field(default_factory=Control)
+
+
+class SampleResult(BaseModel):
+    """A node's report of one finished sample (its rows built by the request's builder)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str
+    index: int
+    lease: str
+    status: str
+    cause: str | None = None
+    reward: float | None = None
+    detail: dict[str, Any] | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    session_id: str | None = None
+    rows: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class NodeView(BaseModel):
+    node_id: str
+    url: str | None
+    state: str
+    workers: dict[str, int]
+    last_seen: float
+    healthy: bool
+    load: Heartbeat | None = None
+    dispatched: int = 0
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_seconds: float = Field(60.0, ge=0)
+
+
+class PauseReply(BaseModel):
+    paused: bool
+    drained: bool  # every node reported no generation under way within the timeout
+    generating: int
+    nodes: int
+
+
+class ResumeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight_version: str | None = None
+
+
+class Event(BaseModel):
+    """One line of `GET /v1/events`."""
+
+    kind: Literal["task", "sample", "node", "weights"]
+    task_id: str | None = None
+    index: int | None = None
+    state: str | None = None
+    data: dict[str, Any] = Field(default_factory=dict)
+    at: float = 0.0

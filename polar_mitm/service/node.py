@@ -1,0 +1,366 @@
+"""A gateway node: one proxy and the rollout pipeline, fed by a rollout server.
+
+The node registers, then loops: a heartbeat (its load per stage, its proxy's generations) and,
+when it has room, a lease of samples. Each sample runs through a `Pipeline` (one per harness and
+runtime, created on first use); when it has an outcome, the node builds its rows from its own
+store with the request's builder and reports them under the sample's lease. The server's replies
+carry its switches: pause or resume generation (the proxy's gate), samples to cancel, drain.
+
+The same code runs in-process beside `serve`, as `polar-mitm node` on another machine, and as a
+Ray actor (`ray_nodes.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from pydantic import BaseModel, Field
+
+from polar_mitm.backends.policy import PolicyConfig
+from polar_mitm.reconstruct.export import iter_trajectories
+from polar_mitm.reconstruct.source import Selection
+from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
+from polar_mitm.runtime import make_runtime
+from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+from polar_mitm.service import models as m
+
+log = logging.getLogger("polar_mitm.node")
+
+
+class NodeConfig(BaseModel):
+    server: str
+    token: str | None = None  # the server's control token
+    node_id: str = Field(default_factory=lambda: f"node-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    db: str = "polar-mitm-node.sqlite"
+    certs_dir: Path | None = None
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    init_workers: int | None = None
+    run_workers: int | None = None
+    postrun_workers: int | None = None
+    ready_size: int | None = None
+    retries: int = 2
+    capacity: int | None = None  # samples in flight at most [default: init + run workers]
+    poll_interval: float = 0.5
+    heartbeat_interval: float = 2.0
+    work_dir: Path | None = None
+    keep_workdirs: bool = False  # keep each sample's host directory (harness.log, HOME)
+
+
+class GatewayNode:
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.proxy = PolarProxy(
+            ProxyConfig(
+                db=config.db,
+                certs_dir=config.certs_dir,
+                default_session=f"{config.node_id}-unattributed",
+                token=new_token(),
+                policy=config.policy,
+            )
+        )
+        self.pipelines: dict[tuple[str, str, tuple[str, ...]], Pipeline] = {}
+        self.jobs: dict[
+            tuple[str, int], tuple[SampleJob, str, str]
+        ] = {}  # (task, index) -> job, lease, builder
+        self.control = m.Control()
+        self._http: aiohttp.ClientSession | None = None
+        self._stop = asyncio.Event()
+        self._work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="polar-node-"))
+        defaults = RolloutOptions(harness="claude-code")
+        self.capacity = config.capacity or (config.init_workers or defaults.init_workers) + (
+            config.run_workers or defaults.run_workers
+        )
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    # -- HTTP to the server ---------------------------------------------------------------------
+
+    async def _post(self, path: str, body: BaseModel) -> Any:
+        assert self._http is not None
+        headers = {"authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        async with self._http.post(
+            self.config.server.rstrip("/") + path,
+            data=body.model_dump_json(),
+            headers={**headers, "content-type": "application/json"},
+        ) as r:
+            data = await r.json(content_type=None)
+            if r.status >= 400:
+                raise NodeRefused(r.status, (data or {}).get("error", {}).get("message", str(data)))
+            return data
+
+    # -- life -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.proxy.start()
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        workers = {
+            k: v
+            for k, v in {
+                "init": self.config.init_workers,
+                "run": self.config.run_workers,
+                "postrun": self.config.postrun_workers,
+                "ready": self.config.ready_size,
+                "capacity": self.capacity,
+            }.items()
+            if v is not None
+        }
+        reply = await self._post(
+            "/v1/nodes/register",
+            m.NodeRegistration(node_id=self.node_id, url=self.proxy.url, workers=workers),
+        )
+        self._apply(m.Control.model_validate(reply))
+        log.info("node %s registered with %s (proxy %s)", self.node_id, self.config.server, self.proxy.url)
+
+    async def serve(self) -> None:
+        """Heartbeats and leases until `stop()` (or cancellation)."""
+        beat = asyncio.create_task(self._heartbeats())
+        try:
+            while not self._stop.is_set():
+                free = self.capacity - len(self.jobs)
+                if free > 0 and not self.control.draining:
+                    try:
+                        reply = m.LeaseReply.model_validate(
+                            await self._post(f"/v1/nodes/{self.node_id}/lease", m.LeaseRequest(capacity=free))
+                        )
+                    except (aiohttp.ClientError, NodeRefused, TimeoutError) as e:
+                        log.warning("lease from %s failed: %s", self.config.server, e)
+                        reply = None
+                    if reply is not None:
+                        self._apply(reply.control)
+                        for a in reply.assignments:
+                            await self._take(a)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), self.config.poll_interval)
+                except TimeoutError:
+                    pass
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+
+    async def stop(self) -> None:
+        """Stop taking work; cancel what runs (recorded as cancelled, reported); close."""
+        self._stop.set()
+        for p in self.pipelines.values():
+            await p.close(interrupted=True)
+        if self._http is not None:
+            await self._http.close()
+        await self.proxy.stop()
+
+    async def run(self) -> None:
+        await self.start()
+        try:
+            await self.serve()
+        finally:
+            await asyncio.shield(self.stop())
+
+    # -- work -----------------------------------------------------------------------------------
+
+    async def _pipeline(self, a: m.Assignment) -> Pipeline:
+        key = (a.harness, a.runtime, tuple(a.harness_cmd or ()))
+        p = self.pipelines.get(key)
+        if p is None:
+            fields: dict[str, Any] = dict(
+                harness=a.harness,
+                harness_cmd=a.harness_cmd,
+                runtime=a.runtime,
+                retries=self.config.retries,
+                keep_workdirs=self.config.keep_workdirs,
+            )
+            for name in ("init_workers", "run_workers", "postrun_workers", "ready_size"):
+                if getattr(self.config, name) is not None:
+                    fields[name] = getattr(self.config, name)
+            p = Pipeline(
+                RolloutOptions(**fields),
+                self.proxy,
+                make_runtime(a.runtime),
+                work_dir=self._work_dir / f"p{len(self.pipelines)}",
+                rollout_id=f"{self.node_id}-{len(self.pipelines)}",
+            )
+            p.on_done = self._report
+            await p.start(node=self.node_id, server=self.config.server)
+            self.pipelines[key] = p
+        return p
+
+    async def _take(self, a: m.Assignment) -> None:
+        task = a.task
+        update: dict[str, Any] = {}
+        if a.agent_timeout_seconds:
+            update["agent_timeout_sec"] = a.agent_timeout_seconds
+        if a.timeout_seconds:
+            update["total_timeout_sec"] = a.timeout_seconds
+        if update:
+            task = task.model_copy(update=update)
+        try:
+            p = await self._pipeline(a)
+            [job] = await p.add(task, indices=[a.index], group_id=a.task_id, size=a.num_samples)
+        except Exception as e:  # the runtime cannot work here, the image is missing, …
+            log.warning("sample %s#%d cannot run on %s: %s", a.task_id, a.index, self.node_id, e)
+            await self._send(
+                m.SampleResult(
+                    task_id=a.task_id,
+                    index=a.index,
+                    lease=a.lease,
+                    status="failed",
+                    cause=f"node {self.node_id}: {e}",
+                    reward=0.0,
+                )
+            )
+            return
+        self.jobs[(a.task_id, a.index)] = (job, a.lease, a.builder)
+
+    async def _report(self, job: SampleJob) -> None:
+        key = (job.group.id, job.index)
+        entry = self.jobs.get(key)
+        if entry is None:
+            return
+        _, lease, builder = entry
+        if job.final == "retried":
+            return
+        rows = await asyncio.to_thread(self._rows, job.session_id, builder)
+        timings = {k: round(v, 3) for k, v in job.timings.items()}
+        detail = None
+        if job.final in ("completed", "agent_timeout"):
+            detail = {"exit_code": job.outcome.exit_code if job.outcome else None}
+        await self._send(
+            m.SampleResult(
+                task_id=job.group.id,
+                index=job.index,
+                lease=lease,
+                status=job.final or "cancelled",
+                cause=job.cause,
+                reward=job.reward,
+                detail=detail,
+                timings=timings,
+                session_id=job.session_id,
+                rows=rows,
+            )
+        )
+        self.jobs.pop(key, None)
+
+    def _rows(self, session_id: str, builder: str) -> list[dict[str, Any]]:
+        rows = iter_trajectories(self.config.db, strategy=builder, selection=Selection(session=session_id))
+        return [r.to_row() for r in rows]
+
+    async def _send(self, result: m.SampleResult) -> None:
+        for attempt in range(5):
+            try:
+                await self._post(f"/v1/nodes/{self.node_id}/results", result)
+                return
+            except NodeRefused as e:
+                log.warning("server refused %s#%d: %s", result.task_id, result.index, e)
+                return  # stale lease (re-dispatched elsewhere) or a bad report: never retried
+            except (aiohttp.ClientError, TimeoutError) as e:
+                log.warning("reporting %s#%d failed (%s); retrying", result.task_id, result.index, e)
+                await asyncio.sleep(0.5 * 2**attempt)
+
+    # -- control --------------------------------------------------------------------------------
+
+    def _apply(self, c: m.Control) -> None:
+        policy = self.proxy.policy
+        if policy is not None:
+            if c.paused and policy.gate.is_set():
+                log.info("pausing generation (weight update)")
+                policy.pause()
+            elif not c.paused and not policy.gate.is_set():
+                log.info("resuming generation (weight version %s)", c.weight_version)
+                policy.resume()
+        for task_id, index in c.cancel:
+            entry = self.jobs.get((task_id, index))
+            if entry is not None:
+                job = entry[0]
+                for p in self.pipelines.values():
+                    if job in p.jobs:
+                        p.cancel(job, "cancelled by the server")
+        self.control = c
+
+    def load(self) -> m.Heartbeat:
+        counts: dict[str, int] = {}
+        for p in self.pipelines.values():
+            for k, v in p.counts.items():
+                counts[k] = counts.get(k, 0) + v
+        stages = {
+            "init": m.StageLoad(queued=counts.get("queued", 0), in_flight=counts.get("starting", 0)),
+            "ready": m.StageLoad(queued=counts.get("ready", 0), in_flight=0),
+            "run": m.StageLoad(queued=0, in_flight=counts.get("running", 0)),
+            "postrun": m.StageLoad(queued=0, in_flight=counts.get("scoring", 0)),
+        }
+        policy = self.proxy.policy
+        gateway = self.proxy.gateway
+        return m.Heartbeat(
+            stages=stages,
+            generating=policy.generating if policy else 0,
+            paused=bool(policy and not policy.gate.is_set()),
+            turns=gateway.turns_served if gateway else 0,
+            samples=[(t, i, job.stage) for (t, i), (job, _, _) in self.jobs.items()],
+        )
+
+    async def _heartbeats(self) -> None:
+        while True:
+            try:
+                reply = await self._post(f"/v1/nodes/{self.node_id}/heartbeat", self.load())
+                self._apply(m.Control.model_validate(reply))
+            except NodeRefused as e:
+                if e.status == 404:  # the server forgot us (a new database): register again
+                    await self._post(
+                        "/v1/nodes/register", m.NodeRegistration(node_id=self.node_id, url=self.proxy.url)
+                    )
+                else:
+                    log.warning("heartbeat refused: %s", e)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                log.warning("heartbeat to %s failed: %s", self.config.server, e)
+            # Fast while paused, so a pause drains promptly.
+            await asyncio.sleep(
+                min(self.config.heartbeat_interval, 0.2)
+                if self.control.paused
+                else self.config.heartbeat_interval
+            )
+
+
+class NodeRefused(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def json_dumps(x: Any) -> str:
+    return json.dumps(x, default=str)
+
+
+def spawn_node(config: NodeConfig, *, log: Path | None = None) -> subprocess.Popen:
+    """`polar-mitm node --config FILE` in a process of its own (mitmproxy keeps per-process global
+    state, so one proxy per process; a node per process also gets a core of its own)."""
+    fd, path = tempfile.mkstemp(prefix=f"polar-{config.node_id}-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(config.model_dump_json())
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(
+        [sys.executable, "-m", "polar_mitm", "node", "--config", path],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop_node(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM (the node cancels what runs and reports it), then SIGKILL."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
