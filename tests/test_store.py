@@ -32,6 +32,30 @@ def test_migrations_are_recorded_and_idempotent(tmp_path):
     assert {r[0] for r in db.execute("SELECT name FROM _migrations")} == {m.__name__ for m in MIGRATIONS}
 
 
+def test_readers_write_nothing_to_a_current_database_and_bring_an_old_one_up_to_date(tmp_path):
+    from polar_mitm.store.db import connect, init_db
+    from polar_mitm.store.migrations import pending
+
+    current = tmp_path / "current.sqlite"
+    init_db(current)  # what a writer does on opening
+    db = connect(current)
+    assert pending(db) == []
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        db.execute("UPDATE sessions SET reward = 1")
+    db.close()
+
+    old = tmp_path / "old.sqlite"
+    raw = sqlite3.connect(old)
+    raw.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    MIGRATIONS[0](raw)
+    raw.execute("INSERT INTO _migrations VALUES (?, 0)", (MIGRATIONS[0].__name__,))
+    raw.commit()
+    raw.close()
+    db = connect(old)  # written by an older polar-mitm: migrated once, then read
+    assert pending(db) == []
+    db.close()
+
+
 async def test_prompt_stored_as_reference_plus_suffix(tmp_path):
     path = tmp_path / "s.sqlite"
     store = await Store.open(path)

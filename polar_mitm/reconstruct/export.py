@@ -35,9 +35,10 @@ from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.groups import Normalize, annotate, group_advantages
 from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
-from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids, session_rewards
+from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA, Trajectory, to_table
+from polar_mitm.store.queries import session_rewards
 from polar_mitm.store.rollouts import read_samples
 
 STRATEGIES = ("prefix-merge", "per-request")

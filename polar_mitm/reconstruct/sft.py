@@ -19,6 +19,7 @@ a later turn's request repeats its request and reply (compared as normalized mes
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,90 +35,8 @@ from polar_mitm.neutral import Completion, Message, ProviderError, Tool
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, Trajectory
-from polar_mitm.store.db import connect, turn_filter
-
-# ---- reading turns as text ------------------------------------------------------------------------
-
-
-@dataclass
-class TextTurn:
-    id: str
-    session_id: str
-    seq: int
-    created_at: float
-    style: str
-    path: str | None
-    model: str | None
-    tag: str | None
-    status: str
-    request: str | None
-    response: str | None
-    harvested: bool  # no token ids: the reply is the provider's own, assembled by harvest mode
-    task_id: str | None
-    reward: float | None
-
-
-_COLUMNS = (
-    "t.id, t.session_id, t.seq, t.created_at, t.style, t.path, t.model, t.tag, t.status, t.request,"
-    " t.response, (t.prompt_len = 0 AND t.output_len = 0), s.task_id, s.reward"
-)
-
-
-def _where(sel: Selection, *, harvested_only: bool) -> tuple[list[str], list[Any]]:
-    where, args = turn_filter(
-        session=sel.session, task=sel.task, since=sel.since, tokens=False if harvested_only else None
-    )
-    return ["t.request IS NOT NULL", "t.response IS NOT NULL", *where], args
-
-
-def _sessions(path: str | Path, sel: Selection, *, harvested_only: bool) -> list[str]:
-    where, args = _where(sel, harvested_only=harvested_only)
-    db = connect(path)
-    try:
-        rows = db.execute(
-            "SELECT t.session_id FROM turns t JOIN sessions s ON s.id = t.session_id WHERE "
-            + " AND ".join(where)
-            + " GROUP BY t.session_id ORDER BY MIN(t.seq)",
-            args,
-        ).fetchall()
-    finally:
-        db.close()
-    return [r[0] for r in rows]
-
-
-def _turns(
-    path: str | Path, sel: Selection, session: str, *, harvested_only: bool, newest_first: bool = False
-) -> Iterator[TextTurn]:
-    where, args = _where(sel, harvested_only=harvested_only)
-    where.append("t.session_id = ?")
-    db = connect(path)
-    try:
-        cur = db.execute(
-            f"SELECT {_COLUMNS} FROM turns t JOIN sessions s ON s.id = t.session_id WHERE "
-            + " AND ".join(where)
-            + (" ORDER BY t.seq DESC" if newest_first else " ORDER BY t.seq"),
-            [*args, session],
-        )
-        for row in cur:
-            yield TextTurn(*row[:11], bool(row[11]), row[12], row[13])
-    finally:
-        db.close()
-
-
-def _turns_by_id(path: str | Path, ids: list[str]) -> Iterator[TextTurn]:
-    db = connect(path)
-    try:
-        for turn_id in ids:
-            row = db.execute(
-                f"SELECT {_COLUMNS} FROM turns t JOIN sessions s ON s.id = t.session_id WHERE t.id = ?",
-                (turn_id,),
-            ).fetchone()
-            if row is None:
-                raise KeyError(f"turn {turn_id} vanished from {path}")
-            yield TextTurn(*row[:11], bool(row[11]), row[12], row[13])
-    finally:
-        db.close()
-
+from polar_mitm.store import queries
+from polar_mitm.store.db import StoredTurn
 
 # ---- a turn → a conversation ----------------------------------------------------------------------
 
@@ -145,13 +64,13 @@ class UnreadableTurn(ValueError):
     """A stored turn whose request or reply cannot be parsed back into messages."""
 
 
-def conversation_of(turn: TextTurn) -> Conversation:
+def conversation_of(turn: StoredTurn) -> Conversation:
     module = providers.STYLES.get(turn.style)
     if module is None:
         raise UnreadableTurn(f"turn {turn.id}: no style module named {turn.style!r}")
     try:
         req = module.parse_request(json.loads(turn.request or ""), path=turn.path or "")
-        if turn.harvested:
+        if turn.text_only:
             replies, finish = module.parse_reply(json.loads(turn.response or ""), lenient=True)
         else:
             completion = Completion.model_validate_json(turn.response or "")
@@ -169,7 +88,7 @@ def conversation_of(turn: TextTurn) -> Conversation:
         finish_reason=finish,
         style=turn.style,
         model=turn.model or req.model or None,
-        harvested=turn.harvested,
+        harvested=turn.text_only,
         reward=turn.reward,
         tags=[turn.tag] if turn.tag else [],
     )
@@ -181,13 +100,13 @@ def _hashes(conv: Conversation) -> list[str]:
 
 
 def _kept(
-    turn: TextTurn, sel: Selection, stats: ReconstructStats, on_turn: Callable[[], object] | None
+    turn: StoredTurn, sel: Selection, stats: ReconstructStats, on_turn: Callable[[], object] | None
 ) -> Conversation | None:
     """The turn's conversation if the selection keeps it and it parses; counted either way."""
     if on_turn is not None:
         on_turn()
     stats.turns_read += 1
-    if not sel.keeps(turn):  # type: ignore[arg-type]  # duck-typed: tag and status
+    if not sel.keeps(turn):
         if turn.tag is not None and not sel.include_side_calls:
             stats.side_calls_excluded += 1
         else:
@@ -217,9 +136,20 @@ def conversations(
         raise ValueError(f"unknown strategy {strategy!r}; choose prefix-merge or per-request")
     sel = selection or Selection()
     stats = stats if stats is not None else ReconstructStats()
-    for session in _sessions(path, sel, harvested_only=harvested_only):
+    sessions = queries.session_ids(
+        path,
+        session=sel.session,
+        task=sel.task,
+        since=sel.since,
+        tokens=False if harvested_only else None,
+        with_text=True,
+    )
+    for session in sessions:
+        turns = functools.partial(
+            queries.text_turns, path, session, task=sel.task, since=sel.since, text_only=harvested_only
+        )
         if strategy == "per-request":
-            for turn in _turns(path, sel, session, harvested_only=harvested_only):
+            for turn in turns():
                 if (conv := _kept(turn, sel, stats, on_turn)) is not None:
                     yield conv
             continue
@@ -228,7 +158,7 @@ def conversations(
         extended: set[str] = set()
         finals: list[str] = []
         post_of: dict[str, list[tuple[int, str]]] = {}
-        for turn in _turns(path, sel, session, harvested_only=harvested_only, newest_first=True):
+        for turn in turns(newest_first=True):
             if (conv := _kept(turn, sel, stats, on_turn)) is None:
                 continue
             hashes = _hashes(conv)
@@ -236,7 +166,7 @@ def conversations(
                 finals.append(turn.id)
             extended.update(hashes[:-1])
             post_of.setdefault(hashes[-1], []).append((turn.seq, turn.id))
-        for turn in _turns_by_id(path, finals[::-1]):
+        for turn in queries.text_turns_by_id(path, finals[::-1]):
             conv = conversation_of(turn)
             # The earlier turns whose replies this conversation repeats (the newest of each).
             earlier = set()

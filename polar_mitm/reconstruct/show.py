@@ -16,8 +16,9 @@ import numpy as np
 
 from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.export import iter_trajectories
-from polar_mitm.reconstruct.source import Selection, session_of_turn
+from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import Trajectory
+from polar_mitm.store.queries import session_of_turn
 
 # Brackets around trained spans when there is no colour to show them.
 TRAINED_OPEN, TRAINED_CLOSE = "«", "»"

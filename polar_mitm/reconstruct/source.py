@@ -1,9 +1,9 @@
 """Where reconstruction reads its turns: the store, filtered as the command line asks.
 
 `read_selected` wraps `store.db.read_turns` with the filters the store does not apply (side calls,
-aborted turns) and counts what it leaves out. The small queries here (sessions in order, how many
-turns, rewards) only read the store's tables; writing them is the store's business, except the
-outcome reward, which `set_reward` writes with plain sqlite3 for the offline `reward` command.
+aborted turns) and counts what it leaves out. Everything else a selection needs (sessions in
+order, how many turns, rewards, setting a reward) is asked of `polar_mitm.store.queries`: no SQL
+lives here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ from datetime import datetime
 from pathlib import Path
 
 from polar_mitm.reconstruct.stats import ReconstructStats
-from polar_mitm.store.db import StoredTurn, connect, read_turns, turn_filter
+from polar_mitm.store import queries
+from polar_mitm.store.db import StoredTurn, read_turns
+from polar_mitm.store.queries import set_reward
+
+__all__ = ["Selection", "count_turns", "parse_since", "read_selected", "session_ids", "set_reward"]
 
 
 @dataclass(frozen=True)
@@ -46,72 +50,14 @@ def parse_since(value: str) -> float:
         ) from None
 
 
-def _where(sel: Selection, session: str | None = None) -> tuple[str, list[object]]:
-    # The store's own filter, so counts match what read_turns yields.
-    where, args = turn_filter(
-        session=session or sel.session, task=sel.task, since=sel.since, rollout=sel.rollout
-    )
-    return " WHERE " + " AND ".join(where), args
-
-
 def session_ids(path: str | Path, sel: Selection) -> list[str]:
     """Sessions with turns in the selection, in the order of their first turn."""
-    where, args = _where(sel)
-    db = connect(path)
-    try:
-        rows = db.execute(
-            "SELECT t.session_id FROM turns t JOIN sessions s ON s.id = t.session_id"
-            f"{where} GROUP BY t.session_id ORDER BY MIN(t.seq)",
-            args,
-        ).fetchall()
-    finally:
-        db.close()
-    return [r[0] for r in rows]
+    return queries.session_ids(path, session=sel.session, task=sel.task, since=sel.since, rollout=sel.rollout)
 
 
 def count_turns(path: str | Path, sel: Selection) -> int:
     """How many turns `read_selected` will read (before the side-call / status filters)."""
-    where, args = _where(sel)
-    db = connect(path)
-    try:
-        return db.execute(
-            f"SELECT COUNT(*) FROM turns t JOIN sessions s ON s.id = t.session_id{where}", args
-        ).fetchone()[0]
-    finally:
-        db.close()
-
-
-def session_rewards(path: str | Path) -> dict[str, float | None]:
-    """Every session's outcome reward (None where none was attached)."""
-    db = connect(path)
-    try:
-        return dict(db.execute("SELECT id, reward FROM sessions").fetchall())
-    finally:
-        db.close()
-
-
-def session_of_turn(path: str | Path, turn_id: str) -> str | None:
-    db = connect(path)
-    try:
-        row = db.execute("SELECT session_id FROM turns WHERE id = ?", (turn_id,)).fetchone()
-        if row is None:
-            row = db.execute("SELECT id FROM sessions WHERE id = ?", (turn_id,)).fetchone()
-        return row[0] if row else None
-    finally:
-        db.close()
-
-
-def set_reward(path: str | Path, session: str, value: float | None) -> None:
-    """Attach (or with None, clear) a session's outcome reward. KeyError if there is no such session."""
-    db = connect(path)
-    try:
-        with db:
-            cur = db.execute("UPDATE sessions SET reward = ? WHERE id = ?", (value, session))
-        if cur.rowcount == 0:
-            known = [r[0] for r in db.execute("SELECT id FROM sessions ORDER BY created_at DESC LIMIT 5")]
-            raise KeyError(f"no session {session!r} in {path} (most recent: {', '.join(known) or 'none'})")
-    finally:
-        db.close()
+    return queries.count_turns(path, session=sel.session, task=sel.task, since=sel.since, rollout=sel.rollout)
 
 
 def read_selected(

@@ -13,7 +13,6 @@ import asyncio
 import os
 import re
 import signal
-import sqlite3
 import sys
 import time
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from pydantic import BaseModel
 from polar_mitm.runtime.certs import CA
 from polar_mitm.runtime.proxy import PolarProxy
 from polar_mitm.runtime.recipes import Recipe
+from polar_mitm.store.queries import session_summary
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EXIT_UNTRUSTED = 69  # EX_UNAVAILABLE: the harness never trusted our CA
@@ -83,19 +83,6 @@ class RunResult(BaseModel):
     sampled_tokens: int
     db: str
     untrusted: bool = False
-
-
-def session_summary(db: str, session_id: str) -> tuple[int, int, int]:
-    con = sqlite3.connect(db)
-    try:
-        row = con.execute(
-            "SELECT COUNT(*), COALESCE(SUM(prompt_len), 0), COALESCE(SUM(output_len), 0) FROM turns"
-            " WHERE session_id = ?",
-            (session_id,),
-        ).fetchone()
-    finally:
-        con.close()
-    return row
 
 
 async def run_harness(

@@ -1,7 +1,8 @@
 """SQLite store of sessions and turns.
 
 `Store` is the async writer the proxy uses (aiosqlite, WAL). `read_turns` is the synchronous
-reader the offline reconstructor uses. A turn's prompt is stored as a reference to an earlier
+reader the offline reconstructor uses; `connect` opens the file for it (see there for when
+migrations run); `queries` holds the smaller questions the other packages ask. A turn's prompt is stored as a reference to an earlier
 turn's full sequence (prompt + output) plus its own new suffix, so a long session costs its
 unique tokens, not turns × context.
 """
@@ -20,7 +21,7 @@ from typing import Any
 import aiosqlite
 from pydantic import BaseModel, Field
 
-from polar_mitm.store.migrations import migrate
+from polar_mitm.store.migrations import migrate, pending
 from polar_mitm.store.packing import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
 
 
@@ -298,13 +299,32 @@ class StoredTurn(BaseModel):
     task_id: str | None = None
     request: str | None = None
     response: str | None = None
+    # Read by `queries.text_turns` (token ids left empty there): where the request went, the
+    # session's reward, and whether the turn has no token ids at all (a harvested exchange).
+    path: str | None = None
+    reward: float | None = None
+    text_only: bool = False
 
 
-def connect(path: str | Path) -> sqlite3.Connection:
+def connect(path: str | Path, *, write: bool = False) -> sqlite3.Connection:
+    """A synchronous connection for the offline tools: a reader unless `write`.
+
+    Migrations run where the database is opened to be written (`Store.open`, `init_db`, and here
+    with `write=True`). A reader of a current database writes nothing: it checks which
+    migrations are recorded and then refuses writes (`query_only`). Only a database written by an
+    older polar-mitm is migrated by its first reader, once, so old stores stay readable.
+    """
     if not Path(path).exists():
         raise FileNotFoundError(f"no database at {path}")
-    db = _connect_sync(path)
-    migrate(db)
+    if write:
+        db = _connect_sync(path)
+        migrate(db)
+        return db
+    db = sqlite3.connect(str(path))
+    db.execute("PRAGMA foreign_keys=ON")
+    if pending(db):
+        migrate(db)
+    db.execute("PRAGMA query_only=ON")
     return db
 
 

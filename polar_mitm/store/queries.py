@@ -1,0 +1,209 @@
+"""The questions the other packages ask the store, answered here so that every query over
+`turns` and `sessions` lives in `polar_mitm.store`.
+
+Reconstruction asks which sessions a selection covers, how many turns it reads, the rewards and
+the text of turns (the SFT export); the runtime asks how many turns and tokens a session made;
+the `reward` command sets a session's reward. Token ids are read by `db.read_turns`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from polar_mitm.store.db import StoredTurn, connect, turn_filter
+
+
+def _where(
+    *,
+    session: str | None = None,
+    task: str | None = None,
+    since: float | None = None,
+    rollout: str | None = None,
+    tokens: bool | None = None,
+    with_text: bool = False,
+) -> tuple[str, list[object]]:
+    """A WHERE clause over `turns t JOIN sessions s` (the one `read_turns` applies, so counts match
+    what it reads); `with_text` keeps only turns with a stored request and reply."""
+    where, args = turn_filter(session=session, task=task, since=since, tokens=tokens, rollout=rollout)
+    if with_text:
+        where = ["t.request IS NOT NULL", "t.response IS NOT NULL", *where]
+    return (" WHERE " + " AND ".join(where) if where else ""), args
+
+
+_FROM = " FROM turns t JOIN sessions s ON s.id = t.session_id"
+
+
+def session_ids(
+    path: str | Path,
+    *,
+    session: str | None = None,
+    task: str | None = None,
+    since: float | None = None,
+    rollout: str | None = None,
+    tokens: bool | None = True,
+    with_text: bool = False,
+) -> list[str]:
+    """Sessions with turns that pass the filter (as `read_turns`' and `text_turns`'), in the order
+    of their first turn."""
+    where, args = _where(
+        session=session, task=task, since=since, rollout=rollout, tokens=tokens, with_text=with_text
+    )
+    db = connect(path)
+    try:
+        rows = db.execute(
+            f"SELECT t.session_id{_FROM}{where} GROUP BY t.session_id ORDER BY MIN(t.seq)", args
+        )
+        return [r[0] for r in rows]
+    finally:
+        db.close()
+
+
+def count_turns(
+    path: str | Path,
+    *,
+    session: str | None = None,
+    task: str | None = None,
+    since: float | None = None,
+    rollout: str | None = None,
+) -> int:
+    """How many turns `read_turns` reads with the same filter."""
+    where, args = _where(session=session, task=task, since=since, rollout=rollout, tokens=True)
+    db = connect(path)
+    try:
+        return db.execute(f"SELECT COUNT(*){_FROM}{where}", args).fetchone()[0]
+    finally:
+        db.close()
+
+
+def session_rewards(path: str | Path) -> dict[str, float | None]:
+    """Every session's outcome reward (None where none was attached)."""
+    db = connect(path)
+    try:
+        return dict(db.execute("SELECT id, reward FROM sessions").fetchall())
+    finally:
+        db.close()
+
+
+def session_of_turn(path: str | Path, turn_id: str) -> str | None:
+    """The session of a turn (or `turn_id` itself when it names a session), None if neither."""
+    db = connect(path)
+    try:
+        row = db.execute("SELECT session_id FROM turns WHERE id = ?", (turn_id,)).fetchone()
+        if row is None:
+            row = db.execute("SELECT id FROM sessions WHERE id = ?", (turn_id,)).fetchone()
+        return row[0] if row else None
+    finally:
+        db.close()
+
+
+def session_summary(path: str | Path, session_id: str) -> tuple[int, int, int]:
+    """(turns, prompt tokens, sampled tokens) of one session."""
+    db = connect(path)
+    try:
+        return db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(prompt_len), 0), COALESCE(SUM(output_len), 0) FROM turns"
+            " WHERE session_id = ?",
+            (session_id,),
+        ).fetchone()
+    finally:
+        db.close()
+
+
+def has_session(path: str | Path, session: str) -> bool:
+    db = connect(path)
+    try:
+        return db.execute("SELECT 1 FROM sessions WHERE id = ?", (session,)).fetchone() is not None
+    finally:
+        db.close()
+
+
+def no_session(path: str | Path, session: str) -> KeyError:
+    """The error for a session the store does not have, naming the most recent ones."""
+    db = connect(path)
+    try:
+        known = [r[0] for r in db.execute("SELECT id FROM sessions ORDER BY created_at DESC LIMIT 5")]
+    finally:
+        db.close()
+    return KeyError(f"no session {session!r} in {path} (most recent: {', '.join(known) or 'none'})")
+
+
+def set_reward(path: str | Path, session: str, value: float | None) -> None:
+    """Attach (or with None, clear) a session's outcome reward. KeyError if there is no such session."""
+    db = connect(path, write=True)
+    try:
+        with db:
+            changed = db.execute("UPDATE sessions SET reward = ? WHERE id = ?", (value, session)).rowcount
+    finally:
+        db.close()
+    if changed == 0:
+        raise no_session(path, session)
+
+
+_TEXT_COLUMNS = (
+    "t.id, t.session_id, t.seq, t.created_at, t.style, t.path, t.model, t.tag, t.status, t.finish_reason,"
+    " t.request, t.response, (t.prompt_len = 0 AND t.output_len = 0), s.task_id, s.reward"
+)
+
+
+def _text_turn(row: tuple) -> StoredTurn:
+    tid, sid, seq, created, style, path, model, tag, status, finish, request, response, text_only = row[:13]
+    return StoredTurn.model_construct(
+        id=tid,
+        session_id=sid,
+        seq=seq,
+        created_at=created,
+        style=style,
+        model=model,
+        tag=tag,
+        status=status,
+        finish_reason=finish,
+        prompt_ids=[],
+        output_ids=[],
+        output_logprobs=[],
+        prompt_ref=None,
+        prompt_ref_len=0,
+        weight_version=None,
+        task_id=row[13],
+        request=request,
+        response=response,
+        path=path,
+        reward=row[14],
+        text_only=bool(text_only),
+    )
+
+
+def text_turns(
+    path: str | Path,
+    session: str,
+    *,
+    task: str | None = None,
+    since: float | None = None,
+    text_only: bool = False,
+    newest_first: bool = False,
+) -> Iterator[StoredTurn]:
+    """A session's turns that kept their request and reply, as text (token ids left empty): every
+    such turn, or with `text_only` only those without token ids (harvested exchanges)."""
+    where, args = _where(
+        session=session, task=task, since=since, tokens=False if text_only else None, with_text=True
+    )
+    db = connect(path)
+    try:
+        order = " ORDER BY t.seq DESC" if newest_first else " ORDER BY t.seq"
+        for row in db.execute(f"SELECT {_TEXT_COLUMNS}{_FROM}{where}{order}", args):
+            yield _text_turn(row)
+    finally:
+        db.close()
+
+
+def text_turns_by_id(path: str | Path, ids: list[str]) -> Iterator[StoredTurn]:
+    """The named turns, as `text_turns` reads them, in the order named."""
+    db = connect(path)
+    try:
+        for turn_id in ids:
+            row = db.execute(f"SELECT {_TEXT_COLUMNS}{_FROM} WHERE t.id = ?", (turn_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"turn {turn_id} vanished from {path}")
+            yield _text_turn(row)
+    finally:
+        db.close()
