@@ -105,13 +105,68 @@ def m002_rollouts(db: sqlite3.Connection) -> None:
     )
 
 
+def m003_service(db: sqlite3.Connection) -> None:
+    """The rollout service's state: submitted tasks, their samples (dispatched to nodes under a
+    lease), the nodes, and the service's own switches (pause, weight version)."""
+    db.executescript(
+        """
+        CREATE TABLE service_tasks (
+            id              TEXT PRIMARY KEY,
+            request         TEXT NOT NULL,          -- JSON: the TaskRequest as submitted
+            task            TEXT NOT NULL,          -- JSON: the resolved Task
+            state           TEXT NOT NULL,          -- queued | running | done | cancelled
+            priority        INTEGER NOT NULL DEFAULT 0,
+            num_samples     INTEGER NOT NULL,
+            created_at      REAL NOT NULL,
+            updated_at      REAL NOT NULL,
+            callback_state  TEXT,                   -- NULL (none) | pending | delivered | failed
+            callback_attempts INTEGER NOT NULL DEFAULT 0,
+            callback_error  TEXT
+        );
+        CREATE TABLE service_samples (
+            task_id     TEXT NOT NULL REFERENCES service_tasks(id),
+            idx         INTEGER NOT NULL,
+            state       TEXT NOT NULL,              -- queued | dispatched | cancelling | finished
+            stage       TEXT,                       -- the node's stage while dispatched
+            status      TEXT,                       -- outcome: completed | agent_timeout | failed | cancelled
+            cause       TEXT,
+            node_id     TEXT,
+            lease       TEXT,                       -- the current dispatch; results under another are refused
+            dispatches  INTEGER NOT NULL DEFAULT 0,
+            reward      REAL,
+            detail      TEXT,                       -- JSON
+            timings     TEXT,                       -- JSON
+            weight_versions TEXT,                   -- JSON list
+            session_id  TEXT,                       -- on the node that ran it
+            rows        TEXT,                       -- JSON list of trajectory rows
+            updated_at  REAL NOT NULL,
+            PRIMARY KEY (task_id, idx)
+        );
+        CREATE INDEX service_samples_queue ON service_samples(state);
+        CREATE TABLE service_nodes (
+            id            TEXT PRIMARY KEY,
+            url           TEXT,
+            workers       TEXT NOT NULL DEFAULT '{}',   -- JSON
+            state         TEXT NOT NULL,                -- active | draining | lost
+            registered_at REAL NOT NULL,
+            last_seen     REAL NOT NULL,
+            stats         TEXT NOT NULL DEFAULT '{}'    -- JSON: the last heartbeat
+        );
+        CREATE TABLE service_state (
+            key   TEXT PRIMARY KEY,
+            value TEXT NOT NULL
+        );
+        """
+    )
+
+
 def m004_turns_seq(db: sqlite3.Connection) -> None:
     """An index on turns.seq: every insert computes its seq as MAX(seq) + 1 inside the INSERT (so
     writers in several processes never share one), which must not scan the table."""
     db.execute("CREATE INDEX turns_seq ON turns(seq)")
 
 
-MIGRATIONS: list[Migration] = [m001_initial, m002_rollouts, m004_turns_seq]
+MIGRATIONS: list[Migration] = [m001_initial, m002_rollouts, m003_service, m004_turns_seq]
 
 
 def pending(db: sqlite3.Connection) -> list[str]:
