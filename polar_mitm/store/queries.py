@@ -10,22 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from polar_mitm.store.db import StoredTurn, connect, turn_filter
 
 
-def _where(
-    *,
-    session: str | None = None,
-    task: str | None = None,
-    since: float | None = None,
-    rollout: str | None = None,
-    tokens: bool | None = None,
-    with_text: bool = False,
-) -> tuple[str, list[object]]:
-    """A WHERE clause over `turns t JOIN sessions s` (the one `read_turns` applies, so counts match
-    what it reads); `with_text` keeps only turns with a stored request and reply."""
-    where, args = turn_filter(session=session, task=task, since=since, tokens=tokens, rollout=rollout)
+def _where(*, with_text: bool = False, **filters: Any) -> tuple[str, list[object]]:
+    """A WHERE clause over `turns t JOIN sessions s`: `db.turn_filter`'s (the one `read_turns`
+    applies, so counts match what it reads); `with_text` keeps turns with a request and reply."""
+    where, args = turn_filter(**filters)
     if with_text:
         where = ["t.request IS NOT NULL", "t.response IS NOT NULL", *where]
     return (" WHERE " + " AND ".join(where) if where else ""), args
@@ -140,37 +133,22 @@ def set_reward(path: str | Path, session: str, value: float | None) -> None:
         raise no_session(path, session)
 
 
+# Columns of a text read, and the StoredTurn fields they fill (token ids stay empty).
 _TEXT_COLUMNS = (
     "t.id, t.session_id, t.seq, t.created_at, t.style, t.path, t.model, t.tag, t.status, t.finish_reason,"
     " t.request, t.response, (t.prompt_len = 0 AND t.output_len = 0), s.task_id, s.reward"
 )
+_TEXT_FIELDS = (
+    *("id", "session_id", "seq", "created_at", "style", "path", "model", "tag", "status", "finish_reason"),
+    *("request", "response", "text_only", "task_id", "reward"),
+)
 
 
 def _text_turn(row: tuple) -> StoredTurn:
-    tid, sid, seq, created, style, path, model, tag, status, finish, request, response, text_only = row[:13]
-    return StoredTurn.model_construct(
-        id=tid,
-        session_id=sid,
-        seq=seq,
-        created_at=created,
-        style=style,
-        model=model,
-        tag=tag,
-        status=status,
-        finish_reason=finish,
-        prompt_ids=[],
-        output_ids=[],
-        output_logprobs=[],
-        prompt_ref=None,
-        prompt_ref_len=0,
-        weight_version=None,
-        task_id=row[13],
-        request=request,
-        response=response,
-        path=path,
-        reward=row[14],
-        text_only=bool(text_only),
-    )
+    fields = dict(zip(_TEXT_FIELDS, row, strict=True))
+    fields["text_only"] = bool(fields["text_only"])
+    no_ids = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "prompt_ref_len": 0}
+    return StoredTurn.model_construct(**fields, **no_ids, prompt_ref=None, weight_version=None)
 
 
 def text_turns(
