@@ -67,6 +67,19 @@ def harvest_options(f):
     return f
 
 
+def preflight(cfg) -> None:
+    """Exit with one line when the policy backend or the tokenizer is not usable (policy mode)."""
+    if cfg.mode == "harvest":
+        return
+    from polar_mitm.runtime.preflight import EXIT_CONFIG, PreflightError, check_policy
+
+    try:
+        asyncio.run(check_policy(cfg.policy))
+    except PreflightError as e:
+        click.echo(f"polar-mitm: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
+
+
 def harvest_config(harvest: bool, upstreams: dict[str, str], upstream_insecure: bool) -> dict:
     if (upstreams or upstream_insecure) and not harvest:
         raise click.UsageError("--upstream and --upstream-insecure only apply with --harvest")
@@ -77,7 +90,9 @@ def harvest_config(harvest: bool, upstreams: dict[str, str], upstream_insecure: 
     }
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+# Options end at the command's first word (so the harness's own flags pass through, with or
+# without `--`); an unknown option before it is click's usual error, never the command.
+@main.command(context_settings={"allow_interspersed_args": False})
 @policy_options
 @harvest_options
 @click.option("--session", default=None, help="Session id [default: a new one].")
@@ -124,6 +139,7 @@ def run(
         policy=make_policy_config(**policy),
         **harvest_config(harvest, upstreams, upstream_insecure),
     )
+    preflight(cfg)
     result = asyncio.run(
         run_harness(
             cmd,

@@ -110,6 +110,17 @@ async def make_stack(tmp_path, certs_dir, qwen_tokenizer_dir):
             await s.backend_runner.cleanup()
 
 
+@pytest.fixture(scope="session")
+def backend_process(tiny_tokenizer_dir):
+    """`polar-mitm fake-backend` in its own process (tiny tokenizer; `.url`), for `run` and `proxy`
+    subprocesses: they check the backend and its tokenizer before they start anything."""
+    from tests.e2e.harness import FakeBackend
+
+    b = FakeBackend(tiny_tokenizer_dir)
+    yield b
+    b.stop()
+
+
 # --- end proxy stack -----------------------------------------------------------------------------
 
 

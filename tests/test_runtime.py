@@ -54,10 +54,12 @@ def polar(args, **kw):
     )
 
 
-def test_run_exits_with_the_harness_exit_code(tmp_path, certs_dir):
+def test_run_exits_with_the_harness_exit_code(tmp_path, certs_dir, backend_process):
     p = polar(
         [
             "run",
+            "--backend",
+            backend_process.url,
             "--certs",
             str(certs_dir),
             "--db",
@@ -73,7 +75,7 @@ def test_run_exits_with_the_harness_exit_code(tmp_path, certs_dir):
     assert "0 turns" in err and "exit 7" in err
 
 
-def test_run_forwards_signals_to_the_harness(tmp_path, certs_dir):
+def test_run_forwards_signals_to_the_harness(tmp_path, certs_dir, backend_process):
     marker = tmp_path / "got-term"
     child = (
         "import signal, sys, time, pathlib\n"
@@ -84,6 +86,8 @@ def test_run_forwards_signals_to_the_harness(tmp_path, certs_dir):
     p = polar(
         [
             "run",
+            "--backend",
+            backend_process.url,
             "--certs",
             str(certs_dir),
             "--db",
@@ -103,20 +107,42 @@ def test_run_forwards_signals_to_the_harness(tmp_path, certs_dir):
     assert p.returncode == 3  # … and its exit code came back
 
 
-def test_missing_command_is_a_clear_error(tmp_path, certs_dir):
+def test_missing_command_is_a_clear_error(tmp_path, certs_dir, backend_process):
     p = polar(
-        ["run", "--certs", str(certs_dir), "--db", str(tmp_path / "r.sqlite"), "--", "no-such-harness-xyz"]
+        [
+            "run",
+            "--backend",
+            backend_process.url,
+            "--certs",
+            str(certs_dir),
+            "--db",
+            str(tmp_path / "r.sqlite"),
+            "--",
+            "no-such-harness-xyz",
+        ]
     )
     _, err = p.communicate(timeout=60)
     assert p.returncode == 127 and "command not found: no-such-harness-xyz" in err
 
 
-def test_helpers_the_harness_spawned_do_not_outlive_the_run(tmp_path, certs_dir):
+def test_helpers_the_harness_spawned_do_not_outlive_the_run(tmp_path, certs_dir, backend_process):
     pidfile = tmp_path / "grandchild.pid"
     # The grandchild ignores SIGTERM, as Qwen Code's re-launched child does; the harness itself exits.
     script = f"(trap '' TERM; exec sleep 300) & echo $! > {pidfile}; echo ready; wait"
     p = polar(
-        ["run", "--certs", str(certs_dir), "--db", str(tmp_path / "r.sqlite"), "--", "sh", "-c", script],
+        [
+            "run",
+            "--backend",
+            backend_process.url,
+            "--certs",
+            str(certs_dir),
+            "--db",
+            str(tmp_path / "r.sqlite"),
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
     )
