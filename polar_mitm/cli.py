@@ -67,6 +67,17 @@ def harvest_options(f):
     return f
 
 
+def _parse_listen(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise click.BadParameter(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
+    return host.strip("[]") or "127.0.0.1", number
+
+
 def preflight(cfg) -> None:
     """Exit with one line when the policy backend or the tokenizer is not usable (policy mode)."""
     if cfg.mode == "harvest":
@@ -166,7 +177,13 @@ def run(
 @main.command()
 @policy_options
 @harvest_options
-@click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to listen on.")
+@click.option(
+    "--listen",
+    default="127.0.0.1:8080",
+    show_default=True,
+    callback=_parse_listen,
+    help="HOST:PORT (or PORT) to listen on.",
+)
 @click.option(
     "--session", default="default", show_default=True, help="Session for clients without credentials."
 )
@@ -183,12 +200,13 @@ def proxy(listen, session, token, db, certs, harvest, upstreams, upstream_insecu
     HTTPS_PROXY=http://SESSION:TOKEN@127.0.0.1:8080. Point harnesses at it yourself (CA: see
     `polar-mitm certs`), or use `run` for one harness.
     """
-    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+    from polar_mitm.runtime.local import shell_setup
+    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig, ProxyStartError
 
-    host, _, port = listen.rpartition(":")
+    host, port = listen
     cfg = ProxyConfig(
-        listen_host=host or "127.0.0.1",
-        listen_port=int(port),
+        listen_host=host,
+        listen_port=port,
         db=db,
         certs_dir=certs,
         default_session=session,
@@ -196,21 +214,32 @@ def proxy(listen, session, token, db, certs, harvest, upstreams, upstream_insecu
         policy=make_policy_config(**policy),
         **harvest_config(harvest, upstreams, upstream_insecure),
     )
+    preflight(cfg)
 
     async def serve() -> None:
         p = PolarProxy(cfg)
-        await p.start()
-        assert p.ca is not None and p.store is not None
-        await p.store.ensure_session(session, harness="shared-proxy", mode=cfg.mode)
-        mode = " · harvest" if harvest else ""
-        click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {db}{mode}", err=True)
         try:
+            await p.start()
+            assert p.ca is not None and p.store is not None
+            await p.store.ensure_session(session, harness="shared-proxy", mode=cfg.mode)
+            mode = " · harvest" if harvest else ""
+            click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {db}{mode}", err=True)
+            click.echo(
+                "Point a harness at it: paste its lines into a shell and start it there (SESSION names "
+                "the session its turns are stored under; use one per run).",
+                err=True,
+            )
+            for line in shell_setup(p.session_url("SESSION"), p.ca, harvest=harvest):
+                click.echo(line, err=True)
             await asyncio.Event().wait()
         finally:
             await p.stop()
 
     try:
         asyncio.run(serve())
+    except ProxyStartError as e:
+        click.echo(f"polar-mitm: {e} (pass another --listen HOST:PORT)", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         pass
 

@@ -4,6 +4,7 @@ session that does not exist, a pipe closed early."""
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from polar_mitm.cli import main
-from tests.e2e.harness import free_port
+from tests.e2e.harness import Lines, free_port
 
 POLAR = [sys.executable, "-m", "polar_mitm"]
 
@@ -111,3 +112,126 @@ def test_the_harness_flags_pass_through_with_or_without_double_dash(tmp_path, ba
     assert with_dashes.returncode == 0 and without.returncode == 0, with_dashes.stderr + without.stderr
     assert with_dashes.stdout.strip() == "['-p', 'x', '--allowedTools', 'Bash']"
     assert without.stdout.strip() == "['-p', 'x', '--db', 'theirs']"  # the harness's --db, not ours
+
+
+# --- proxy: the lines to paste, and a busy port -----------------------------------------------------
+
+
+def test_proxy_prints_the_lines_each_harness_needs_and_they_work(tmp_path, backend_process, certs_dir):
+    port, db = free_port(), tmp_path / "shared.sqlite"
+    args = ["proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend_process.url, "--db", str(db)]
+    proc = subprocess.Popen(
+        [*POLAR, *args, "--certs", str(certs_dir), "--token", "tok"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        printed = Lines(proc.stderr)
+        printed.until("# claude-code: ")
+        claude = printed.next()
+        for _ in range(6):  # the other recipes, generic last
+            printed.until("export ")
+        proxy_url = f"http://SESSION:tok@127.0.0.1:{port}"
+        assert claude.split() == [
+            "export",
+            f"HTTPS_PROXY={proxy_url}",
+            "NODE_USE_ENV_PROXY=1",
+            f"NODE_EXTRA_CA_CERTS={certs_dir / 'mitmproxy-ca-cert.pem'}",
+            f"SSL_CERT_FILE={certs_dir / 'polar-mitm-bundle.pem'}",
+            f"REQUESTS_CA_BUNDLE={certs_dir / 'polar-mitm-bundle.pem'}",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
+            "DISABLE_AUTOUPDATER=1",
+            "ANTHROPIC_AUTH_TOKEN=polar-mitm-dummy",  # without one Claude Code says "Not logged in"
+        ]
+        everything = "\n".join(printed.seen)
+        assert "# gemini-cli: gemini -p" in everything and "GEMINI_API_KEY=" in everything
+        assert printed.seen[-2].startswith("# generic: ")
+        # Pasted into a shell, the line is all a client needs: proxy, credentials and CA.
+        client = (
+            "import json, urllib.request; r = urllib.request.urlopen(urllib.request.Request("
+            "'https://api.anthropic.com/v1/messages', data=json.dumps({'model': 'm', 'max_tokens': 20, "
+            "'messages': [{'role': 'user', 'content': 'hi'}]}).encode(), "
+            "headers={'content-type': 'application/json'}), timeout=60); print(json.load(r)['type'])"
+        )
+        shell = subprocess.run(
+            ["bash", "-c", f'{claude.replace("SESSION", "pasted")}; {sys.executable} -c "{client}"'],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        assert shell.stdout.strip() == "message", shell.stderr
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    sessions = [r[0] for r in sqlite3.connect(db).execute("SELECT session_id FROM turns")]
+    assert sessions == ["pasted"]
+
+
+def busy_port() -> tuple[object, int]:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_proxy_on_a_busy_port_says_so_in_one_line_and_exits(tmp_path, backend_process, certs_dir):
+    sock, port = busy_port()
+    with sock:
+        r, took = polar(
+            ["proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend_process.url]
+            + ["--db", str(tmp_path / "p.sqlite"), "--certs", str(certs_dir)],
+            timeout=30,
+        )
+    assert r.returncode == 1 and took < 10
+    assert lines(r.stderr) == [
+        f"polar-mitm: cannot listen on 127.0.0.1:{port}: address already in use (pass another --listen HOST:PORT)"
+    ]
+
+
+def test_fake_backend_on_a_busy_port_says_so_in_one_line_and_exits(tiny_tokenizer_dir):
+    sock, port = busy_port()
+    with sock:
+        r, took = polar(
+            ["fake-backend", "--port", str(port), "--tokenizer", str(tiny_tokenizer_dir)], timeout=30
+        )
+    assert r.returncode == 1 and took < 10
+    assert lines(r.stderr) == [
+        f"polar-mitm fake-backend: cannot listen on 127.0.0.1:{port}: address already in use"
+    ]
+
+
+async def test_a_port_taken_after_the_check_fails_the_start_at_once(
+    tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch
+):
+    """The race the check before start cannot see: mitmproxy's own bind fails; no 15 s wait."""
+    import socket
+    import types
+
+    import pytest
+
+    from polar_mitm.backends.policy import PolicyConfig
+    from polar_mitm.runtime import proxy
+    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig, ProxyStartError
+
+    class Unchecked(socket.socket):
+        def bind(self, addr):  # the check finds the port free …
+            pass
+
+    monkeypatch.setattr(proxy, "socket", types.SimpleNamespace(**{**vars(socket), "socket": Unchecked}))
+    sock, port = busy_port()
+    cfg = ProxyConfig(
+        listen_port=port,
+        db=str(tmp_path / "r.sqlite"),
+        certs_dir=certs_dir,
+        policy=PolicyConfig(backend_url="http://127.0.0.1:9", tokenizer=str(qwen_tokenizer_dir)),
+    )
+    p = PolarProxy(cfg)
+    try:
+        with sock:
+            started = time.monotonic()
+            with pytest.raises(ProxyStartError, match=f"failed to listen on 127.0.0.1:{port}"):
+                await p.start()  # … mitmproxy's own bind does not
+        assert time.monotonic() - started < 5
+    finally:
+        await p.stop()

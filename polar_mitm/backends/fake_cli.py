@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 
@@ -52,4 +55,9 @@ def fake_backend(
         first_token_delay=first_token_delay,
         model_path=model_path,
     )
-    serve(cfg, host, port)
+    try:
+        serve(cfg, host, port)
+    except OSError as e:  # a busy port, an address not on this host
+        why = os.strerror(e.errno).lower() if e.errno else str(e)
+        click.echo(f"polar-mitm fake-backend: cannot listen on {host}:{port}: {why}", err=True)
+        sys.exit(1)

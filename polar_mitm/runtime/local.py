@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shlex
 import signal
 import sys
 import time
@@ -73,6 +74,39 @@ def child_env(
             env[k] = v
     env["POLAR_MITM_SESSION"] = session_id
     return env
+
+
+# What `run` sets that a shell pointing at a shared proxy does without: lower-case copies, plain
+# HTTP, the loopback exceptions (the user's own NO_PROXY stays), the working directory and the session
+# (told by the user name in the proxy URL).
+_NOT_EXPORTED = {
+    "https_proxy",
+    "HTTP_PROXY",
+    "http_proxy",
+    "NO_PROXY",
+    "no_proxy",
+    "PWD",
+    "POLAR_MITM_SESSION",
+}
+
+
+def shell_exports(recipe: Recipe, proxy_url: str, ca: CA, *, harvest: bool = False) -> str:
+    """One `export …` line that points a shell's harness at a running proxy, from what `run` gives
+    its child (`child_env`): the proxy with its credentials, the CA variables of the recipe, its
+    dummy credential (not in harvest mode) and its settings."""
+    env = child_env({}, recipe, proxy_url, ca, "", harvest=harvest)
+    return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in _NOT_EXPORTED)
+
+
+def shell_setup(proxy_url: str, ca: CA, *, harvest: bool = False) -> list[str]:
+    """For every recipe (the generic one last) a comment naming the harness and its `export` line."""
+    from polar_mitm.runtime import recipes
+
+    out: list[str] = []
+    for r in sorted(recipes.all_recipes().values(), key=lambda r: r.name == "generic"):
+        what = r.example or (r.description[:1].lower() + r.description[1:])
+        out += [f"# {r.name}: {what}", shell_exports(r, proxy_url, ca, harvest=harvest)]
+    return out
 
 
 class RunResult(BaseModel):

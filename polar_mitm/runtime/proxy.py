@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -51,6 +52,10 @@ class ProxyConfig(BaseModel):
     upstream_insecure: bool = False
 
 
+class ProxyStartError(RuntimeError):
+    """The proxy cannot listen where it was told to (a busy port, an address not on this host)."""
+
+
 class PolarProxy:
     def __init__(self, config: ProxyConfig):
         self.config = config
@@ -78,6 +83,21 @@ class PolarProxy:
         return tag
 
     async def start(self) -> int:
+        """Start listening and return the port; ProxyStartError (one line) when it cannot."""
+        if self.config.listen_port:
+            # A busy port fails here, in one line and before anything else starts, rather than in
+            # mitmproxy's log with a hint that names mitmproxy's flags.
+            host, port = self.config.listen_host, self.config.listen_port
+            try:
+                family, kind, proto, _, addr = socket.getaddrinfo(
+                    host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+                )[0]
+                with socket.socket(family, kind, proto) as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+                    s.bind(addr)
+            except OSError as e:
+                why = (e.strerror or str(e)).lower()
+                raise ProxyStartError(f"cannot listen on {host or '*'}:{port}: {why}") from None
         self.ca = ensure_ca(self.config.certs_dir)
         self.store = await Store.open(self.config.db)
         if self.config.mode == "harvest":
@@ -140,6 +160,8 @@ class PolarProxy:
             for server in ps.servers:
                 if server.listen_addrs:
                     return server.listen_addrs[0][1]
+                if server.last_exception is not None:  # e.g. the port was taken since start()
+                    raise ProxyStartError(str(server.last_exception).splitlines()[0])
             await asyncio.sleep(0.02)
         raise RuntimeError(f"proxy did not start listening within {timeout}s")
 

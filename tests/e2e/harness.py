@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -82,6 +84,38 @@ class FakeBackend:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+class Lines:
+    """The lines a process writes to a pipe, read by a thread (which keeps the pipe drained), so a
+    test can wait for one with a timeout instead of blocking on a process that never writes it."""
+
+    def __init__(self, pipe):
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
+
+    def _read(self, pipe) -> None:
+        for line in pipe:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def next(self, timeout: float = 30) -> str:
+        try:
+            line = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line within {timeout}s; so far: {self.seen}") from None
+        if line is None:
+            raise AssertionError(f"the process closed its output; it wrote: {self.seen}")
+        self.seen.append(line)
+        return line
+
+    def until(self, startswith: str, timeout: float = 30) -> str:
+        """The first line (from here on) that starts with `startswith`."""
+        deadline = time.monotonic() + timeout
+        while not (line := self.next(max(deadline - time.monotonic(), 0.01))).startswith(startswith):
+            pass
+        return line
 
 
 def harness_env(home: Path) -> dict[str, str]:

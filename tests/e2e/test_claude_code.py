@@ -159,3 +159,42 @@ def test_a_longer_session_is_one_spliced_chain_and_one_trajectory(tmp_path, qwen
     want = np.array(t1.output_logprobs + t2.output_logprobs + t3.output_logprobs, dtype=np.float32)
     got = np.array([row["response_logprobs"][i] for i in sampled], dtype=np.float32)
     assert got.tobytes() == want.tobytes()  # bit for bit
+
+
+def test_the_lines_a_shared_proxy_prints_run_claude_code(tmp_path, backend, qwen_tokenizer_dir, certs_dir):
+    """README's `proxy` example: paste the printed claude-code line into a shell, run claude there."""
+    import signal
+    import subprocess
+
+    from tests.e2e.harness import POLAR, Lines, free_port
+
+    require_binary("claude")
+    port, db = free_port(), tmp_path / "shared.sqlite"
+    proxy = subprocess.Popen(
+        [*POLAR, "proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend.url]
+        + ["--tokenizer", str(qwen_tokenizer_dir), "--db", str(db), "--certs", str(certs_dir)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        printed = Lines(proxy.stderr)
+        printed.until("# claude-code: ")
+        exports = printed.next().replace("SESSION", "from-readme")
+        work = tmp_path / "work"
+        work.mkdir()
+        r = subprocess.run(
+            ["bash", "-c", f"{exports}; claude -p 'Create out.txt containing hi' --allowedTools Bash"],
+            cwd=work,
+            env=harness_env(tmp_path / "home"),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (work / "out.txt").read_text() == "hi\n"
+        assert "Done. The command finished." in r.stdout
+    finally:
+        proxy.send_signal(signal.SIGINT)
+        proxy.wait(20)
+    turns = main_turns(db)
+    assert len(turns) == 2 and {t.session_id for t in turns} == {"from-readme"}
