@@ -284,11 +284,53 @@ def test_minimal_json_instance_nested_refs_bounds_and_unions():
         "maybe": 4,
         "kind": "fixed",
         "when": "1970-01-01T00:00:00Z",
-        "both": {"a": 0, "b": None},
-        "n": 0,
+        "both": {"a": 1, "b": None},
+        "n": 1,
     }
     assert minimal_json_instance({}) == {}
     assert minimal_json_instance({"type": "array"}) == []
+
+
+def test_minimal_json_instance_answers_gemini_clis_classifier_with_a_score_it_accepts():
+    # Gemini CLI 0.61's router schema, as it sends it (upper-case types are lowered by the provider):
+    # the 1-100 range is only in the description, and the CLI prints a 50-line stack trace for 0.
+    schema = {
+        "type": "object",
+        "properties": {
+            "complexity_reasoning": {"type": "string", "description": "Brief explanation for the score."},
+            "complexity_score": {"type": "integer", "description": "Complexity score from 1-100."},
+        },
+        "required": ["complexity_reasoning", "complexity_score"],
+    }
+    assert minimal_json_instance(schema) == {"complexity_reasoning": "", "complexity_score": 1}
+
+
+@pytest.mark.parametrize(
+    ("schema", "value"),
+    [
+        ({"type": "integer"}, 1),
+        ({"type": "number"}, 1),
+        ({"type": "integer", "minimum": 5}, 5),
+        ({"type": "integer", "minimum": -3}, 1),
+        ({"type": "integer", "exclusiveMinimum": 1}, 2),
+        ({"type": "integer", "exclusiveMinimum": 1.5}, 2),
+        ({"type": "integer", "minimum": 1, "exclusiveMinimum": True}, 2),  # draft 4
+        ({"type": "integer", "maximum": 0}, 0),
+        ({"type": "integer", "exclusiveMaximum": 1}, 0),
+        ({"type": "integer", "minimum": -10, "maximum": -4}, -4),
+        ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, 0.5),
+        ({"type": "number", "minimum": 0.25, "maximum": 0.75}, 0.75),
+        ({"type": "integer", "minimum": 1, "maximum": 100}, 1),
+        ({"type": "integer", "minimum": 7, "multipleOf": 5}, 10),
+        ({"type": "string", "minLength": 3, "maxLength": 5}, "aaa"),
+        ({"type": "string", "enum": ["b", "c"]}, "b"),
+        ({"type": "integer", "enum": [0, 3]}, 0),
+        ({"type": "array", "items": {"type": "integer", "minimum": 2}, "minItems": 2}, [2, 2]),
+    ],
+)
+def test_minimal_json_instance_honours_bounds(schema, value):
+    got = minimal_json_instance(schema)
+    assert got == value and type(got) is type(value)
 
 
 # --- pure: models --------------------------------------------------------------------------------

@@ -77,6 +77,10 @@ def test_tool_call_is_executed_and_every_turn_is_captured_token_exact(tmp_path, 
     assert "responseJsonSchema" in json.loads(router.request)["generationConfig"]
     answer = json.loads(json.loads(router.response)["text"])  # schema-valid JSON: the CLI takes it
     assert set(answer) == {"complexity_reasoning", "complexity_score"}
+    # A score outside 1-100 (the range is only in the schema's description) makes the CLI print a
+    # long stack trace before it falls back to its default model.
+    assert 1 <= answer["complexity_score"] <= 100
+    assert "complexity_score" not in r.stderr and "    at " not in r.stderr, r.stderr
 
     t1, t2 = main_turns(db)
     assert t1.finish_reason == "tool_calls" and t2.finish_reason == "stop"

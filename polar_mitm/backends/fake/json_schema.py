@@ -1,14 +1,14 @@
 """Minimal JSON-schema instances (pure): the fake's constrained decoding.
 
-With a `json_schema` (or a chat `response_format`) both models answer the smallest value the
-schema accepts; the script also uses it to fill a shell tool's other required arguments.
+With a `json_schema` (or a chat `response_format`) both models answer a small value the schema
+accepts (only required properties, the first enum value, bounds honoured); the script also uses
+it to fill a shell tool's other required arguments.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
-
-import numpy as np
 
 _FORMAT_EXAMPLES = {
     "date-time": "1970-01-01T00:00:00Z",
@@ -54,10 +54,54 @@ def _resolve_ref(ref: str, root: dict[str, Any]) -> Any:
     return node
 
 
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _bound(schema: dict[str, Any], inclusive: str, exclusive: str) -> tuple[float | None, bool]:
+    """(limit, open) from `minimum`/`exclusiveMinimum` (or the maximum pair); draft 4 writes
+    `exclusiveMinimum: true` beside `minimum`. The tighter of the two wins."""
+    closed = schema.get(inclusive)
+    closed = closed if isinstance(closed, int | float) and not isinstance(closed, bool) else None
+    excl = schema.get(exclusive)
+    if excl is True and closed is not None:
+        return closed, True
+    if isinstance(excl, int | float) and not isinstance(excl, bool):
+        if closed is None or (excl >= closed if inclusive == "minimum" else excl <= closed):
+            return excl, True
+    return closed, False
+
+
+def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
+    """1 where the bounds allow it, else the value nearest to it inside them. Not 0: numbers in
+    real schemas are mostly counts, sizes and scores, and a harness may check more than its schema
+    says (Gemini CLI's router wants a complexity_score from 1 to 100, said only in a description)."""
+    lo, lo_open = _bound(schema, "minimum", "exclusiveMinimum")
+    hi, hi_open = _bound(schema, "maximum", "exclusiveMaximum")
+    if integer:
+        lo = None if lo is None else (math.floor(lo) + 1 if lo_open else math.ceil(lo))
+        hi = None if hi is None else (math.ceil(hi) - 1 if hi_open else math.floor(hi))
+        lo_open = hi_open = False
+    value: float = 1
+    if lo is not None and (value < lo or (lo_open and value <= lo)):
+        value = lo + 1 if lo_open else lo
+    if hi is not None and (value > hi or (hi_open and value >= hi)):
+        value = hi - 1 if hi_open else hi
+        if lo is not None and (value < lo or (lo_open and value <= lo)):  # a narrow open range
+            value = (lo + hi) / 2
+    step = schema.get("multipleOf")
+    if isinstance(step, int | float) and not isinstance(step, bool) and step > 0:
+        value = math.ceil(value / step) * step
+    if integer or float(value).is_integer():
+        return int(value)
+    return value
+
+
 def minimal_json_instance(schema: Any, root: Any = None, _depth: int = 0) -> Any:
     """A small value valid for `schema`: required properties only, the first enum value, `""` /
-    `0` / `false` / `[]` / `null` defaults respecting simple bounds, nested objects, `$ref`,
-    `anyOf`/`oneOf` (first branch) and `allOf` (merged)."""
+    `1` / `false` / `[]` / `null` defaults respecting bounds (minimum, maximum and their exclusive
+    forms, multipleOf, minLength/maxLength, minItems/maxItems, minProperties), nested objects,
+    `$ref`, `anyOf`/`oneOf` (first branch) and `allOf` (merged)."""
     root = schema if root is None else root
     if _depth > 32 or schema is True or schema is None:
         return {} if _depth == 0 else None
@@ -92,7 +136,7 @@ def minimal_json_instance(schema: Any, root: Any = None, _depth: int = 0) -> Any
         props = schema.get("properties") or {}
         required = [r for r in schema.get("required") or [] if isinstance(r, str)]
         names = list(required)
-        min_props = schema.get("minProperties") or 0
+        min_props = _int(schema.get("minProperties")) or 0
         for name in props:
             if len(names) >= min_props:
                 break
@@ -100,7 +144,9 @@ def minimal_json_instance(schema: Any, root: Any = None, _depth: int = 0) -> Any
                 names.append(name)
         return {n: minimal_json_instance(props.get(n, {}), root, _depth + 1) for n in names}
     if t == "array":
-        count = int(schema.get("minItems") or 0)
+        count = _int(schema.get("minItems")) or 0
+        if (most := _int(schema.get("maxItems"))) is not None:
+            count = min(count, most)
         prefix = schema.get("prefixItems") or []
         items = schema.get("items", {})
         out = [minimal_json_instance(p, root, _depth + 1) for p in prefix[:count]]
@@ -111,18 +157,12 @@ def minimal_json_instance(schema: Any, root: Any = None, _depth: int = 0) -> Any
         fmt = schema.get("format")
         if isinstance(fmt, str) and fmt in _FORMAT_EXAMPLES:
             return _FORMAT_EXAMPLES[fmt]
-        return "a" * int(schema.get("minLength") or 0)
+        length = _int(schema.get("minLength")) or 0
+        if (most := _int(schema.get("maxLength"))) is not None:
+            length = min(length, most)
+        return "a" * length
     if t in ("integer", "number"):
-        value: float = 0
-        if "minimum" in schema:
-            value = max(value, schema["minimum"])
-        if "exclusiveMinimum" in schema and isinstance(schema["exclusiveMinimum"], int | float):
-            value = max(value, schema["exclusiveMinimum"] + 1)
-        if "maximum" in schema and value > schema["maximum"]:
-            value = schema["maximum"]
-        if t == "integer":
-            value = int(np.ceil(value))
-        return value
+        return _number(schema, integer=t == "integer")
     if t == "boolean":
         return False
     if t == "null":
