@@ -161,6 +161,8 @@ def run(
             untrusted_timeout=untrusted_timeout,
         )
     )
+    if not result.recorded:  # the command was not found: said so, nothing stored
+        sys.exit(result.exit_code)
     note = " · harness refused the CA" if result.exit_code == EXIT_UNTRUSTED and result.untrusted else ""
     counts = (
         f"{result.turns} turns harvested"

@@ -28,8 +28,18 @@ else
 fi
 
 # tmux drives the interactive-terminal end-to-end test.
-if ! command -v tmux >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || echo "install: could not install tmux" >&2
+if command -v tmux >/dev/null 2>&1; then
+  say "tmux present"
+elif command -v apt-get >/dev/null 2>&1; then
+  say "installing tmux with apt-get (for the interactive Claude Code test)"
+  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || say "could not install tmux; that one test will fail"
+else
+  say "no tmux and no apt-get: install tmux yourself for the interactive Claude Code test"
+fi
+
+if ! command -v npm >/dev/null 2>&1; then
+  say "npm not found: install Node.js 20 or newer with npm (e.g. apt-get install nodejs npm), then run this again"
+  exit 1
 fi
 
 # Harness CLIs, pinned to the versions the end-to-end tests were written against.

@@ -268,9 +268,11 @@ def test_cli_filters_since_iso_and_flags(cli: click.Group, db: Path, tmp_path: P
     assert r.exit_code == 2 and "neither unix seconds nor an ISO date" in r.output
 
 
-def test_cli_missing_db_is_a_clear_error(cli: click.Group, tmp_path: Path) -> None:
+def test_cli_missing_db_is_a_clear_error(cli: click.Group, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no polar-mitm.sqlite here: the default store is not there
     r = invoke(cli, "export", "--out", str(tmp_path / "x.parquet"), env={"POLAR_MITM_DB": ""})
-    assert r.exit_code == 2 and "pass --db PATH or set POLAR_MITM_DB" in r.output
+    assert r.exit_code == 1
+    assert "no database at polar-mitm.sqlite (pass --db PATH or set POLAR_MITM_DB)" in r.output
     r = invoke(cli, "stats", "--db", str(tmp_path / "nope.sqlite"))
     assert r.exit_code == 1 and "no database at" in r.output
     assert not (tmp_path / "nope.sqlite").exists()

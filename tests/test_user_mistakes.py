@@ -235,3 +235,83 @@ async def test_a_port_taken_after_the_check_fails_the_start_at_once(
         assert time.monotonic() - started < 5
     finally:
         await p.stop()
+
+
+# --- after a run: failed runs leave nothing, offline commands find the store and name sessions -------
+
+
+def test_a_command_that_is_not_there_leaves_no_session(tmp_path, backend_process):
+    db = tmp_path / "r.sqlite"
+    r, took = polar(["run", "--backend", backend_process.url, "--db", str(db), "--", "no-such-harness-xyz"])
+    assert r.returncode == 127 and took < 15
+    assert lines(r.stderr) == ["polar-mitm: command not found: no-such-harness-xyz"]
+    assert not db.exists() or sqlite3.connect(db).execute("SELECT COUNT(*) FROM sessions").fetchone() == (0,)
+
+
+async def fill_store(path: Path, sessions: dict[str, int], prompt_len: int = 8) -> None:
+    """Sessions (oldest first) with that many one-turn-each generations of `prompt_len` tokens."""
+    from polar_mitm.store.db import Store, TurnRecord
+
+    store = await Store.open(path)
+    try:
+        for n, (session, turns) in enumerate(sessions.items()):
+            await store.ensure_session(session)
+            for i in range(turns):
+                await store.insert_turn(
+                    TurnRecord(
+                        id=f"{session}-{i}",
+                        session_id=session,
+                        created_at=1000.0 * (n + 1) + i,
+                        style="anthropic",
+                        prompt_ids=list(range(i, i + prompt_len)),
+                        output_ids=[7, 8],
+                        output_logprobs=[-0.5, -0.25],
+                        finish_reason="stop",
+                    )
+                )
+    finally:
+        await store.close()
+
+
+async def test_stats_and_export_name_a_session_that_is_not_there(tmp_path):
+    db = tmp_path / "runs.sqlite"
+    await fill_store(db, {"first": 1, "second": 1})
+    for args in (["stats"], ["export", "--out", str(tmp_path / "t.jsonl")]):
+        r = CliRunner().invoke(main, [*args, "--db", str(db), "--session", "nope"])
+        assert r.exit_code == 1, r.output
+        assert r.output.strip() == f"Error: no session 'nope' in {db} (most recent: second, first)"
+    assert not (tmp_path / "t.jsonl").exists()
+    r = CliRunner().invoke(main, ["reward", "--db", str(db), "--session", "nope", "--value", "1"])
+    assert r.exit_code == 1 and "no session 'nope'" in r.output  # as it always said
+
+
+async def test_export_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    db = tmp_path / "runs.sqlite"
+    await fill_store(db, {"big": 400}, prompt_len=400)  # far more than a pipe holds
+    r = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"{sys.executable} -m polar_mitm export --db {db} --strategy per-request --out - | head -1"
+            "; exit ${PIPESTATUS[0]}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.stdout.startswith('{"trajectory_id":"big-0"') and r.stdout.count("\n") == 1
+    assert r.stderr == "" and r.returncode == 141  # as `cat big | head -1` ends
+
+
+async def test_the_offline_commands_use_the_store_run_writes_by_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("POLAR_MITM_DB", raising=False)
+    await fill_store(tmp_path / "polar-mitm.sqlite", {"s1": 2})
+    r = CliRunner().invoke(main, ["stats", "--json"])
+    assert r.exit_code == 0, r.output
+    assert '"turns": 2' in r.output
+    r = CliRunner().invoke(main, ["export", "--out", "t.jsonl", "--strategy", "per-request", "-q"])
+    assert r.exit_code == 0 and len(Path("t.jsonl").read_text().splitlines()) == 2
+    for command in ("export", "stats", "show", "reward"):
+        help_text = "".join(CliRunner().invoke(main, [command, "--help"]).output.split())  # unwrapped
+        assert "[envvar:POLAR_MITM_DB;default:polar-mitm.sqlite]" in help_text, command

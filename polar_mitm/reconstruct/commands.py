@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
 import sqlite3
 import sys
 from collections.abc import Callable
@@ -21,17 +23,21 @@ from polar_mitm.reconstruct.export import FORMATS, STRATEGIES, SinkOptions, comp
 from polar_mitm.reconstruct.export import export as export_rows
 from polar_mitm.reconstruct.groups import NORMALIZE
 from polar_mitm.reconstruct.show import find_rows, render_header, render_list, render_sequence
-from polar_mitm.reconstruct.source import Selection, parse_since, set_reward
+from polar_mitm.reconstruct.source import Selection, check_session, parse_since, set_reward
 from polar_mitm.rollout.report import render_table, rollout_reports
 
 F = Callable[..., Any]
 
 
-def _require_db(db: Path | None) -> Path:
-    if db is None:
-        raise click.UsageError("no database given: pass --db PATH or set POLAR_MITM_DB")
+def _require_db(db: Path, selection: Selection | None = None) -> Path:
+    """The store, which must exist, and must hold the session the selection names."""
     if not db.is_file():
         raise click.ClickException(f"no database at {db} (pass --db PATH or set POLAR_MITM_DB)")
+    if selection is not None and selection.session is not None:
+        try:
+            check_session(db, selection.session)
+        except KeyError as e:
+            raise click.ClickException(str(e.args[0])) from None
     return db
 
 
@@ -40,8 +46,10 @@ def _db_option(f: F) -> F:
         "--db",
         type=click.Path(dir_okay=False, path_type=Path),
         envvar="POLAR_MITM_DB",
+        default=Path("polar-mitm.sqlite"),
+        show_default=True,
         show_envvar=True,
-        help="The SQLite store the proxy recorded into.",
+        help="The SQLite store the proxy recorded into (the default is also `run`'s and `proxy`'s).",
     )(f)
 
 
@@ -114,12 +122,17 @@ def _load_text(tokenizer: Path | None) -> TokenText | None:
 
 
 def _guarded(f: F) -> F:
-    """Turn store errors into messages a user can act on."""
+    """Turn store errors into messages a user can act on, and a reader that went away (`| head`)
+    into a quiet exit, as `cat` makes one."""
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return f(*args, **kwargs)
+        except BrokenPipeError:
+            # Nothing more can be written, and Python's flush at exit must not try again either.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(128 + signal.SIGPIPE)
         except sqlite3.DatabaseError as e:
             raise click.ClickException(f"cannot read the store {kwargs.get('db')}: {e}") from None
         except OSError as e:
@@ -159,7 +172,7 @@ def _guarded(f: F) -> F:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @_guarded
 def export(
-    db: Path | None,
+    db: Path,
     strategy: str,
     fmt: str | None,
     out: str,
@@ -185,7 +198,7 @@ def export(
       polar-mitm export --db sft.sqlite --format parquet --tokenizer ./qwen3-tok --out sft.parquet
       polar-mitm export --db runs.sqlite --rollout ro_1a2b --group-normalize std --out groups.parquet
     """
-    db = _require_db(db)
+    db = _require_db(db, selection)
     if fmt is None:
         fmt = "jsonl" if out == "-" or out.endswith((".jsonl", ".json")) else "parquet"
     if out == "-" and fmt == "parquet":
@@ -219,7 +232,7 @@ def export(
 @click.option("--json", "as_json", is_flag=True, help="Print the numbers as one JSON object.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_guarded
-def stats(db: Path | None, selection: Selection, tokenizer: Path | None, as_json: bool, quiet: bool) -> None:
+def stats(db: Path, selection: Selection, tokenizer: Path | None, as_json: bool, quiet: bool) -> None:
     """Summarize a store as prefix-merge sees it.
 
     Reports turns, trajectories, the merge ratio (turns ÷ trajectories), the trainer-token ratio
@@ -234,7 +247,7 @@ def stats(db: Path | None, selection: Selection, tokenizer: Path | None, as_json
       polar-mitm stats --db runs.sqlite
       polar-mitm stats --db runs.sqlite --since 2025-06-01 --json
     """
-    db = _require_db(db)
+    db = _require_db(db, selection)
     result = compute_stats(db, selection=selection, text=_load_text(tokenizer), quiet=quiet or as_json)
     tasks = rollout_reports(db, selection.rollout)
     if selection.task:
@@ -265,7 +278,7 @@ def stats(db: Path | None, selection: Selection, tokenizer: Path | None, as_json
 @click.option("--limit", default=50, show_default=True, help="Rows to list when no TRAJECTORY_ID is given.")
 @_guarded
 def show(
-    db: Path | None,
+    db: Path,
     trajectory_id: str | None,
     tokenizer: Path | None,
     strategy: str,
@@ -318,7 +331,7 @@ def show(
 @click.option("--value", type=float, help="The outcome reward, e.g. 1.0.")
 @click.option("--clear", is_flag=True, help="Remove the session's reward instead.")
 @_guarded
-def reward(db: Path | None, session: str, value: float | None, clear: bool) -> None:
+def reward(db: Path, session: str, value: float | None, clear: bool) -> None:
     """Attach an outcome reward to a session; every trajectory of it carries it on export.
 
     \b

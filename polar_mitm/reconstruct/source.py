@@ -60,6 +60,12 @@ def count_turns(path: str | Path, sel: Selection) -> int:
     return queries.count_turns(path, session=sel.session, task=sel.task, since=sel.since, rollout=sel.rollout)
 
 
+def check_session(path: str | Path, session: str) -> None:
+    """KeyError, naming the most recent sessions, if the store has no session `session`."""
+    if not queries.has_session(path, session):
+        raise queries.no_session(path, session)
+
+
 def read_selected(
     path: str | Path,
     sel: Selection,

@@ -13,6 +13,7 @@ import asyncio
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -117,6 +118,7 @@ class RunResult(BaseModel):
     sampled_tokens: int
     db: str
     untrusted: bool = False
+    recorded: bool = True  # False: the command was not found, and nothing was started or stored
 
 
 async def run_harness(
@@ -129,6 +131,19 @@ async def run_harness(
     untrusted_timeout: float = 15.0,
     env: Mapping[str, str] | None = None,
 ) -> RunResult:
+    base = env if env is not None else os.environ
+    # A command that is not there fails before the proxy starts, so no empty session is stored.
+    if shutil.which(cmd[0], path=base.get("PATH", os.defpath)) is None:
+        _command_not_found(cmd[0], recipe)
+        return RunResult(
+            exit_code=127,
+            session_id=session_id,
+            turns=0,
+            prompt_tokens=0,
+            sampled_tokens=0,
+            db=proxy.config.db,
+            recorded=False,
+        )
     await proxy.start()
     harvest = proxy.config.mode == "harvest"
     assert proxy.store is not None and proxy.ca is not None and (harvest or proxy.gateway is not None)
@@ -142,9 +157,7 @@ async def run_harness(
         if harvest
         else {"backend": proxy.config.policy.backend_url, "recipe": recipe.name},
     )
-    child = child_env(
-        env if env is not None else os.environ, recipe, proxy.url, proxy.ca, session_id, harvest=harvest
-    )
+    child = child_env(base, recipe, proxy.url, proxy.ca, session_id, harvest=harvest)
     untrusted = False
     # Signal handlers go in before the harness starts, so a signal can never kill us and orphan it;
     # one that arrives before the harness exists is delivered as soon as it does.
@@ -163,9 +176,8 @@ async def run_harness(
                 *cmd, env=child, process_group=0 if own_group else None
             )
             target.attach(proc, own_group)
-        except FileNotFoundError:
-            hint = f" (npm install -g {recipe.npm})" if recipe.npm else ""
-            print(f"polar-mitm: command not found: {cmd[0]}{hint}", file=sys.stderr)
+        except FileNotFoundError:  # removed since the check above
+            _command_not_found(cmd[0], recipe)
             await proxy.store.end_session(session_id, 127)
             return RunResult(
                 exit_code=127,
@@ -201,6 +213,14 @@ async def run_harness(
         db=proxy.config.db,
         untrusted=untrusted,
     )
+
+
+def _command_not_found(name: str, recipe: Recipe) -> None:
+    if os.sep in name and os.path.exists(name):
+        print(f"polar-mitm: command not found: {name} is not an executable file", file=sys.stderr)
+        return
+    hint = f" (npm install -g {recipe.npm})" if recipe.npm else ""
+    print(f"polar-mitm: command not found: {name}{hint}", file=sys.stderr)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
