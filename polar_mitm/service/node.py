@@ -75,6 +75,7 @@ class GatewayNode:
             tuple[str, int], tuple[SampleJob, str, str]
         ] = {}  # (task, index) -> job, lease, builder
         self.control = m.Control()
+        self.preparing: set[tuple[str, int]] = set()  # leased, image being prepared
         self._http: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="polar-node-"))
@@ -130,7 +131,7 @@ class GatewayNode:
         beat = asyncio.create_task(self._heartbeats())
         try:
             while not self._stop.is_set():
-                free = self.capacity - len(self.jobs)
+                free = self.capacity - len(self.jobs) - len(self.preparing)
                 if free > 0 and not self.control.draining:
                     try:
                         reply = m.LeaseReply.model_validate(
@@ -141,8 +142,13 @@ class GatewayNode:
                         reply = None
                     if reply is not None:
                         self._apply(reply.control)
+                        for a in reply.assignments:  # held from now on (heartbeats list them)
+                            self.preparing.add((a.task_id, a.index))
                         for a in reply.assignments:
-                            await self._take(a)
+                            try:
+                                await self._take(a)
+                            finally:
+                                self.preparing.discard((a.task_id, a.index))
                 try:
                     await asyncio.wait_for(self._stop.wait(), self.config.poll_interval)
                 except TimeoutError:
@@ -305,7 +311,8 @@ class GatewayNode:
             generating=policy.generating if policy else 0,
             paused=bool(policy and not policy.gate.is_set()),
             turns=gateway.turns_served if gateway else 0,
-            samples=[(t, i, job.stage) for (t, i), (job, _, _) in self.jobs.items()],
+            samples=[(t, i, job.stage) for (t, i), (job, _, _) in self.jobs.items()]
+            + [(t, i, "preparing") for t, i in self.preparing],
         )
 
     async def _heartbeats(self) -> None:

@@ -284,7 +284,7 @@ class RolloutServer:
         self.events.publish(m.Event(kind="task", task_id=task_id, state="queued"))
         self.metrics.submitted.inc()
         return web.json_response(
-            m.Submitted(task_id=task_id, num_samples=req.num_samples).model_dump(), status=202
+            m.Submitted(task_id=task_id, num_samples=req.num_samples).model_dump(mode="json"), status=202
         )
 
     def _task(self, task_id: str) -> TaskRow:
@@ -325,10 +325,10 @@ class RolloutServer:
         )
 
     async def get_task(self, request: web.Request) -> web.Response:
-        return web.json_response(self.view(self._task(request.match_info["task_id"])).model_dump())
+        return web.json_response(self.view(self._task(request.match_info["task_id"])).model_dump(mode="json"))
 
     async def list_tasks(self, request: web.Request) -> web.Response:
-        return web.json_response([self.view(r).model_dump() for r in self.store.tasks()])
+        return web.json_response([self.view(r).model_dump(mode="json") for r in self.store.tasks()])
 
     def rows(self, task_id: str, normalize: str | None = "std") -> list[dict[str, Any]]:
         """The group's rows, with the GRPO advantage over its usable samples."""
@@ -364,7 +364,7 @@ class RolloutServer:
             self.store.set_task_state(row.id, "cancelled")
             self.events.publish(m.Event(kind="task", task_id=row.id, state="cancelled"))
             self._maybe_complete(row.id)
-        return web.json_response(self.view(self._task(row.id)).model_dump())
+        return web.json_response(self.view(self._task(row.id)).model_dump(mode="json"))
 
     async def event_stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
@@ -404,7 +404,7 @@ class RolloutServer:
         self.store.register_node(reg.node_id, reg.url, reg.workers)
         self.events.publish(m.Event(kind="node", state="active", data={"node_id": reg.node_id}))
         log.info("node %s registered (%s)", reg.node_id, reg.url or "no url")
-        return web.json_response(self.control(reg.node_id).model_dump())
+        return web.json_response(self.control(reg.node_id).model_dump(mode="json"))
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node_id"]
@@ -416,7 +416,15 @@ class RolloutServer:
         self.heartbeats[node_id] = hb
         self.heartbeat_at[node_id] = time.time()
         self.store.set_stages(node_id, hb.samples)
-        return web.json_response(self.control(node_id).model_dump())
+        lost = self.store.requeue_unheld(
+            node_id,
+            {(t, i) for t, i, _ in hb.samples},
+            grace=self.node_timeout,
+            max_dispatches=self.max_dispatches,
+        )
+        if lost:
+            log.warning("%d samples leased to %s never reached it: queued again", lost, node_id)
+        return web.json_response(self.control(node_id).model_dump(mode="json"))
 
     async def lease(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node_id"]
@@ -424,7 +432,7 @@ class RolloutServer:
         node = self._node(node_id)
         self.store.heartbeat(node_id, node.stats)
         if node.state != "active":
-            return web.json_response(m.LeaseReply(control=self.control(node_id)).model_dump())
+            return web.json_response(m.LeaseReply(control=self.control(node_id)).model_dump(mode="json"))
         out = []
         for s, lease in self.store.lease(node_id, body.capacity):
             row = self._task(s.task_id)
@@ -454,7 +462,9 @@ class RolloutServer:
                 )
             )
             self.events.publish(m.Event(kind="task", task_id=s.task_id, state="running"))
-        return web.json_response(m.LeaseReply(assignments=out, control=self.control(node_id)).model_dump())
+        return web.json_response(
+            m.LeaseReply(assignments=out, control=self.control(node_id)).model_dump(mode="json")
+        )
 
     async def result(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node_id"]
@@ -530,7 +540,7 @@ class RolloutServer:
                 self._start_callback(task_id)
 
     async def list_nodes(self, request: web.Request) -> web.Response:
-        return web.json_response([self.node_view(n).model_dump() for n in self.store.nodes()])
+        return web.json_response([self.node_view(n).model_dump(mode="json") for n in self.store.nodes()])
 
     def node_view(self, n) -> m.NodeView:
         return m.NodeView(
@@ -548,7 +558,7 @@ class RolloutServer:
         node = self._node(request.match_info["node_id"])
         self.store.set_node_state(node.id, "draining")
         self.events.publish(m.Event(kind="node", state="draining", data={"node_id": node.id}))
-        return web.json_response(self.node_view(self._node(node.id)).model_dump())
+        return web.json_response(self.node_view(self._node(node.id)).model_dump(mode="json"))
 
     async def _watch_nodes(self) -> None:
         """Nodes that stopped sending heartbeats are lost; their samples go back to the queue once."""
@@ -594,7 +604,9 @@ class RolloutServer:
                 break
             await asyncio.sleep(0.1)
         return web.json_response(
-            m.PauseReply(paused=True, drained=drained, generating=generating, nodes=len(nodes)).model_dump()
+            m.PauseReply(paused=True, drained=drained, generating=generating, nodes=len(nodes)).model_dump(
+                mode="json"
+            )
         )
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -606,7 +618,7 @@ class RolloutServer:
             m.Event(kind="weights", state="resumed", data={"weight_version": body.weight_version})
         )
         return web.json_response(
-            m.Control(paused=False, weight_version=self.store.get("weight_version")).model_dump()
+            m.Control(paused=False, weight_version=self.store.get("weight_version")).model_dump(mode="json")
         )
 
     # -- callbacks ------------------------------------------------------------------------------
@@ -624,7 +636,7 @@ class RolloutServer:
         row = self._task(task_id)
         req = m.TaskRequest.model_validate_json(row.request)
         assert req.callback_url and self._http is not None
-        payload = {"task": self.view(row).model_dump(), "rows": self.rows(task_id)}
+        payload = {"task": self.view(row).model_dump(mode="json"), "rows": self.rows(task_id)}
         delay = self.callback_backoff
         error = None
         for attempt in range(1, self.callback_attempts + 1):

@@ -240,6 +240,29 @@ class ServiceStore:
             )
         return cur.rowcount == 1
 
+    def requeue_unheld(
+        self, node_id: str, held: set[tuple[str, int]], grace: float, max_dispatches: int
+    ) -> int:
+        """Samples dispatched to a node that its heartbeat does not list (the lease reply never
+        reached it) for longer than `grace` seconds: queued again while dispatches are left."""
+        now = time.time()
+        stale = [
+            (t, i)
+            for t, i, at in self.db.execute(
+                "SELECT task_id, idx, updated_at FROM service_samples WHERE node_id = ? AND state = 'dispatched'"
+                " AND dispatches < ?",
+                (node_id, max_dispatches),
+            )
+            if (t, i) not in held and now - at > grace
+        ]
+        with self.db:
+            self.db.executemany(
+                "UPDATE service_samples SET state = 'queued', stage = NULL, node_id = NULL, lease = NULL,"
+                " updated_at = ? WHERE task_id = ? AND idx = ? AND state = 'dispatched'",
+                [(now, t, i) for t, i in stale],
+            )
+        return len(stale)
+
     def set_stages(self, node_id: str, stages: list[tuple[str, int, str]]) -> None:
         with self.db:
             self.db.executemany(

@@ -29,18 +29,6 @@ IMAGE = os.environ.get("POLAR_MITM_TEST_IMAGE", "polar-mitm/rollout-base:bookwor
 LABEL = "polar-mitm.rollout"
 
 
-@pytest.fixture(scope="module")
-def docker_client():
-    docker = pytest.importorskip("docker")
-    try:
-        client = docker.from_env()
-        client.ping()
-        client.images.get(IMAGE)
-    except Exception as e:
-        pytest.fail(f"Docker with the test image {IMAGE} is needed: run `bash scripts/docker.sh` ({e})")
-    return client
-
-
 def leftovers(client) -> list:
     return client.containers.list(all=True, filters={"label": LABEL})
 
