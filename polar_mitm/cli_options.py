@@ -83,12 +83,23 @@ FLAGS: dict[str, Flag] = {
     "ping_interval": Flag("Seconds between keep-alive events while a reply is generated."),
     "first_token_timeout": Flag(
         "Seconds to wait for the backend's first token (a long prompt on a busy engine) before "
-        "the turn fails and the harness is told to retry; in chat backend mode, for the whole reply; "
+        "the turn fails and the harness is told to retry; for the whole reply when it comes whole "
+        "(chat backend mode, --backend-stream whole); "
         "0 waits forever"
     ),
     "idle_timeout": Flag(
         "Seconds of backend silence between streamed tokens before the turn fails (its tokens "
         "are kept as an 'error' turn); 0 waits forever"
+    ),
+    "backend_stream": Flag(
+        "How replies come from the backend. stream: streamed as sampled; whole: in one piece, the "
+        "harness kept alive with pings meanwhile; auto: stream when the server streams "
+        "incrementally (SGLang's --incremental-streaming-output), else whole (SGLang's default "
+        "cumulative chunks cost O(n^2) for an n-token reply)."
+    ),
+    "chunk_interval": Flag(
+        "Seconds between reply events while a reply streams from the backend: chunks arriving "
+        "meanwhile go to the harness together (the last at once); 0 sends each as it arrives."
     ),
 }
 

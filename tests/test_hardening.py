@@ -209,9 +209,14 @@ async def test_no_first_token_after_pings_ends_the_stream_with_an_error_event(ma
 
 
 async def test_a_backend_that_stalls_mid_stream_fails_the_turn_and_keeps_it_as_error(make_stack):
-    # Four tokens 1.5 s apart: without an idle limit the reply would just arrive slowly.
+    # Four tokens 1.5 s apart: without an idle limit the reply would just arrive slowly. The backend
+    # streams incrementally, so the policy streams from it (it asks a cumulative one for whole replies).
     stack = await make_stack(
-        backend={"token_delay": 1.5, "script": [{"match": "", "text": "one two three"}]},
+        backend={
+            "token_delay": 1.5,
+            "script": [{"match": "", "text": "one two three"}],
+            "incremental_streaming_output": True,
+        },
         policy={"first_token_timeout": 10, "idle_timeout": 0.5},
     )
     async with stack.client() as c:

@@ -172,7 +172,10 @@ LONG = [{"match": "", "text": " ".join(f"word{i}" for i in range(300))}]
 
 
 async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack):
-    stack = await make_stack(backend={"token_delay": 0.01, "script": LONG})
+    # Streamed from SGLang's default cumulative chunks (by default the policy asks for whole replies).
+    stack = await make_stack(
+        backend={"token_delay": 0.01, "script": LONG}, policy={"backend_stream": "stream"}
+    )
     async with stack.client() as c:
         async with c.stream("POST", URL, json=body([{"role": "user", "content": "hi"}], stream=True)) as r:
             deltas = 0
@@ -196,7 +199,9 @@ async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack)
 
 
 async def test_backend_dying_mid_stream_ends_the_stream_with_an_error_event(make_stack):
-    stack = await make_stack(backend={"token_delay": 0.005, "script": LONG})
+    stack = await make_stack(
+        backend={"token_delay": 0.005, "script": LONG}, policy={"backend_stream": "stream"}
+    )
     async with httpx.AsyncClient() as c:
         await c.post(stack.backend_url + "/_fake/fault", json={"mode": "drop_midstream", "count": 1})
     async with stack.client() as c:
@@ -352,6 +357,7 @@ async def test_replies_stream_as_generated_with_pings_while_the_backend_is_silen
             "first_token_delay": 1.0,
             "token_delay": 0.03,
             "script": [{"match": "", "text": "one two three " * 10}],
+            "incremental_streaming_output": True,  # so the policy streams from it
         }
     )
     seen: list[tuple[float, str]] = []

@@ -80,6 +80,8 @@ def test_shared_proxy_keeps_sessions_apart(shared_proxy):
     assert b"secret-token" not in db.read_bytes()
 
 
+# Streamed from the backend, so the proxy dies while the reply is still being sampled.
+@pytest.mark.parametrize("shared_proxy", [["--backend-stream", "stream"]], indirect=True)
 def test_a_killed_proxy_leaves_the_database_consistent_with_what_the_harness_saw(shared_proxy):
     port, db, proc, certs = shared_proxy
     with client(port, certs, "s") as c:

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -34,7 +35,7 @@ from polar_mitm.backends.render import (
     render_continuation,
     render_full,
 )
-from polar_mitm.backends.sglang import GenerateChunk, ModelInfo, SGLangClient, sampling_params
+from polar_mitm.backends.sglang import GenerateState, ModelInfo, SGLangClient, ids_json, sampling_params
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import (
     ChatRequest,
@@ -71,6 +72,17 @@ class PolicyConfig(BaseModel):
     # there the first-token limit bounds the whole reply.
     first_token_timeout: float | None = 600.0
     idle_timeout: float | None = 120.0  # between streamed chunks
+    # How replies come from the backend. stream: as SGLang streams them; whole: in one piece
+    # (stream=false), the harness kept alive with pings meanwhile and the reply streamed to it once
+    # complete. auto: stream when the server streams incrementally (--incremental-streaming-output),
+    # else whole: SGLang's default cumulative chunks each repeat the whole reply so far, so
+    # streaming n tokens costs O(n^2) bytes to serialize, send and parse on both sides. In whole
+    # mode the first-token timeout bounds the whole reply (no token arrives before the last).
+    backend_stream: Literal["auto", "stream", "whole"] = "auto"
+    # Seconds between the reply events a harness gets while a reply streams from the backend:
+    # chunks arriving meanwhile go out together (fewer, larger events cost the proxy and the
+    # harness less per token; the last chunk goes out at once). 0: each chunk as it arrives.
+    chunk_interval: float = 0.05
 
 
 class TurnContext(BaseModel):
@@ -83,6 +95,11 @@ class TurnContext(BaseModel):
     raw_request: str | None = None  # already redacted
     tag: str | None = None
     id_prefix: str = "call_"
+
+
+def _join_ids(a: bytes, b: bytes) -> bytes:
+    """Two `ids_json` texts as one (either may be empty)."""
+    return a + b"," + b if a and b else a or b
 
 
 def new_turn_id() -> str:
@@ -122,7 +139,7 @@ def _chat_abort(data: Any) -> dict[str, Any] | None:
     return {"type": "abort"} if choice.get("finish_reason") == "abort" else None
 
 
-def _finish(chunk: GenerateChunk | None, has_tool_calls: bool) -> tuple[str, str | None]:
+def _finish(chunk: GenerateState | None, has_tool_calls: bool) -> tuple[str, str | None]:
     fr = (chunk.finish_reason if chunk else None) or {}
     kind = fr.get("type")
     if kind == "length":
@@ -160,8 +177,11 @@ def turn_record(
     started: float,
     finish_reason: str | None = None,
 ) -> TurnRecord:
-    """The stored form of one generation; post_hash lets a later echo of the reply find it."""
-    return TurnRecord(
+    """The stored form of one generation; post_hash lets a later echo of the reply find it.
+
+    Built without validation: every value is ours or already checked (a 30k-token prompt would
+    otherwise be validated id by id on every turn)."""
+    return TurnRecord.model_construct(
         id=turn_id,
         session_id=ctx.session_id,
         style=req.style,
@@ -176,7 +196,7 @@ def turn_record(
         prompt_ref_len=ref_len,
         output_ids=output_ids,
         output_logprobs=output_logprobs,
-        weight_version=weight_version,
+        weight_version=None if weight_version is None else str(weight_version),
         msg_hash=msg_hash,
         post_hash=extend_hash(msg_hash, completion.as_message()) if completion else None,
         request=ctx.raw_request,
@@ -201,6 +221,10 @@ class Policy:
         self.gate = asyncio.Event()
         self.gate.set()
         self.generating = 0
+        # The serialized ids (`ids_json`) of recent turns' full sequences, so a spliced prompt is
+        # sent as that text plus its new ids instead of re-serializing the whole conversation.
+        self._sent_ids: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
+        self._sent_bytes = 0
 
     def pause(self) -> None:
         """Start no new generation until `resume` (those under way finish)."""
@@ -233,6 +257,38 @@ class Policy:
             return (await self.model_info()).context_length
         except ProviderError:
             return None
+
+    async def backend_streaming(self) -> tuple[bool, bool | None]:
+        """(whether to stream from the backend, whether its chunks are cumulative; None: unknown),
+        from `backend_stream` and what the server reports."""
+        if self.config.backend_stream == "whole":
+            return False, None
+        try:
+            incremental = (await self.model_info()).incremental_streaming_output
+        except ProviderError:
+            incremental = None
+        cumulative = None if incremental is None else not incremental
+        return self.config.backend_stream == "stream" or incremental is True, cumulative
+
+    # Serialized sequences kept for splicing (bytes, ~6 per token): a few sessions' worth each.
+    SENT_IDS_MAX_BYTES = 64 * 1024 * 1024
+
+    def serialized_prompt(self, prompt_ids: list[int], ref: str | None, ref_len: int) -> bytes:
+        """`ids_json(prompt_ids)`, built from the referenced turn's serialized sequence when it is
+        kept (that sequence is prompt_ids[:ref_len] by construction)."""
+        kept = self._sent_ids.get(ref) if ref is not None else None
+        if kept is None or kept[0] != ref_len:
+            return ids_json(prompt_ids)
+        return _join_ids(kept[1], ids_json(prompt_ids[ref_len:]))
+
+    def _keep_sent(self, turn_id: str, ref: str | None, tokens: int, serialized: bytes) -> None:
+        if ref is not None and (old := self._sent_ids.pop(ref, None)) is not None:
+            self._sent_bytes -= len(old[1])  # its successor covers it
+        self._sent_ids[turn_id] = (tokens, serialized)
+        self._sent_bytes += len(serialized)
+        while self._sent_bytes > self.SENT_IDS_MAX_BYTES and len(self._sent_ids) > 1:
+            _, (_, old_bytes) = self._sent_ids.popitem(last=False)
+            self._sent_bytes -= len(old_bytes)
 
     async def tokenizer(self) -> Tokenizer:
         if self._tok is None:
@@ -360,11 +416,12 @@ class Policy:
             default_max_tokens=self.config.default_max_tokens,
         )
         turn_id = new_turn_id()
-        state: GenerateChunk | None = None
         committed = False
         error: str | None = None
-        gen = self.client.generate(prompt_ids, params)
-        pending: asyncio.Future | None = None
+        streamed, cumulative = await self.backend_streaming()
+        sent_ids = self.serialized_prompt(prompt_ids, ref, ref_len)
+        gen = self.client.generate(sent_ids, params, stream=streamed, cumulative=cumulative)
+        state = gen.state
 
         def record(
             status: str, completion: Completion | None, finish_reason: str | None = None
@@ -378,9 +435,9 @@ class Policy:
                 prompt_ids=prompt_ids,
                 ref=ref,
                 ref_len=ref_len,
-                output_ids=state.output_ids if state else [],
-                output_logprobs=state.output_logprobs if state else [],
-                weight_version=state.weight_version if state else None,
+                output_ids=state.output_ids,
+                output_logprobs=state.output_logprobs,
+                weight_version=state.weight_version,
                 msg_hash=hashes[-1],
                 error=error,
                 started=t0,
@@ -397,44 +454,35 @@ class Policy:
             self.generating += 1
             counted = True
             heard = loop.time()  # when the request went out, then when the last chunk came
-            it = gen.__aiter__()
-            prev_text = ""
             while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(it.__anext__())
-                limit = self.config.first_token_timeout if state is None else self.config.idle_timeout
+                # Until a first chunk (in whole mode: until the reply), the first-token limit.
+                limit = self.config.first_token_timeout if not state.chunks else self.config.idle_timeout
                 left = heard + limit - loop.time() if limit else None
                 last_wait = left is not None and left <= self.config.ping_interval
-                done, _ = await asyncio.wait(
-                    {pending}, timeout=max(left, 0.0) if last_wait else self.config.ping_interval
+                delta = await gen.next(
+                    max(left, 0.0) if last_wait else self.config.ping_interval, self.config.chunk_interval
                 )
-                if not done:
+                if delta is None:
                     if last_wait:
-                        raise self.silence(first_token=state is None)
+                        raise self.silence(first_token=not state.chunks)
                     if not started:
                         started = True
                         yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
                     yield Ping()
                     continue
-                fut, pending = pending, None
-                try:
-                    state = fut.result()
-                except StopAsyncIteration:
-                    break
                 heard = loop.time()
+                if not state.chunks:
+                    break  # the stream ended without a chunk
                 if _aborted(state.finish_reason):
                     break  # before Started: an abort on the first chunk sends the harness nothing
                 if not started:
                     started = True
                     yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
-                text = state.text
-                delta = text[len(prev_text) :] if text.startswith(prev_text) else text
-                prev_text = text
                 for ev in parser.feed(delta):
                     yield ev
-                if state.finish_reason is not None:
+                if state.finish_reason is not None or gen.finished:
                     break
-            if state is not None and _aborted(state.finish_reason):
+            if _aborted(state.finish_reason):
                 aborted = abort_error(state.finish_reason, self.config.backend_url)
                 error = aborted.message
                 # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
@@ -443,7 +491,7 @@ class Policy:
                 raise aborted
             for ev in parser.finish():
                 yield ev
-            finish, stop_seq = _finish(state, bool(parser.tool_calls))
+            finish, stop_seq = _finish(state if state.chunks else None, bool(parser.tool_calls))
             completion = Completion(
                 turn_id=turn_id,
                 model=req.model,
@@ -454,15 +502,19 @@ class Policy:
                 stop_sequence=stop_seq,
                 usage=Usage(
                     prompt_tokens=len(prompt_ids),
-                    completion_tokens=len(state.output_ids) if state else 0,
-                    cached_tokens=(state.cached_tokens or 0) if state else 0,
-                    reasoning_tokens=reasoning_token_count(
-                        tok, state.output_ids if state else [], bool(parser.reasoning)
-                    ),
+                    completion_tokens=len(state.output_ids),
+                    cached_tokens=state.cached_tokens or 0,
+                    reasoning_tokens=reasoning_token_count(tok, state.output_ids, bool(parser.reasoning)),
                 ),
             )
             await asyncio.shield(self.store.insert_turn(record("ok", completion)))
             committed = True
+            self._keep_sent(
+                turn_id,
+                ref,
+                len(prompt_ids) + len(state.output_ids),
+                _join_ids(sent_ids, ids_json(state.output_ids)),
+            )
             yield Done(completion=completion)
         except ProviderError as e:
             error = e.message
@@ -470,14 +522,8 @@ class Policy:
         finally:
             if counted:
                 self.generating -= 1
-            if pending is not None and not pending.done():
-                pending.cancel()
-                await asyncio.wait({pending})
-            try:
-                await gen.aclose()
-            except RuntimeError:
-                pass
-            if not committed and state is not None:
+            await gen.aclose()
+            if not committed and state.chunks:
                 status = "error" if error else "aborted"
                 try:
                     await asyncio.shield(self.store.insert_turn(record(status, None)))

@@ -7,12 +7,12 @@ Only SGLang's own names go over the wire: `input_ids`, `sampling_params` with SG
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from polar_mitm.neutral import ProviderError, Sampling
 
@@ -24,20 +24,45 @@ class ModelInfo(BaseModel):
     reasoning_parser: str | None = None
     weight_version: str | None = None
     context_length: int | None = None
+    # From /get_server_info: whether streamed chunks hold only what is new (True) or everything
+    # so far (False, SGLang's default); None when the server does not say.
+    incremental_streaming_output: bool | None = None
 
 
-class GenerateChunk(BaseModel):
-    """The cumulative state of one generation after a streamed chunk (or at the end)."""
+class GenerateState:
+    """What one generation has produced so far. Chunks fold into it in place (no copies), so a
+    reply of n tokens costs O(n) however many chunks bring it."""
 
-    text: str = ""
-    output_ids: list[int] = Field(default_factory=list)
-    output_logprobs: list[float] = Field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    weight_version: str | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    chunks: int = 0
-    cumulative: bool | None = None  # decided at the second chunk
+    __slots__ = (
+        "output_ids",
+        "output_logprobs",
+        "finish_reason",
+        "weight_version",
+        "prompt_tokens",
+        "cached_tokens",
+        "chunks",
+        "cumulative",
+        "_text",
+    )
+
+    def __init__(self, cumulative: bool | None = None):
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.finish_reason: dict[str, Any] | None = None
+        self.weight_version: str | None = None
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.chunks = 0
+        # Whether each chunk repeats everything so far (SGLang's default) or only adds to it
+        # (--incremental-streaming-output); None: decided at the second chunk.
+        self.cumulative = cumulative
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        if len(self._text) > 1:
+            self._text[:] = ["".join(self._text)]
+        return self._text[0] if self._text else ""
 
 
 def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
@@ -88,34 +113,32 @@ class SGLangClient:
             async with http.get(f"{self.base_url}/model_info", timeout=self._info_timeout()) as r:
                 r.raise_for_status()
                 info = ModelInfo.model_validate(await r.json(content_type=None))
+            server = await self._get_json(http, "/get_server_info")
+            if isinstance(server.get("incremental_streaming_output"), bool):
+                info.incremental_streaming_output = server["incremental_streaming_output"]
             if info.context_length is None:
-                info.context_length = await self._context_length(http)
+                info.context_length = _positive(server.get("context_length"))
+            if info.context_length is None:
+                models = await self._get_json(http, "/v1/models")
+                try:
+                    info.context_length = _positive(models["data"][0].get("max_model_len"))
+                except (KeyError, IndexError, TypeError, AttributeError):
+                    pass
             return info
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise self._unreachable(e) from e
 
-    async def _context_length(self, http: aiohttp.ClientSession) -> int | None:
-        """SGLang reports it in /get_server_info (server args) and /v1/models (max_model_len)."""
-        for path, pick in (
-            ("/get_server_info", lambda d: d.get("context_length")),
-            ("/v1/models", lambda d: (d.get("data") or [{}])[0].get("max_model_len")),
-        ):
-            try:
-                async with http.get(f"{self.base_url}{path}", timeout=self._info_timeout()) as r:
-                    if r.status == 200:
-                        value = pick(await r.json(content_type=None))
-                        if isinstance(value, int) and value > 0:
-                            return value
-            except (
-                aiohttp.ClientError,
-                OSError,
-                TimeoutError,
-                ValueError,
-                AttributeError,
-                IndexError,
-            ):
-                continue
-        return None
+    async def _get_json(self, http: aiohttp.ClientSession, path: str) -> dict[str, Any]:
+        """An optional info endpoint's JSON object; {} when the server lacks it or answers oddly.
+        SGLang reports server args in /get_server_info and max_model_len in /v1/models."""
+        try:
+            async with http.get(f"{self.base_url}{path}", timeout=self._info_timeout()) as r:
+                if r.status == 200:
+                    value = await r.json(content_type=None)
+                    return value if isinstance(value, dict) else {}
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            pass
+        return {}
 
     def _unreachable(self, e: BaseException) -> ProviderError:
         return ProviderError(
@@ -139,37 +162,156 @@ class SGLangClient:
                 "api_error", f"policy backend returned unreadable JSON: {text[:200]!r}", 502
             ) from e
 
-    async def generate(self, input_ids: list[int], params: dict[str, Any]) -> AsyncIterator[GenerateChunk]:
-        """Stream one generation. Yields the cumulative state after every chunk.
+    def generate(
+        self,
+        input_ids: list[int] | bytes,
+        params: dict[str, Any],
+        *,
+        stream: bool = True,
+        cumulative: bool | None = None,
+    ) -> GenerateStream:
+        """One generation, not yet sent (`GenerateStream.next` sends it). `input_ids` may come
+        already serialized (`ids_json`), so a long conversation is not re-serialized every turn.
+        `stream=False` asks for the whole reply at once; `cumulative` says how the server streams
+        (None: decided from its second chunk)."""
+        ids = input_ids if isinstance(input_ids, bytes) else ids_json(input_ids)
+        return GenerateStream(self, generate_body(ids, params, stream), stream, cumulative)
 
-        Raises ProviderError before the first chunk when the backend is down or refuses.
-        """
-        http = await self._http()
-        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "stream": True}
-        try:
-            resp = await http.post(f"{self.base_url}/generate", json=body)
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            raise self._unreachable(e) from e
-        async with resp:
-            if resp.status != 200:
-                raise status_error(resp.status, await resp.text())
-            state = GenerateChunk()
-            buf = b""
+
+def ids_json(ids: list[int]) -> bytes:
+    """Token ids as the inside of a JSON list ("1,2,3"); two of these join with a comma."""
+    return json.dumps(ids, separators=(",", ":"))[1:-1].encode()
+
+
+def generate_body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
+    """The /generate request body around already serialized input ids."""
+    return b"".join(
+        (
+            b'{"input_ids":[',
+            ids,
+            b'],"sampling_params":',
+            json.dumps(params).encode(),
+            b',"return_logprob":true,"stream":',
+            b"true}" if stream else b"false}",
+        )
+    )
+
+
+class GenerateStream:
+    """One /generate request on its way. A reader task (one per generation) sends it and folds
+    what arrives into `state`; `next` waits for news. Chunks that arrive together come out as one
+    piece of news, and of cumulative chunks that arrive together only the last is parsed: it
+    repeats the others."""
+
+    def __init__(self, client: SGLangClient, body: bytes, stream: bool, cumulative: bool | None):
+        self.client = client
+        self.body = body
+        self.streamed = stream
+        self.state = GenerateState(cumulative)
+        self.finished = False  # the reply ended (or failed); `next` says which
+        self._text: list[str] = []  # text not yet handed out by `next`
+        self._news = asyncio.Event()
+        self._ended = asyncio.Event()  # the last chunk (one with a finish reason) or the end came
+        self._task: asyncio.Task | None = None
+        self._handed = float("-inf")  # loop time of the last news handed out
+
+    async def next(self, timeout: float | None, hold: float = 0.0) -> str | None:
+        """The text added since the last call, once anything arrived (or the reply ended; then
+        `finished` is set); None when nothing did within `timeout` seconds. With `hold`, news comes
+        at most every `hold` seconds until the last chunk (which comes at once): what streams in
+        meanwhile is handed out together, so a fast stream costs its reader fewer, larger events.
+
+        Raises ProviderError when the backend is down, refuses, or the stream breaks; the tokens
+        that arrived before stay in `state`."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._read())
+        if not self._news.is_set():
+            if timeout is not None and timeout <= 0:
+                return None
             try:
-                async for data in resp.content.iter_any():
-                    buf += data
-                    while b"\n\n" in buf:
-                        event, buf = buf.split(b"\n\n", 1)
-                        for line in event.split(b"\n"):
-                            if not line.startswith(b"data:"):
-                                continue
-                            payload = line[5:].strip()
-                            if payload == b"[DONE]":
-                                return
-                            state = _apply_chunk(state, payload)
-                            yield state
+                # A timeout around the wait, not a task per chunk: cancelling an Event wait is free.
+                await asyncio.wait_for(self._news.wait(), timeout)
+            except TimeoutError:
+                return None
+        if hold > 0 and not self._ended.is_set():
+            loop = asyncio.get_running_loop()
+            rest = self._handed + hold - loop.time()
+            if rest > 0:
+                try:
+                    await asyncio.wait_for(self._ended.wait(), rest)
+                except TimeoutError:
+                    pass
+            self._handed = loop.time()
+        self._news.clear()
+        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
+            raise self._task.exception()  # type: ignore[misc]
+        text = "".join(self._text)
+        self._text.clear()
+        return text
+
+    async def aclose(self) -> None:
+        """Stop reading (closing the connection aborts the generation on the server)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait({self._task})
+
+    async def _read(self) -> None:
+        try:
+            http = await self.client._http()
+            url = f"{self.client.base_url}/generate"
+            try:
+                resp = await http.post(url, data=self.body, headers={"Content-Type": "application/json"})
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                raise ProviderError("overloaded", f"policy backend stream broke: {e}", 529) from e
+                raise self.client._unreachable(e) from e
+            async with resp:
+                if resp.status != 200:
+                    raise status_error(resp.status, await resp.text())
+                try:
+                    if self.streamed:
+                        await self._read_events(resp.content)
+                    else:
+                        self._fold(await resp.read())
+                except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                    raise ProviderError("overloaded", f"policy backend stream broke: {e}", 529) from e
+        finally:
+            self.finished = True
+            self._ended.set()
+            self._news.set()
+
+    async def _read_events(self, content: aiohttp.StreamReader) -> None:
+        buf = bytearray()
+        done = False
+        async for data in content.iter_any():
+            if done:
+                continue  # drain to the end, so the connection can be reused
+            buf += data
+            end = buf.rfind(b"\n\n")
+            if end < 0:
+                continue
+            events = bytes(buf[:end])
+            del buf[: end + 2]
+            payloads = [line[5:].strip() for line in events.split(b"\n") if line.startswith(b"data:")]
+            if payloads and payloads[-1] == b"[DONE]":
+                done = True
+                payloads.pop()
+            if self.state.cumulative and len(payloads) > 1:
+                payloads = payloads[-1:]
+            for payload in payloads:
+                self._fold(payload)
+            if payloads:
+                self._news.set()
+
+    def _fold(self, payload: bytes) -> None:
+        text = _apply_chunk(self.state, payload)
+        if text:
+            self._text.append(text)
+        if self.state.finish_reason is not None:
+            self._ended.set()
+        self._news.set()
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def status_error(status: int, body: str) -> ProviderError:
@@ -182,7 +324,9 @@ def status_error(status: int, body: str) -> ProviderError:
     return ProviderError("api_error", f"policy backend answered HTTP {status}: {detail}", 500)
 
 
-def _apply_chunk(state: GenerateChunk, payload: bytes) -> GenerateChunk:
+def _apply_chunk(state: GenerateState, payload: bytes) -> str:
+    """Fold one /generate output (a streamed chunk, or the whole reply) into `state`; returns the
+    text it adds."""
     try:
         obj = json.loads(payload)
         meta = obj.get("meta_info") or {}
@@ -194,41 +338,41 @@ def _apply_chunk(state: GenerateChunk, payload: bytes) -> GenerateChunk:
                 raise ProviderError("invalid_request", f"policy backend rejected the request: {message}", 400)
             raise ProviderError("api_error", f"policy backend error: {message}", 500)
         text = obj["text"]
-        ids = list(obj["output_ids"])
+        ids = obj["output_ids"]
         lps = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
+        if not isinstance(ids, list) or not isinstance(text, str):
+            raise TypeError("output_ids is not a list or text is not a string")
     except ProviderError:
         raise
-    except (ValueError, KeyError, TypeError, IndexError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise ProviderError(
             "api_error", f"policy backend returned an unreadable chunk: {payload[:200]!r}", 502
         ) from e
     # SGLang streams cumulative state by default and increments with --incremental-streaming-output;
-    # accept both, deciding once at the second chunk.
-    acc = state.output_ids
-    cumulative = state.cumulative
-    if state.chunks == 1 and cumulative is None:
-        cumulative = len(ids) > len(acc) and ids[: len(acc)] == acc
-    if state.chunks == 0 or cumulative:
-        new_ids, new_lps, new_text = ids, lps, text
+    # accept both, deciding once at the second chunk unless the server said which.
+    if state.chunks == 1 and state.cumulative is None:
+        acc = state.output_ids
+        state.cumulative = len(ids) > len(acc) and ids[: len(acc)] == acc
+    if state.chunks == 0 or state.cumulative:
+        prev = state.text
+        added = text[len(prev) :] if text.startswith(prev) else text
+        state.output_ids, state.output_logprobs = ids, lps
+        state._text[:] = [text]
     else:
-        new_ids = acc + ids
-        new_lps = state.output_logprobs + lps
-        new_text = state.text + text
-    if len(new_lps) != len(new_ids):
+        added = text
+        state.output_ids.extend(ids)
+        state.output_logprobs.extend(lps)
+        state._text.append(text)
+    if len(state.output_logprobs) != len(state.output_ids):
         raise ProviderError(
             "api_error",
-            f"policy backend returned {len(new_ids)} output ids but {len(new_lps)} logprobs; "
-            "is return_logprob supported?",
+            f"policy backend returned {len(state.output_ids)} output ids but {len(state.output_logprobs)} "
+            "logprobs; is return_logprob supported?",
             502,
         )
-    return GenerateChunk(
-        text=new_text,
-        output_ids=new_ids,
-        output_logprobs=new_lps,
-        finish_reason=meta.get("finish_reason"),
-        weight_version=meta.get("weight_version", state.weight_version),
-        prompt_tokens=meta.get("prompt_tokens", state.prompt_tokens),
-        cached_tokens=meta.get("cached_tokens", state.cached_tokens),
-        chunks=state.chunks + 1,
-        cumulative=cumulative,
-    )
+    state.finish_reason = meta.get("finish_reason")
+    state.weight_version = meta.get("weight_version", state.weight_version)
+    state.prompt_tokens = meta.get("prompt_tokens", state.prompt_tokens)
+    state.cached_tokens = meta.get("cached_tokens", state.cached_tokens)
+    state.chunks += 1
+    return added

@@ -29,7 +29,13 @@ CODEX = ["codex", "exec", "--skip-git-repo-check", "-s", "workspace-write"]
 
 
 def run_codex(
-    tmp_path: Path, backend: FakeBackend, tokenizer_dir: Path, session: str, *codex_args: str, turns: int = 2
+    tmp_path: Path,
+    backend: FakeBackend,
+    tokenizer_dir: Path,
+    session: str,
+    *codex_args: str,
+    turns: int = 2,
+    polar_args: tuple[str, ...] = (),
 ):
     require_binary("codex")
     work, db = tmp_path / "work", tmp_path / "runs.sqlite"
@@ -46,6 +52,7 @@ def run_codex(
             str(db),
             "--session",
             session,
+            *polar_args,
         ],
         [*CODEX, *codex_args, "Create out.txt containing hi"],
         cwd=work,
@@ -143,7 +150,10 @@ def test_backend_breaking_mid_stream_is_retried_by_codex(tmp_path, backend, qwen
     """A policy backend that dies mid-reply must look retryable to Codex (it gives up at once on
     OpenAI's "server_is_overloaded" code, which it reads as "model at capacity")."""
     backend.post("/_fake/fault", {"mode": "drop_midstream", "count": 1})
-    db = run_codex(tmp_path, backend, qwen_tokenizer_dir, "codex-retry", turns=3)
+    # Streamed from the backend, so the tokens sampled before the break arrive and are kept (by
+    # default a cumulative backend's reply is asked for whole: a break then leaves no tokens).
+    stream = ("--backend-stream", "stream")
+    db = run_codex(tmp_path, backend, qwen_tokenizer_dir, "codex-retry", turns=3, polar_args=stream)
     statuses = [t.status for t in read_turns(db)]
     assert statuses[0] == "error" and statuses[1:] == ["ok", "ok"]
 

@@ -1,0 +1,201 @@
+"""Added latency per turn against the architecture's floor: polar-mitm vs. bare mitmdump.
+
+Four paths, measured interleaved in the same run, on a later turn of a conversation (the client
+keeps its connection alive), at each context size:
+
+- polar-mitm: a streamed Anthropic request through `polar-mitm proxy` to the fake SGLang backend;
+- its direct baseline: the very /generate body the proxy sent, straight to the fake backend;
+- bare mitmdump (its default addons, quiet) intercepting the same HTTPS request and forwarding it
+  (map_remote) to a trivial aiohttp server that answers polar-mitm's own reply bytes;
+- its direct baseline: the same request straight to the trivial server.
+
+Each proxy runs in its own process, so its CPU per turn is read from /proc as well. The figure
+of the issue is the ratio of added latencies: (polar-mitm − its direct) / (mitmdump − its direct);
+the goal is ≤ 1.5×. `--profile` records the polar-mitm process with py-spy during its turns and
+prints where its CPU goes.
+
+    .venv/bin/python bench/bench_floor.py [--reps 30] [--contexts 1000,32000] [--turn 10] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+from _procs import Proc, Profile, ensure_ca, start_fake, start_mitmdump, start_proxy, start_trivial, workdir
+
+from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.backends.tokenizer_build import ensure_tokenizer
+
+HOST = "api.anthropic.com"
+URL = f"https://{HOST}/v1/messages"
+BASH = {"name": "Bash", "description": "Run a command", "input_schema": {"type": "object", "properties": {}}}
+SCRIPT = [{"match": "", "tool_call": {"name": "Bash", "arguments": {"command": "ls"}}}]
+
+
+def filler(tok: Tokenizer, tokens: int) -> str:
+    unit = "The quick brown fox jumps over the lazy dog while the proxy records every token. "
+    return unit * max(1, tokens // len(tok.encode(unit)))
+
+
+async def timed(client: httpx.AsyncClient, url: str, **kw) -> tuple[float, bytes]:
+    t0 = time.perf_counter()
+    chunks = []
+    async with client.stream("POST", url, **kw) as r:
+        async for chunk in r.aiter_bytes():
+            chunks.append(chunk)
+    return time.perf_counter() - t0, b"".join(chunks)
+
+
+async def conversation(client: httpx.AsyncClient, system: str, turns: int) -> list[dict]:
+    """Messages of a conversation `turns - 1` tool calls deep (built through the proxy)."""
+    msgs: list[dict] = [{"role": "user", "content": "start"}]
+    for _ in range(turns - 1):
+        r = await client.post(
+            URL, json={"model": "m", "max_tokens": 64, "system": system, "tools": [BASH], "messages": msgs}
+        )
+        content = r.json()["content"]
+        use = next(b for b in content if b["type"] == "tool_use")
+        msgs += [
+            {"role": "assistant", "content": content},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "file1\nfile2"}],
+            },
+        ]
+    return msgs
+
+
+async def measure_context(
+    tmp: Path,
+    tok: Tokenizer,
+    fake: Proc,
+    polar: Proc,
+    ca: Path,
+    ctx: int,
+    turn: int,
+    reps: int,
+    profile: bool,
+) -> dict:
+    system = filler(tok, ctx)
+    # One session per context so the conversations do not meet.
+    proxy_url = polar.url.replace("http://", f"http://floor{ctx}:x@")
+    through = httpx.AsyncClient(proxy=proxy_url, verify=str(ca), timeout=300)
+    msgs = await conversation(through, system, turn)
+    body = {
+        "model": "m",
+        "max_tokens": 64,
+        "system": system,
+        "tools": [BASH],
+        "messages": msgs,
+        "stream": True,
+    }
+    raw = json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    _, reply = await timed(through, URL, content=raw, headers=headers)
+    async with httpx.AsyncClient() as c:
+        last = (await c.get(fake.url + "/_fake/requests?last=1")).json()["requests"][-1]
+    generate_body = json.dumps(last["body"]).encode()
+    prompt_tokens = len(last["body"]["input_ids"])
+
+    trivial = start_trivial(tmp, reply)
+    mitm = start_mitmdump(tmp, HOST, trivial.url)
+    via_mitm = httpx.AsyncClient(proxy=mitm.url, verify=str(ca), timeout=300)
+    direct = httpx.AsyncClient(timeout=300)
+    paths = {
+        "polar": lambda: timed(through, URL, content=raw, headers=headers),
+        "fake direct": lambda: timed(direct, fake.url + "/generate", content=generate_body, headers=headers),
+        "mitmdump": lambda: timed(via_mitm, URL, content=raw, headers=headers),
+        "trivial direct": lambda: timed(direct, trivial.url + "/v1/messages", content=raw, headers=headers),
+    }
+    cpu_of = {"polar": polar, "mitmdump": mitm}
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    cpu: dict[str, float] = {k: 0.0 for k in cpu_of}
+    try:
+        for go in paths.values():  # warm: connections, caches
+            for _ in range(3):
+                await go()
+        prof = Profile(polar.pid, tmp / f"profile-{ctx}.txt") if profile else None
+        if prof:
+            prof.__enter__()
+        try:
+            for _ in range(reps):
+                for name, go in paths.items():
+                    proc = cpu_of.get(name)
+                    c0 = proc.cpu() if proc else 0.0
+                    t, _ = await go()
+                    times[name].append(t)
+                    if proc:
+                        cpu[name] += proc.cpu() - c0
+        finally:
+            if prof:
+                prof.__exit__(None, None, None)
+                prof.print_top()
+    finally:
+        for c in (through, via_mitm, direct):
+            await c.aclose()
+        mitm.stop()
+        trivial.stop()
+    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    return {
+        "ctx": ctx,
+        "prompt_tokens": prompt_tokens,
+        "request_bytes": len(raw),
+        "med": med,
+        "cpu": {k: v / reps * 1000 for k, v in cpu.items()},
+    }
+
+
+async def run(reps: int, contexts: list[int], turn: int, profile: bool, proxy_args: list[str]) -> None:
+    tmp = workdir("polar-bench-floor-")
+    tok_dir = ensure_tokenizer("qwen")
+    tok = Tokenizer.load(tok_dir)
+    ca = ensure_ca(tmp)
+    fake = start_fake(tmp, tokenizer_path=str(tok_dir), script=SCRIPT, context_length=400_000)
+    polar = start_proxy(tmp, fake.url, str(tok_dir), *proxy_args)
+    rows = []
+    try:
+        for ctx in contexts:
+            rows.append(await measure_context(tmp, tok, fake, polar, ca, ctx, turn, reps, profile))
+            print(f"  measured ~{ctx} tokens", flush=True)
+    finally:
+        polar.stop()
+        fake.stop()
+    print()
+    print(
+        f"turn {turn} of a conversation, keep-alive, medians of {reps} (ms); CPU is the proxy process's per turn"
+    )
+    print(
+        "| context | prompt tokens | request KB | fake direct | polar-mitm | polar added | polar CPU |"
+        " trivial direct | mitmdump | mitmdump added | mitmdump CPU | added ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        m, c = r["med"], r["cpu"]
+        pa, ma = m["polar"] - m["fake direct"], m["mitmdump"] - m["trivial direct"]
+        print(
+            f"| ~{r['ctx'] // 1000}k | {r['prompt_tokens']:,} | {r['request_bytes'] / 1024:.0f} |"
+            f" {m['fake direct']:.1f} | {m['polar']:.1f} | {pa:.1f} | {c['polar']:.1f} |"
+            f" {m['trivial direct']:.1f} | {m['mitmdump']:.1f} | {ma:.1f} | {c['mitmdump']:.1f} |"
+            f" {pa / ma:.2f}× |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--contexts", default="1000,32000")
+    ap.add_argument("--turn", type=int, default=10, help="the measured turn of the conversation")
+    ap.add_argument("--profile", action="store_true", help="py-spy record the polar-mitm process")
+    ap.add_argument("--proxy-arg", action="append", default=[], help="extra `polar-mitm proxy` argument")
+    a = ap.parse_args()
+    asyncio.run(run(a.reps, [int(x) for x in a.contexts.split(",")], a.turn, a.profile, a.proxy_arg))
+
+
+if __name__ == "__main__":
+    main()
