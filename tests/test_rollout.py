@@ -315,6 +315,33 @@ def test_rollout_command_reports_bad_task_files_and_unknown_harnesses(tmp_path):
     assert r.exit_code == 2 and "unknown recipe 'nope'" in r.output
 
 
+def test_rollout_command_checks_the_backend_before_anything_starts(tmp_path):
+    from click.testing import CliRunner
+
+    from polar_mitm.cli import main
+
+    good = tmp_path / "good.toml"
+    good.write_text('id = "t"\ninstruction = "x"\n')
+    db = tmp_path / "x.sqlite"
+    r = CliRunner().invoke(
+        main,
+        [
+            "rollout",
+            str(good),
+            "--harness",
+            "claude-code",
+            "--runtime",
+            "local",
+            "--backend",
+            "http://127.0.0.1:9",
+            "--db",
+            str(db),
+        ],
+    )
+    assert r.exit_code == 78 and "cannot reach the policy backend at http://127.0.0.1:9" in r.output
+    assert not db.exists()
+
+
 def test_rollout_command_says_when_docker_is_not_running(tmp_path, monkeypatch):
     from click.testing import CliRunner
 

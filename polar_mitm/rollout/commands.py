@@ -147,6 +147,7 @@ def rollout(
     from polar_mitm.rollout.report import render_table, rollout_reports
     from polar_mitm.runtime import make_runtime, recipes
     from polar_mitm.runtime.harness import HarnessNotInstalled
+    from polar_mitm.runtime.preflight import EXIT_CONFIG, PreflightError, check_policy
     from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
     from polar_mitm.runtime.sandbox import RuntimeUnavailable, SandboxError
     from polar_mitm.tasks import TaskFileError, load_tasks
@@ -202,7 +203,10 @@ def rollout(
     )
 
     async def go():
-        await rt.check()  # before anything starts: a clear error when the runtime cannot work
+        # Before anything starts: a clear error when the runtime, the backend or the tokenizer
+        # cannot work (one line, not a minute of harness retries).
+        await rt.check()
+        await check_policy(proxy.config.policy)
         await proxy.start()
         try:
             with Progress() as progress:
@@ -218,6 +222,9 @@ def rollout(
 
     try:
         result = asyncio.run(go())
+    except PreflightError as e:
+        click.echo(f"polar-mitm: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
     except KeyboardInterrupt:
         click.echo(
             "polar-mitm: rollout interrupted; sandboxes stopped, unfinished samples recorded as cancelled",

@@ -245,12 +245,14 @@ def test_offline_task_reaches_its_model_but_no_other_host(
     assert leftovers(docker_client) == []
 
 
-def test_missing_image_is_a_clear_error_before_anything_runs(tmp_path, docker_client):
+def test_missing_image_is_a_clear_error_before_anything_runs(
+    tmp_path, docker_client, backend, qwen_tokenizer_dir
+):
     tasks = tmp_path / "tasks"
     harbor_task(tasks, "t", "run: true", "true", docker_image="polar-mitm/does-not-exist:1")
     db = tmp_path / "runs.sqlite"
     r = rollout(
-        [str(tasks), "--harness", "claude-code", "--db", str(db)],
+        [str(tasks), "--harness", "claude-code", *policy_args(backend, qwen_tokenizer_dir, db)],
         cwd=tmp_path,
         env=harness_env(tmp_path / "h"),
     )
