@@ -312,7 +312,13 @@ async def test_pause_drains_generations_and_resume_brings_the_new_weight_version
     returns once it finished; the second call waits at the gate (its stream kept alive) until
     resume; the engine's new version shows on the second turn."""
     svc = await service(nodes=1, backend={"token_delay": 0.05})
-    two_calls = ["sh", "-c", MODEL_CALL + MODEL_CALL.replace("say hi", "say bye") + 'echo "$1" > out.txt', "h", "{instruction}"]
+    two_calls = [
+        "sh",
+        "-c",
+        MODEL_CALL + MODEL_CALL.replace("say hi", "say bye") + 'echo "$1" > out.txt',
+        "h",
+        "{instruction}",
+    ]
     async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient() as h:
         tid = await client.submit(
             task("p", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=two_calls
@@ -338,7 +344,13 @@ async def test_pause_drains_generations_and_resume_brings_the_new_weight_version
 
 async def test_max_staleness_masks_samples_that_span_too_many_versions(service):
     svc = await service(nodes=1, backend={"token_delay": 0.02})
-    two_calls = ["sh", "-c", MODEL_CALL + MODEL_CALL.replace("say hi", "say bye") + 'echo "$1" > out.txt', "h", "{instruction}"]
+    two_calls = [
+        "sh",
+        "-c",
+        MODEL_CALL + MODEL_CALL.replace("say hi", "say bye") + 'echo "$1" > out.txt',
+        "h",
+        "{instruction}",
+    ]
     async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient() as h:
         tid = await client.submit(
             task("s", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=two_calls,
@@ -591,3 +603,36 @@ def test_json_rows_survive_the_trip_bit_for_bit():
     back = Trajectory.from_row(json.loads(json.dumps(t.to_row())))
     assert back.response_logprobs.tobytes() == lp.tobytes()
     assert back.to_row() == t.to_row()
+
+
+async def test_events_stream_and_a_drained_node_takes_no_new_samples(service):
+    svc = await service(nodes=1)
+    seen: list[dict] = []
+
+    async def listen():
+        async with httpx.AsyncClient(base_url=svc.url, timeout=None) as h, h.stream("GET", "/v1/events") as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+
+    listener = asyncio.create_task(listen())
+    await asyncio.sleep(0.2)
+    async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient(base_url=svc.url) as h:
+        tid = await client.submit(
+            task("e", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=harness()
+        )
+        [g] = [x async for x in client.wait([tid], poll=0.1)]
+        assert g.outcomes[0].status == "completed"
+        drained = (await h.delete("/v1/nodes/n0")).json()
+        assert drained["state"] == "draining"
+        tid2 = await client.submit(
+            task("later", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=harness()
+        )
+        await asyncio.sleep(1.5)
+        assert [s.state for s in (await client.status(tid2)).samples] == ["queued"]  # nobody takes it
+        assert (await h.get("/v1/nodes")).json()[0]["state"] == "draining"
+    listener.cancel()
+    kinds = [(e["kind"], e.get("task_id"), e.get("state")) for e in seen]
+    assert ("task", "e", "queued") in kinds and ("sample", "e", "dispatched") in kinds
+    assert ("sample", "e", "finished") in kinds and ("task", "e", "done") in kinds
+    assert ("node", None, "draining") in kinds
