@@ -19,28 +19,57 @@ from polar_mitm.runtime import RUNTIMES
 EXIT_INTERRUPTED = 130
 
 
+def task_options(f):
+    """The options `rollout` and `submit` share: which harness, where, how many, how long."""
+    for opt in reversed(
+        [
+            click.argument("tasks", nargs=-1, required=True, type=click.Path(path_type=Path)),
+            click.option(
+                "--harness",
+                required=True,
+                help="Harness recipe: claude-code, codex, gemini-cli, qwen-code, pi, opencode.",
+            ),
+            click.option(
+                "--harness-cmd",
+                default=None,
+                help="The harness command instead of the recipe's, with an {instruction} placeholder "
+                "(split like a shell line): --harness-cmd 'claude -p {instruction} --allowedTools Bash'.",
+            ),
+            click.option("--runtime", type=click.Choice(RUNTIMES), default="docker", show_default=True),
+            click.option(
+                "--samples",
+                "-n",
+                type=click.IntRange(min=1),
+                default=1,
+                show_default=True,
+                help="Samples per task (the group size).",
+            ),
+            click.option(
+                "--early-stop",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Cancel a group's remaining samples once K usable ones are in.",
+            ),
+            click.option(
+                "--agent-timeout",
+                type=float,
+                default=None,
+                help="Seconds per harness run [default: each task's].",
+            ),
+            click.option(
+                "--total-timeout",
+                type=float,
+                default=None,
+                help="Seconds per sample, sandbox start to score [default: each task's].",
+            ),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
 @click.command()
-@click.argument("tasks", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option(
-    "--harness",
-    required=True,
-    help="Harness recipe: claude-code, codex, gemini-cli, qwen-code, pi, opencode.",
-)
-@click.option(
-    "--harness-cmd",
-    default=None,
-    help="The harness command instead of the recipe's, with an {instruction} placeholder "
-    "(split like a shell line): --harness-cmd 'claude -p {instruction} --allowedTools Bash'.",
-)
-@click.option("--runtime", type=click.Choice(RUNTIMES), default="docker", show_default=True)
-@click.option(
-    "--samples",
-    "-n",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Samples per task (the group size).",
-)
+@task_options
 @policy_options
 @click.option(
     "--out", type=click.Path(path_type=Path), default=None, help="Write the groups here as parquet."
@@ -54,26 +83,11 @@ EXIT_INTERRUPTED = 130
     help="The advantage column: std = (r - mean) / std; loo = r - mean of the others.",
 )
 @click.option(
-    "--early-stop",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Cancel a group's remaining samples once K usable ones are in.",
-)
-@click.option(
     "--retries",
     type=click.IntRange(min=0),
     default=2,
     show_default=True,
     help="Retries per sample after a sandbox failure.",
-)
-@click.option(
-    "--agent-timeout", type=float, default=None, help="Seconds per harness run [default: each task's]."
-)
-@click.option(
-    "--total-timeout",
-    type=float,
-    default=None,
-    help="Seconds per sample, sandbox start to score [default: each task's].",
 )
 @click.option(
     "--init-workers", type=click.IntRange(min=1), default=None, help="Sandboxes starting at once [default 4]."

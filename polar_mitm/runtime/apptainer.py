@@ -26,7 +26,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import time
 import uuid
 from collections.abc import Mapping
@@ -44,8 +43,9 @@ from polar_mitm.runtime.sandbox import (
     SandboxError,
     SandboxSpec,
     ca_mounts,
+    kill_group,
+    run_process,
     sandbox_ca,
-    tail,
 )
 from polar_mitm.tasks.model import Task
 
@@ -80,7 +80,6 @@ NAME_MAX = 100
 _ENV_INLINE_UNSAFE = re.compile(r"[,\"\n\r]")
 ENV_INLINE_MAX_VARS = 32
 ENV_INLINE_MAX_CHARS = 4096
-EXIT_TIMEOUT = 124
 EXIT_NOT_A_FILE = 3  # `read`'s shell line: the path is missing or not a regular file
 
 
@@ -253,54 +252,12 @@ def find_binary() -> str | None:
     return None
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 async def run_argv(
     argv: list[str], timeout: float | None = None, procs: set[asyncio.subprocess.Process] | None = None
 ) -> ExecResult:
-    """Run argv on the host in its own process group; on timeout kill the group (exit 124).
-
-    `procs` holds the process while it runs, so whoever owns that set can kill it (a sandbox's
-    `stop`). Killing `apptainer exec` ends the command in the instance too: it runs as its child.
-    """
-    t0 = time.monotonic()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,  # its own process group: a timeout kills everything it started
-        )
-    except FileNotFoundError as e:
-        return ExecResult(127, f"{argv[0]}: not found ({e})", seconds=time.monotonic() - t0)
-    if procs is not None:
-        procs.add(proc)
-    timed_out = False
-    try:
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-        except TimeoutError:
-            timed_out = True
-            _kill_group(proc.pid)
-            out, _ = await proc.communicate()
-    except asyncio.CancelledError:
-        _kill_group(proc.pid)
-        await proc.wait()
-        raise
-    finally:
-        if procs is not None:
-            procs.discard(proc)
-        _kill_group(proc.pid)  # helpers the command left behind
-    rc = proc.returncode
-    assert rc is not None  # communicate() returned: the process has ended
-    code = EXIT_TIMEOUT if timed_out else (128 - rc if rc < 0 else rc)
-    return ExecResult(code, tail(out), timed_out=timed_out, seconds=time.monotonic() - t0)
+    """`run_process` for Apptainer's command lines: killing `apptainer exec` ends the command in
+    the instance too (it runs as its child)."""
+    return await run_process(argv, timeout=timeout, procs=procs)
 
 
 # --- registry -----------------------------------------------------------------------------------
@@ -431,7 +388,7 @@ class ApptainerSandbox:
         first = not self._stopped
         self._stopped = True
         for proc in list(self._procs):
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
         if first:
             await run_argv(stop_argv(self.binary, self.name), timeout=60)  # non-zero: already gone
         if self.record_path is not None:

@@ -8,6 +8,11 @@ to this interface.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -61,6 +66,67 @@ def tail(data: bytes | str | None, limit: int = OUTPUT_TAIL) -> str:
         return ""
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
     return text[-limit:]
+
+
+EXIT_TIMEOUT = 124  # as coreutils' timeout
+
+
+def kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def run_process(
+    argv: list[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    timeout: float | None = None,
+    procs: set[asyncio.subprocess.Process] | None = None,
+) -> ExecResult:
+    """Run argv on the host in its own process group to its end; on timeout (or cancellation)
+    kill the whole group, so nothing it started outlives it (exit 124 on timeout).
+
+    `procs` holds the process while it runs, so whoever owns that set can kill it (a sandbox's
+    `stop`). The local runtime runs commands with it; Apptainer runs `apptainer exec` with it.
+    """
+    t0 = time.monotonic()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=cwd,
+            env=dict(env) if env is not None else None,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except FileNotFoundError as e:
+        return ExecResult(127, f"{argv[0]}: command not found ({e})", seconds=time.monotonic() - t0)
+    if procs is not None:
+        procs.add(proc)
+    timed_out = False
+    try:
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            timed_out = True
+            kill_group(proc.pid)
+            out, _ = await proc.communicate()
+    except asyncio.CancelledError:
+        kill_group(proc.pid)
+        await proc.wait()
+        raise
+    finally:
+        if procs is not None:
+            procs.discard(proc)
+        kill_group(proc.pid)  # helpers the command left behind
+    rc = proc.returncode
+    assert rc is not None  # communicate() returned: the process has ended
+    code = EXIT_TIMEOUT if timed_out else (128 - rc if rc < 0 else rc)
+    return ExecResult(code, tail(out), timed_out=timed_out, seconds=time.monotonic() - t0)
 
 
 @dataclass

@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
-import time
 from pathlib import Path
 
 from polar_mitm.runtime.certs import CA
-from polar_mitm.runtime.sandbox import ExecResult, SandboxError, SandboxSpec, tail
+from polar_mitm.runtime.sandbox import ExecResult, SandboxError, SandboxSpec, kill_group, run_process
 from polar_mitm.tasks.model import Task
 
 
@@ -45,41 +43,13 @@ class TempdirSandbox:
     ) -> ExecResult:
         if self._stopped:
             raise SandboxError(f"sandbox {self.name} is stopped")
-        t0 = time.monotonic()
         full_env = {**os.environ, **(env or {})}
         if self.path_prefix:
             full_env["PATH"] = os.pathsep.join([*self.path_prefix, full_env.get("PATH", "")])
         full_env["PWD"] = workdir or self.workdir
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                cwd=workdir or self.workdir,
-                env=full_env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,  # its own process group: a timeout kills everything it started
-            )
-        except FileNotFoundError as e:
-            return ExecResult(127, f"{cmd[0]}: command not found ({e})", seconds=time.monotonic() - t0)
-        self._procs.add(proc)
-        timed_out = False
-        try:
-            try:
-                out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-            except TimeoutError:
-                timed_out = True
-                _kill_group(proc.pid)
-                out, _ = await proc.communicate()
-        except asyncio.CancelledError:
-            _kill_group(proc.pid)
-            await proc.wait()
-            raise
-        finally:
-            self._procs.discard(proc)
-            _kill_group(proc.pid)  # helpers the command left behind
-        code = 124 if timed_out else (128 - proc.returncode if proc.returncode < 0 else proc.returncode)
-        return ExecResult(code, tail(out), timed_out=timed_out, seconds=time.monotonic() - t0)
+        return await run_process(
+            cmd, env=full_env, cwd=workdir or self.workdir, timeout=timeout, procs=self._procs
+        )
 
     async def put(self, src: Path, dest: str) -> None:
         target = self.host_path(dest)
@@ -101,15 +71,8 @@ class TempdirSandbox:
     async def stop(self) -> None:
         self._stopped = True
         for proc in list(self._procs):
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class TempdirRuntime:

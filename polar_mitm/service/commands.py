@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from polar_mitm.cli_options import make_policy_config, policy_options
-from polar_mitm.runtime import RUNTIMES
+from polar_mitm.rollout.commands import task_options
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
 TOKEN_HELP = "The control token, sent as a bearer header [env POLAR_MITM_SERVICE_TOKEN]"
@@ -254,26 +254,10 @@ def _run_until_signal(coro) -> None:
 
 
 @click.command()
-@click.argument("tasks", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--harness", required=True, help="Harness recipe: claude-code, codex, gemini-cli, …")
-@click.option(
-    "--harness-cmd", default=None, help="The harness command instead of the recipe's, with {instruction}."
-)
-@click.option("--runtime", type=click.Choice(RUNTIMES), default="docker", show_default=True)
-@click.option("--samples", "-n", type=click.IntRange(min=1), default=1, show_default=True)
+@task_options
 @click.option("--server", envvar="POLAR_MITM_SERVER", default="http://127.0.0.1:8700", help=SERVER_HELP)
 @click.option("--token", envvar="POLAR_MITM_SERVICE_TOKEN", default=None, help=TOKEN_HELP)
 @click.option("--priority", type=int, default=0, show_default=True)
-@click.option(
-    "--early-stop",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Cancel a group's remaining samples once K usable ones are in.",
-)
-@click.option(
-    "--agent-timeout", type=float, default=None, help="Seconds per harness run [default: each task's]."
-)
-@click.option("--total-timeout", type=float, default=None, help="Seconds per sample [default: each task's].")
 @click.option(
     "--builder", type=click.Choice(["prefix-merge", "per-request"]), default="prefix-merge", show_default=True
 )
