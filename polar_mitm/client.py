@@ -25,10 +25,9 @@ from typing import Any
 
 import httpx
 
+from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.service.models import SampleView, Submitted, TaskRequest, TaskView
 from polar_mitm.tasks.model import Task
-
-TRAINABLE = ("completed", "agent_timeout")
 
 
 class RolloutError(RuntimeError):

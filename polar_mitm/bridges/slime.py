@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from polar_mitm.client import Group, RolloutClient, Sample
+from polar_mitm.outcomes import trainable
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 
@@ -50,7 +51,7 @@ def fill(
     """Write one polar-mitm sample into a slime Sample (or any object with those attributes)."""
     target.index = index
     target.group_index = gi
-    usable = outcome_status in ("completed", "agent_timeout") and row is not None and not row.remove_sample
+    usable = trainable(outcome_status) and row is not None and not row.remove_sample
     if row is not None:
         target.tokens = row.tokens
         target.response_length = row.response_length

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polar_mitm.client import AsyncRolloutClient
+from polar_mitm.outcomes import trainable
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 
@@ -82,10 +83,7 @@ class PolarAgentLoop:
         outcome = group.outcomes[0] if group.outcomes else None
         row = group.samples[-1] if group.samples else None
         usable = (
-            outcome is not None
-            and outcome.status in ("completed", "agent_timeout")
-            and row is not None
-            and not row.remove_sample
+            outcome is not None and trainable(outcome.status) and row is not None and not row.remove_sample
         )
         metrics = {"polar_status": outcome.status if outcome else "cancelled", "polar_removed": not usable}
         out_cls = _output_class()

@@ -41,12 +41,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.runtime import recipes
 from polar_mitm.runtime.harness import HarnessNotInstalled, harness_mount
 from polar_mitm.runtime.local import child_env
 from polar_mitm.runtime.proxy import PolarProxy
 from polar_mitm.runtime.sandbox import HarnessMount, Runtime, Sandbox, SandboxError, SandboxSpec
-from polar_mitm.store.rollouts import TRAINABLE, RolloutLog
+from polar_mitm.store.rollouts import RolloutLog
 from polar_mitm.tasks.evaluators import EvaluatorError, HarnessOutcome, evaluate
 from polar_mitm.tasks.model import Task
 

@@ -302,6 +302,7 @@ def submit(
     import httpx
 
     from polar_mitm.client import RolloutClient, RolloutError
+    from polar_mitm.outcomes import trainable
     from polar_mitm.tasks import TaskFileError, load_tasks
 
     if out is not None and not wait:
@@ -328,7 +329,7 @@ def submit(
         t0 = time.monotonic()
         for g in client.wait(ids):
             groups.append(g)
-            usable = [o.reward or 0.0 for o in g.outcomes if o.status in ("completed", "agent_timeout")]
+            usable = [o.reward or 0.0 for o in g.outcomes if trainable(o.status)]
             mean = f"{sum(usable) / len(usable):.2f}" if usable else "-"
             failed = len(g.outcomes) - len(usable)
             click.echo(

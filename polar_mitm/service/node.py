@@ -29,6 +29,7 @@ import aiohttp
 from pydantic import BaseModel, Field
 
 from polar_mitm.backends.policy import PolicyConfig
+from polar_mitm.outcomes import trainable
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
@@ -239,7 +240,7 @@ class GatewayNode:
         rows = await asyncio.to_thread(self._rows, job.session_id, builder)
         timings = {k: round(v, 3) for k, v in job.timings.items()}
         detail = None
-        if job.final in ("completed", "agent_timeout"):
+        if trainable(job.final):
             detail = {"exit_code": job.outcome.exit_code if job.outcome else None}
         await self._send(
             m.SampleResult(

@@ -25,11 +25,11 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.reconstruct.groups import advantages
 from polar_mitm.service import models as m
 from polar_mitm.service.metrics import Metrics
 from polar_mitm.service.openapi import openapi
-from polar_mitm.store.rollouts import TRAINABLE
 from polar_mitm.store.service import ServiceStore, TaskRow
 from polar_mitm.tasks import TaskFileError, load_tasks
 from polar_mitm.tasks.model import Task

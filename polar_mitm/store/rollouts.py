@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polar_mitm.outcomes import FINAL, TRAINABLE
 from polar_mitm.store.db import Store, connect
-
-TRAINABLE = frozenset({"completed", "agent_timeout"})  # the rest are masked in exports
-FINAL = frozenset({"completed", "agent_timeout", "failed", "cancelled", "retried"})
 
 
 class RolloutLog:
