@@ -370,3 +370,11 @@ def test_reward_files_and_pytest_summaries_are_read_as_their_tools_write_them():
         "tests/test_calc.py::test_sub": "FAILED",
     }
     assert patched_files("--- a/x.py\n+++ b/x.py\n@@\n+++ b/y/z.py\n") == ["x.py", "y/z.py"]
+
+
+def test_the_example_tasks_load_as_harbor_tasks():
+    from polar_mitm.tasks import load_tasks
+
+    tasks = load_tasks([Path(__file__).resolve().parents[1] / "examples" / "tasks"])
+    assert [t.id for t in tasks] == ["answer-right", "answer-wrong"]
+    assert all(t.evaluator.kind == "harbor" and not t.allow_internet and t.workdir == "/app" for t in tasks)

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Harbor's verifier contract: write the reward to /logs/verifier/reward.txt.
+if [ "$(cat /app/answer.txt 2>/dev/null)" = 42 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
