@@ -13,6 +13,7 @@ import json
 import sqlite3
 import ssl
 import urllib.request
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
