@@ -636,3 +636,35 @@ async def test_events_stream_and_a_drained_node_takes_no_new_samples(service):
     assert ("task", "e", "queued") in kinds and ("sample", "e", "dispatched") in kinds
     assert ("sample", "e", "finished") in kinds and ("task", "e", "done") in kinds
     assert ("node", None, "draining") in kinds
+
+
+async def test_priorities_order_the_queue_and_leases_are_checked(service):
+    svc = await service(nodes=0)
+    body = {"num_samples": 2, "harness": "claude-code", "runtime": "local"}
+    async with httpx.AsyncClient(base_url=svc.url) as h:
+        for tid, prio in (("low", 0), ("high", 5), ("mid", 1)):
+            t = task(tid, "x").model_dump(mode="json")
+            assert (await h.post("/v1/tasks", json={**body, "task": t, "priority": prio})).status_code == 202
+        await h.post("/v1/nodes/register", json={"node_id": "manual"})
+        got = (await h.post("/v1/nodes/manual/lease", json={"capacity": 5})).json()["assignments"]
+        assert [(a["task_id"], a["index"]) for a in got] == [
+            ("high", 0),
+            ("high", 1),
+            ("mid", 0),
+            ("mid", 1),
+            ("low", 0),
+        ]
+        first = got[0]
+        report = {
+            "task_id": "high",
+            "index": 0,
+            "lease": "not-the-lease",
+            "status": "completed",
+            "reward": 1.0,
+        }
+        r = await h.post("/v1/nodes/manual/results", json=report)
+        assert r.status_code == 409 and r.json()["error"]["type"] == "stale_lease"
+        r = await h.post("/v1/nodes/manual/results", json={**report, "lease": first["lease"]})
+        assert r.status_code == 200
+        r = await h.post("/v1/nodes/manual/results", json={**report, "lease": first["lease"]})
+        assert r.status_code == 409  # recorded once
