@@ -97,6 +97,10 @@ FLAGS: dict[str, Flag] = {
         "incrementally (SGLang's --incremental-streaming-output), else whole (SGLang's default "
         "cumulative chunks cost O(n^2) for an n-token reply)."
     ),
+    "prefix_cache_tokens": Flag(
+        "Tokens of rendered system prompts and tools kept across sessions, so a first block many "
+        "sessions share is tokenized once (least recently used out first); 0: off."
+    ),
     "chunk_interval": Flag(
         "Seconds between reply events while a reply streams from the backend: chunks arriving "
         "meanwhile go to the harness together (the last at once); 0 sends each as it arrives."

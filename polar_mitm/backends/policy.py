@@ -28,6 +28,8 @@ from polar_mitm.backends.parsers import (
     new_call_id,
 )
 from polar_mitm.backends.render import (
+    PrefixCache,
+    PromptIds,
     SpliceError,
     conversation_hashes,
     extend_hash,
@@ -83,6 +85,9 @@ class PolicyConfig(BaseModel):
     # chunks arriving meanwhile go out together (fewer, larger events cost the proxy and the
     # harness less per token; the last chunk goes out at once). 0: each chunk as it arrives.
     chunk_interval: float = 0.05
+    # Tokens of rendered first blocks (system prompt + tools) kept across sessions, so a prompt
+    # many sessions share is tokenized once; 0 turns the cache off.
+    prefix_cache_tokens: int = 4_000_000
 
 
 class TurnContext(BaseModel):
@@ -225,6 +230,7 @@ class Policy:
         # sent as that text plus its new ids instead of re-serializing the whole conversation.
         self._sent_ids: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         self._sent_bytes = 0
+        self.prefixes = PrefixCache(config.prefix_cache_tokens)
 
     def pause(self) -> None:
         """Start no new generation until `resume` (those under way finish)."""
@@ -278,7 +284,7 @@ class Policy:
         kept (that sequence is prompt_ids[:ref_len] by construction)."""
         kept = self._sent_ids.get(ref) if ref is not None else None
         if kept is None or kept[0] != ref_len:
-            return ids_json(prompt_ids)
+            return prompt_ids.serialized() if isinstance(prompt_ids, PromptIds) else ids_json(prompt_ids)
         return _join_ids(kept[1], ids_json(prompt_ids[ref_len:]))
 
     def _keep_sent(self, turn_id: str, ref: str | None, tokens: int, serialized: bytes) -> None:
@@ -367,14 +373,16 @@ class Policy:
                 return seq + cont, turn_id, len(seq), hashes
             except SpliceError as e:
                 log.warning("splice failed (%s); rendering the whole conversation", e)
-        full = await asyncio.to_thread(render_full, tok, req.messages, req.tools, kw)
+        full = await asyncio.to_thread(render_full, tok, req.messages, req.tools, kw, self.prefixes)
         ref, ref_len = await self.extends(full, echo[0]) if echo is not None else (None, 0)
         return full, ref, ref_len, hashes
 
     async def count_tokens(self, req: ChatRequest) -> int:
         tok = await self.tokenizer()
         return len(
-            await asyncio.to_thread(render_full, tok, req.messages, req.tools, self.template_kwargs(req))
+            await asyncio.to_thread(
+                render_full, tok, req.messages, req.tools, self.template_kwargs(req), self.prefixes
+            )
         )
 
     # -- generation ---------------------------------------------------------------------------

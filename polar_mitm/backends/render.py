@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from array import array
+from collections import OrderedDict
 from typing import Any
 
+from polar_mitm.backends.sglang import ids_json
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import Message, Tool
 
@@ -45,15 +49,115 @@ def conversation_hashes(messages: list[Message], tools: list[Tool]) -> list[str]
 
 
 def render_full(
-    tok: Tokenizer, messages: list[Message], tools: list[Tool], template_kwargs: dict[str, Any]
+    tok: Tokenizer,
+    messages: list[Message],
+    tools: list[Tool],
+    template_kwargs: dict[str, Any],
+    prefixes: PrefixCache | None = None,
 ) -> list[int]:
+    """The prompt ids of a whole conversation; `prefixes` remembers the ids of its first block
+    (system prompt and tools) for the next conversation that starts with the same one, and then
+    returns `PromptIds` (their serialized form comes with them)."""
     text = tok.render(
         [m.to_template() for m in messages],
         tools=[t.to_template() for t in tools] or None,
         add_generation_prompt=True,
         **template_kwargs,
     )
-    return tok.encode(text)
+    return prefixes.encode(tok, text) if prefixes is not None else tok.encode(text)
+
+
+class PromptIds(list):
+    """Prompt ids whose first `head_len` ids come with their `ids_json` text, `head_json`, so a
+    request can be serialized without them."""
+
+    __slots__ = ("head_len", "head_json")
+
+    def __init__(self, ids: list[int], head_len: int, head_json: bytes):
+        super().__init__(ids)
+        self.head_len = head_len
+        self.head_json = head_json
+
+    def serialized(self) -> bytes:
+        """`ids_json(self)`, from the known head and the rest."""
+        rest = ids_json(self[self.head_len :])
+        return self.head_json + b"," + rest if rest else self.head_json
+
+
+class PrefixCache:
+    """Token ids of rendered prompt prefixes that end at an end-of-turn special token: the first
+    block of a prompt (in ChatML the system prompt with its tools, through `<|im_end|>`), so the
+    thousands of rollout sessions that share one tokenize it once. Keyed by the prefix's text
+    (sha256), bounded by the tokens it holds (least recently used out first); thread-safe.
+
+    The ids are those encoding the whole text gives: a tokenizer splits its input at special
+    tokens before anything else, so what follows one encodes the same whatever came before. The
+    rest is encoded with the boundary token in front (then dropped, its id checked), so it is not
+    the start of an input (some pre-tokenizers treat that specially) and the boundary's own
+    whitespace handling is the same as in the whole text.
+
+    A prefix is kept as an int32 array and as its `ids_json` text, ready for the request body
+    (~10 bytes a token in all).
+    """
+
+    def __init__(self, max_tokens: int = 4_000_000):
+        self.max_tokens = max_tokens
+        self.size = 0
+        self.hits = 0
+        self.misses = 0
+        self._items: OrderedDict[bytes, tuple[array, bytes]] = OrderedDict()  # key -> (ids, ids_json)
+        self._lock = threading.Lock()
+
+    def encode(self, tok: Tokenizer, text: str) -> list[int]:
+        """`tok.encode(text)`, reusing the ids of the text's first block when known."""
+        cut = _first_turn_end(tok, text) if self.max_tokens > 0 else None
+        if cut is None:
+            return tok.encode(text)
+        end, boundary, boundary_id = cut
+        prefix = text[:end]
+        key = hashlib.sha256(tok.path.encode() + b"\x00" + prefix.encode()).digest()
+        with self._lock:
+            known = self._items.get(key)
+            if known is not None:
+                self._items.move_to_end(key)
+        tail = tok.encode(boundary + text[end:])
+        if not tail or tail[0] != boundary_id:
+            return tok.encode(text)
+        if known is not None:
+            self.hits += 1
+            head, head_json = known[0].tolist(), known[1]
+        else:
+            head = tok.encode(prefix)
+            if not head or head[-1] != boundary_id:
+                return tok.encode(text)
+            self.misses += 1
+            head_json = ids_json(head)
+            self._put(key, head, head_json)
+        head_len = len(head)
+        head += tail[1:]
+        return PromptIds(head, head_len, head_json)
+
+    def _put(self, key: bytes, ids: list[int], serialized: bytes) -> None:
+        if len(ids) > self.max_tokens:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = (array("i", ids), serialized)
+            self.size += len(ids)
+            while self.size > self.max_tokens:
+                _, (old, _) = self._items.popitem(last=False)
+                self.size -= len(old)
+
+
+def _first_turn_end(tok: Tokenizer, text: str) -> tuple[int, str, int] | None:
+    """(where the first end-of-turn token of `text` ends, its text, its id), if any."""
+    best: tuple[int, str, int] | None = None
+    for boundary, boundary_id in tok.turn_ends:
+        i = text.find(boundary)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, boundary, boundary_id)
+    return None if best is None else (best[0] + len(best[1]), best[1], best[2])
 
 
 class SpliceError(ValueError):

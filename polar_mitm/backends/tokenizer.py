@@ -107,6 +107,23 @@ class Tokenizer:
         """The vocabulary entry of id `i` (in the model's byte-level alphabet), or None."""
         return self._rust.id_to_token(i)
 
+    @cached_property
+    def turn_ends(self) -> tuple[tuple[str, int], ...]:
+        """(text, id) of the end-of-turn special tokens a prompt can be cut right after with the
+        ids on both sides unchanged (see `render.PrefixCache`): special tokens matched in the raw
+        text anywhere (not normalized first, not whole words only) that no other added token
+        contains."""
+        added = self._rust.get_added_tokens_decoder()
+        contents = [t.content for t in added.values()]
+        out = []
+        for i in sorted(self.eos_token_ids):
+            t = added.get(i)
+            if t is None or not t.special or t.normalized or t.single_word or not t.content:
+                continue
+            if sum(t.content in c for c in contents) == 1:
+                out.append((t.content, i))
+        return tuple(out)
+
     # --- chat template ----------------------------------------------------------------------
 
     @property
