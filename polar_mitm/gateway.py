@@ -14,8 +14,8 @@ answers anyone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
-import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -25,8 +25,8 @@ from aiohttp import web
 
 from polar_mitm import providers, redact
 from polar_mitm.backends.policy import Policy, TurnContext
-from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError
-from polar_mitm.providers import Style
+from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
+from polar_mitm.providers import Style, fields
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -38,6 +38,30 @@ SESSION_HEADER = "x-polar-session"
 SECRET_HEADER = "x-polar-secret"
 
 Tagger = Callable[[ChatRequest, str], str | None]
+
+
+class _Call:
+    """One request being answered: where it came from, and the turn it started, once known (for
+    the log line an unexpected failure leaves)."""
+
+    def __init__(self, host: str, request: web.Request):
+        self.host = host
+        self.request = request
+        self.id = "req_" + secrets.token_hex(6)
+        self.turn_id: str | None = None
+
+    def internal_error(self, e: Exception) -> ProviderError:
+        """An exception nothing expected, as the style's api_error, logged on one line (the
+        traceback at debug level) with the ids that find it in the log and the store."""
+        which = f"request {self.id}" + (f", turn {self.turn_id}" if self.turn_id else "")
+        what = f"{e.__class__.__name__}: {e}"
+        log.error("%s %s: internal error (%s): %s", self.host, self.request.path, which, what)
+        log.debug("traceback of %s", which, exc_info=e)
+        return ProviderError(
+            "api_error",
+            f"internal error in polar-mitm ({which}): {what}; the proxy's log has the details",
+            500,
+        )
 
 
 class Gateway:
@@ -109,36 +133,43 @@ class Gateway:
                 style, ProviderError("not_found", f"{request.method} {request.path} is not served", 404)
             )
         style, ep = found
-        raw = await request.read()
+        call = _Call(host, request)
         try:
-            body = json.loads(raw) if raw else ({} if ep == "models" else None)
-        except ValueError as e:
-            return self._error(
-                style, ProviderError("invalid_request", f"request body is not valid JSON: {e}", 400)
-            )
-        try:
-            if ep == "models":
-                return web.json_response(style.render_models(await self._model_names()))
-            req = self._parse(style, ep, body, request)
-            if ep == "count_tokens":
-                return web.json_response(style.render_count(await self.policy.count_tokens(req)))
-            ctx = TurnContext(
-                session_id=request.headers.get(SESSION_HEADER) or self.default_session,
-                host=host,
-                path=redact.url(request.path_qs),
-                headers=redact.headers(request.headers.items()),  # x-polar-* never stored
-                raw_request=raw.decode("utf-8", "replace"),
-                tag=self.tagger(req, request.path) if self.tagger else None,
-                id_prefix=style.ID_PREFIX,
-            )
-            if req.stream:
-                return await self._stream(style, req, ctx, request)
-            completion = await self.policy.complete(req, ctx)
-            self._count(completion.usage.completion_tokens)
-            return web.json_response(style.render_response(completion, req))
+            return await self._answer(style, ep, call)
         except ProviderError as e:
             log.warning("%s %s: %s", host, request.path, e.message)
             return self._error(style, e)
+        except Exception as e:  # a bug of ours: still an answer the harness's SDK understands
+            return self._error(style, call.internal_error(e))
+
+    async def _answer(self, style: Style, ep: str, call: _Call) -> web.StreamResponse:
+        request = call.request
+        raw = await request.read()
+        body = fields.loads(raw) if raw else ({} if ep == "models" else None)
+        if ep == "models":
+            return web.json_response(style.render_models(await self._model_names()))
+        req = self._parse(style, ep, body, request)
+        if ep == "count_tokens":
+            return web.json_response(style.render_count(await self.policy.count_tokens(req)))
+        ctx = TurnContext(
+            session_id=request.headers.get(SESSION_HEADER) or self.default_session,
+            host=call.host,
+            path=redact.url(request.path_qs),
+            headers=redact.headers(request.headers.items()),  # x-polar-* never stored
+            raw_request=raw.decode("utf-8", "replace"),
+            tag=self.tagger(req, request.path) if self.tagger else None,
+            id_prefix=style.ID_PREFIX,
+        )
+        if req.stream:
+            return await self._stream(style, req, ctx, call)
+        async with contextlib.aclosing(self.policy.stream(req, ctx)) as events:
+            async for ev in events:
+                if isinstance(ev, Started):
+                    call.turn_id = ev.turn_id
+                elif isinstance(ev, Done):
+                    self._count(ev.completion.usage.completion_tokens)
+                    return web.json_response(style.render_response(ev.completion, req))
+        raise ProviderError("api_error", "generation ended without a result", 500)
 
     def _authorized(self, request: web.Request) -> bool:
         if self.secret is None:
@@ -168,7 +199,7 @@ class Gateway:
         return web.json_response(body, status=status, headers=headers)
 
     async def _stream(
-        self, style: Style, req: ChatRequest, ctx: TurnContext, request: web.Request
+        self, style: Style, req: ChatRequest, ctx: TurnContext, call: _Call
     ) -> web.StreamResponse:
         events = self.policy.stream(req, ctx)
         try:
@@ -183,17 +214,23 @@ class Gateway:
                     self._count(ev.completion.usage.completion_tokens)
                 yield ev
 
+        if isinstance(first, Started):
+            call.turn_id = first.turn_id
         resp = web.StreamResponse(
             headers={"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
         )
-        await resp.prepare(request)
+        await resp.prepare(call.request)
         rendered = style.render_stream(chained(), req)
         try:
             try:
                 async for chunk in rendered:
                     await resp.write(chunk)
+            except (ConnectionError, asyncio.CancelledError):
+                raise
             except ProviderError as e:
                 await resp.write(style.render_stream_error(e))
+            except Exception as e:  # a bug of ours, after the stream began: end it as the API would
+                await resp.write(style.render_stream_error(call.internal_error(e)))
             await resp.write_eof()
         except (ConnectionResetError, ConnectionError, asyncio.CancelledError) as e:
             log.info("harness went away mid-stream (%s); turn recorded as aborted", e.__class__.__name__)

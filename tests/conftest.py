@@ -124,6 +124,86 @@ def backend_process(tiny_tokenizer_dir):
 # --- end proxy stack -----------------------------------------------------------------------------
 
 
+# --- gateway in-process (its aiohttp app over a fake backend, no mitmproxy) ----------------------
+
+# Where each style's generate endpoint lives: (provider host, path).
+STYLE_ENDPOINTS = {
+    "anthropic": ("api.anthropic.com", "/v1/messages"),
+    "openai-chat": ("api.openai.com", "/v1/chat/completions"),
+    "openai-responses": ("api.openai.com", "/v1/responses"),
+    "gemini": ("generativelanguage.googleapis.com", "/v1beta/models/gemini-2.5-pro:generateContent"),
+}
+
+
+class GatewayRig:
+    """The gateway's aiohttp app on an in-process test server, asking a fake backend and storing
+    into a fresh database: a request costs milliseconds (no TLS, no proxy hop), for tests that
+    send many bodies. `post` returns (status, content type, body bytes)."""
+
+    def __init__(self, client, gateway, store):
+        self.client = client
+        self.gateway = gateway
+        self.store = store
+
+    async def post(
+        self, style: str, body: bytes | object, path: str | None = None, headers: dict | None = None
+    ) -> tuple[int, str, bytes]:
+        import json
+
+        host, default_path = STYLE_ENDPOINTS[style]
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = await self.client.post(
+            path or default_path,
+            data=data,
+            headers={"x-polar-host": host, "content-type": "application/json", **(headers or {})},
+        )
+        return r.status, r.headers.get("content-type", ""), await r.read()
+
+    async def turns(self) -> int:
+        async with self.store._db.execute("SELECT count(*) FROM turns") as cur:
+            return (await cur.fetchone())[0]
+
+
+async def start_gateway_rig(
+    tmp: Path, tokenizer_dir: Path, backend: dict | None = None, policy: dict | None = None
+):
+    """(rig, close): a GatewayRig and the coroutine function that stops everything it started."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from polar_mitm.backends.fake import FakeBackendConfig, start_fake_backend
+    from polar_mitm.backends.policy import Policy, PolicyConfig
+    from polar_mitm.gateway import Gateway
+    from polar_mitm.store.db import Store
+
+    runner, url = await start_fake_backend(
+        FakeBackendConfig(tokenizer_path=str(tokenizer_dir), **(backend or {}))
+    )
+    store = await Store.open(tmp / "gateway.sqlite")
+    await store.ensure_session("s-test")
+    pol = Policy(PolicyConfig(backend_url=url, tokenizer=str(tokenizer_dir), **(policy or {})), store)
+    gateway = Gateway(pol, default_session="s-test")
+    client = TestClient(TestServer(gateway.app()))
+    await client.start_server()
+
+    async def close() -> None:
+        await client.close()
+        await pol.close()
+        await store.close()
+        await runner.cleanup()
+
+    return GatewayRig(client, gateway, store), close
+
+
+@pytest.fixture
+async def gateway_rig(tmp_path, qwen_tokenizer_dir):
+    rig, close = await start_gateway_rig(tmp_path, qwen_tokenizer_dir)
+    yield rig
+    await close()
+
+
+# --- end gateway in-process ----------------------------------------------------------------------
+
+
 # --- harvest (a fake provider upstream over HTTPS) -----------------------------------------------
 
 

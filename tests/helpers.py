@@ -51,3 +51,147 @@ async def stream_bytes(
             raise raise_at_end
 
     return b"".join([chunk async for chunk in module.render_stream(gen(), req)])
+
+
+# --- valid requests of every style, and the shape of their errors ---------------------------------
+# Small but complete bodies (system prompt, tools, a tool call and its result, sampling): what the
+# fuzz tests mutate and the bad-request tests spoil one field of. Non-streaming; Gemini's model
+# and stream flag live in the path (conftest.STYLE_ENDPOINTS).
+
+_SCHEMA = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+
+VALID_REQUESTS: dict[str, dict] = {
+    "anthropic": {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 256,
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Create out.txt containing hi"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "plan", "signature": "sig"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"},
+                    {"type": "text", "text": "go on"},
+                ],
+            },
+        ],
+        "tools": [{"name": "Bash", "description": "run", "input_schema": _SCHEMA}],
+        "tool_choice": {"type": "auto"},
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "temperature": 1,
+        "stop_sequences": ["STOP"],
+    },
+    "openai-chat": {
+        "model": "gpt-4o",
+        "max_tokens": 256,
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "You are Qwen Code."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Create out.txt containing hi"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "use the shell",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "run_shell_command", "arguments": '{"command":"ls"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Exit Code: 0"}]},
+            {"role": "function", "name": "run_shell_command", "content": "done"},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "run_shell_command", "description": "Run", "parameters": _SCHEMA},
+            }
+        ],
+        "tool_choice": "auto",
+        "temperature": 0.7,
+        "stop": "STOP",
+    },
+    "openai-responses": {
+        "model": "gpt-5.5",
+        "instructions": "You are Codex.",
+        "store": False,
+        "reasoning": {"effort": "medium"},
+        "tool_choice": "auto",
+        "max_output_tokens": 256,
+        "tools": [
+            {"type": "function", "name": "exec_command", "description": "Run", "parameters": _SCHEMA},
+            {"type": "custom", "name": "apply_patch", "description": "Edit files"},
+        ],
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "Be careful."}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Create out.txt"}],
+            },
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "write it"}]},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "exec_command",
+                "arguments": '{"command": "ls"}',
+            },
+            {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+            {"type": "message", "role": "user", "content": "and now?"},
+        ],
+    },
+    "gemini": {
+        "contents": [
+            {"role": "user", "parts": [{"text": "Create out.txt containing hi"}]},
+            {
+                "role": "model",
+                "parts": [{"functionCall": {"name": "run_shell_command", "args": {"command": "ls"}}}],
+            },
+            {
+                "role": "user",
+                "parts": [{"functionResponse": {"name": "run_shell_command", "response": {"output": "ok"}}}],
+            },
+        ],
+        "systemInstruction": {"role": "user", "parts": [{"text": "You are a CLI agent."}]},
+        "tools": [
+            {
+                "functionDeclarations": [
+                    {"name": "run_shell_command", "description": "Run", "parametersJsonSchema": _SCHEMA}
+                ]
+            }
+        ],
+        "toolConfig": {"functionCallingConfig": {"mode": "AUTO"}},
+        "generationConfig": {"temperature": 1, "topP": 0.95, "maxOutputTokens": 256},
+    },
+}
+
+
+def error_message(style: str, status: int, content_type: str, raw: bytes) -> str:
+    """The message of an error answer, after checking that it is JSON in `style`'s own error
+    shape (what that provider's SDK parses); fails the test otherwise."""
+    import json
+
+    assert content_type.startswith("application/json"), (status, content_type, raw[:300])
+    body = json.loads(raw)
+    if style == "anthropic":
+        assert body["type"] == "error" and isinstance(body["error"]["type"], str), body
+        return body["error"]["message"]
+    err = body["error"]
+    if style == "gemini":
+        assert err["code"] == status and isinstance(err["status"], str), body
+    else:  # both OpenAI styles
+        assert isinstance(err["type"], str) and "param" in err and "code" in err, body
+    assert isinstance(err["message"], str), body
+    return err["message"]

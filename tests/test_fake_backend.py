@@ -12,6 +12,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from polar_mitm.backends.fake import (
     DEFAULT_TEXT,
@@ -35,6 +37,7 @@ from polar_mitm.backends.fake import (
     truncation_mask,
 )
 from polar_mitm.backends.tokenizer import Tokenizer
+from tests.strategies import json_values
 
 # --- helpers -------------------------------------------------------------------------------------
 
@@ -331,6 +334,44 @@ def test_minimal_json_instance_answers_gemini_clis_classifier_with_a_score_it_ac
 def test_minimal_json_instance_honours_bounds(schema, value):
     got = minimal_json_instance(schema)
     assert got == value and type(got) is type(value)
+
+
+# A harness's tool schema, or a request's json_schema, may be any JSON: the fake answers anyway.
+ODD_SCHEMAS = [
+    {"type": "object", "properties": {"command": {"type": "string"}}, "required": [["command"]]},
+    {"type": "object", "properties": [None], "required": ["command", "x"]},
+    {"type": "object", "properties": "user", "required": 5},
+    {"$ref": 7, "allOf": [{"properties": [["a"]], "required": [{"b": 1}]}]},
+    {"type": ["null", ["string"]], "prefixItems": 3, "minItems": 2},
+]
+
+
+@pytest.mark.parametrize("schema", ODD_SCHEMAS)
+def test_odd_tool_schemas_get_a_shell_call_not_a_crash(schema):
+    for name in ("Bash", "exec"):
+        tool = {"type": "function", "function": {"name": name, "parameters": schema}}
+        reply = scripted_reply(
+            [Rule(match="run: (.+)", shell=r"\1")], chatml(("user", "run: ls"), tools=[tool])
+        )
+        assert reply.startswith("<tool_call>\n") or "I would run: ls" in reply
+    minimal_json_instance(schema)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(schema=json_values, where=st.sampled_from(["schema", "properties", "required", "command"]))
+def test_the_scripted_model_answers_whatever_the_tool_schema(schema, where):
+    params: Any = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
+    if where == "schema":
+        params = schema
+    elif where == "command":
+        params["properties"]["command"] = schema
+    else:
+        params[where] = schema
+    for name in ("Bash", "exec"):
+        tool = {"type": "function", "function": {"name": name, "parameters": params}}
+        scripted_reply([Rule(match="run: (.+)", shell=r"\1")], chatml(("user", "run: ls"), tools=[tool]))
+    json.dumps(minimal_json_instance(schema))
+    scripted_reply([], "x", json_schema=schema if isinstance(schema, dict) else None)
 
 
 # --- pure: models --------------------------------------------------------------------------------

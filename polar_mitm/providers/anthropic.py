@@ -33,6 +33,7 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
+from polar_mitm.providers import fields
 from polar_mitm.providers.base import Endpoint, each
 from polar_mitm.sse import JsonEvent
 
@@ -70,7 +71,7 @@ def endpoint(method: str, path: str) -> Endpoint | None:
 
 
 def _bad(msg: str) -> ProviderError:
-    return ProviderError("invalid_request", msg, 400)
+    return fields.InvalidRequest(msg)
 
 
 def signature_for(thinking: str) -> str:
@@ -87,13 +88,14 @@ def _text_of(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise _bad(f"{where}: content must be a string or a list of content blocks")
     parts = []
-    for b in content:
+    for j, b in enumerate(content):
         if not isinstance(b, dict):
-            raise _bad(f"{where}: content blocks must be objects")
-        if b.get("type") == "text":
-            parts.append(str(b.get("text", "")))
-        elif b.get("type") in ("image", "document"):
-            parts.append(f"[{b['type']}]")
+            raise _bad(f"{where}.{j}: content blocks must be objects")
+        t = fields.type_tag(b, f"{where}.{j}")
+        if t == "text":
+            parts.append(fields.opt_str(b, "text", f"{where}.{j}"))
+        elif t in ("image", "document"):
+            parts.append(f"[{t}]")
     return "\n\n".join(parts)
 
 
@@ -107,20 +109,18 @@ def _block(where: str, b: Any) -> tuple[str, str | ToolCall] | None:
     """One block of an assistant's content: ("text" | "thinking", text) or ("call", ToolCall)."""
     if not isinstance(b, dict):
         raise _bad(f"{where}: must be an object")
-    t = b.get("type")
+    t = fields.type_tag(b, where)
     if t == "text":
-        return "text", str(b.get("text", ""))
+        return "text", fields.opt_str(b, "text", where)
     if t == "thinking":
-        return "thinking", str(b.get("thinking", ""))
+        return "thinking", fields.opt_str(b, "thinking", where)
     if t in ("tool_use", "server_tool_use"):
-        if not isinstance(b.get("name"), str):
-            raise _bad(f"{where}.name: required")
+        name = fields.string(b, "name", where)
+        call_id = fields.opt_str(b, "id", where)
         if isinstance(b.get("input_raw"), str):  # invalid JSON from the model, kept by `assemble`
-            return "call", ToolCall(id=str(b.get("id", "")), name=b["name"], raw=b["input_raw"])
+            return "call", ToolCall(id=call_id, name=name, raw=b["input_raw"])
         inp = b.get("input", {})
-        return "call", ToolCall(
-            id=str(b.get("id", "")), name=b["name"], arguments=inp if isinstance(inp, dict) else {}
-        )
+        return "call", ToolCall(id=call_id, name=name, arguments=inp if isinstance(inp, dict) else {})
     return None  # redacted_thinking, citations' blocks …: nothing a policy renders
 
 
@@ -156,19 +156,29 @@ def _parse_message(i: int, m: Any) -> list[Message]:
     for j, b in enumerate(content):
         if not isinstance(b, dict):
             raise _bad(f"{where}.content.{j}: must be an object")
-        t = b.get("type")
+        t = fields.type_tag(b, f"{where}.content.{j}")
         if t == "tool_result":
             body = _text_of(b.get("content"), f"{where}.content.{j}.content")
             if b.get("is_error"):
                 body = f"Error: {body}"
-            out.append(Message(role="tool", content=body, tool_call_id=str(b.get("tool_use_id", ""))))
+            call_id = fields.opt_str(b, "tool_use_id", f"{where}.content.{j}")
+            out.append(Message(role="tool", content=body, tool_call_id=call_id))
         elif t == "text":
-            texts.append(str(b.get("text", "")))
+            texts.append(fields.opt_str(b, "text", f"{where}.content.{j}"))
         elif t in ("image", "document"):
             texts.append(f"[{t}]")
     if texts:
         out.append(Message(role="user", content="\n\n".join(texts)))
     return out
+
+
+def _tool(where: str, t: Any) -> Tool:
+    t = fields.obj(t, where)
+    return Tool(
+        name=fields.string(t, "name", where),
+        description=fields.opt_str(t, "description", where),
+        parameters=fields.schema(t, "input_schema", where) or fields.no_arguments(),
+    )
 
 
 def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = True) -> ChatRequest:
@@ -186,23 +196,16 @@ def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = True)
         messages.append(Message(role="system", content=system))
     for i, m in enumerate(msgs):
         messages.extend(_parse_message(i, m))
-    tools = []
-    for j, t in enumerate(body.get("tools") or []):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise _bad(f"tools.{j}: each tool needs a name")
-        schema = t.get("input_schema") or {"type": "object", "properties": {}}
-        tools.append(Tool(name=t["name"], description=t.get("description", ""), parameters=schema))
-    tc = body.get("tool_choice")
+    tools = [_tool(f"tools.{j}", t) for j, t in enumerate(fields.opt_list(body, "tools", ""))]
     tool_choice: Any = None
-    if isinstance(tc, dict):
-        kind = tc.get("type")
-        tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or (
-            {"name": tc.get("name")} if kind == "tool" else None
+    if (tc := fields.opt_obj(body, "tool_choice", "")) is not None:
+        kind = fields.type_tag(tc, "tool_choice")
+        tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind or "") or (
+            {"name": fields.string(tc, "name", "tool_choice")} if kind == "tool" else None
         )
-    thinking = body.get("thinking")
     think: bool | None = None
-    if isinstance(thinking, dict):
-        think = thinking.get("type") in ("enabled", "adaptive")
+    if (thinking := fields.opt_obj(body, "thinking", "")) is not None:
+        think = fields.type_tag(thinking, "thinking") in ("enabled", "adaptive")
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise _bad("stop_sequences: must be a list of strings")
@@ -218,7 +221,7 @@ def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = True)
         raise _bad(f"invalid sampling parameter: {e}") from e
     return ChatRequest(
         style=NAME,
-        model=str(body.get("model", "")),
+        model=fields.opt_str(body, "model", ""),
         messages=messages,
         tools=tools,
         tool_choice=tool_choice,

@@ -40,6 +40,7 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
+from polar_mitm.providers import fields
 from polar_mitm.providers.base import Endpoint, each, first_of
 from polar_mitm.sse import JsonEvent
 
@@ -92,7 +93,7 @@ def model_and_stream(path: str) -> tuple[str, bool]:
 
 
 def _bad(msg: str) -> ProviderError:
-    return ProviderError("invalid_request", msg, 400)
+    return fields.InvalidRequest(msg)
 
 
 def openapi_to_json_schema(schema: Any) -> Any:
@@ -169,16 +170,15 @@ def _model_part(i: int, j: int, p: Any, where: str) -> tuple[str, str | ToolCall
         raise _bad(f"{where}.parts[{j}]: must be a Part object")
     if isinstance(p.get("functionCall"), dict):
         fc = p["functionCall"]
-        if not isinstance(fc.get("name"), str):
-            raise _bad(f"{where}.parts[{j}].functionCall.name: required")
+        at = f"{where}.parts[{j}].functionCall"
         args = fc.get("args", {})
         return "call", ToolCall(
-            id=str(fc.get("id") or _call_id(i, j)),
-            name=fc["name"],
+            id=fields.opt_str(fc, "id", at) or _call_id(i, j),
+            name=fields.string(fc, "name", at),
             arguments=args if isinstance(args, dict) else {},
         )
-    if isinstance(p.get("text"), str):
-        return ("thought" if p.get("thought") is True else "text"), p["text"]
+    if (text := _text(p, f"{where}.parts[{j}]")) is not None:
+        return ("thought" if p.get("thought") is True else "text"), text
     placeholder = _placeholder(p)
     return ("text", placeholder) if placeholder is not None else None
 
@@ -210,10 +210,8 @@ def _parse_user(i: int, content: dict[str, Any], pending: list[ToolCall]) -> lis
     for j, p in enumerate(_parts(content, where)):
         if isinstance(p.get("functionResponse"), dict):
             fr = p["functionResponse"]
-            name = fr.get("name")
-            if not isinstance(name, str):
-                raise _bad(f"{where}.parts[{j}].functionResponse.name: required")
-            call_id = fr.get("id")
+            name = fields.string(fr, "name", f"{where}.parts[{j}].functionResponse")
+            call_id = fields.opt_str(fr, "id", f"{where}.parts[{j}].functionResponse")
             match = next((c for c in pending if (c.id == call_id if call_id else c.name == name)), None)
             if match is not None:
                 pending.remove(match)
@@ -225,9 +223,9 @@ def _parse_user(i: int, content: dict[str, Any], pending: list[ToolCall]) -> lis
                     name=name,
                 )
             )
-        elif isinstance(p.get("text"), str):
+        elif (text := _text(p, f"{where}.parts[{j}]")) is not None:
             if p.get("thought") is not True:
-                texts.append(p["text"])
+                texts.append(text)
         else:
             placeholder = _placeholder(p)
             if placeholder is not None:
@@ -237,13 +235,22 @@ def _parse_user(i: int, content: dict[str, Any], pending: list[ToolCall]) -> lis
     return out
 
 
+def _text(part: dict[str, Any], where: str) -> str | None:
+    """A part's `text`, if it has one (a string)."""
+    if part.get("text") is None:
+        return None
+    return fields.opt_str(part, "text", where)
+
+
 def _system_text(si: Any) -> str:
     if si is None:
         return ""
     if isinstance(si, str):
         return si
     if isinstance(si, dict):
-        return "\n".join(p["text"] for p in _parts(si, "systemInstruction") if isinstance(p.get("text"), str))
+        parts = _parts(si, "systemInstruction")
+        texts = (_text(p, f"systemInstruction.parts[{j}]") for j, p in enumerate(parts))
+        return "\n".join(t for t in texts if t is not None)
     raise _bad("systemInstruction: must be a Content object")
 
 
@@ -261,15 +268,16 @@ def _parse_tools(tools: Any) -> list[Tool]:
         if not isinstance(decls, list):
             raise _bad(f"tools[{i}].functionDeclarations: must be a list")
         for j, d in enumerate(decls):
-            if not isinstance(d, dict) or not isinstance(d.get("name"), str):
-                raise _bad(f"tools[{i}].functionDeclarations[{j}].name: required")
-            params = d.get("parametersJsonSchema")
-            if params is None:
-                params = d.get("parameters")
-            params = (
-                openapi_to_json_schema(params) if params is not None else {"type": "object", "properties": {}}
+            where = f"tools[{i}].functionDeclarations[{j}]"
+            d = fields.obj(d, where)
+            key = "parametersJsonSchema" if d.get("parametersJsonSchema") is not None else "parameters"
+            out.append(
+                Tool(
+                    name=fields.string(d, "name", where),
+                    description=fields.opt_str(d, "description", where),
+                    parameters=openapi_to_json_schema(fields.schema(d, key, where)),
+                )
             )
-            out.append(Tool(name=d["name"], description=str(d.get("description", "")), parameters=params))
     return out
 
 
@@ -277,9 +285,12 @@ def _tool_choice(tc: Any) -> str | dict[str, Any] | None:
     if not isinstance(tc, dict) or not isinstance(tc.get("functionCallingConfig"), dict):
         return None
     fcc = tc["functionCallingConfig"]
-    mode = str(fcc.get("mode", "AUTO")).upper()
-    allowed = fcc.get("allowedFunctionNames") or []
-    if mode in ("ANY", "VALIDATED") and isinstance(allowed, list) and len(allowed) == 1:
+    where = "toolConfig.functionCallingConfig"
+    mode = fields.opt_str(fcc, "mode", where, default="AUTO").upper()
+    allowed = fields.opt_list(fcc, "allowedFunctionNames", where)
+    if not all(isinstance(n, str) for n in allowed):
+        raise fields.bad(f"{where}.allowedFunctionNames", "must be a list of strings")
+    if mode in ("ANY", "VALIDATED") and len(allowed) == 1:
         return {"name": allowed[0]}
     return {"AUTO": "auto", "ANY": "required", "NONE": "none", "VALIDATED": "auto"}.get(mode)
 

@@ -31,7 +31,9 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
+from polar_mitm.providers import fields
 from polar_mitm.providers.base import Endpoint, each, first_of
+from polar_mitm.providers.fields import InvalidRequest
 from polar_mitm.sse import JsonEvent
 
 NAME = "openai-chat"
@@ -85,14 +87,6 @@ class ChatCompletionsRequest(ChatRequest):
 # ---- request -----------------------------------------------------------------------------------
 
 
-class InvalidRequest(ProviderError):
-    """A 400 that names the offending request field, as OpenAI's `param` does."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__("invalid_request", message, 400)
-        self.param = param
-
-
 def _bad(msg: str, param: str | None = None) -> ProviderError:
     return InvalidRequest(msg, param)
 
@@ -121,11 +115,11 @@ def _text_of(content: Any, where: str) -> str:
             continue
         if not isinstance(part, dict):
             raise _bad(f"{where}.{j}: content parts must be objects", f"{where}.{j}")
-        kind = part.get("type")
+        kind = fields.type_tag(part, f"{where}.{j}")
         if kind in ("text", "input_text", "output_text"):
-            parts.append(str(part.get("text", "")))
+            parts.append(fields.opt_str(part, "text", f"{where}.{j}"))
         elif kind == "refusal":
-            parts.append(str(part.get("refusal", "")))
+            parts.append(fields.opt_str(part, "refusal", f"{where}.{j}"))
         elif kind in _PART_PLACEHOLDERS:
             parts.append(_PART_PLACEHOLDERS[kind])
         else:
@@ -207,9 +201,9 @@ def _parse_message(i: int, m: Any) -> Message:
     if role == "user":
         return Message(role="user", content=content)
     if role == "tool":
-        return Message(role="tool", content=content, tool_call_id=str(m.get("tool_call_id") or ""))
+        return Message(role="tool", content=content, tool_call_id=fields.opt_str(m, "tool_call_id", where))
     if role == "function":  # the pre-tools form of a tool result
-        return Message(role="tool", content=content, name=m.get("name"))
+        return Message(role="tool", content=content, name=fields.opt_str(m, "name", where) or None)
     raise _bad(
         f"{where}.role: unexpected value {role!r}; expected system, developer, user, assistant or tool",
         f"{where}.role",
@@ -218,29 +212,24 @@ def _parse_message(i: int, m: Any) -> Message:
 
 def _parse_tools(body: dict[str, Any]) -> list[Tool]:
     tools = []
-    for j, t in enumerate(body.get("tools") or []):
+    for j, t in enumerate(fields.opt_list(body, "tools", "")):
         where = f"tools.{j}"
-        if not isinstance(t, dict):
-            raise _bad(f"{where}: must be an object", where)
-        if t.get("type", "function") != "function":
-            raise _bad(f"{where}.type: unsupported tool type {t.get('type')!r}; expected 'function'", where)
-        fn = t.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad(f"{where}.function.name: required", f"{where}.function.name")
-        tools.append(_tool(fn))
-    for j, fn in enumerate(body.get("functions") or []):  # the pre-tools form
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad(f"functions.{j}.name: required", f"functions.{j}.name")
-        tools.append(_tool(fn))
+        t = fields.obj(t, where)
+        kind = fields.type_tag(t, where) or "function"
+        if kind != "function":
+            raise _bad(f"{where}.type: unsupported tool type {kind!r}; expected 'function'", where)
+        tools.append(_tool(t.get("function"), f"{where}.function"))
+    for j, fn in enumerate(fields.opt_list(body, "functions", "")):  # the pre-tools form
+        tools.append(_tool(fn, f"functions.{j}"))
     return tools
 
 
-def _tool(fn: dict[str, Any]) -> Tool:
-    params = fn.get("parameters")
+def _tool(fn: Any, where: str) -> Tool:
+    fn = fields.obj(fn, where)
     return Tool(
-        name=fn["name"],
-        description=str(fn.get("description") or ""),
-        parameters=params if isinstance(params, dict) else {"type": "object", "properties": {}},
+        name=fields.string(fn, "name", where),
+        description=fields.opt_str(fn, "description", where),
+        parameters=fields.schema(fn, "parameters", where),
     )
 
 
@@ -327,7 +316,7 @@ def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = False
     options = body.get("stream_options")
     return ChatCompletionsRequest(
         style=NAME,
-        model=str(body.get("model", "")),
+        model=fields.opt_str(body, "model", ""),
         messages=messages,
         tools=_parse_tools(body),
         tool_choice=_tool_choice(body.get("tool_choice", body.get("function_call"))),

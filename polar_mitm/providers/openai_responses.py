@@ -44,7 +44,7 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
-from polar_mitm.providers import openai_chat
+from polar_mitm.providers import fields, openai_chat
 from polar_mitm.providers.base import Endpoint
 from polar_mitm.sse import JsonEvent
 
@@ -115,7 +115,7 @@ def endpoint(method: str, path: str) -> Endpoint | None:
 
 
 def _bad(msg: str) -> ProviderError:
-    return ProviderError("invalid_request", msg, 400)
+    return fields.InvalidRequest(msg)
 
 
 def reasoning_token(text: str) -> str:
@@ -152,11 +152,11 @@ def _parts_text(content: Any, where: str) -> str:
             continue
         if not isinstance(part, dict):
             raise _bad(f"{where}.{j}: content parts must be objects")
-        kind = part.get("type")
+        kind = fields.type_tag(part, f"{where}.{j}")
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            texts.append(str(part.get("text", "")))
+            texts.append(fields.opt_str(part, "text", f"{where}.{j}"))
         elif kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
+            texts.append(fields.opt_str(part, "refusal", f"{where}.{j}"))
         elif kind in ("input_image", "input_file", "input_audio"):
             texts.append(f"[{kind.removeprefix('input_')}]")
     return "".join(texts)
@@ -188,7 +188,7 @@ def _reasoning_text(item: dict[str, Any]) -> str:
 
 def _tool_call(item: dict[str, Any], where: str) -> ToolCall:
     kind = item.get("type")
-    call_id = str(item.get("call_id") or item.get("id") or "")
+    call_id = fields.opt_str(item, "call_id", where) or fields.opt_str(item, "id", where)
     if kind == "local_shell_call":
         action = item.get("action") if isinstance(item.get("action"), dict) else {}
         args: dict[str, Any] = {"command": action.get("command") or []}
@@ -197,11 +197,10 @@ def _tool_call(item: dict[str, Any], where: str) -> ToolCall:
         if action.get("timeout_ms") is not None:
             args["timeout_ms"] = action["timeout_ms"]
         return ToolCall(id=call_id, name="local_shell", arguments=args)
-    if not isinstance(item.get("name"), str):
-        raise _bad(f"{where}.name: required")
+    name = fields.string(item, "name", where)
     if kind == "custom_tool_call":
-        return ToolCall(id=call_id, name=item["name"], arguments={"input": str(item.get("input", ""))})
-    return _arguments(item.get("arguments"), item["name"], call_id)
+        return ToolCall(id=call_id, name=name, arguments={"input": fields.opt_str(item, "input", where)})
+    return _arguments(item.get("arguments"), name, call_id)
 
 
 def _output_text(output: Any, where: str) -> str:
@@ -212,25 +211,27 @@ def _output_text(output: Any, where: str) -> str:
 
 def _convert_tool(t: Any, where: str) -> Tool | None:
     """A Responses tool as a neutral function tool; None for hosted tools a policy cannot run."""
-    if not isinstance(t, dict):
-        raise _bad(f"{where}: each tool must be an object")
-    kind = t.get("type", "function")
+    t = fields.obj(t, where)
+    kind = fields.type_tag(t, where) or "function"
     if kind == "function":
-        fn = t.get("function") if isinstance(t.get("function"), dict) else t  # tolerate Chat's nesting
-        if not isinstance(fn.get("name"), str):
-            raise _bad(f"{where}.name: function tools need a name")
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        return Tool(name=fn["name"], description=fn.get("description") or "", parameters=params)
+        if isinstance(t.get("function"), dict):  # tolerate Chat's nesting
+            t, where = t["function"], f"{where}.function"
+        return Tool(
+            name=fields.string(t, "name", where),
+            description=fields.opt_str(t, "description", where),
+            parameters=fields.schema(t, "parameters", where) or fields.no_arguments(),
+        )
     if kind == "custom":  # freeform tools (Codex's apply_patch) take one string
-        if not isinstance(t.get("name"), str):
-            raise _bad(f"{where}.name: custom tools need a name")
-        fmt = t.get("format") if isinstance(t.get("format"), dict) else {}
+        name = fields.string(t, "name", where)
+        fmt = fields.opt_obj(t, "format", where) or {}
         hint = "The raw input for this tool."
         if fmt.get("type") == "grammar" and fmt.get("definition"):
-            hint += f" It must match this {fmt.get('syntax', 'grammar')} grammar:\n{fmt['definition']}"
+            syntax = fields.opt_str(fmt, "syntax", f"{where}.format", default="grammar")
+            definition = fields.string(fmt, "definition", f"{where}.format")
+            hint += f" It must match this {syntax} grammar:\n{definition}"
         return Tool(
-            name=t["name"],
-            description=t.get("description") or "",
+            name=name,
+            description=fields.opt_str(t, "description", where),
             parameters={
                 "type": "object",
                 "properties": {"input": {"type": "string", "description": hint}},
@@ -252,7 +253,7 @@ def _tools(raw: Any, where: str, kinds: dict[str, str]) -> list[Tool]:
         raise _bad(f"{where}: must be a list of tools")
     out = []
     for j, t in enumerate(raw):
-        if isinstance(t, dict) and t.get("type") == "namespace":
+        if isinstance(t, dict) and fields.type_tag(t, f"{where}.{j}") == "namespace":
             # Codex groups tools in namespaces ("functions", "clock", …); calls name the tool alone.
             out.extend(_tools(t.get("tools"), f"{where}.{j}.tools", kinds))
             continue
@@ -287,7 +288,7 @@ class _Conversation:
     def add(self, where: str, item: Any) -> None:
         if not isinstance(item, dict):
             raise _bad(f"{where}: each input item must be an object")
-        kind = item.get("type") or ("message" if "role" in item else None)
+        kind = fields.type_tag(item, where) or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             text = _parts_text(item.get("content"), f"{where}.content")
@@ -319,7 +320,7 @@ class _Conversation:
                 Message(
                     role="tool",
                     content=_output_text(item.get("output"), f"{where}.output"),
-                    tool_call_id=str(item.get("call_id", "")),
+                    tool_call_id=fields.opt_str(item, "call_id", where),
                 )
             )
         elif kind == "additional_tools":
@@ -362,9 +363,10 @@ def _tool_choice(tc: Any) -> str | dict[str, Any] | None:
     if isinstance(tc, str):
         return tc if tc in ("auto", "none", "required") else None
     if isinstance(tc, dict):
-        if tc.get("type") in ("function", "custom") and isinstance(tc.get("name"), str):
-            return {"name": tc["name"]}
-        if tc.get("type") == "allowed_tools":
+        kind = fields.type_tag(tc, "tool_choice")
+        if kind in ("function", "custom"):
+            return {"name": fields.string(tc, "name", "tool_choice")}
+        if kind == "allowed_tools":
             return tc.get("mode") if tc.get("mode") in ("auto", "required") else "auto"
     return None
 
@@ -417,7 +419,7 @@ def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = False
         raise _bad(f"invalid sampling parameter: {e}") from e
     return ResponsesRequest(
         style=NAME,
-        model=str(body.get("model", "")),
+        model=fields.opt_str(body, "model", ""),
         messages=conv.messages,
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice")),
@@ -627,7 +629,7 @@ def _error_body(e: ProviderError) -> dict[str, Any]:
     kind, code = ERROR_TYPES.get(e.kind, ("server_error", "server_error"))
     if e.kind == "invalid_request" and "too long" in e.message:
         code = "context_length_exceeded"  # harnesses compact or stop instead of retrying
-    return {"message": e.message, "type": kind, "param": None, "code": code}
+    return {"message": e.message, "type": kind, "param": getattr(e, "param", None), "code": code}
 
 
 class _StreamWriter:

@@ -29,8 +29,9 @@ def _schema_type(schema: Any) -> str | None:
         return None
     t = schema.get("type")
     if isinstance(t, list):
-        non_null = [x for x in t if x != "null"]
-        return non_null[0] if non_null else (t[0] if t else None)
+        names = [x for x in t if isinstance(x, str)]
+        non_null = [x for x in names if x != "null"]
+        return non_null[0] if non_null else (names[0] if names else None)
     if isinstance(t, str):
         return t
     if "properties" in schema or "required" in schema:
@@ -40,8 +41,8 @@ def _schema_type(schema: Any) -> str | None:
     return None
 
 
-def _resolve_ref(ref: str, root: dict[str, Any]) -> Any:
-    if not ref.startswith("#"):
+def _resolve_ref(ref: Any, root: Any) -> Any:
+    if not isinstance(ref, str) or not ref.startswith("#"):
         return {}
     node: Any = root
     for part in ref.lstrip("#").strip("/").split("/"):
@@ -52,6 +53,15 @@ def _resolve_ref(ref: str, root: dict[str, Any]) -> Any:
             return {}
         node = node[part]
     return node
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _names(value: Any) -> list[str]:
+    """The strings of a `required` list (anything else in it, or instead of it, left out)."""
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
 
 def _int(value: Any) -> int | None:
@@ -118,9 +128,9 @@ def minimal_json_instance(schema: Any, root: Any = None, _depth: int = 0) -> Any
         for part in schema["allOf"]:
             part = _resolve_ref(part["$ref"], root) if isinstance(part, dict) and "$ref" in part else part
             if isinstance(part, dict):
-                merged.setdefault("properties", {}).update(part.get("properties") or {})
+                merged["properties"] = {**_dict(merged.get("properties")), **_dict(part.get("properties"))}
                 merged["required"] = list(
-                    dict.fromkeys([*(merged.get("required") or []), *(part.get("required") or [])])
+                    dict.fromkeys([*_names(merged.get("required")), *_names(part.get("required"))])
                 )
                 for k, v in part.items():
                     if k not in ("properties", "required"):
@@ -133,9 +143,8 @@ def minimal_json_instance(schema: Any, root: Any = None, _depth: int = 0) -> Any
             return minimal_json_instance((non_null or options)[0], root, _depth + 1)
     t = _schema_type(schema)
     if t == "object" or (t is None and _depth == 0):
-        props = schema.get("properties") or {}
-        required = [r for r in schema.get("required") or [] if isinstance(r, str)]
-        names = list(required)
+        props = _dict(schema.get("properties"))
+        names = _names(schema.get("required"))
         min_props = _int(schema.get("minProperties")) or 0
         for name in props:
             if len(names) >= min_props:
@@ -147,7 +156,7 @@ def minimal_json_instance(schema: Any, root: Any = None, _depth: int = 0) -> Any
         count = _int(schema.get("minItems")) or 0
         if (most := _int(schema.get("maxItems"))) is not None:
             count = min(count, most)
-        prefix = schema.get("prefixItems") or []
+        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
         items = schema.get("items", {})
         out = [minimal_json_instance(p, root, _depth + 1) for p in prefix[:count]]
         while len(out) < count:

@@ -160,8 +160,9 @@ def is_code_mode_exec(tool: dict[str, Any]) -> bool:
     """Codex's code mode (its default models) offers no shell tool, only `exec`: a freeform tool
     (one string, `input`, once parsed) whose input is JavaScript that can call
     `tools.exec_command({cmd})`."""
-    props = (tool.get("parameters") or {}).get("properties") or {}
-    return tool["name"] == "exec" and set(props) == {"input"}
+    params = tool.get("parameters")
+    props = params.get("properties") if isinstance(params, dict) else None
+    return tool["name"] == "exec" and isinstance(props, dict) and set(props) == {"input"}
 
 
 def find_shell_tool(tools: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -179,14 +180,15 @@ def shell_arguments(tool: dict[str, Any], command: str) -> dict[str, Any]:
         return {
             "input": f"const r = await tools.exec_command({{cmd: {json.dumps(command)}}});\ntext(r.output);"
         }
-    schema = tool.get("parameters") or {}
-    props = schema.get("properties") or {}
+    # A harness's schema may be anything JSON: what is not the expected shape counts as absent.
+    schema = tool.get("parameters") if isinstance(tool.get("parameters"), dict) else {}
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     key = "command" if "command" in props else ("cmd" if "cmd" in props else "command")
-    prop = props.get(key) or {}
-    value: Any = ["bash", "-lc", command] if _schema_type(prop) == "array" else command
+    value: Any = ["bash", "-lc", command] if _schema_type(props.get(key)) == "array" else command
     args: dict[str, Any] = {key: value}
-    for name in schema.get("required") or []:
-        if name not in args and isinstance(name, str):
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    for name in required:
+        if isinstance(name, str) and name not in args:
             args[name] = minimal_json_instance(props.get(name) or {"type": "string"}, schema)
     return args
 
