@@ -191,7 +191,7 @@ class Profile:
     """`py-spy record` on a process while the `with` block runs; `top()` gives the frames that
     hold the most samples (inclusive), from py-spy's raw (collapsed-stack) output."""
 
-    def __init__(self, pid: int, out: Path, rate: int = 250):
+    def __init__(self, pid: int, out: Path, rate: int = 1000):
         self.pid, self.out, self.rate = pid, out, rate
         self.popen: subprocess.Popen | None = None
 

@@ -1,7 +1,8 @@
 """Added latency per turn against the architecture's floor: polar-mitm vs. bare mitmdump.
 
-Four paths, measured interleaved in the same run, on a later turn of a conversation (the client
-keeps its connection alive), at each context size:
+Four paths, measured interleaved in the same run, on later turns of a conversation (from --turn
+on, each measured turn echoing the one before, as a harness does; the client keeps its connection
+alive), at each context size:
 
 - polar-mitm: a streamed Anthropic request through `polar-mitm proxy` to the fake SGLang backend;
 - its direct baseline: the very /generate body the proxy sent, straight to the fake backend;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -87,38 +89,58 @@ async def measure_context(
     proxy_url = polar.url.replace("http://", f"http://floor{ctx}:x@")
     through = httpx.AsyncClient(proxy=proxy_url, verify=str(ca), timeout=300)
     msgs = await conversation(through, system, turn)
-    body = {
-        "model": "m",
-        "max_tokens": 64,
-        "system": system,
-        "tools": [BASH],
-        "messages": msgs,
-        "stream": True,
-    }
-    raw = json.dumps(body).encode()
     headers = {"content-type": "application/json"}
-    _, reply = await timed(through, URL, content=raw, headers=headers)
-    async with httpx.AsyncClient() as c:
-        last = (await c.get(fake.url + "/_fake/requests?last=1")).json()["requests"][-1]
-    generate_body = json.dumps(last["body"]).encode()
-    prompt_tokens = len(last["body"]["input_ids"])
 
+    def request() -> bytes:
+        body = {
+            "model": "m",
+            "max_tokens": 64,
+            "system": system,
+            "tools": [BASH],
+            "messages": msgs,
+            "stream": True,
+        }
+        return json.dumps(body).encode()
+
+    def echo(reply: bytes) -> None:
+        """The conversation goes on: the reply's tool call and its result (as a harness would)."""
+        call_id = re.search(rb'"id": ?"(toolu_[^"]+)"', reply).group(1).decode()
+        use = {"type": "tool_use", "id": call_id, "name": "Bash", "input": {"command": "ls"}}
+        result = {"type": "tool_result", "tool_use_id": call_id, "content": "file1\nfile2"}
+        msgs.extend([{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}])
+
+    raw = request()
+    _, reply = await timed(through, URL, content=raw, headers=headers)
+    echo(reply)
     trivial = start_trivial(tmp, reply)
     mitm = start_mitmdump(tmp, HOST, trivial.url)
     via_mitm = httpx.AsyncClient(proxy=mitm.url, verify=str(ca), timeout=300)
     direct = httpx.AsyncClient(timeout=300)
+    sent = {"body": b""}
+
+    async def polar_turn() -> tuple[float, bytes]:
+        """A later turn through polar-mitm; the next one echoes its reply."""
+        sent["raw"] = request()
+        t, reply = await timed(through, URL, content=sent["raw"], headers=headers)
+        echo(reply)
+        last = (await direct.get(fake.url + "/_fake/requests?last=1")).json()["requests"][-1]["body"]
+        sent["body"], sent["tokens"] = json.dumps(last).encode(), len(last["input_ids"])
+        return t, reply
+
     paths = {
-        "polar": lambda: timed(through, URL, content=raw, headers=headers),
-        "fake direct": lambda: timed(direct, fake.url + "/generate", content=generate_body, headers=headers),
-        "mitmdump": lambda: timed(via_mitm, URL, content=raw, headers=headers),
-        "trivial direct": lambda: timed(direct, trivial.url + "/v1/messages", content=raw, headers=headers),
+        "polar": polar_turn,
+        "fake direct": lambda: timed(direct, fake.url + "/generate", content=sent["body"], headers=headers),
+        "mitmdump": lambda: timed(via_mitm, URL, content=sent["raw"], headers=headers),
+        "trivial direct": lambda: timed(
+            direct, trivial.url + "/v1/messages", content=sent["raw"], headers=headers
+        ),
     }
     cpu_of = {"polar": polar, "mitmdump": mitm}
     times: dict[str, list[float]] = {k: [] for k in paths}
     cpu: dict[str, float] = {k: 0.0 for k in cpu_of}
     try:
-        for go in paths.values():  # warm: connections, caches
-            for _ in range(3):
+        for _ in range(3):  # warm: connections, caches
+            for go in paths.values():
                 await go()
         prof = Profile(polar.pid, tmp / f"profile-{ctx}.txt") if profile else None
         if prof:
@@ -129,9 +151,9 @@ async def measure_context(
                     proc = cpu_of.get(name)
                     c0 = proc.cpu() if proc else 0.0
                     t, _ = await go()
+                    c1 = proc.cpu() if proc else 0.0
                     times[name].append(t)
-                    if proc:
-                        cpu[name] += proc.cpu() - c0
+                    cpu[name] = cpu.get(name, 0.0) + c1 - c0
         finally:
             if prof:
                 prof.__exit__(None, None, None)
@@ -141,6 +163,8 @@ async def measure_context(
             await c.aclose()
         mitm.stop()
         trivial.stop()
+    prompt_tokens = sent["tokens"]
+    raw = sent["raw"]
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     return {
         "ctx": ctx,

@@ -276,6 +276,9 @@ class Policy:
         cumulative = None if incremental is None else not incremental
         return self.config.backend_stream == "stream" or incremental is True, cumulative
 
+    # New messages up to this size are rendered on the event loop (about a millisecond).
+    INLINE_RENDER_CHARS = 16_000
+
     # Serialized sequences kept for splicing (bytes, ~6 per token): a few sessions' worth each.
     SENT_IDS_MAX_BYTES = 64 * 1024 * 1024
 
@@ -369,7 +372,15 @@ class Policy:
             turn_id, k = echo
             seq, plen = await self.store.sequence(turn_id)
             try:
-                cont = await asyncio.to_thread(render_continuation, tok, req.messages[k:], seq[plen:], kw)
+                new = req.messages[k:]
+                args = (tok, new, seq[plen:], kw)
+                # A few new messages render faster than a hop to a worker thread and back.
+                small = sum(len(m.content) for m in new) < self.INLINE_RENDER_CHARS
+                cont = (
+                    render_continuation(*args)
+                    if small
+                    else await asyncio.to_thread(render_continuation, *args)
+                )
                 return seq + cont, turn_id, len(seq), hashes
             except SpliceError as e:
                 log.warning("splice failed (%s); rendering the whole conversation", e)

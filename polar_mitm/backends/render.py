@@ -33,7 +33,43 @@ def _message_key(m: Message) -> str:
 
 def extend_hash(prev: str, message: Message) -> str:
     """The hash of a conversation one message longer than the one `prev` identifies."""
-    return hashlib.sha256(prev.encode() + b"\x00" + _message_key(message).encode()).hexdigest()[:32]
+    calls = tuple(
+        (c.name, c.raw) if c.raw is not None else (c.name, json.dumps(c.arguments, sort_keys=True))
+        for c in message.tool_calls
+    )
+    key = (prev, message.role, message.content, calls)
+    known = _HASHES.get(key)
+    if known is None:
+        known = hashlib.sha256(prev.encode() + b"\x00" + _message_key(message).encode()).hexdigest()[:32]
+        _HASHES.put(key, known, len(message.content))
+    return known
+
+
+class _Memo:
+    """A bounded memo (by the characters of the messages it holds): a harness sends its whole
+    conversation every turn, so every turn would otherwise hash every earlier message again.
+    Two generations: entries not used since the last swap are dropped at the next."""
+
+    def __init__(self, max_chars: int):
+        self.max_chars = max_chars
+        self.new: dict = {}
+        self.old: dict = {}
+        self.chars = 0
+
+    def get(self, key):
+        value = self.new.get(key)
+        if value is None and (value := self.old.get(key)) is not None:
+            self.put(key, value, len(key[2]))
+        return value
+
+    def put(self, key, value, chars: int) -> None:
+        if self.chars + chars > self.max_chars:
+            self.old, self.new, self.chars = self.new, {}, 0
+        self.new[key] = value
+        self.chars += chars
+
+
+_HASHES = _Memo(32_000_000)
 
 
 def conversation_hashes(messages: list[Message], tools: list[Tool]) -> list[str]:

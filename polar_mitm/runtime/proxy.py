@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from mitmproxy import options
-from mitmproxy.addons import default_addons
+from mitmproxy.addons import block, core, disable_h2c, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
 from pydantic import BaseModel, Field
 
@@ -54,6 +54,20 @@ class ProxyConfig(BaseModel):
 
 class ProxyStartError(RuntimeError):
     """The proxy cannot listen where it was told to (a busy port, an address not on this host)."""
+
+
+def mitmproxy_addons() -> list[object]:
+    """The mitmproxy addons the proxy needs: listening, TLS and layer decisions, and two guards.
+    mitmproxy calls every loaded addon for each event of each flow, so the rest of its defaults
+    (playback, map/modify, save, onboarding, scripts, DNS, ...) would cost every turn for nothing."""
+    return [
+        core.Core(),
+        proxyserver.Proxyserver(),
+        next_layer.NextLayer(),  # allow_hosts: TLS is opened for our hosts only
+        tlsconfig.TlsConfig(),
+        block.Block(),  # refuses clients from public addresses (block_global), as mitmproxy does
+        disable_h2c.DisableH2C(),
+    ]
 
 
 class PolarProxy:
@@ -120,7 +134,7 @@ class PolarProxy:
             confdir=str(self.ca.dir),
         )
         self.master = Master(opts)
-        self.master.addons.add(*default_addons())
+        self.master.addons.add(*mitmproxy_addons())
         self.master.addons.add(
             Sessions(self.config.default_session, token=self.config.token),
             *mode_addons,
@@ -130,7 +144,6 @@ class PolarProxy:
             allow_hosts=["^(?:" + "|".join(host_pattern(h) for h in sorted(intercepted)) + r")(?::\d+)?$"],
             connection_strategy="lazy",
             upstream_cert=False,
-            command_history=False,
         )
         self._task = asyncio.create_task(self.master.run())
         self.port = await self._wait_listening()
