@@ -439,6 +439,8 @@ class Policy:
         error: str | None = None
         streamed, cumulative = await self.backend_streaming()
         sent_ids = self.serialized_prompt(prompt_ids, ref, ref_len)
+        if isinstance(prompt_ids, PromptIds):
+            prompt_ids = prompt_ids[:]  # a plain list: array() and others take their fast path
         gen = self.client.generate(sent_ids, params, stream=streamed, cumulative=cumulative)
         state = gen.state
 
