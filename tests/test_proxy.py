@@ -397,3 +397,29 @@ async def test_reasoning_tokens_are_counted_up_to_the_closing_tag(make_stack, qw
         < usage["output_tokens"]
         == len(turn.output_ids)
     )
+
+
+CODER_CALL = [
+    {
+        "match": "",
+        "text": "<tool_call>\n<function=Bash>\n<parameter=command>\nls\n</parameter>\n"
+        "<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>",
+    }
+]
+
+
+async def test_text_valued_tool_formats_are_typed_by_the_requests_schema(make_stack):
+    """qwen3_coder writes every value as text; the tool's schema says timeout is an integer, so
+    the harness gets 30, not "30" (a harness rejects a call whose arguments break its schema)."""
+    stack = await make_stack(backend={"script": CODER_CALL}, policy={"tool_parser": "qwen3_coder"})
+    tool = {
+        **BASH,
+        "input_schema": {
+            **BASH["input_schema"],
+            "properties": {**BASH["input_schema"]["properties"], "timeout": {"type": "integer"}},
+        },
+    }
+    async with stack.client() as c:
+        r = await c.post(URL, json=body([{"role": "user", "content": "list"}], tools=[tool]))
+    [use] = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+    assert use["input"] == {"command": "ls", "timeout": 30}

@@ -416,6 +416,7 @@ class Policy:
             reasoning_parser,
             in_reasoning=self._reasoning_open[key],
             id_prefix=ctx.id_prefix,
+            tools=req.tools,  # formats with text values (qwen3_coder, glm45) type them by the schema
         )
         max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
         if self.config.max_tokens_cap and max_tokens > self.config.max_tokens_cap:
