@@ -14,6 +14,7 @@ The SDK is blocking; every call runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import logging
@@ -324,8 +325,15 @@ class DockerRuntime:
         def run() -> Any:
             return self.client.containers.run(image, **kwargs)
 
+        starting = asyncio.ensure_future(asyncio.to_thread(run))
         try:
-            container = await asyncio.to_thread(run)
+            container = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # Cancelled (Ctrl-C, early stop) while the daemon creates it: the container still comes
+            # into being in its thread; wait for it and remove it, so nothing is left running.
+            with contextlib.suppress(Exception):
+                await self.remove(await asyncio.wait_for(starting, 60))
+            raise
         except Exception as e:
             raise SandboxError(f"task {task.id}: starting a container from {image} failed: {e}") from e
         env_list = (
