@@ -332,3 +332,30 @@ def test_ctrl_c_stops_every_container_and_records_every_sample(
     con = sqlite3.connect(db)
     assert sorted(r[0] for r in con.execute("SELECT status FROM samples")) == ["cancelled"] * 4
     assert con.execute("SELECT status FROM rollouts").fetchone() == ("interrupted",)
+
+
+def test_a_sandbox_start_cancelled_midway_leaves_no_container(tmp_path, docker_client):
+    """Ctrl-C (or early stop) can land while the daemon is creating a container in its thread."""
+    import asyncio
+
+    from polar_mitm.runtime.certs import ensure_ca
+    from polar_mitm.runtime.docker import DockerRuntime
+    from polar_mitm.runtime.sandbox import SandboxSpec
+    from polar_mitm.tasks.model import Task
+
+    async def main() -> None:
+        rt = DockerRuntime()
+        task = Task(id="c", instruction="x", image=IMAGE)
+        await rt.prepare(task)
+        spec = SandboxSpec(
+            name=f"polar-cancel-{os.getpid()}", session_dir=tmp_path, ca=ensure_ca(tmp_path / "ca"),
+            labels={LABEL: "cancel-test"},
+        )  # fmt: skip
+        starting = asyncio.create_task(rt.start(task, spec))
+        await asyncio.sleep(0.05)
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+
+    asyncio.run(main())
+    assert docker_client.containers.list(all=True, filters={"label": f"{LABEL}=cancel-test"}) == []
