@@ -1,5 +1,6 @@
 """The store: packing, migrations, prefix references, credentials never stored."""
 
+import json
 import sqlite3
 
 import pytest
@@ -127,3 +128,157 @@ def test_credential_headers_are_redacted(name):
 def test_credential_query_params_are_redacted():
     u = redact.url("/v1beta/models/x:generateContent?alt=sse&key=AIzaSECRET&access_token=abc")
     assert "AIzaSECRET" not in u and "abc" not in u and "alt=sse" in u
+
+
+def _claude_code_request(messages: list, system: str, *, model: str = "claude-sonnet-4-5") -> str:
+    # Claude Code's shape: the messages come before the system prompt and tools, and the newest
+    # user message carries the cache marker (so an earlier message changes when the next arrives).
+    msgs = [dict(m) for m in messages]
+    if msgs and msgs[-1]["role"] == "user":
+        msgs[-1] = {
+            **msgs[-1],
+            "content": [
+                {"type": "text", "text": msgs[-1]["content"], "cache_control": {"type": "ephemeral"}}
+            ],
+        }
+    tools = [
+        {"name": f"Tool{i}", "description": "does a thing " * 40, "input_schema": {"type": "object"}}
+        for i in range(12)
+    ]
+    body = {
+        "model": model,
+        "messages": msgs,
+        "system": [{"type": "text", "text": system}],
+        "tools": tools,
+        "max_tokens": 32000,
+        "stream": True,
+    }
+    return json.dumps(body, ensure_ascii=False)
+
+
+async def test_requests_are_stored_as_what_changed_and_read_back_byte_identical(tmp_path):
+    """A Claude Code session: growing turns, a title side call, a compacted (non-extending)
+    request, a retry of the same request, text with non-ASCII; every reader gets each request
+    back exactly, and an extending turn stores a small part of its request."""
+    from polar_mitm.store.queries import text_turns, text_turns_by_id
+
+    path = tmp_path / "s.sqlite"
+    store = await Store.open(path)
+    await store.ensure_session("s1")
+    system = "You are Claude Code. " * 400
+    messages: list = [{"role": "user", "content": "fix the bug in parser.py — ünïcödé ✓"}]
+    sent: dict[str, str] = {}
+    prev = None
+    for i in range(12):
+        if i == 7:  # compaction: a new, shorter conversation (not an extension of the last one)
+            messages = [{"role": "user", "content": "Summary of the conversation so far: " + "x" * 3000}]
+            prev = None
+        req = _claude_code_request(messages, system)
+        tid = f"t{i:02d}"
+        await store.insert_turn(
+            TurnRecord(
+                id=tid,
+                session_id="s1",
+                style="anthropic",
+                path="/v1/messages",
+                prompt_ids=[1, 2],
+                output_ids=[3],
+                output_logprobs=[-0.5],
+                request=req,
+                response='{"r": 1}',
+                prompt_ref=prev,
+            )
+        )
+        sent[tid] = req
+        prev = tid
+        if i == 3:  # a title side call: another system prompt, another tag
+            side = _claude_code_request(
+                [{"role": "user", "content": "Please write a 5-10 word title"}],
+                "Summarize this coding conversation",
+                model="claude-haiku",
+            )
+            await store.insert_turn(
+                TurnRecord(
+                    id="side",
+                    session_id="s1",
+                    style="anthropic",
+                    tag="title",
+                    path="/v1/messages",
+                    request=side,
+                    response="{}",
+                )
+            )
+            sent["side"] = side
+        if i == 5:  # the same request sent again (a retry)
+            await store.insert_turn(
+                TurnRecord(
+                    id="retry",
+                    session_id="s1",
+                    style="anthropic",
+                    path="/v1/messages",
+                    prompt_ids=[1],
+                    request=req,
+                    response="{}",
+                    status="error",
+                )
+            )
+            sent["retry"] = req
+        messages = messages + [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": f"tu{i}", "name": "Read", "input": {"f": i}}],
+            },
+            {"role": "user", "content": f"result {i}: " + "line of the file\n" * (20 + i)},
+        ]
+    harvested = '{"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}'
+    await store.insert_turn(
+        TurnRecord(id="h", session_id="s1", style="gemini", request=harvested, response="{}")
+    )
+    sent["h"] = harvested
+    await store.close()
+
+    con = sqlite3.connect(path)
+    stored = dict(
+        con.execute("SELECT id, COALESCE(LENGTH(request), 0) + COALESCE(LENGTH(request_delta), 0) FROM turns")
+    )
+    refs = dict(con.execute("SELECT id, request_ref FROM turns"))
+    con.close()
+    assert refs["t00"] is None and refs["side"] is None  # nothing earlier of their kind
+    assert refs["t07"] == "t06" and stored["t07"] > 3000  # the compaction shares system and tools only
+    assert refs["t06"] == "t05" and refs["retry"] == "t05" and stored["retry"] == 0
+    for i in (1, 2, 3, 4, 5, 6, 8, 9, 10, 11):
+        assert stored[f"t{i:02d}"] < len(sent[f"t{i:02d}"]) / 5, i
+
+    for got in (
+        {t.id: t.request for t in read_turns(path, with_raw=True, include_text_only=True)},
+        {t.id: t.request for t in text_turns(path, "s1")},
+        {t.id: t.request for t in text_turns(path, "s1", newest_first=True)},
+        {t.id: t.request for t in text_turns_by_id(path, ["t11", "t03", "retry", "t09"])},
+    ):
+        assert got == {k: sent[k] for k in got}
+        assert all(got[k].encode() == sent[k].encode() for k in got)
+    assert len({t.id for t in read_turns(path, with_raw=True, include_text_only=True)}) == len(sent)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_request_diffed_against_any_other_comes_back_exactly(seed):
+    import random
+
+    from polar_mitm.store import deltas
+
+    rng = random.Random(seed)
+    alphabet = 'ab{}"é✓\U0001f600'
+    ref = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 9000)))
+    cut = rng.randrange(0, len(ref) + 1)
+    kind = seed % 4
+    if kind == 0:  # appended
+        text = ref + "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 50)))
+    elif kind == 1:  # inserted in the middle
+        text = ref[:cut] + "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 5000))) + ref[cut:]
+    elif kind == 2:  # cut short
+        text = ref[:cut]
+    else:  # unrelated
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 9000)))
+    d = deltas.diff(ref, text)
+    assert d.head + d.tail <= min(len(ref), len(text))
+    assert deltas.apply(ref, d.head, d.tail, d.middle) == text

@@ -4,7 +4,8 @@
 reader the offline reconstructor uses; `connect` opens the file for it (see there for when
 migrations run); `queries` holds the smaller questions the other packages ask. A turn's prompt is stored as a reference to an earlier
 turn's full sequence (prompt + output) plus its own new suffix, so a long session costs its
-unique tokens, not turns × context.
+unique tokens, not turns × context; its raw request likewise as what differs from an earlier
+turn's request (`deltas`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import aiosqlite
 from pydantic import BaseModel, Field
 
+from polar_mitm.store import deltas
 from polar_mitm.store.migrations import migrate, pending
 from polar_mitm.store.packing import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
 
@@ -112,20 +114,25 @@ class Store:
     """Async writer used by the proxy; safe for concurrent turns, and beside other writers (other
     processes) of the same file."""
 
-    def __init__(self, path: str | Path, db: aiosqlite.Connection):
+    def __init__(self, path: str | Path, db: aiosqlite.Connection, *, request_memo_chars: int = 32_000_000):
         self.path = str(path)
         self._db = db
         self.cache = _SequenceCache(compact=True)
         self._sessions: set[str] = set()
+        # Recent requests, to store the next one of a conversation as what differs (0: whole).
+        self.requests = deltas.Memo(request_memo_chars)
+        # The newest turn of each (session, tag, path): the reference of a request that does not
+        # extend an earlier turn's prompt (side calls, harvested exchanges, a compacted context).
+        self._last_request: OrderedDict[tuple[str, str | None, str | None], str] = OrderedDict()
 
     @classmethod
-    async def open(cls, path: str | Path) -> Store:
+    async def open(cls, path: str | Path, *, request_memo_chars: int = 32_000_000) -> Store:
         init_db(path)
         db = await aiosqlite.connect(str(path))
         await db.execute("PRAGMA journal_mode=WAL")
         await db.execute("PRAGMA synchronous=NORMAL")
         await db.execute("PRAGMA foreign_keys=ON")
-        return cls(path, db)
+        return cls(path, db, request_memo_chars=request_memo_chars)
 
     async def close(self) -> None:
         await self._db.close()
@@ -177,12 +184,15 @@ class Store:
         processes sharing the file never hand out the same one (m004 indexes seq for the MAX)."""
         await self._ensure_known(rec.session_id)
         suffix = rec.prompt_ids[rec.prompt_ref_len :] if rec.prompt_ref else rec.prompt_ids
+        key = (rec.session_id, rec.tag, rec.path)
+        request_ref, delta = self._request_delta(rec.request, rec.prompt_ref, self._last_request.get(key))
         await self._db.execute(
             "INSERT INTO turns (id, session_id, seq, created_at, style, host, path, model, tag, status,"
             " finish_reason, prompt_ref, prompt_ref_len, prompt_suffix, prompt_len, output_ids,"
             " output_logprobs, output_len, weight_version, msg_hash, post_hash, request, request_headers,"
-            " response, error, latency_ms) VALUES (?,?,(SELECT COALESCE(MAX(seq), 0) + 1 FROM turns),"
-            "?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " response, error, latency_ms, request_ref, request_head, request_tail, request_delta)"
+            " VALUES (?,?,(SELECT COALESCE(MAX(seq), 0) + 1 FROM turns),"
+            "?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 rec.id,
                 rec.session_id,
@@ -204,16 +214,39 @@ class Store:
                 rec.weight_version,
                 rec.msg_hash,
                 rec.post_hash,
-                rec.request,
+                rec.request if delta is None else None,
                 json.dumps(rec.request_headers),
                 rec.response,
                 rec.error,
                 rec.latency_ms,
+                request_ref,
+                *((0, 0, None) if delta is None else delta),
             ),
         )
         await self._db.commit()
         if rec.output_ids or rec.prompt_ids:
             self.cache.put(rec.id, rec.prompt_ids + rec.output_ids, len(rec.prompt_ids))
+        if rec.request:
+            self.requests.put(rec.id, rec.request)
+            self._last_request[key] = rec.id
+            self._last_request.move_to_end(key)
+            if len(self._last_request) > 65_536:
+                self._last_request.popitem(last=False)
+
+    def _request_delta(self, text: str | None, *refs: str | None) -> tuple[str | None, deltas.Delta | None]:
+        """The reference (one of `refs` whose request is still remembered) that `text` differs from
+        least, and how; (None, None) to store it whole."""
+        best: tuple[str | None, deltas.Delta | None] = (None, None)
+        if not text:
+            return best
+        for ref in dict.fromkeys(refs):
+            base = self.requests.get(ref)
+            if base is None:
+                continue
+            d = deltas.diff(base, text)
+            if deltas.worth_it(d, text) and (best[1] is None or len(d.middle) < len(best[1].middle)):
+                best = (ref, d)
+        return best
 
     async def find_by_post_hash(self, session_id: str, hashes: Sequence[str]) -> tuple[str, str] | None:
         """The newest completed turn of the session whose post_hash is one of `hashes`.
@@ -385,7 +418,11 @@ def read_turns(
     where, args = turn_filter(
         session=session, task=task, since=since, tokens=None if include_text_only else True, rollout=rollout
     )
-    raw_cols = ", t.request, t.response" if with_raw else ", NULL, NULL"
+    raw_cols = (
+        ", t.request, t.response, t.request_ref, t.request_head, t.request_tail, t.request_delta"
+        if with_raw
+        else ", NULL, NULL, NULL, 0, 0, NULL"
+    )
     sql = (
         "SELECT t.id, t.session_id, t.seq, t.created_at, t.style, t.model, t.tag, t.status, t.finish_reason,"
         " t.prompt_ref, t.prompt_ref_len, t.prompt_suffix, t.output_ids, t.output_logprobs, t.weight_version,"
@@ -393,6 +430,7 @@ def read_turns(
         + (" WHERE " + " AND ".join(where) if where else "")
         + " ORDER BY t.seq"
     )
+    requests = RequestReader(db)
     try:
         for row in db.execute(sql, args):
             (
@@ -438,7 +476,7 @@ def read_turns(
                 prompt_ref_len=ref_len,
                 weight_version=wv,
                 task_id=row[15],
-                request=row[16],
+                request=requests.text(tid, row[16], *row[18:22]) if with_raw else None,
                 response=row[17],
             )
     finally:
@@ -459,3 +497,50 @@ def _resolve_sync(db: sqlite3.Connection, turn_id: str, cache: _SequenceCache) -
     seq = prompt + unpack_ids(out)
     cache.put(turn_id, seq, len(prompt))
     return seq
+
+
+class RequestReader:
+    """Raw requests as they arrived, from what the store holds: the whole text, or a reference to
+    an earlier turn's request and what differs (`deltas`). Remembers what it resolved (bounded),
+    so reading turns in order costs one pass over the stored text."""
+
+    def __init__(self, db: sqlite3.Connection, max_chars: int = 16_000_000):
+        self.db = db
+        self.memo = deltas.Memo(max_chars)
+
+    def text(
+        self, turn_id: str, request: str | None, ref: str | None, head: int, tail: int, delta: str | None
+    ) -> str | None:
+        if ref is not None:
+            request = deltas.apply(self._of(ref), head, tail, delta or "")
+        if request is not None:
+            self.memo.put(turn_id, request)
+        return request
+
+    def _of(self, turn_id: str) -> str:
+        """The full request of an earlier turn (following its references)."""
+        chain: list[tuple[str, int, int, str | None]] = []
+        cur: str | None = turn_id
+        text: str | None = None
+        while cur is not None:
+            text = self.memo.get(cur)
+            if text is not None:
+                break
+            row = self.db.execute(
+                "SELECT request, request_ref, request_head, request_tail, request_delta FROM turns WHERE id = ?",
+                (cur,),
+            ).fetchone()
+            if row is None:
+                raise KeyError(f"turn {cur} holds a request others refer to, but is missing")
+            request, ref, head, tail, delta = row
+            if ref is None:
+                text = request or ""
+                self.memo.put(cur, text)
+                break
+            chain.append((cur, head, tail, delta))
+            cur = ref
+        assert text is not None
+        for tid, head, tail, delta in reversed(chain):
+            text = deltas.apply(text, head, tail, delta or "")
+            self.memo.put(tid, text)
+        return text

@@ -166,7 +166,22 @@ def m004_turns_seq(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX turns_seq ON turns(seq)")
 
 
-MIGRATIONS: list[Migration] = [m001_initial, m002_rollouts, m003_service, m004_turns_seq]
+def m005_request_delta(db: sqlite3.Connection) -> None:
+    """A turn's raw request may be stored as what differs from an earlier turn's request: the
+    request is `request_ref`'s request cut to its first `request_head` and last `request_tail`
+    characters, with `request_delta` between them (`request` is then NULL). Requests of one
+    conversation grow by appending messages, so a turn costs what is new, not the whole request."""
+    db.executescript(
+        """
+        ALTER TABLE turns ADD COLUMN request_ref TEXT REFERENCES turns(id);
+        ALTER TABLE turns ADD COLUMN request_head INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE turns ADD COLUMN request_tail INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE turns ADD COLUMN request_delta TEXT;
+        """
+    )
+
+
+MIGRATIONS: list[Migration] = [m001_initial, m002_rollouts, m003_service, m004_turns_seq, m005_request_delta]
 
 
 def pending(db: sqlite3.Connection) -> list[str]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.store.db import StoredTurn, connect, turn_filter
+from polar_mitm.store.db import RequestReader, StoredTurn, connect, turn_filter
 
 
 def _where(*, with_text: bool = False, **filters: Any) -> tuple[str, list[object]]:
@@ -20,7 +20,7 @@ def _where(*, with_text: bool = False, **filters: Any) -> tuple[str, list[object
     applies, so counts match what it reads); `with_text` keeps turns with a request and reply."""
     where, args = turn_filter(**filters)
     if with_text:
-        where = ["t.request IS NOT NULL", "t.response IS NOT NULL", *where]
+        where = ["(t.request IS NOT NULL OR t.request_ref IS NOT NULL)", "t.response IS NOT NULL", *where]
     return (" WHERE " + " AND ".join(where) if where else ""), args
 
 
@@ -136,7 +136,8 @@ def set_reward(path: str | Path, session: str, value: float | None) -> None:
 # Columns of a text read, and the StoredTurn fields they fill (token ids stay empty).
 _TEXT_COLUMNS = (
     "t.id, t.session_id, t.seq, t.created_at, t.style, t.path, t.model, t.tag, t.status, t.finish_reason,"
-    " t.request, t.response, (t.prompt_len = 0 AND t.output_len = 0), s.task_id, s.reward"
+    " t.request, t.response, (t.prompt_len = 0 AND t.output_len = 0), s.task_id, s.reward,"
+    " t.request_ref, t.request_head, t.request_tail, t.request_delta"
 )
 _TEXT_FIELDS = (
     *("id", "session_id", "seq", "created_at", "style", "path", "model", "tag", "status", "finish_reason"),
@@ -144,8 +145,10 @@ _TEXT_FIELDS = (
 )
 
 
-def _text_turn(row: tuple) -> StoredTurn:
-    fields = dict(zip(_TEXT_FIELDS, row, strict=True))
+def _text_turn(row: tuple, requests: RequestReader) -> StoredTurn:
+    n = len(_TEXT_FIELDS)
+    fields = dict(zip(_TEXT_FIELDS, row[:n], strict=True))
+    fields["request"] = requests.text(fields["id"], fields["request"], *row[n:])
     fields["text_only"] = bool(fields["text_only"])
     no_ids = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "prompt_ref_len": 0}
     return StoredTurn.model_construct(**fields, **no_ids, prompt_ref=None, weight_version=None)
@@ -168,8 +171,9 @@ def text_turns(
     db = connect(path)
     try:
         order = " ORDER BY t.seq DESC" if newest_first else " ORDER BY t.seq"
+        requests = RequestReader(db)
         for row in db.execute(f"SELECT {_TEXT_COLUMNS}{_FROM}{where}{order}", args):
-            yield _text_turn(row)
+            yield _text_turn(row, requests)
     finally:
         db.close()
 
@@ -177,11 +181,12 @@ def text_turns(
 def text_turns_by_id(path: str | Path, ids: list[str]) -> Iterator[StoredTurn]:
     """The named turns, as `text_turns` reads them, in the order named."""
     db = connect(path)
+    requests = RequestReader(db)
     try:
         for turn_id in ids:
             row = db.execute(f"SELECT {_TEXT_COLUMNS}{_FROM} WHERE t.id = ?", (turn_id,)).fetchone()
             if row is None:
                 raise KeyError(f"turn {turn_id} vanished from {path}")
-            yield _text_turn(row)
+            yield _text_turn(row, requests)
     finally:
         db.close()

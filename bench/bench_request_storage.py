@@ -1,0 +1,230 @@
+"""Stored bytes per turn of a Claude Code-shaped session, raw request whole vs. as what changed.
+
+Each session is a linear tool-calling loop of `--turns` turns in Claude Code's request shape
+(messages first, then a ~`--system`-token system prompt and tools; the newest user message carries
+the cache marker, so an earlier message changes every turn), growing to about `--context` tokens,
+with a title side call after turn 2 and, with `--compact-at`, a compaction (a new, short
+conversation behind the same system prompt). Prompt ids are stored as the proxy stores a splice
+(a word of the synthetic text counts as a token), 300 sampled tokens a turn. The same sessions are written
+twice in one run: with the request memo off (every request whole, as before) and on.
+
+Prints bytes per turn of the SQLite file and of the stored request text, the insert time per
+turn, and the storage goal of issue 10: a session ≤ 2 × (zstd size of its last request + 4 B per
+unique token + 8 B per sampled token).
+
+    .venv/bin/python bench/bench_request_storage.py [--sessions 8] [--turns 50] [--context 32000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from polar_mitm.store.db import RequestReader, Store, TurnRecord  # noqa: E402
+
+WORDS = (
+    "the proxy records every token of the file while tests run parser import error line def return".split()
+)
+REPLY = 300
+
+
+def text(rng: random.Random, tokens: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(tokens))
+
+
+def request(messages: list[dict], system: str, tools: list[dict]) -> str:
+    msgs = list(messages)
+    last = msgs[-1]
+    msgs[-1] = {
+        **last,
+        "content": [*last["content"][:-1], {**last["content"][-1], "cache_control": {"type": "ephemeral"}}],
+    }
+    body = {
+        "model": "claude-sonnet-4-5-20250929",
+        "messages": msgs,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "tools": tools,
+        "metadata": {"user_id": "user_0123456789abcdef_account__session_42"},
+        "max_tokens": 32000,
+        "stream": True,
+    }
+    return json.dumps(body)
+
+
+def session(
+    rng: random.Random, turns: int, context: int, system_tokens: int, compact_at: int
+) -> list[tuple[str | None, str, int]]:
+    """(tag, request, new prompt tokens) of each call of one session, in order."""
+    system = text(rng, system_tokens)
+    tools = [
+        {
+            "name": f"Tool{i}",
+            "description": text(rng, 60),
+            "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}},
+        }
+        for i in range(16)
+    ]
+    per_turn = max(1, (context - system_tokens - turns * REPLY) // max(1, turns - 1))
+    calls: list[tuple[str | None, str, int]] = []
+    messages = [{"role": "user", "content": [{"type": "text", "text": text(rng, 50)}]}]
+    new = system_tokens + 50
+    for turn in range(turns):
+        if turn == compact_at:
+            messages = [
+                {"role": "user", "content": [{"type": "text", "text": "Summary: " + text(rng, 2000)}]}
+            ]
+            new = 2000
+        calls.append((None, request(messages, system, tools), new))
+        if turn == 2:
+            title = [
+                {"role": "user", "content": [{"type": "text", "text": "Write a title for: " + text(rng, 40)}]}
+            ]
+            calls.append(
+                ("title", request(title, "Summarize this coding conversation in a few words.", []), 60)
+            )
+        messages = messages + [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": text(rng, REPLY - 20)},
+                    {
+                        "type": "tool_use",
+                        "id": f"toolu_{turn:04d}",
+                        "name": "Read",
+                        "input": {"x": text(rng, 5)},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": f"toolu_{turn:04d}",
+                        "content": text(rng, per_turn),
+                    }
+                ],
+            },
+        ]
+        new = per_turn + REPLY
+    return calls
+
+
+async def write(
+    path: Path, sessions: list[list[tuple[str | None, str, int]]], memo: int
+) -> tuple[float, int]:
+    store = await Store.open(path, request_memo_chars=memo)
+    rng = random.Random(1)
+    last: dict[int, tuple[str, int]] = {}
+    inserts = 0
+    spent = 0.0
+    try:
+        for i in range(max(len(s) for s in sessions)):
+            for s, calls in enumerate(sessions):  # interleaved, as a shared proxy writes them
+                if i >= len(calls):
+                    continue
+                tag, req, new = calls[i]
+                ref, ref_len = last.get(s, (None, 0)) if tag is None else (None, 0)
+                prompt = [rng.randrange(150_000) for _ in range(ref_len + new)]
+                tid = f"s{s}-{i:03d}"
+                rec = TurnRecord(
+                    id=tid,
+                    session_id=f"s{s}",
+                    style="anthropic",
+                    tag=tag,
+                    path="/v1/messages?beta=true",
+                    request=req,
+                    prompt_ids=prompt,
+                    prompt_ref=ref,
+                    prompt_ref_len=ref_len,
+                    output_ids=[rng.randrange(150_000) for _ in range(REPLY)],
+                    output_logprobs=[-0.5] * REPLY,
+                    response=json.dumps({"content": text(rng, REPLY - 20)}),
+                )
+                t0 = time.perf_counter()
+                await store.insert_turn(rec)
+                spent += time.perf_counter() - t0
+                inserts += 1
+                if tag is None:
+                    last[s] = (tid, len(prompt) + REPLY)
+    finally:
+        await store.close()
+    return spent / inserts, inserts
+
+
+def sizes(path: Path) -> tuple[int, int]:
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    stored = db.execute(
+        "SELECT SUM(COALESCE(LENGTH(CAST(request AS BLOB)), 0) + COALESCE(LENGTH(CAST(request_delta AS BLOB)), 0)) FROM turns"
+    ).fetchone()[0]
+    db.close()
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*")), stored
+
+
+def read_back(path: Path, expected: dict[str, str]) -> float:
+    db = sqlite3.connect(path)
+    reader = RequestReader(db)
+    t0 = time.perf_counter()
+    rows = db.execute(
+        "SELECT id, request, request_ref, request_head, request_tail, request_delta FROM turns ORDER BY seq"
+    )
+    for tid, *rest in rows:
+        assert reader.text(tid, *rest) == expected[tid], f"{tid} did not come back whole"
+    db.close()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=50)
+    ap.add_argument("--context", type=int, default=32_000, help="tokens by the last turn (default 32000)")
+    ap.add_argument("--system", type=int, default=12_000, help="system prompt + tools tokens (default 12000)")
+    ap.add_argument("--compact-at", type=int, default=-1, help="turn of a compaction (default none)")
+    args = ap.parse_args()
+
+    rng = random.Random(0)
+    sessions = [
+        session(rng, args.turns, args.context, args.system, args.compact_at) for _ in range(args.sessions)
+    ]
+    expected = {
+        f"s{s}-{i:03d}": req for s, calls in enumerate(sessions) for i, (_, req, _) in enumerate(calls)
+    }
+    calls = sum(len(c) for c in sessions)
+    last = sessions[0][-1][1].encode()
+    unique = sum(new for _, _, new in sessions[0])
+    zstd_last = len(pa.compress(last, codec="zstd", asbytes=True))
+    target = 2 * (zstd_last + 4 * unique + 8 * REPLY * args.turns)
+    print(
+        f"{args.sessions} sessions × {args.turns} turns (+1 title call), last request {len(last):,} B"
+        f" (zstd {zstd_last:,} B), {unique:,} unique prompt tokens a session"
+    )
+    print(f"goal: a session ≤ 2 × (zstd of last request + 4 B × unique + 8 B × sampled) = {target:,} B")
+    with tempfile.TemporaryDirectory(prefix="polar-bench-") as tmp:
+        for name, memo in (("whole (before)", 0), ("as what changed", 32_000_000)):
+            path = Path(tmp) / f"{memo}.sqlite"
+            per_insert, n = asyncio.run(write(path, sessions, memo))
+            file_bytes, request_bytes = sizes(path)
+            secs = read_back(path, expected)
+            print(
+                f"{name:<16} file {file_bytes / args.sessions:>11,.0f} B/session"
+                f" ({file_bytes / calls:>9,.0f} B/turn, {file_bytes / args.sessions / target:4.2f}× goal)"
+                f"  request text {request_bytes / calls:>9,.0f} B/turn"
+                f"  insert {per_insert * 1e3:5.2f} ms/turn  read back {secs / n * 1e6:6.1f} µs/turn, byte-identical"
+            )
+
+
+if __name__ == "__main__":
+    main()
