@@ -83,7 +83,7 @@ async def test_prompt_stored_as_reference_plus_suffix(tmp_path):
     )
     await store.insert_turn(t2)
     assert await store.find_by_post_hash("s1", ["nope", "h1"]) == ("t1", "h1")
-    store.cache.items.clear()
+    store.cache.clear()
     assert await store.sequence("t2") == ([1, 2, 3, 4, 5, 6, 7, 8], 7)
     await store.close()
     raw = sqlite3.connect(path).execute("SELECT prompt_suffix FROM turns WHERE id='t2'").fetchone()[0]

@@ -88,8 +88,9 @@ class PolarProxy:
         rs = [recipes.get(self.config.recipe)] if self.config.recipe else list(recipes.all_recipes().values())
 
         def tag(req, path):
+            text = recipes.CallText(req)
             for r in rs:
-                t = r.tag(req, path)
+                t = r.tag(req, path, text)
                 if t:
                     return t
             return None

@@ -5,13 +5,50 @@ from __future__ import annotations
 
 import os
 import tomllib
-from functools import cache
+from collections import OrderedDict
+from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from polar_mitm.neutral import ChatRequest
+
+# Recent system prompts -> {rule text: whether the prompt contains it}.
+_system_found: OrderedDict[str, dict[str, bool]] = OrderedDict()
+
+
+class CallText:
+    """What side-call rules read of one request, taken out once for all the rules.
+
+    Whether a system prompt contains a rule's text is remembered per system prompt (a few recent
+    ones): a harness sends the same long prompt every turn, and searching 100 KB once per rule
+    and turn cost more than the rest of tagging."""
+
+    def __init__(self, req: ChatRequest):
+        self.req = req
+
+    @cached_property
+    def system(self) -> str:
+        return "\n".join(m.content for m in self.req.messages if m.role == "system")
+
+    @cached_property
+    def last_user(self) -> str | None:
+        users = [m.content for m in self.req.messages if m.role == "user"]
+        return users[-1] if users else None
+
+    def system_contains(self, needle: str) -> bool:
+        found = _system_found.get(self.system)
+        if found is None:
+            found = _system_found[self.system] = {}
+            if len(_system_found) > 32:
+                _system_found.popitem(last=False)
+        else:
+            _system_found.move_to_end(self.system)
+        hit = found.get(needle)
+        if hit is None:
+            hit = found[needle] = needle in self.system
+        return hit
 
 
 class SideCall(BaseModel):
@@ -21,14 +58,14 @@ class SideCall(BaseModel):
     path_contains: str | None = None
     has_schema: bool | None = None
 
-    def matches(self, req: ChatRequest, path: str) -> bool:
+    def matches(self, req: ChatRequest, path: str, text: CallText | None = None) -> bool:
+        text = text or CallText(req)
         checks = []
         if self.system_contains is not None:
-            system = "\n".join(m.content for m in req.messages if m.role == "system")
-            checks.append(self.system_contains in system)
+            checks.append(text.system_contains(self.system_contains))
         if self.user_contains is not None:
-            users = [m.content for m in req.messages if m.role == "user"]
-            checks.append(bool(users) and self.user_contains in users[-1])
+            last = text.last_user
+            checks.append(last is not None and self.user_contains in last)
         if self.path_contains is not None:
             checks.append(self.path_contains in path)
         if self.has_schema is not None:
@@ -72,9 +109,10 @@ class Recipe(BaseModel):
             raise ValueError(f"the harness command {argv!r} has no {{instruction}} placeholder")
         return [a.replace("{instruction}", instruction) for a in argv]
 
-    def tag(self, req: ChatRequest, path: str) -> str | None:
+    def tag(self, req: ChatRequest, path: str, text: CallText | None = None) -> str | None:
+        text = text or CallText(req)
         for sc in self.side_calls:
-            if sc.matches(req, path):
+            if sc.matches(req, path, text):
                 return sc.tag
         return None
 

@@ -83,16 +83,25 @@ class _SequenceCache:
     """Full sequences (prompt + output) of recent turns, bounded by total tokens.
 
     `compact` keeps them as int32 arrays (4 B a token instead of ~36 B for a list of Python ints),
-    for the long-lived proxy; the offline reader keeps lists, which it slices on every turn.
+    for the long-lived proxy; the offline reader keeps lists, which it slices on every turn. A
+    compact cache keeps its newest sequences (up to `hot_tokens`) as the lists they came as, since
+    the next turn of a conversation asks for them again: converting 30k ids to an array and back
+    every turn cost more than the rest of the store's work. Callers must not change what they get.
     """
 
-    def __init__(self, max_tokens: int = 8_000_000, *, compact: bool = False):
+    def __init__(self, max_tokens: int = 8_000_000, *, compact: bool = False, hot_tokens: int = 1_000_000):
         self.max_tokens = max_tokens
         self.compact = compact
         self.size = 0
         self.items: OrderedDict[str, tuple[list[int] | array, int]] = OrderedDict()
+        self.hot_tokens = hot_tokens if compact else 0
+        self.hot_size = 0
+        self.hot: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
 
     def get(self, turn_id: str) -> tuple[list[int], int] | None:
+        warm = self.hot.get(turn_id)
+        if warm is not None:
+            return warm
         hit = self.items.get(turn_id)
         if hit is None:
             return None
@@ -100,9 +109,25 @@ class _SequenceCache:
         seq, prompt_len = hit
         return (seq.tolist() if isinstance(seq, array) else seq), prompt_len
 
+    def clear(self) -> None:
+        self.items.clear()
+        self.hot.clear()
+        self.size = self.hot_size = 0
+
     def put(self, turn_id: str, seq: list[int], prompt_len: int) -> None:
-        if turn_id in self.items:
+        if turn_id in self.items or turn_id in self.hot:
             return
+        if self.hot_tokens:
+            self.hot[turn_id] = (seq, prompt_len)
+            self.hot_size += len(seq)
+            while self.hot_size > self.hot_tokens and len(self.hot) > 1:
+                old_id, (old, old_len) = self.hot.popitem(last=False)
+                self.hot_size -= len(old)
+                self._keep(old_id, old, old_len)
+            return
+        self._keep(turn_id, seq, prompt_len)
+
+    def _keep(self, turn_id: str, seq: list[int], prompt_len: int) -> None:
         self.items[turn_id] = (array("i", seq) if self.compact else seq, prompt_len)
         self.size += len(seq)
         while self.size > self.max_tokens and len(self.items) > 1:
@@ -124,6 +149,9 @@ class Store:
         # The newest turn of each (session, tag, path): the reference of a request that does not
         # extend an earlier turn's prompt (side calls, harvested exchanges, a compacted context).
         self._last_request: OrderedDict[tuple[str, str | None, str | None], str] = OrderedDict()
+        # The newest completed turn by (session, post_hash) of those this writer stored, so the
+        # usual echo of the previous reply is found without a query (bounded, oldest out first).
+        self._post_hashes: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     @classmethod
     async def open(cls, path: str | Path, *, request_memo_chars: int = 32_000_000) -> Store:
@@ -224,6 +252,11 @@ class Store:
             ),
         )
         await self._db.commit()
+        if rec.status == "ok" and rec.post_hash is not None:
+            self._post_hashes[(rec.session_id, rec.post_hash)] = rec.id
+            self._post_hashes.move_to_end((rec.session_id, rec.post_hash))
+            if len(self._post_hashes) > 262_144:
+                self._post_hashes.popitem(last=False)
         if rec.output_ids or rec.prompt_ids:
             self.cache.put(rec.id, rec.prompt_ids + rec.output_ids, len(rec.prompt_ids))
         if rec.request:
@@ -256,6 +289,9 @@ class Store:
         """
         if not hashes:
             return None
+        known = self._post_hashes.get((session_id, hashes[0]))
+        if known is not None:  # the longest prefix, stored by this writer: what the query returns
+            return known, hashes[0]
         marks = ",".join("?" * len(hashes))
         async with self._db.execute(
             f"SELECT id, post_hash FROM turns WHERE session_id = ? AND status = 'ok'"
