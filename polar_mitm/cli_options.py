@@ -80,6 +80,11 @@ FLAGS: dict[str, Flag] = {
     ),
     "default_max_tokens": Flag("Tokens to sample when a harness asks for no limit."),
     "max_tokens_cap": Flag("Clamp the max_tokens harnesses ask for.", default="no cap"),
+    "max_request_bytes": Flag(
+        "Largest request body a harness may send; a larger one gets a 413 in its provider's "
+        "error shape, unread.",
+        default="32 MiB",
+    ),
     "ping_interval": Flag("Seconds between keep-alive events while a reply is generated."),
     "first_token_timeout": Flag(
         "Seconds to wait for the backend's first token (a long prompt on a busy engine) before "

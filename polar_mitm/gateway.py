@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from polar_mitm import providers, redact
+from polar_mitm.backends import large_inputs
 from polar_mitm.backends.policy import Policy, TurnContext
 from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
 from polar_mitm.providers import Style, fields
@@ -87,8 +88,13 @@ class Gateway:
         self.tokens_sampled = 0
         self.first_request = asyncio.Event()
 
+    @property
+    def max_request_bytes(self) -> int:
+        return self.policy.config.max_request_bytes
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        # A chunked body is cut off one byte past the limit (Content-Length is checked first).
+        app = web.Application(client_max_size=self.max_request_bytes + 1)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
@@ -141,16 +147,20 @@ class Gateway:
             return self._error(style, e)
         except Exception as e:  # a bug of ours: still an answer the harness's SDK understands
             return self._error(style, call.internal_error(e))
+        finally:
+            if (request.content_length or 0) >= large_inputs.RELEASE_AFTER_BYTES:
+                large_inputs.release_memory_soon()
 
     async def _answer(self, style: Style, ep: str, call: _Call) -> web.StreamResponse:
         request = call.request
-        raw = await request.read()
+        raw = await self._read(request)
         body = fields.loads(raw) if raw else ({} if ep == "models" else None)
         if ep == "models":
             return web.json_response(style.render_models(await self._model_names()))
         req = self._parse(style, ep, body, request)
         if ep == "count_tokens":
             return web.json_response(style.render_count(await self.policy.count_tokens(req)))
+        await self._check_fits(req)
         ctx = TurnContext(
             session_id=request.headers.get(SESSION_HEADER) or self.default_session,
             host=call.host,
@@ -170,6 +180,42 @@ class Gateway:
                     self._count(ev.completion.usage.completion_tokens)
                     return web.json_response(style.render_response(ev.completion, req))
         raise ProviderError("api_error", "generation ended without a result", 500)
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, unless it is longer than max_request_bytes (then a 413, and it is not read)."""
+        limit = self.max_request_bytes
+        size = request.content_length
+        if size is None or size <= limit:
+            try:
+                return await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                size = None  # chunked: cut off at the limit
+        what = f"{size:,} bytes" if size is not None else f"more than {limit:,} bytes"
+        raise ProviderError(
+            "request_too_large",
+            f"request body is {what}; polar-mitm accepts at most {limit:,} (--max-request-bytes)",
+            413,
+        )
+
+    async def _check_fits(self, req: ChatRequest) -> None:
+        """Refuse, before anything is tokenized, a prompt whose text alone proves it longer than the
+        policy's context (the policy itself would refuse it only after tokenizing it)."""
+        if self.policy.config.backend_mode != "render":
+            return
+        context = await self.policy.context_length()
+        if not context or large_inputs.rendered_text_bytes(req.messages) < context:
+            return  # cheap: fewer bytes than the context cannot be more tokens
+        tok = await self.policy.tokenizer()
+        longest = await asyncio.to_thread(large_inputs.longest_token_bytes, tok)
+        tokens, size = large_inputs.prompt_tokens_at_least(req.messages, longest)
+        if tokens >= context:
+            raise ProviderError(
+                "invalid_request",
+                f"prompt is too long: at least {tokens} tokens > {context - 1} maximum of the policy "
+                f"({size} bytes of message text, and no token of its tokenizer stands for more than "
+                f"{longest}); shorten the conversation",
+                400,
+            )
 
     def _authorized(self, request: web.Request) -> bool:
         if self.secret is None:

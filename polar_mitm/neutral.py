@@ -159,7 +159,8 @@ Event = Started | Ping | ReasoningDelta | TextDelta | ToolCallEvent | Done
 class ProviderError(Exception):
     """An error the harness should see, in its provider's own error shape.
 
-    `kind` is neutral: invalid_request, authentication, not_found, overloaded, api_error, timeout.
+    `kind` is neutral: invalid_request, request_too_large, authentication, permission, not_found,
+    rate_limit, overloaded, api_error, timeout.
     """
 
     def __init__(self, kind: str, message: str, status: int = 400):

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
+from polar_mitm.backends.large_inputs import pooled
 from polar_mitm.backends.parsers import (
     OutputParser,
     check_reasoning_parser,
@@ -67,6 +68,8 @@ class PolicyConfig(BaseModel):
     backend_mode: Literal["render", "chat"] = "render"
     default_max_tokens: int = 4096
     max_tokens_cap: int | None = None  # clamp what harnesses ask for (Claude Code asks for 32k)
+    # Bodies larger than this are refused unread (413 in the provider's shape); Anthropic's own limit.
+    max_request_bytes: int = 32 * 1024 * 1024
     ping_interval: float = 5.0
     # Seconds the backend may stay silent before the turn fails (the harness is told to retry;
     # tokens sampled so far are kept as an 'error' turn); None or 0 waits forever. The first token
@@ -311,7 +314,8 @@ class Policy:
                         "directory; pass --tokenizer DIR (or POLAR_MITM_TOKENIZER)",
                         500,
                     )
-            self._tok = await asyncio.to_thread(Tokenizer.load, os.path.expanduser(path))
+            # Long texts are tokenized in worker processes, so they stall no other session.
+            self._tok = pooled(await asyncio.to_thread(Tokenizer.load, os.path.expanduser(path)))
         return self._tok
 
     async def parsers(self) -> tuple[str | None, str | None]:

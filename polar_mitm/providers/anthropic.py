@@ -50,6 +50,7 @@ ERROR_TYPES = {
     "not_found": "not_found_error",
     "overloaded": "overloaded_error",
     "rate_limit": "rate_limit_error",
+    "request_too_large": "request_too_large",
     "api_error": "api_error",
     "timeout": "api_error",
 }

@@ -62,6 +62,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "permission": (403, "PERMISSION_DENIED"),
     "not_found": (404, "NOT_FOUND"),
     "rate_limit": (429, "RESOURCE_EXHAUSTED"),
+    "request_too_large": (413, "INVALID_ARGUMENT"),
     "overloaded": (503, "UNAVAILABLE"),
     "timeout": (504, "DEADLINE_EXCEEDED"),
     "api_error": (500, "INTERNAL"),

@@ -58,6 +58,7 @@ ERROR_SHAPES: dict[str, tuple[str, str | None, int | None]] = {
     "permission": ("permission_error", None, 403),
     "not_found": ("invalid_request_error", "not_found", 404),
     "rate_limit": ("rate_limit_error", "rate_limit_exceeded", 429),
+    "request_too_large": ("invalid_request_error", "request_too_large", 413),
     "overloaded": ("server_error", "overloaded", 503),
     "timeout": ("server_error", "timeout", 504),
     "api_error": ("server_error", None, None),

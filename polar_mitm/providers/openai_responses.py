@@ -73,6 +73,7 @@ ERROR_TYPES: dict[str, tuple[str, str | None]] = {
     # a backend that is down or broke mid-stream is worth the harness's retries.
     "overloaded": ("server_error", "server_error"),
     "rate_limit": ("requests", "rate_limit_exceeded"),
+    "request_too_large": ("invalid_request_error", "request_too_large"),
     "api_error": ("server_error", "server_error"),
     "timeout": ("server_error", "timeout"),
 }
