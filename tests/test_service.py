@@ -550,6 +550,17 @@ def test_ray_places_nodes_as_actors_and_completes_a_task(
     assert {o.node_id for o in g.outcomes} <= {"ray-0", "ray-1"}
 
 
+def children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
+
+
 def test_submit_command_waits_and_writes_parquet(tmp_path, backend_proc, qwen_tokenizer_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -582,8 +593,15 @@ def test_submit_command_waits_and_writes_parquet(tmp_path, backend_proc, qwen_to
              "--samples", "2", "--server", url, "--wait", "--out", str(out)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
+        nodes = children(proc.pid)
+        assert len(nodes) == 1  # the local node's process
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
+    # A node whose `serve` was killed stops by itself: nothing is left running.
+    deadline = time.time() + 20
+    while time.time() < deadline and Path(f"/proc/{nodes[0]}").exists() and not zombie(nodes[0]):
+        time.sleep(0.2)
+    assert not Path(f"/proc/{nodes[0]}").exists() or zombie(nodes[0]), "the node outlived its server"
     assert r.returncode == 0, r.stderr + log.read_text()[-2000:]
     assert r.stdout.strip() == "a"
     assert "[1/1] a: done · 2/2 usable · mean reward 1.00" in r.stderr

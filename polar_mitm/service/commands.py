@@ -211,6 +211,7 @@ def node(
 
     if config_file is not None:
         gw = GatewayNode(NodeConfig.model_validate_json(config_file.read_text()))
+        config_file.unlink(missing_ok=True)  # written for this process alone
         _run_until_signal(gw.run())
         return
     fields = dict(

@@ -57,6 +57,8 @@ class NodeConfig(BaseModel):
     heartbeat_interval: float = 2.0
     work_dir: Path | None = None
     keep_workdirs: bool = False  # keep each sample's host directory (harness.log, HOME)
+    # Set for nodes `serve` starts: the node stops when that process is gone (even SIGKILLed).
+    parent_pid: int | None = None
 
 
 class GatewayNode:
@@ -132,6 +134,9 @@ class GatewayNode:
         beat = asyncio.create_task(self._heartbeats())
         try:
             while not self._stop.is_set():
+                if self.config.parent_pid is not None and os.getppid() != self.config.parent_pid:
+                    log.warning("the process that started node %s is gone: stopping", self.node_id)
+                    return
                 free = self.capacity - len(self.jobs) - len(self.preparing)
                 if free > 0 and not self.control.draining:
                     try:
@@ -353,7 +358,7 @@ def spawn_node(config: NodeConfig, *, log: Path | None = None) -> subprocess.Pop
     state, so one proxy per process; a node per process also gets a core of its own)."""
     fd, path = tempfile.mkstemp(prefix=f"polar-{config.node_id}-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        f.write(config.model_dump_json())
+        f.write(config.model_copy(update={"parent_pid": os.getpid()}).model_dump_json())
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     return subprocess.Popen(
         [sys.executable, "-m", "polar_mitm", "node", "--config", path],
