@@ -68,6 +68,47 @@ def task_options(f):
     return f
 
 
+def worker_options(f):
+    """The pipeline's sizes, for `rollout` and for every node (`serve`, `node`)."""
+    for opt in reversed(
+        [
+            click.option(
+                "--retries",
+                type=click.IntRange(min=0),
+                default=2,
+                show_default=True,
+                help="Retries per sample after a sandbox failure.",
+            ),
+            click.option(
+                "--init-workers",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Sandboxes starting at once [default 4].",
+            ),
+            click.option(
+                "--run-workers",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Harnesses running at once [default: by CPUs, 2 here].",
+            ),
+            click.option(
+                "--postrun-workers",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Samples scored at once [default 4].",
+            ),
+            click.option(
+                "--ready-size",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Warm sandboxes kept ready [default: --run-workers].",
+            ),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
 @click.command()
 @task_options
 @policy_options
@@ -82,31 +123,7 @@ def task_options(f):
     show_default=True,
     help="The advantage column: std = (r - mean) / std; loo = r - mean of the others.",
 )
-@click.option(
-    "--retries",
-    type=click.IntRange(min=0),
-    default=2,
-    show_default=True,
-    help="Retries per sample after a sandbox failure.",
-)
-@click.option(
-    "--init-workers", type=click.IntRange(min=1), default=None, help="Sandboxes starting at once [default 4]."
-)
-@click.option(
-    "--run-workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Harnesses running at once [default: by CPUs, 2 here].",
-)
-@click.option(
-    "--postrun-workers", type=click.IntRange(min=1), default=None, help="Samples scored at once [default 4]."
-)
-@click.option(
-    "--ready-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Warm sandboxes kept ready [default: --run-workers].",
-)
+@worker_options
 @click.option(
     "--env",
     "extra_env",

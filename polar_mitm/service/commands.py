@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from polar_mitm.cli_options import make_policy_config, policy_options
-from polar_mitm.rollout.commands import task_options
+from polar_mitm.rollout.commands import task_options, worker_options
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
 TOKEN_HELP = "The control token, sent as a bearer header [env POLAR_MITM_SERVICE_TOKEN]"
@@ -31,43 +31,14 @@ def node_db(db: str | Path, name: str) -> str:
 
 
 def node_options(f):
-    for opt in reversed(
-        [
-            click.option(
-                "--init-workers",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Sandboxes starting at once per node [4].",
-            ),
-            click.option(
-                "--run-workers",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Harnesses at once per node [by CPUs].",
-            ),
-            click.option(
-                "--postrun-workers",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Samples scored at once per node [4].",
-            ),
-            click.option(
-                "--capacity",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Samples in flight per node [init + run workers].",
-            ),
-            click.option(
-                "--retries",
-                type=click.IntRange(min=0),
-                default=2,
-                show_default=True,
-                help="Retries per sample after a sandbox failure.",
-            ),
-        ]
-    ):
-        f = opt(f)
-    return f
+    """A node's sizes: the pipeline's (`rollout`'s options), and how many samples it holds."""
+    f = click.option(
+        "--capacity",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Samples in flight per node [init + run workers].",
+    )(f)
+    return worker_options(f)
 
 
 @click.command()
@@ -107,6 +78,7 @@ def serve(
     init_workers,
     run_workers,
     postrun_workers,
+    ready_size,
     capacity,
     retries,
     db,
@@ -144,7 +116,7 @@ def serve(
         )
         cfg = dict(
             server=url, token=token, db=str(db), certs_dir=certs, policy=policy_cfg, init_workers=init_workers,
-            run_workers=run_workers, postrun_workers=postrun_workers, capacity=capacity, retries=retries,
+            run_workers=run_workers, postrun_workers=postrun_workers, ready_size=ready_size, capacity=capacity, retries=retries,
         )  # fmt: skip
         local: list[subprocess.Popen] = []
         actors = []
@@ -193,6 +165,7 @@ def node(
     init_workers,
     run_workers,
     postrun_workers,
+    ready_size,
     capacity,
     retries,
     db,
@@ -216,7 +189,7 @@ def node(
         return
     fields = dict(
         server=server, token=token, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
-        init_workers=init_workers, run_workers=run_workers, postrun_workers=postrun_workers, capacity=capacity, retries=retries,
+        init_workers=init_workers, run_workers=run_workers, postrun_workers=postrun_workers, ready_size=ready_size, capacity=capacity, retries=retries,
     )  # fmt: skip
     if node_id:
         fields["node_id"] = node_id
