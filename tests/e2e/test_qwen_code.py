@@ -39,10 +39,11 @@ def polar_args(backend, tokenizer_dir, db, session):
 
 
 def stored(db, turn_id, column) -> dict:
-    """The raw request Qwen Code sent, or the neutral completion we answered, as stored."""
+    """The raw request Qwen Code sent, or the neutral completion we answered, as the store's
+    reader gives it back (a request may be stored as what changed since an earlier one)."""
     assert column in ("request", "response")
-    (raw,) = sqlite3.connect(db).execute(f"SELECT {column} FROM turns WHERE id = ?", (turn_id,)).fetchone()
-    return json.loads(raw)
+    [turn] = [t for t in read_turns(db, with_raw=True) if t.id == turn_id]
+    return json.loads(getattr(turn, column))
 
 
 def test_shell_tool_call_is_executed_and_every_turn_is_captured_token_exact(
