@@ -188,10 +188,13 @@ class RolloutClient:
         _raise(r)
         return TaskView.model_validate(r.json())
 
-    def results(self, task_id: str, *, normalize: str = "std", index: int = 0) -> Group:
+    def results(
+        self, task_id: str, *, normalize: str = "std", index: int = 0, view: TaskView | None = None
+    ) -> Group:
+        """The group's rows; `view` is a finished task's status when the caller has it already."""
         r = self.http.get(f"/v1/tasks/{task_id}/results", params={"normalize": normalize})
         _raise(r)
-        return _group(r.json(), index, self.status(task_id))
+        return _group(r.json(), index, view or self.status(task_id))
 
     def parquet(self, task_id: str, *, normalize: str = "std") -> bytes:
         r = self.http.get(
@@ -223,9 +226,10 @@ class RolloutClient:
         deadline = time.monotonic() + timeout if timeout else None
         while pending:
             for task_id, index in list(pending.items()):
-                if self.status(task_id).state in ("done", "cancelled"):
+                view = self.status(task_id)
+                if view.state in ("done", "cancelled"):
                     del pending[task_id]
-                    yield self.results(task_id, index=index)
+                    yield self.results(task_id, index=index, view=view)
             if pending:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"{len(pending)} tasks unfinished after {timeout} s")
@@ -283,10 +287,12 @@ class AsyncRolloutClient:
         _raise(r)
         return TaskView.model_validate(r.json())
 
-    async def results(self, task_id: str, *, normalize: str = "std", index: int = 0) -> Group:
+    async def results(
+        self, task_id: str, *, normalize: str = "std", index: int = 0, view: TaskView | None = None
+    ) -> Group:
         r = await self.http.get(f"/v1/tasks/{task_id}/results", params={"normalize": normalize})
         _raise(r)
-        return _group(r.json(), index, await self.status(task_id))
+        return _group(r.json(), index, view or await self.status(task_id))
 
     async def cancel(self, task_id: str) -> TaskView:
         r = await self.http.delete(f"/v1/tasks/{task_id}")
@@ -297,9 +303,10 @@ class AsyncRolloutClient:
         pending = {t: i for i, t in enumerate(task_ids)}
         while pending:
             for task_id, index in list(pending.items()):
-                if (await self.status(task_id)).state in ("done", "cancelled"):
+                view = await self.status(task_id)
+                if view.state in ("done", "cancelled"):
                     del pending[task_id]
-                    yield await self.results(task_id, index=index)
+                    yield await self.results(task_id, index=index, view=view)
             if pending:
                 await asyncio.sleep(poll)
 

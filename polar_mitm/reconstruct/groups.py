@@ -17,7 +17,6 @@ Pure: `advantages` works on plain numbers; `annotate` on one row.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Literal
 
@@ -77,7 +76,3 @@ def annotate(row: Trajectory, sample: SampleInfo | None, advantage: float | None
         row.reward = 0.0
         row.meta["masked"] = sample.cause or sample.status
     return row
-
-
-def detail_json(detail: object) -> str | None:
-    return None if detail is None else json.dumps(detail, default=str)

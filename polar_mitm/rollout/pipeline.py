@@ -26,7 +26,6 @@ service can host it the same way.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -616,7 +615,3 @@ def _describe(e: BaseException) -> str:
 
 def new_token() -> str:
     return secrets.token_urlsafe(18)
-
-
-def options_json(opts: RolloutOptions) -> str:
-    return json.dumps(opts.model_dump(), default=str)

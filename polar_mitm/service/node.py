@@ -13,7 +13,6 @@ Ray actor (`ray_nodes.py`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -347,10 +346,6 @@ class NodeRefused(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
-
-
-def json_dumps(x: Any) -> str:
-    return json.dumps(x, default=str)
 
 
 def spawn_node(config: NodeConfig, *, log: Path | None = None) -> subprocess.Popen:

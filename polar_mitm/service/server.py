@@ -434,15 +434,22 @@ class RolloutServer:
         if node.state != "active":
             return web.json_response(m.LeaseReply(control=self.control(node_id)).model_dump(mode="json"))
         out = []
+        parsed: dict[str, tuple[TaskRow, m.TaskRequest, Task]] = {}  # each task read once per lease
         for s, lease in self.store.lease(node_id, body.capacity):
-            row = self._task(s.task_id)
-            req = m.TaskRequest.model_validate_json(row.request)
+            if s.task_id not in parsed:
+                row = self._task(s.task_id)
+                parsed[s.task_id] = (
+                    row,
+                    m.TaskRequest.model_validate_json(row.request),
+                    Task.model_validate_json(row.task),
+                )
+            row, req, task = parsed[s.task_id]
             out.append(
                 m.Assignment(
                     task_id=s.task_id,
                     index=s.idx,
                     lease=lease,
-                    task=Task.model_validate_json(row.task),
+                    task=task,
                     harness=req.harness,
                     harness_cmd=req.harness_cmd,
                     runtime=req.runtime,

@@ -140,12 +140,3 @@ def read_samples(path: str | Path, *, rollout: str | None = None) -> dict[str, S
         }
     finally:
         db.close()
-
-
-def latest_rollout(path: str | Path) -> str | None:
-    db = connect(path)
-    try:
-        row = db.execute("SELECT id FROM rollouts ORDER BY created_at DESC LIMIT 1").fetchone()
-        return row[0] if row else None
-    finally:
-        db.close()
