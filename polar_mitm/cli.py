@@ -195,15 +195,27 @@ def run(
     default=None,
     help="Require this token as the proxy password (HTTPS_PROXY=http://SESSION:TOKEN@…); others get 407.",
 )
-def proxy(listen, session, token, db, certs, harvest, upstreams, upstream_insecure, **policy) -> None:
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Proxy processes behind the one port, each session pinned to one of them (0: one per core).",
+)
+def proxy(listen, session, token, workers, db, certs, harvest, upstreams, upstream_insecure, **policy) -> None:
     """A long-lived shared proxy for many harnesses.
 
     Sessions are told apart by the credentials in each harness's proxy URL:
     HTTPS_PROXY=http://SESSION:TOKEN@127.0.0.1:8080. Point harnesses at it yourself (CA: see
     `polar-mitm certs`), or use `run` for one harness.
+
+    One proxy process uses one core. With --workers N a front process hands each new connection
+    to one of N proxy processes, chosen by the session in its credentials, so every session
+    stays in one process; all of them write the same --db.
     """
     from polar_mitm.runtime.local import shell_setup
-    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig, ProxyStartError
+    from polar_mitm.runtime.proxy import ListenError, PolarProxy, ProxyConfig, ProxyStartError
+    from polar_mitm.runtime.workers import WorkerPool
 
     host, port = listen
     cfg = ProxyConfig(
@@ -218,14 +230,19 @@ def proxy(listen, session, token, db, certs, harvest, upstreams, upstream_insecu
     )
     preflight(cfg)
 
+    workers = workers or os.cpu_count() or 1
+
     async def serve() -> None:
-        p = PolarProxy(cfg)
+        p = WorkerPool(cfg, workers) if workers > 1 else PolarProxy(cfg)
         try:
             await p.start()
-            assert p.ca is not None and p.store is not None
-            await p.store.ensure_session(session, harness="shared-proxy", mode=cfg.mode)
+            assert p.ca is not None
+            if isinstance(p, PolarProxy):
+                assert p.store is not None
+                await p.store.ensure_session(session, harness="shared-proxy", mode=cfg.mode)
             mode = " · harvest" if harvest else ""
-            click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {db}{mode}", err=True)
+            procs = f" · {workers} workers" if workers > 1 else ""
+            click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {db}{mode}{procs}", err=True)
             click.echo(
                 "Point a harness at it: paste its lines into a shell and start it there (SESSION names "
                 "the session its turns are stored under; use one per run).",
@@ -239,8 +256,11 @@ def proxy(listen, session, token, db, certs, harvest, upstreams, upstream_insecu
 
     try:
         asyncio.run(serve())
-    except ProxyStartError as e:
+    except ListenError as e:
         click.echo(f"polar-mitm: {e} (pass another --listen HOST:PORT)", err=True)
+        sys.exit(1)
+    except ProxyStartError as e:
+        click.echo(f"polar-mitm: {e}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         pass

@@ -53,7 +53,40 @@ class ProxyConfig(BaseModel):
 
 
 class ProxyStartError(RuntimeError):
+    """The proxy cannot start; the message is one line."""
+
+
+class ListenError(ProxyStartError):
     """The proxy cannot listen where it was told to (a busy port, an address not on this host)."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket on host:port; ListenError (one line) when it cannot be."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        s = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ListenError(
+            f"cannot listen on {host or '*'}:{port}: {(e.strerror or str(e)).lower()}"
+        ) from None
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as mitmproxy's server does
+        s.bind(addr)
+        s.listen(1024)
+    except OSError as e:
+        s.close()
+        raise ListenError(
+            f"cannot listen on {host or '*'}:{port}: {(e.strerror or str(e)).lower()}"
+        ) from None
+    s.setblocking(False)
+    return s
+
+
+def proxy_url(host: str, port: int, session: str, token: str | None) -> str:
+    """The proxy URL a harness of `session` uses (credentials in it; the token when required)."""
+    return f"http://{session}:{token or 'x'}@{host}:{port}"
 
 
 def mitmproxy_addons() -> list[object]:
@@ -102,17 +135,7 @@ class PolarProxy:
         if self.config.listen_port:
             # A busy port fails here, in one line and before anything else starts, rather than in
             # mitmproxy's log with a hint that names mitmproxy's flags.
-            host, port = self.config.listen_host, self.config.listen_port
-            try:
-                family, kind, proto, _, addr = socket.getaddrinfo(
-                    host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-                )[0]
-                with socket.socket(family, kind, proto) as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
-                    s.bind(addr)
-            except OSError as e:
-                why = (e.strerror or str(e)).lower()
-                raise ProxyStartError(f"cannot listen on {host or '*'}:{port}: {why}") from None
+            listen_socket(self.config.listen_host, self.config.listen_port).close()
         self.ca = ensure_ca(self.config.certs_dir)
         self.store = await Store.open(self.config.db)
         if self.config.mode == "harvest":
@@ -175,7 +198,7 @@ class PolarProxy:
                 if server.listen_addrs:
                     return server.listen_addrs[0][1]
                 if server.last_exception is not None:  # e.g. the port was taken since start()
-                    raise ProxyStartError(str(server.last_exception).splitlines()[0])
+                    raise ListenError(str(server.last_exception).splitlines()[0])
             await asyncio.sleep(0.02)
         raise RuntimeError(f"proxy did not start listening within {timeout}s")
 
@@ -196,8 +219,21 @@ class PolarProxy:
 
     def session_url(self, session: str) -> str:
         """The proxy URL a harness of `session` uses (credentials in it; the token when required)."""
-        token = self.config.token or "x"
-        return f"http://{session}:{token}@{self.config.listen_host}:{self.port}"
+        return proxy_url(self.config.listen_host, self.port, session, self.config.token)
+
+    async def adopt(self, sock: socket.socket, head: bytes) -> None:
+        """Serve a client connection accepted by another process (`--workers`' front), which
+        already read `head` from it: mitmproxy reads those bytes first, then the socket."""
+        assert self.master is not None
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        reader = asyncio.StreamReader(limit=2**16, loop=loop)
+        reader.feed_data(head)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock=sock)
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        instance = next(iter(self.master.addons.get("proxyserver").servers))
+        await instance.handle_stream(reader, writer)
 
     @property
     def url(self) -> str:

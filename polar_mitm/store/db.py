@@ -57,7 +57,17 @@ class TurnRecord(BaseModel):
 
 def _connect_sync(path: str | Path) -> sqlite3.Connection:
     db = sqlite3.connect(str(path))
-    db.execute("PRAGMA journal_mode=WAL")
+    # Switching a new file to WAL takes an exclusive lock without waiting for it: processes that
+    # open a new file together (a proxy's workers, nodes) retry while another one switches it.
+    for attempt in range(100):
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == 99:
+                db.close()
+                raise
+            time.sleep(0.05)
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute("PRAGMA foreign_keys=ON")
     return db

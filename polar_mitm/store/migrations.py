@@ -192,15 +192,31 @@ def pending(db: sqlite3.Connection) -> list[str]:
 
 
 def migrate(db: sqlite3.Connection) -> list[str]:
-    """Apply every migration not yet recorded; returns the names applied."""
+    """Apply every migration not yet recorded; returns the names applied.
+
+    Each migration runs in one transaction that holds SQLite's write lock from its start (BEGIN
+    IMMEDIATE) and checks again, under the lock, that no other process applied it meanwhile: the
+    workers of one proxy, or nodes, may open a new database file at the same moment."""
     db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    db.commit()
     done = {row[0] for row in db.execute("SELECT name FROM _migrations")}
     applied = []
-    for fn in MIGRATIONS:
-        if fn.__name__ in done:
-            continue
-        with db:
-            fn(db)
-            db.execute("INSERT INTO _migrations VALUES (?, ?)", (fn.__name__, time.time()))
-        applied.append(fn.__name__)
+    mode = db.autocommit
+    db.autocommit = True  # transactions are ours: executescript must not commit midway
+    try:
+        for fn in MIGRATIONS:
+            if fn.__name__ in done:
+                continue
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                if db.execute("SELECT 1 FROM _migrations WHERE name = ?", (fn.__name__,)).fetchone() is None:
+                    fn(db)
+                    db.execute("INSERT INTO _migrations VALUES (?, ?)", (fn.__name__, time.time()))
+                    applied.append(fn.__name__)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+    finally:
+        db.autocommit = mode
     return applied

@@ -1,0 +1,270 @@
+"""`proxy --workers N`: a front hands each connection to the worker process of its session."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from polar_mitm.backends.policy import PolicyConfig
+from polar_mitm.runtime.proxy import ProxyConfig, ProxyStartError
+from polar_mitm.runtime.workers import WorkerPool, pick, session_of
+from polar_mitm.store.db import read_turns
+from polar_mitm.store.migrations import MIGRATIONS
+from tests.e2e.harness import FakeBackend, free_port
+from tests.helpers import MESSAGES_URL
+
+
+def _auth(session: str, token: str = "x") -> bytes:
+    return b"Basic " + base64.b64encode(f"{session}:{token}".encode())
+
+
+def test_the_session_is_read_from_the_first_request_head():
+    head = (
+        b"CONNECT api.anthropic.com:443 HTTP/1.1\r\nHost: api.anthropic.com:443\r\nProxy-Authorization: "
+        + _auth("run-7")
+        + b"\r\n\r\n"
+    )
+    assert session_of(head) == "run-7"
+    assert session_of(head.replace(b"Proxy-Authorization", b"PROXY-AUTHORIZATION")) == "run-7"
+    assert session_of(b"CONNECT h:443 HTTP/1.1\r\nHost: h\r\n\r\n") is None
+    assert session_of(b"CONNECT h:443 HTTP/1.1\r\nProxy-Authorization: Bearer abc\r\n\r\n") is None
+    # A header after the end of the head (a body) does not count.
+    assert session_of(b"POST http://h/ HTTP/1.1\r\n\r\nProxy-Authorization: " + _auth("x")) is None
+    assert session_of(b"garbage") is None
+
+
+def test_a_session_always_goes_to_the_same_worker_and_sessions_spread():
+    names = [f"session-{i}" for i in range(200)]
+    assert [pick(n, 4) for n in names] == [pick(n, 4) for n in names]
+    counts = [sum(pick(n, 4) == w for n in names) for w in range(4)]
+    assert min(counts) > 20, counts
+    assert pick(None, 3) == pick("", 3)
+
+
+def _turns(client: httpx.Client, first: str, turns: int) -> list[dict]:
+    """A growing conversation: each request echoes the reply before it."""
+    msgs: list[dict] = [{"role": "user", "content": first}]
+    replies = []
+    for i in range(turns):
+        r = client.post(MESSAGES_URL, json={"model": "m", "max_tokens": 30, "messages": msgs})
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        replies.append(reply)
+        msgs += [
+            {"role": "assistant", "content": reply["content"]},
+            {"role": "user", "content": f"and then {i}"},
+        ]
+    return replies
+
+
+@pytest.fixture
+def backend(qwen_tokenizer_dir):
+    b = FakeBackend(qwen_tokenizer_dir)
+    yield b
+    b.stop()
+
+
+async def test_workers_serve_every_session_on_its_own_worker(
+    tmp_path, certs_dir, qwen_tokenizer_dir, backend
+):
+    db = tmp_path / "w.sqlite"
+    pool = WorkerPool(
+        ProxyConfig(
+            db=str(db),
+            certs_dir=certs_dir,
+            policy=PolicyConfig(backend_url=backend.url, tokenizer=str(qwen_tokenizer_dir)),
+        ),
+        2,
+    )
+    await pool.start()
+    sessions = [f"s{i}" for i in range(6)]
+    assert {pick(s, 2) for s in sessions} == {0, 1}  # both workers get sessions
+    import asyncio
+
+    def drive(session: str) -> list[dict]:
+        # A new client (so new connections) per turn: each must reach the session's worker.
+        out = []
+        for turn in range(3):
+            with httpx.Client(
+                proxy=pool.session_url(session), verify=str(certs_dir / "mitmproxy-ca-cert.pem"), timeout=60
+            ) as c:
+                out += _turns(c, f"{session} turn {turn}", 2)
+        return out
+
+    try:
+        seen = await asyncio.gather(*(asyncio.to_thread(drive, s) for s in sessions))
+    finally:
+        await pool.stop()
+    # One tunnel per client: 3 per session, all to the session's worker.
+    expected = [3 * sum(pick(s, 2) == w for s in sessions) for w in range(2)]
+    assert pool.handed == expected
+    stored = list(read_turns(db))
+    assert len(stored) == 6 * 3 * 2
+    by_session: dict[str, list] = {}
+    for t in stored:
+        by_session.setdefault(t.session_id, []).append(t)
+    assert sorted(by_session) == sessions
+    for s, replies in zip(sessions, seen, strict=True):
+        turns = sorted(by_session[s], key=lambda t: t.seq)
+        assert [t.status for t in turns] == ["ok"] * 6 and all(t.output_ids for t in turns)
+        # Every second turn echoes the first: it extends that turn's sequence (spliced).
+        for a, b in zip(turns[::2], turns[1::2], strict=True):
+            assert b.prompt_ref == a.id
+            assert b.prompt_ids[: len(a.prompt_ids) + len(a.output_ids)] == a.prompt_ids + a.output_ids
+        assert len(replies) == 6
+    assert len({t.seq for t in stored}) == len(stored)  # two writers, one sequence
+
+
+async def test_a_worker_that_cannot_start_is_one_error_and_leaves_nothing(
+    tmp_path, certs_dir, qwen_tokenizer_dir, backend
+):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    pool = WorkerPool(
+        ProxyConfig(
+            db=str(blocker / "x.sqlite"),
+            certs_dir=certs_dir,
+            policy=PolicyConfig(backend_url=backend.url, tokenizer=str(qwen_tokenizer_dir)),
+        ),
+        2,
+    )
+    with pytest.raises(ProxyStartError, match="proxy worker 0 did not start"):
+        await pool.start()
+    assert all(p.poll() is not None for p in pool._procs)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_workers_end_with_the_front(tmp_path, certs_dir, qwen_tokenizer_dir, backend, how):
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "polar_mitm",
+            "proxy",
+            "--workers",
+            "2",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--backend",
+            backend.url,
+            "--tokenizer",
+            str(qwen_tokenizer_dir),
+            "--db",
+            str(tmp_path / "w.sqlite"),
+            "--certs",
+            str(certs_dir),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stderr.readline()
+        assert "polar-mitm proxy on" in line and "2 workers" in line, line
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        with httpx.Client(
+            proxy=f"http://k:x@127.0.0.1:{port}", verify=str(certs_dir / "mitmproxy-ca-cert.pem"), timeout=60
+        ) as c:
+            assert len(_turns(c, "hello", 2)) == 2
+        os.kill(proc.pid, how)
+        proc.wait(20)
+        assert _gone(workers, 20), "workers outlived the front"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [t.session_id for t in read_turns(tmp_path / "w.sqlite")] == ["k", "k"]
+
+
+def test_workers_share_the_busy_port_error(tmp_path, certs_dir, qwen_tokenizer_dir, backend):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "polar_mitm",
+                "proxy",
+                "--workers",
+                "2",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--backend",
+                backend.url,
+                "--tokenizer",
+                str(qwen_tokenizer_dir),
+                "--db",
+                str(tmp_path / "w.sqlite"),
+                "--certs",
+                str(certs_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def _open_at_once(path: str, barrier) -> None:
+    from polar_mitm.store.db import init_db
+
+    barrier.wait()
+    init_db(path)
+
+
+def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
+    """Workers start together on a new file: switching it to WAL and migrating it must not race."""
+    import multiprocessing
+    import sqlite3
+
+    ctx = multiprocessing.get_context("spawn")
+    for i in range(5):
+        path = str(tmp_path / f"new-{i}.sqlite")
+        barrier = ctx.Barrier(4)
+        procs = [ctx.Process(target=_open_at_once, args=(path, barrier)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+        con = sqlite3.connect(path)
+        names = [r[0] for r in con.execute("SELECT name FROM _migrations ORDER BY rowid")]
+        assert names == [fn.__name__ for fn in MIGRATIONS]  # each applied once, in order
+        assert con.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        con.close()
