@@ -129,7 +129,8 @@ def _block(where: str, b: Any) -> tuple[str, str | ToolCall] | None:
 def _assistant(content: list[Any], where: str, *, lenient: bool = False) -> Message:
     """An assistant's content blocks (in a request's history or a reply) as one message."""
     blocks = [b for b in each(content, lambda j, b: _block(f"{where}.{j}", b), lenient=lenient) if b]
-    return Message(
+    # Every value was read and checked above (a conversation echoes each of these every turn).
+    return Message.model_construct(
         role="assistant",
         content="".join(v for k, v in blocks if k == "text" and isinstance(v, str)),
         reasoning="".join(v for k, v in blocks if k == "thinking" and isinstance(v, str)) or None,
