@@ -93,6 +93,49 @@ async def test_prompt_stored_as_reference_plus_suffix(tmp_path):
     assert turns[1].output_logprobs == [-1.0]
 
 
+async def test_read_turns_as_arrays_holds_the_same_values_as_lists(tmp_path):
+    """`read_turns(arrays=True)` (what the per-request export reads): the same ids and logprobs,
+    bit for bit, also through a reference resolved from the database (not the reader's cache),
+    float64 logprobs and a turn with no output."""
+    import numpy as np
+
+    path = tmp_path / "a.sqlite"
+    store = await Store.open(path)
+    await store.ensure_session("s1")
+    turns = [
+        ("t1", [1, 2, 3], None, 0, [4, 5], [-0.5, -0.25]),
+        ("t2", [1, 2, 3, 4, 5, 2**31 - 1, 0], "t1", 5, [8], [-0.1]),  # -0.1: stored as float64
+        ("t3", [1, 2, 3, 4, 5, 2**31 - 1, 0, 8, 9], "t2", 8, [], []),
+        ("t4", [1, 2, 3, 4, 5, 2**31 - 1, 0, 8, 9, 10], "t3", 9, [11, 12], [-3.0, -0.0]),
+    ]
+    for i, (tid, prompt, ref, ref_len, out, lps) in enumerate(turns):
+        await store.insert_turn(
+            TurnRecord(
+                id=tid,
+                session_id="s1",
+                style="anthropic",
+                created_at=100.0 + i,
+                prompt_ids=prompt,
+                prompt_ref=ref,
+                prompt_ref_len=ref_len,
+                output_ids=out,
+                output_logprobs=lps,
+            )
+        )
+    await store.close()
+    for since in (None, 102.0):  # from 102: t3's reference (t2) is resolved from the database
+        lists = list(read_turns(path, since=since))
+        arrays = list(read_turns(path, since=since, arrays=True))
+        assert [t.id for t in arrays] == [t.id for t in lists]
+        for a, b in zip(arrays, lists, strict=True):
+            assert a.prompt_ids.dtype == np.dtype("<i4") and a.prompt_ids.tolist() == b.prompt_ids
+            assert a.output_ids.dtype == np.dtype("<i4") and a.output_ids.tolist() == b.output_ids
+            assert a.output_logprobs.tolist() == b.output_logprobs
+    assert arrays[0].prompt_ids.tolist() == turns[2][1] and arrays[0].output_logprobs.dtype == np.dtype("<f4")
+    t2 = list(read_turns(path, arrays=True))[1]
+    assert t2.output_logprobs.dtype == np.dtype("<f8") and t2.output_logprobs.tolist() == [-0.1]
+
+
 async def test_two_writers_of_one_file_give_every_turn_its_own_seq(tmp_path):
     """Two processes (here two connections) writing one database: seq comes from the database,
     so their turns never share one, and each writer's turns keep their order."""

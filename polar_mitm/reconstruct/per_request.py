@@ -30,7 +30,10 @@ def per_request(
     rewards: Mapping[str, float | None] | None = None,
     stats: ReconstructStats | None = None,
 ) -> Iterator[Trajectory]:
-    """One `Trajectory` per turn, in the order given. `rewards` maps session id → reward."""
+    """One `Trajectory` per turn, in the order given. `rewards` maps session id → reward.
+
+    A turn's ids and logprobs may be lists or numpy arrays (`read_turns(arrays=True)`, which the
+    export uses: no Python int per token); the rows hold the same values either way."""
     rewards = rewards or {}
     for turn in turns:
         output, logprobs, fits = output_arrays(turn.output_ids, turn.output_logprobs)

@@ -73,10 +73,17 @@ def read_selected(
     session: str | None = None,
     stats: ReconstructStats | None = None,
     on_turn: Callable[[], object] | None = None,
+    arrays: bool = False,
 ) -> Iterator[StoredTurn]:
-    """The selected turns in creation order (of one session if `session` is given)."""
+    """The selected turns in creation order (of one session if `session` is given); with
+    `arrays`, their token ids and logprobs as numpy arrays (`read_turns`)."""
     for turn in read_turns(
-        path, session=session or sel.session, task=sel.task, since=sel.since, rollout=sel.rollout
+        path,
+        session=session or sel.session,
+        task=sel.task,
+        since=sel.since,
+        rollout=sel.rollout,
+        arrays=arrays,
     ):
         if on_turn is not None:
             on_turn()

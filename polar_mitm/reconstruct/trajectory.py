@@ -185,12 +185,17 @@ def to_table(rows: list[Trajectory]) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=TRAJECTORY_SCHEMA)
 
 
-def token_array(ids: list[int]) -> np.ndarray:
-    """Token ids as int32 (fromiter with a count is the quickest way from a long Python list)."""
+def token_array(ids: list[int] | np.ndarray) -> np.ndarray:
+    """Token ids as int32: an array as it is (or cast), a list through fromiter with a count (the
+    quickest way from a long Python list)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(TOKEN_DTYPE, copy=False)
     return np.fromiter(ids, dtype=TOKEN_DTYPE, count=len(ids))
 
 
-def output_arrays(output_ids: list[int], output_logprobs: list[float]) -> tuple[np.ndarray, np.ndarray, bool]:
+def output_arrays(
+    output_ids: list[int] | np.ndarray, output_logprobs: list[float] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray, bool]:
     """A turn's sampled ids and their logprobs as arrays.
 
     The logprobs are fitted to the output's length (padded with 0.0 or cut) so that every row keeps
@@ -198,7 +203,10 @@ def output_arrays(output_ids: list[int], output_logprobs: list[float]) -> tuple[
     already fitted, and callers count the turns where they did not.
     """
     output = token_array(output_ids)
-    logprobs = np.fromiter(output_logprobs, dtype=LOGPROB_DTYPE, count=len(output_logprobs))
+    if isinstance(output_logprobs, np.ndarray):
+        logprobs = output_logprobs.astype(LOGPROB_DTYPE, copy=False)
+    else:
+        logprobs = np.fromiter(output_logprobs, dtype=LOGPROB_DTYPE, count=len(output_logprobs))
     fits = len(logprobs) == len(output)
     if not fits:
         logprobs = np.concatenate([logprobs, np.zeros(max(0, len(output) - len(logprobs)), LOGPROB_DTYPE)])

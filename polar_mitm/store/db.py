@@ -20,11 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import aiosqlite
+import numpy as np
 from pydantic import BaseModel, Field
 
 from polar_mitm.store import deltas
 from polar_mitm.store.migrations import migrate, pending
-from polar_mitm.store.packing import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
+from polar_mitm.store.packing import (
+    pack_ids,
+    pack_logprobs,
+    unpack_ids,
+    unpack_ids_array,
+    unpack_logprobs,
+    unpack_logprobs_array,
+)
 
 
 class TurnRecord(BaseModel):
@@ -453,14 +461,20 @@ def read_turns(
     with_raw: bool = False,
     include_text_only: bool = False,
     rollout: str | None = None,
+    arrays: bool = False,
 ) -> Iterator[StoredTurn]:
     """Turns in creation order, with prompt ids resolved through their references.
 
     Resolution keeps the full sequences of recent turns in a bounded cache, so it costs about
-    one pass over the unique tokens.
+    one pass over the unique tokens. With `arrays`, `prompt_ids` and `output_ids` are read-only
+    int32 numpy arrays and `output_logprobs` a read-only float32 (or, as stored, float64) array
+    instead of lists: the same values without a Python object per token, for the exporters.
     """
     db = connect(path)
     cache = _SequenceCache()
+    ids_of, logprobs_of = (
+        (unpack_ids_array, unpack_logprobs_array) if arrays else (unpack_ids, unpack_logprobs)
+    )
     where, args = turn_filter(
         session=session, task=task, since=since, tokens=None if include_text_only else True, rollout=rollout
     )
@@ -496,14 +510,14 @@ def read_turns(
                 lps,
                 wv,
             ) = row[:15]
-            prompt = unpack_ids(suffix)
+            prompt = ids_of(suffix)
             if ref:
                 base = cache.get(ref)
                 if base is None:
-                    base = (_resolve_sync(db, ref, cache), 0)
-                prompt = base[0][:ref_len] + prompt
-            output = unpack_ids(out)
-            cache.put(tid, prompt + output, len(prompt))
+                    base = (_resolve_sync(db, ref, cache, arrays=arrays), 0)
+                prompt = _join(base[0][:ref_len], prompt)
+            output = ids_of(out)
+            cache.put(tid, _join(prompt, output), len(prompt))
             # Values come straight from our own schema: skip validation, it dominated export time.
             yield StoredTurn.model_construct(
                 id=tid,
@@ -517,7 +531,7 @@ def read_turns(
                 finish_reason=finish,
                 prompt_ids=prompt,
                 output_ids=output,
-                output_logprobs=unpack_logprobs(lps),
+                output_logprobs=logprobs_of(lps),
                 prompt_ref=ref,
                 prompt_ref_len=ref_len,
                 weight_version=wv,
@@ -529,18 +543,26 @@ def read_turns(
         db.close()
 
 
-def _resolve_sync(db: sqlite3.Connection, turn_id: str, cache: _SequenceCache) -> list[int]:
+def _join(head: list[int] | np.ndarray, tail: list[int] | np.ndarray) -> list[int] | np.ndarray:
+    """Two token sequences as one: lists stay lists, arrays (`read_turns(arrays=True)`) arrays."""
+    return head + tail if isinstance(head, list) else np.concatenate((head, tail))
+
+
+def _resolve_sync(
+    db: sqlite3.Connection, turn_id: str, cache: _SequenceCache, *, arrays: bool = False
+) -> list[int] | np.ndarray:
     row = db.execute(
         "SELECT prompt_ref, prompt_ref_len, prompt_suffix, output_ids FROM turns WHERE id = ?", (turn_id,)
     ).fetchone()
     if row is None:
         raise KeyError(f"turn {turn_id} referenced but missing")
     ref, ref_len, suffix, out = row
-    prompt = unpack_ids(suffix)
+    ids_of = unpack_ids_array if arrays else unpack_ids
+    prompt = ids_of(suffix)
     if ref:
         base = cache.get(ref)
-        prompt = (base[0] if base else _resolve_sync(db, ref, cache))[:ref_len] + prompt
-    seq = prompt + unpack_ids(out)
+        prompt = _join((base[0] if base else _resolve_sync(db, ref, cache, arrays=arrays))[:ref_len], prompt)
+    seq = _join(prompt, ids_of(out))
     cache.put(turn_id, seq, len(prompt))
     return seq
 

@@ -11,6 +11,8 @@ import sys
 from array import array
 from collections.abc import Sequence
 
+import numpy as np
+
 _LITTLE = sys.byteorder == "little"
 
 
@@ -29,6 +31,11 @@ def unpack_ids(blob: bytes | None) -> list[int]:
     if not _LITTLE:
         a.byteswap()
     return a.tolist()
+
+
+def unpack_ids_array(blob: bytes | None) -> np.ndarray:
+    """`unpack_ids` as a read-only little-endian int32 array over the blob."""
+    return np.frombuffer(blob or b"", dtype="<i4")
 
 
 def pack_logprobs(values: Sequence[float]) -> bytes:
@@ -53,3 +60,13 @@ def unpack_logprobs(blob: bytes | None) -> list[float]:
     if not _LITTLE:
         a.byteswap()
     return a.tolist()
+
+
+def unpack_logprobs_array(blob: bytes | None) -> np.ndarray:
+    """`unpack_logprobs` as a read-only array over the blob: float32 or float64, as stored."""
+    if not blob:
+        return np.empty(0, dtype="<f4")
+    tag = blob[:1]
+    if tag not in (b"f", b"d"):
+        raise ValueError(f"unknown logprob packing tag {tag!r}")
+    return np.frombuffer(blob, dtype="<f4" if tag == b"f" else "<f8", offset=1)
