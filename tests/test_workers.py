@@ -123,6 +123,41 @@ async def test_workers_serve_every_session_on_its_own_worker(
     assert len({t.seq for t in stored}) == len(stored)  # two writers, one sequence
 
 
+async def test_a_worker_that_dies_is_started_again_and_its_sessions_go_on(
+    tmp_path, certs_dir, qwen_tokenizer_dir, backend
+):
+    import asyncio
+
+    db = tmp_path / "w.sqlite"
+    pool = WorkerPool(
+        ProxyConfig(
+            db=str(db),
+            certs_dir=certs_dir,
+            policy=PolicyConfig(backend_url=backend.url, tokenizer=str(qwen_tokenizer_dir)),
+        ),
+        2,
+    )
+    await pool.start()
+
+    def turn(text: str) -> None:
+        with httpx.Client(
+            proxy=pool.session_url("s"), verify=str(certs_dir / "mitmproxy-ca-cert.pem"), timeout=60
+        ) as c:
+            _turns(c, text, 1)
+
+    try:
+        await asyncio.to_thread(turn, "before")
+        victim = pool._procs[pick("s", 2)]
+        victim.kill()  # SIGKILL: no goodbye on its socket
+        await asyncio.to_thread(victim.wait)
+        await asyncio.to_thread(turn, "after")
+        assert pool.restarts == 1
+        assert pool._procs[pick("s", 2)] is not victim
+    finally:
+        await pool.stop()
+    assert [t.session_id for t in read_turns(db)] == ["s", "s"]
+
+
 async def test_a_worker_that_cannot_start_is_one_error_and_leaves_nothing(
     tmp_path, certs_dir, qwen_tokenizer_dir, backend
 ):

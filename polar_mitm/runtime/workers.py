@@ -73,9 +73,11 @@ class WorkerPool:
         self.ca: CA | None = None
         self.port = 0
         self.handed = [0] * workers  # connections passed to each worker
+        self.restarts = 0  # workers started again after they died
         self._listener: socket.socket | None = None
-        self._procs: list[subprocess.Popen] = []
-        self._ctl: list[socket.socket] = []
+        self._procs: list[subprocess.Popen | None] = [None] * workers
+        self._ctl: list[socket.socket | None] = [None] * workers
+        self._locks = [asyncio.Lock() for _ in range(workers)]  # one hand-off or restart at a time
         self._accept: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
 
@@ -88,20 +90,11 @@ class WorkerPool:
         try:
             for i in range(self.workers):
                 self._spawn(i)
-            loop = asyncio.get_running_loop()
-            for i, ctl in enumerate(self._ctl):
-                reply = await asyncio.wait_for(loop.sock_recv(ctl, 4096), self.start_timeout)
-                if reply != b"ready":
-                    why = reply.decode(errors="replace") or f"exited ({self._procs[i].poll()})"
-                    raise ProxyStartError(f"proxy worker {i} did not start: {why}")
-        except TimeoutError:
-            await self.stop()
-            raise ProxyStartError(f"proxy workers did not start within {self.start_timeout:.0f}s") from None
+            for i in range(self.workers):
+                await self._ready(i)
         except BaseException:
             await self.stop()
             raise
-        for ctl in self._ctl:
-            ctl.setblocking(True)  # hand-offs are small datagrams; a full buffer waits briefly
         self._accept = asyncio.create_task(self._accept_loop())
         return self.port
 
@@ -110,18 +103,80 @@ class WorkerPool:
         front.setblocking(False)
         cfg = self.config.model_copy(update={"listen_host": "127.0.0.1", "listen_port": 0})
         env = {**os.environ, "POLAR_MITM_WORKER": str(index)}
-        p = subprocess.Popen(
-            [sys.executable, "-m", "polar_mitm.runtime.workers", str(child.fileno())],
-            stdin=subprocess.PIPE,
-            pass_fds=[child.fileno()],
-            env=env,
-        )
-        child.close()
+        try:
+            p = subprocess.Popen(
+                [sys.executable, "-m", "polar_mitm.runtime.workers", str(child.fileno())],
+                stdin=subprocess.PIPE,
+                pass_fds=[child.fileno()],
+                env=env,
+            )
+        finally:
+            child.close()
         assert p.stdin is not None
         p.stdin.write(cfg.model_dump_json().encode())  # stdin, not argv: it may hold the token
         p.stdin.close()
-        self._procs.append(p)
-        self._ctl.append(front)
+        self._procs[index] = p
+        self._ctl[index] = front
+
+    async def _ready(self, index: int) -> None:
+        """Wait for worker `index` to say it serves; ProxyStartError (one line) when it does not."""
+        ctl, proc = self._ctl[index], self._procs[index]
+        assert ctl is not None and proc is not None
+        try:
+            reply = await asyncio.wait_for(
+                asyncio.get_running_loop().sock_recv(ctl, 4096), self.start_timeout
+            )
+        except TimeoutError:
+            raise ProxyStartError(
+                f"proxy worker {index} did not start within {self.start_timeout:.0f}s"
+            ) from None
+        if reply != b"ready":
+            why = reply.decode(errors="replace") or f"exited ({proc.poll()})"
+            raise ProxyStartError(f"proxy worker {index} did not start: {why}")
+
+    async def _restart(self, index: int) -> None:
+        """Start worker `index` again after it died (its sessions' next connections reach the new
+        one; what it had in flight is lost, as with a killed proxy, and nothing half-done was
+        committed)."""
+        proc, ctl = self._procs[index], self._ctl[index]
+        code = proc.poll() if proc is not None else None
+        log.warning("proxy worker %d exited (%s); starting it again", index, code)
+        if ctl is not None:
+            ctl.close()
+        if proc is not None and code is None:
+            proc.kill()
+        self._spawn(index)
+        await self._ready(index)
+        self.restarts += 1
+
+    async def _send(self, index: int, head: bytes, fd: int) -> None:
+        """Pass fd (and the bytes read from it) to worker `index`, starting the worker again first
+        if it died; waits while the worker's socket buffer is full."""
+        loop = asyncio.get_running_loop()
+        async with self._locks[index]:
+            for attempt in range(2):
+                proc = self._procs[index]
+                if proc is None or proc.poll() is not None:
+                    await self._restart(index)
+                ctl = self._ctl[index]
+                assert ctl is not None
+                while True:
+                    try:
+                        socket.send_fds(ctl, [head], [fd])
+                        return
+                    except BlockingIOError:
+                        writable = loop.create_future()
+                        loop.add_writer(ctl.fileno(), lambda f=writable: f.done() or f.set_result(None))
+                        try:
+                            await writable
+                        finally:
+                            loop.remove_writer(ctl.fileno())
+                    except OSError:  # the worker died after the check above
+                        if attempt:
+                            raise
+                        if proc is not None:
+                            await loop.run_in_executor(None, proc.wait)
+                        break
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -143,10 +198,10 @@ class WorkerPool:
                         return  # closed before a whole head: nothing to serve
                     head += more
             i = pick(session_of(head), self.workers)
-            socket.send_fds(self._ctl[i], [head], [conn.fileno()])
+            await self._send(i, head, conn.fileno())
             self.handed[i] += 1
-        except (TimeoutError, OSError) as e:
-            log.debug("connection not handed to a worker: %s", e)
+        except (TimeoutError, OSError) as e:  # ProxyStartError included: a worker that cannot restart
+            log.warning("a connection was not handed to a proxy worker: %s", e)
         finally:
             conn.close()  # the worker holds its own descriptor of the connection
 
@@ -160,9 +215,12 @@ class WorkerPool:
         if self._listener is not None:
             self._listener.close()
         for ctl in self._ctl:
-            ctl.close()  # each worker sees the end of its socket and stops
+            if ctl is not None:
+                ctl.close()  # each worker sees the end of its socket and stops
         loop = asyncio.get_running_loop()
         for p in self._procs:
+            if p is None:
+                continue
             try:
                 await loop.run_in_executor(None, p.wait, 15)
             except subprocess.TimeoutExpired:
