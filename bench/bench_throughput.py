@@ -79,15 +79,18 @@ def tree_cpu(proc: Proc) -> float:
 
 
 async def through(
-    proxy: Proc, ca: Path, sessions: int, turns: int, system: str, tag: str
-) -> tuple[float, float, bytes]:
-    """Seconds and proxy CPU seconds for every session's conversation through `proxy`."""
-    cpu0 = tree_cpu(proxy)
+    proxy: Proc, ca: Path, sessions: int, turns: int, system: str, tag: str, upstream: Proc | None = None
+) -> tuple[float, float, float, float, bytes]:
+    """Seconds, and CPU seconds of the proxy, the client (this process) and the server behind
+    the proxy, for every session's conversation through `proxy`."""
+    cpu0, client0, up0 = tree_cpu(proxy), time.process_time(), upstream.cpu() if upstream else 0.0
     t0 = time.perf_counter()
     firsts = await asyncio.gather(
         *(session(proxy.url, ca, f"{tag}{i}", turns, system) for i in range(sessions))
     )
-    return time.perf_counter() - t0, tree_cpu(proxy) - cpu0, firsts[0]
+    secs = time.perf_counter() - t0
+    up = upstream.cpu() - up0 if upstream else 0.0
+    return secs, tree_cpu(proxy) - cpu0, time.process_time() - client0, up, firsts[0]
 
 
 async def direct(backend: str, prompts: list[list[int]], concurrency: int) -> float:
@@ -115,18 +118,21 @@ async def run(sessions: int, turns: int, context: int, workers: int, rounds: int
     tok_dir = str(ensure_tokenizer("qwen"))
     tmp = workdir("polar-bench-throughput-")
     ca = ensure_ca(tmp)
-    fake = start_fake(tmp, tokenizer_path=tok_dir, script=SCRIPT, context_length=400_000)
-    one = start_proxy(tmp, fake.url, tok_dir, "--workers", "1", db=str(tmp / "one.sqlite"))
-    many = start_proxy(tmp, fake.url, tok_dir, "--workers", str(workers), db=str(tmp / "many.sqlite"))
     system = "You are a coding agent working in a large repository. " * max(1, context // 11)
-    procs = [fake, one, many]
+    procs: list[Proc] = []
     n = sessions * turns
-    rows: dict[str, list[tuple[float, float]]] = {}
+    rows: dict[str, list[tuple[float, float, float, float]]] = {}
     prof: Profile | None = None
     try:
+        fake = start_fake(tmp, tokenizer_path=tok_dir, script=SCRIPT, context_length=400_000)
+        procs.append(fake)
+        one = start_proxy(tmp, fake.url, tok_dir, "--workers", "1", db=str(tmp / "one.sqlite"))
+        procs.append(one)
+        many = start_proxy(tmp, fake.url, tok_dir, "--workers", str(workers), db=str(tmp / "many.sqlite"))
+        procs.append(many)
         # Warm-up conversations through each proxy, enough to reach every worker (tokenizer loaded,
         # CA leaf certificates made, the shared system prompt cached).
-        _, _, reply = await through(one, ca, 8, 2, system, "warm")
+        *_, reply = await through(one, ca, 8, 2, system, "warm")
         await through(many, ca, 8, 2, system, "warm")
         trivial = start_trivial(tmp, reply, "application/json")
         mitm = start_mitmdump(tmp, HOST, trivial.url)
@@ -138,32 +144,37 @@ async def run(sessions: int, turns: int, context: int, workers: int, rounds: int
                 (f"polar-mitm, {workers} workers", many),
                 ("mitmdump", mitm),
             ):
+                upstream = trivial if proxy is mitm else fake
                 if profile and proxy is one and r == rounds - 1:
                     with Profile(one.pid, tmp / "one.pyspy") as prof:
-                        secs, cpu, _ = await through(proxy, ca, sessions, turns, system, f"r{r}-")
+                        got = await through(proxy, ca, sessions, turns, system, f"r{r}-", upstream)
                 else:
-                    secs, cpu, _ = await through(proxy, ca, sessions, turns, system, f"r{r}-")
-                rows.setdefault(name, []).append((secs, cpu))
+                    got = await through(proxy, ca, sessions, turns, system, f"r{r}-", upstream)
+                rows.setdefault(name, []).append(got[:4])
             prompts = [
                 t.prompt_ids for t in read_turns(tmp / "one.sqlite") if t.session_id.startswith(f"r{r}-")
             ]
             assert len(prompts) == n, f"expected {n} turns, stored {len(prompts)}"
-            rows.setdefault("direct /generate", []).append((await direct(fake.url, prompts, sessions), 0.0))
+            client0, up0 = time.process_time(), fake.cpu()
+            secs = await direct(fake.url, prompts, sessions)
+            rows.setdefault("direct /generate", []).append(
+                (secs, 0.0, time.process_time() - client0, fake.cpu() - up0)
+            )
     finally:
         for p in procs:
             p.stop()
     best = {k: min(v) for k, v in rows.items()}  # each path's fastest round
-    tps = {k: n / s for k, (s, _) in best.items()}
+    tps = {k: n / v[0] for k, v in best.items()}
     print(
         f"{sessions} concurrent sessions × {turns} turns ({n} turns), ~{context}-token system prompt, "
-        f"fastest of {rounds} rounds"
+        f"fastest of {rounds} rounds; CPU in ms per turn"
     )
-    print("| path | seconds | turns/s | proxy CPU ms/turn | vs mitmdump | vs 1 worker |")
-    print("|---|---|---|---|---|---|")
-    for k, (s, cpu) in best.items():
-        cpu_ms = f"{cpu / n * 1000:.1f}" if cpu else "–"
+    print("| path | seconds | turns/s | proxy CPU | client CPU | server CPU | vs mitmdump | vs 1 worker |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, (secs, cpu, client, up) in best.items():
+        ms = [f"{c / n * 1000:.1f}" if c else "–" for c in (cpu, client, up)]
         print(
-            f"| {k} | {s:.2f} | {tps[k]:.1f} | {cpu_ms} | {tps[k] / tps['mitmdump']:.2f}× |"
+            f"| {k} | {secs:.2f} | {tps[k]:.1f} | {' | '.join(ms)} | {tps[k] / tps['mitmdump']:.2f}× |"
             f" {tps[k] / tps['polar-mitm, 1 worker']:.2f}× |"
         )
     if prof is not None:
