@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polar_mitm.reconstruct.export import export  # noqa: E402
-from polar_mitm.store.db import Store, TurnRecord  # noqa: E402
+from polar_mitm.store.db import Store, Turn  # noqa: E402
 
 VOCAB = 151_000
 
@@ -68,7 +68,7 @@ async def write_store(path: Path, sessions: int, shape: Shape, seed: int) -> dic
                 logprobs = (-rng.exponential(0.5, shape.reply)).astype(np.float32).tolist()
                 tid = f"{sid}-t{turn}"
                 await store.insert_turn(
-                    TurnRecord(
+                    Turn(
                         id=tid,
                         session_id=sid,
                         style="anthropic",

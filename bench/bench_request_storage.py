@@ -31,7 +31,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polar_mitm.store.db import RequestReader, Store, TurnRecord  # noqa: E402
+from polar_mitm.store.db import RequestReader, Store, Turn  # noqa: E402
 
 WORDS = (
     "the proxy records every token of the file while tests run parser import error line def return".split()
@@ -138,7 +138,7 @@ async def write(
                 ref, ref_len = last.get(s, (None, 0)) if tag is None else (None, 0)
                 prompt = [rng.randrange(150_000) for _ in range(ref_len + new)]
                 tid = f"s{s}-{i:03d}"
-                rec = TurnRecord(
+                rec = Turn(
                     id=tid,
                     session_id=f"s{s}",
                     style="anthropic",

@@ -202,7 +202,9 @@ def run(
     show_default=True,
     help="Proxy processes behind the one port, each session pinned to one of them (0: one per core).",
 )
-def proxy(listen, session, token, workers, db, certs, harvest, upstreams, upstream_insecure, **policy) -> None:
+def proxy(
+    listen, session, token, workers, db, certs, harvest, upstreams, upstream_insecure, **policy
+) -> None:
     """A long-lived shared proxy for many harnesses.
 
     Sessions are told apart by the credentials in each harness's proxy URL:

@@ -8,7 +8,7 @@ the proxy only watches. What it stores per model exchange is built here, without
   returned, usage included), by the style's own `assemble`. The style's `parse_reply` (lenient:
   an upstream reply may be malformed) reads it back for exports, exactly as it reads the same
   reply echoed in the next request.
-- `Exchange`: one request and its reply, turned into a `TurnRecord` with every credential removed
+- `Exchange`: one request and its reply, turned into a `Turn` with every credential removed
   (headers and query parameters through `polar_mitm.redact`, and any secret value that shows up
   in a body replaced as well), so nothing secret reaches the store.
 - `parse_upstream`: `--upstream HOST=URL`.
@@ -30,7 +30,7 @@ from polar_mitm import redact, sse
 from polar_mitm.backends.policy import new_turn_id
 from polar_mitm.neutral import ChatRequest, ProviderError
 from polar_mitm.providers import Style
-from polar_mitm.store.db import TurnRecord
+from polar_mitm.store.db import Turn
 
 # ---- the upstream's reply ------------------------------------------------------------------------
 
@@ -149,7 +149,7 @@ class Exchange:
         ended: float | None = None,
         failure: str | None = None,
         tagger: Tagger | None = None,
-    ) -> TurnRecord:
+    ) -> Turn:
         """The exchange as a text turn: raw request and assembled reply, no token ids, no secrets.
 
         `failure` is set when the exchange did not complete (upstream unreachable, a side hung
@@ -187,7 +187,7 @@ class Exchange:
                     finish = None
         status = "aborted" if failure else ("error" if error else "ok")
         ended = ended if ended is not None else time.time()
-        return TurnRecord(
+        return Turn(
             id=new_turn_id(),
             session_id=self.session_id,
             created_at=self.started,

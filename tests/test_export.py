@@ -22,11 +22,11 @@ from polar_mitm.reconstruct.commands import COMMANDS
 from polar_mitm.reconstruct.export import ParquetSink, SinkOptions, export, iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA
-from polar_mitm.store.db import Store, TurnRecord
+from polar_mitm.store.db import Store, Turn
 
 A, B, C, D = -0.5, -0.25, -1.0, -0.125
 
-# (session, id, prompt, output, logprobs, extra TurnRecord fields), in creation order.
+# (session, id, prompt, output, logprobs, extra Turn fields), in creation order.
 TURNS = [
     ("s1", "a1", [1, 2, 3], [10, 11], [A, B], {}),
     ("s2", "b1", [7, 8], [20], [C], {}),
@@ -61,7 +61,7 @@ async def _fill(path: Path) -> None:
         for i, (session, tid, prompt, output, logprobs, extra) in enumerate(TURNS):
             fields = {"finish_reason": "stop", "weight_version": "w7", "model": "policy", **extra}
             await store.insert_turn(
-                TurnRecord(
+                Turn(
                     id=tid,
                     session_id=session,
                     created_at=SESSION_T0[session] + i,
@@ -361,7 +361,7 @@ def test_cli_show_decodes_with_a_tokenizer(
         store = await Store.open(tmp_path / "t.sqlite")
         await store.ensure_session("s")
         await store.insert_turn(
-            TurnRecord(
+            Turn(
                 id="t1",
                 session_id="s",
                 style="openai-chat",
@@ -408,7 +408,7 @@ def test_store_hints_and_pure_merge_agree(tmp_path: Path, seed: int) -> None:
         output = [rng.randint(1, 50) for _ in range(rng.randint(1, 10))]
         tid = f"{session}{i}"
         records.append(
-            TurnRecord(
+            Turn(
                 id=tid,
                 session_id=session,
                 style="openai-chat",

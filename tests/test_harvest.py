@@ -37,7 +37,7 @@ from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA
 from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
 from polar_mitm.sse import SSEEvent
 from polar_mitm.sse import parse as parse_sse
-from polar_mitm.store.db import Store, TurnRecord
+from polar_mitm.store.db import Store, Turn
 from tests.helpers import BASH, COMPLETION, MESSAGES_URL, stream_bytes
 
 KEY = "sk-ant-api03-HARVEST-SECRET-0123456789abcdef"
@@ -475,7 +475,7 @@ def reply_sse(content: list[dict], stop: str) -> bytes:
     return sse(*events)
 
 
-def harvested(messages, content, stop, *, session="s1", system=None) -> TurnRecord:
+def harvested(messages, content, stop, *, session="s1", system=None) -> Turn:
     body = anthropic_request(messages, stream=True)
     if system:
         body["system"] = system
@@ -497,7 +497,7 @@ ANSWER = "Done: out.txt now contains hi."
 
 
 @pytest.fixture
-async def harvest_db(tmp_path) -> tuple[Path, list[TurnRecord]]:
+async def harvest_db(tmp_path) -> tuple[Path, list[Turn]]:
     """A store as harvest mode leaves it: a two-turn tool loop, a title side call, and a separate
     one-turn conversation in another session."""
     db = tmp_path / "sft.sqlite"
@@ -579,7 +579,7 @@ async def test_sft_jsonl_reads_policy_turns_too(tmp_path):
     store = await Store.open(db)
     await store.ensure_session("p1")
     await store.insert_turn(
-        TurnRecord(
+        Turn(
             id="turn_p1",
             session_id="p1",
             style="anthropic",
@@ -837,7 +837,7 @@ def test_harvest_gives_the_harness_no_dummy_credentials(certs_dir):
 
 
 async def test_sft_jsonl_from_a_harvested_openai_chat_session(tmp_path):
-    def chat_exchange(messages, reply: bytes) -> TurnRecord:
+    def chat_exchange(messages, reply: bytes) -> Turn:
         ex = Exchange(
             session_id="oa",
             style=openai_chat,
@@ -951,7 +951,7 @@ async def test_a_harvested_codex_session_with_a_freeform_or_shell_call_is_one_co
         call = ToolCall(id="call_1", name="local_shell", arguments={"command": ["ls"], "workdir": "/w"})
     user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go"}]}
 
-    async def exchange(items: list) -> tuple[TurnRecord, list]:
+    async def exchange(items: list) -> tuple[Turn, list]:
         body = {"model": "gpt-5", "input": items, "tools": tools, "stream": True, "store": False}
         req = openai_responses.parse_request(body)
         last = [m for m in req.messages if m.role == "tool"]

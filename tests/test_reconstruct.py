@@ -13,18 +13,18 @@ from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import Trajectory
-from polar_mitm.store.db import StoredTurn
+from polar_mitm.store.db import Turn
 
 # Logprobs exactly representable in float32, so rows compare with ==.
 A, B, C, D, E = -0.5, -0.25, -1.0, -0.125, -2.0
 
 
 class Turns:
-    """Builds StoredTurns in creation order (seq 1, 2, …)."""
+    """Builds Turns in creation order (seq 1, 2, …)."""
 
     def __init__(self, session: str = "s1", task: str | None = "task-1"):
         self.session, self.task = session, task
-        self.made: list[StoredTurn] = []
+        self.made: list[Turn] = []
 
     def __call__(
         self,
@@ -40,8 +40,8 @@ class Turns:
         status: str = "ok",
         finish: str | None = "stop",
         wv: str | None = "w1",
-    ) -> StoredTurn:
-        turn = StoredTurn(
+    ) -> Turn:
+        turn = Turn(
             id=tid,
             session_id=session or self.session,
             seq=len(self.made) + 1,
@@ -79,7 +79,7 @@ def check(
     assert row.response_logprobs.dtype == np.float32
 
 
-def merge(turns: list[StoredTurn], **kw) -> tuple[list[Trajectory], ReconstructStats]:
+def merge(turns: list[Turn], **kw) -> tuple[list[Trajectory], ReconstructStats]:
     stats = ReconstructStats()
     return list(prefix_merge(turns, stats=stats, **kw)), stats
 
@@ -87,7 +87,7 @@ def merge(turns: list[StoredTurn], **kw) -> tuple[list[Trajectory], ReconstructS
 # --- linear chain -------------------------------------------------------------------------------
 
 
-def linear_chain(hints: bool = True) -> list[StoredTurn]:
+def linear_chain(hints: bool = True) -> list[Turn]:
     t = Turns()
     t("t1", [1, 2, 3], [10, 11], [A, B])
     t("t2", [1, 2, 3, 10, 11, 4, 5], [12], [C], ref="t1" if hints else None, ref_len=5)

@@ -6,7 +6,7 @@ import sqlite3
 import pytest
 
 from polar_mitm import redact
-from polar_mitm.store.db import Store, TurnRecord, read_turns
+from polar_mitm.store.db import Store, Turn, read_turns
 from polar_mitm.store.migrations import MIGRATIONS, migrate
 from polar_mitm.store.packing import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
 
@@ -61,7 +61,7 @@ async def test_prompt_stored_as_reference_plus_suffix(tmp_path):
     path = tmp_path / "s.sqlite"
     store = await Store.open(path)
     await store.ensure_session("s1")
-    t1 = TurnRecord(
+    t1 = Turn(
         id="t1",
         session_id="s1",
         style="anthropic",
@@ -71,7 +71,7 @@ async def test_prompt_stored_as_reference_plus_suffix(tmp_path):
         post_hash="h1",
     )
     await store.insert_turn(t1)
-    t2 = TurnRecord(
+    t2 = Turn(
         id="t2",
         session_id="s1",
         style="anthropic",
@@ -110,7 +110,7 @@ async def test_read_turns_as_arrays_holds_the_same_values_as_lists(tmp_path):
     ]
     for i, (tid, prompt, ref, ref_len, out, lps) in enumerate(turns):
         await store.insert_turn(
-            TurnRecord(
+            Turn(
                 id=tid,
                 session_id="s1",
                 style="anthropic",
@@ -146,7 +146,7 @@ async def test_two_writers_of_one_file_give_every_turn_its_own_seq(tmp_path):
 
     async def write(store: Store, name: str) -> None:
         for i in range(20):
-            await store.insert_turn(TurnRecord(id=f"{name}{i:02d}", session_id=name, style="anthropic"))
+            await store.insert_turn(Turn(id=f"{name}{i:02d}", session_id=name, style="anthropic"))
 
     try:
         await asyncio.gather(write(a, "a"), write(b, "b"))
@@ -219,7 +219,7 @@ async def test_requests_are_stored_as_what_changed_and_read_back_byte_identical(
         req = _claude_code_request(messages, system)
         tid = f"t{i:02d}"
         await store.insert_turn(
-            TurnRecord(
+            Turn(
                 id=tid,
                 session_id="s1",
                 style="anthropic",
@@ -241,7 +241,7 @@ async def test_requests_are_stored_as_what_changed_and_read_back_byte_identical(
                 model="claude-haiku",
             )
             await store.insert_turn(
-                TurnRecord(
+                Turn(
                     id="side",
                     session_id="s1",
                     style="anthropic",
@@ -254,7 +254,7 @@ async def test_requests_are_stored_as_what_changed_and_read_back_byte_identical(
             sent["side"] = side
         if i == 5:  # the same request sent again (a retry)
             await store.insert_turn(
-                TurnRecord(
+                Turn(
                     id="retry",
                     session_id="s1",
                     style="anthropic",
@@ -274,9 +274,7 @@ async def test_requests_are_stored_as_what_changed_and_read_back_byte_identical(
             {"role": "user", "content": f"result {i}: " + "line of the file\n" * (20 + i)},
         ]
     harvested = '{"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}'
-    await store.insert_turn(
-        TurnRecord(id="h", session_id="s1", style="gemini", request=harvested, response="{}")
-    )
+    await store.insert_turn(Turn(id="h", session_id="s1", style="gemini", request=harvested, response="{}"))
     sent["h"] = harvested
     await store.close()
 
@@ -325,3 +323,34 @@ def test_a_request_diffed_against_any_other_comes_back_exactly(seed):
     d = deltas.diff(ref, text)
     assert d.head + d.tail <= min(len(ref), len(text))
     assert deltas.apply(ref, d.head, d.tail, d.middle) == text
+
+
+async def test_a_turn_reads_back_as_it_was_written(tmp_path):
+    """One row model: the fields `read_turns` fills come back equal to what was written."""
+    db = tmp_path / "t.sqlite"
+    store = await Store.open(db)
+    await store.ensure_session("s", task_id="task-1")
+    written = Turn(
+        id="t1",
+        session_id="s",
+        style="anthropic",
+        model="m",
+        tag="main",
+        status="ok",
+        finish_reason="stop",
+        prompt_ids=[1, 2, 3],
+        output_ids=[4, 5],
+        output_logprobs=[-0.5, -0.25],
+        weight_version="v7",
+        request='{"messages": []}',
+        response='{"text": "hi"}',
+    )
+    await store.insert_turn(written)
+    await store.close()
+    (read,) = read_turns(db, with_raw=True)
+    filled = (
+        "id session_id created_at style model tag status finish_reason prompt_ids output_ids"
+        " output_logprobs prompt_ref prompt_ref_len weight_version request response"
+    ).split()
+    assert {k: getattr(read, k) for k in filled} == {k: getattr(written, k) for k in filled}
+    assert read.seq == 1 and read.task_id == "task-1"

@@ -250,7 +250,7 @@ def test_a_command_that_is_not_there_leaves_no_session(tmp_path, backend_process
 
 async def fill_store(path: Path, sessions: dict[str, int], prompt_len: int = 8) -> None:
     """Sessions (oldest first) with that many one-turn-each generations of `prompt_len` tokens."""
-    from polar_mitm.store.db import Store, TurnRecord
+    from polar_mitm.store.db import Store, Turn
 
     store = await Store.open(path)
     try:
@@ -258,7 +258,7 @@ async def fill_store(path: Path, sessions: dict[str, int], prompt_len: int = 8) 
             await store.ensure_session(session)
             for i in range(turns):
                 await store.insert_turn(
-                    TurnRecord(
+                    Turn(
                         id=f"{session}-{i}",
                         session_id=session,
                         created_at=1000.0 * (n + 1) + i,

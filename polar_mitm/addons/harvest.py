@@ -20,7 +20,7 @@ from OpenSSL import SSL
 
 from polar_mitm import providers
 from polar_mitm.harvest import Exchange, Tagger, Upstream
-from polar_mitm.store.db import Store, TurnRecord
+from polar_mitm.store.db import Store, Turn
 
 log = logging.getLogger("polar_mitm.harvest")
 
@@ -125,7 +125,7 @@ class Harvest:
         if self.upstream_insecure and data.ssl_conn is not None and data.conn.address in self._insecure_addrs:
             data.ssl_conn.set_verify(SSL.VERIFY_NONE)
 
-    async def _store(self, rec: TurnRecord) -> None:
+    async def _store(self, rec: Turn) -> None:
         if rec.session_id not in self._sessions:
             # Sessions named by proxy credentials appear with their first turn: mark them harvested.
             await self.store.ensure_session(rec.session_id, mode="harvest")

@@ -53,7 +53,7 @@ from polar_mitm.neutral import (
     ToolCallEvent,
     Usage,
 )
-from polar_mitm.store.db import Store, TurnRecord
+from polar_mitm.store.db import Store, Turn
 
 log = logging.getLogger("polar_mitm.policy")
 
@@ -184,12 +184,12 @@ def turn_record(
     error: str | None,
     started: float,
     finish_reason: str | None = None,
-) -> TurnRecord:
+) -> Turn:
     """The stored form of one generation; post_hash lets a later echo of the reply find it.
 
     Built without validation: every value is ours or already checked (a 30k-token prompt would
     otherwise be validated id by id on every turn)."""
-    return TurnRecord.model_construct(
+    return Turn.model_construct(
         id=turn_id,
         session_id=ctx.session_id,
         style=req.style,
@@ -449,9 +449,7 @@ class Policy:
         gen = self.client.generate(sent_ids, params, stream=streamed, cumulative=cumulative)
         state = gen.state
 
-        def record(
-            status: str, completion: Completion | None, finish_reason: str | None = None
-        ) -> TurnRecord:
+        def record(status: str, completion: Completion | None, finish_reason: str | None = None) -> Turn:
             return turn_record(
                 turn_id,
                 req,

@@ -1,6 +1,6 @@
 """Offline reconstruction: stored turns → training rows (per-request or prefix-merged) → files.
 
-`per_request` and `prefix_merge` are pure functions over `StoredTurn`s; `export` streams a store
+`per_request` and `prefix_merge` are pure functions over `Turn`s; `export` streams a store
 through one of them into parquet or JSON lines; `commands` holds the click commands.
 """
 

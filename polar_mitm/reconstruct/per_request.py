@@ -19,13 +19,13 @@ from polar_mitm.reconstruct.trajectory import (
     output_arrays,
     token_array,
 )
-from polar_mitm.store.db import StoredTurn
+from polar_mitm.store.db import Turn
 
 STRATEGY = "per-request"
 
 
 def per_request(
-    turns: Iterable[StoredTurn],
+    turns: Iterable[Turn],
     *,
     rewards: Mapping[str, float | None] | None = None,
     stats: ReconstructStats | None = None,

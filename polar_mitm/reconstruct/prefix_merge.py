@@ -59,7 +59,7 @@ from polar_mitm.reconstruct.trajectory import (
     output_arrays,
     token_array,
 )
-from polar_mitm.store.db import StoredTurn
+from polar_mitm.store.db import Turn
 
 STRATEGY = "prefix-merge"
 _W = TOKEN_DTYPE.itemsize  # bytes per token id
@@ -154,7 +154,7 @@ class SessionMerger:
 
     # --- placing turns ----------------------------------------------------------------------
 
-    def add(self, turn: StoredTurn) -> None:
+    def add(self, turn: Turn) -> None:
         if turn.session_id != self.session_id:
             raise ValueError(f"turn {turn.id} is from session {turn.session_id}, not {self.session_id}")
         if turn.id in self.by_turn:
@@ -194,7 +194,7 @@ class SessionMerger:
         if turn.finish_reason == "stop" and len(output):
             self.stop_ids.add(int(output[-1]))
 
-    def _hinted_start(self, turn: StoredTurn, prompt: _Prompt) -> _Node:
+    def _hinted_start(self, turn: Turn, prompt: _Prompt) -> _Node:
         """The node the store's prompt_ref points at (or its ancestor within prompt_ref_len), if
         the tokens confirm it; else the root."""
         hint = self.by_turn.get(turn.prompt_ref) if turn.prompt_ref else None
@@ -368,7 +368,7 @@ def _distinct(values: Iterable[Any]) -> list[Any]:
 
 
 def prefix_merge(
-    turns: Iterable[StoredTurn],
+    turns: Iterable[Turn],
     *,
     rewards: Mapping[str, float | None] | None = None,
     text: TokenText | None = None,

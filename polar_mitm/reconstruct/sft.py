@@ -36,7 +36,7 @@ from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, Trajectory
 from polar_mitm.store import queries
-from polar_mitm.store.db import StoredTurn
+from polar_mitm.store.db import Turn
 
 # ---- a turn → a conversation ----------------------------------------------------------------------
 
@@ -64,7 +64,7 @@ class UnreadableTurn(ValueError):
     """A stored turn whose request or reply cannot be parsed back into messages."""
 
 
-def conversation_of(turn: StoredTurn) -> Conversation:
+def conversation_of(turn: Turn) -> Conversation:
     module = providers.STYLES.get(turn.style)
     if module is None:
         raise UnreadableTurn(f"turn {turn.id}: no style module named {turn.style!r}")
@@ -100,7 +100,7 @@ def _hashes(conv: Conversation) -> list[str]:
 
 
 def _kept(
-    turn: StoredTurn, sel: Selection, stats: ReconstructStats, on_turn: Callable[[], object] | None
+    turn: Turn, sel: Selection, stats: ReconstructStats, on_turn: Callable[[], object] | None
 ) -> Conversation | None:
     """The turn's conversation if the selection keeps it and it parses; counted either way."""
     if on_turn is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.store import queries
-from polar_mitm.store.db import StoredTurn, read_turns
+from polar_mitm.store.db import Turn, read_turns
 from polar_mitm.store.queries import set_reward
 
 __all__ = ["Selection", "count_turns", "parse_since", "read_selected", "session_ids", "set_reward"]
@@ -32,7 +32,7 @@ class Selection:
     include_aborted: bool = False  # turns whose status is not 'ok' (aborted, error)
     rollout: str | None = None  # only the sessions (samples) of this rollout
 
-    def keeps(self, turn: StoredTurn) -> bool:
+    def keeps(self, turn: Turn) -> bool:
         return (self.include_side_calls or turn.tag is None) and (self.include_aborted or turn.status == "ok")
 
 
@@ -74,7 +74,7 @@ def read_selected(
     stats: ReconstructStats | None = None,
     on_turn: Callable[[], object] | None = None,
     arrays: bool = False,
-) -> Iterator[StoredTurn]:
+) -> Iterator[Turn]:
     """The selected turns in creation order (of one session if `session` is given); with
     `arrays`, their token ids and logprobs as numpy arrays (`read_turns`)."""
     for turn in read_turns(

@@ -35,11 +35,19 @@ from polar_mitm.store.packing import (
 )
 
 
-class TurnRecord(BaseModel):
-    """One generation (or one harvested exchange) as the proxy saw it."""
+class Turn(BaseModel):
+    """One row of `turns`: a generation (or a harvested exchange) as the proxy saw it.
+
+    Writers (the policy, harvest) build it and `Store.insert_turn` stores it; readers
+    (`read_turns`, `queries`) build it back, its prompt resolved through its reference. The one
+    row model of the table: what is written is what is read. A reader fills the columns it reads
+    (`read_turns`: the token ids and what reconstruction needs, the raw request with `with_raw`);
+    the others keep their defaults.
+    """
 
     id: str
     session_id: str
+    seq: int = 0  # its place among all turns: given by SQLite on insert, filled by readers
     created_at: float = Field(default_factory=time.time)
     style: str
     host: str | None = None
@@ -61,6 +69,11 @@ class TurnRecord(BaseModel):
     response: str | None = None
     error: str | None = None
     latency_ms: float | None = None
+    # Filled by readers from the turn's session (never written with the turn): its task, its
+    # reward, and whether the turn has no token ids at all (a harvested exchange).
+    task_id: str | None = None
+    reward: float | None = None
+    text_only: bool = False
 
 
 def _connect_sync(path: str | Path) -> sqlite3.Connection:
@@ -223,7 +236,7 @@ class Store:
         )
         await self._db.commit()
 
-    async def insert_turn(self, rec: TurnRecord) -> None:
+    async def insert_turn(self, rec: Turn) -> None:
         """Commit one turn. Returns only once the turn is durable in the WAL.
 
         Its `seq` is computed by the INSERT itself, under SQLite's write lock, so writers in other
@@ -367,32 +380,6 @@ class Store:
 # ---- synchronous reading, for the offline tools --------------------------------------------
 
 
-class StoredTurn(BaseModel):
-    id: str
-    session_id: str
-    seq: int
-    created_at: float
-    style: str
-    model: str | None
-    tag: str | None
-    status: str
-    finish_reason: str | None
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    prompt_ref: str | None
-    prompt_ref_len: int
-    weight_version: str | None
-    task_id: str | None = None
-    request: str | None = None
-    response: str | None = None
-    # Read by `queries.text_turns` (token ids left empty there): where the request went, the
-    # session's reward, and whether the turn has no token ids at all (a harvested exchange).
-    path: str | None = None
-    reward: float | None = None
-    text_only: bool = False
-
-
 def connect(path: str | Path, *, write: bool = False) -> sqlite3.Connection:
     """A synchronous connection for the offline tools: a reader unless `write`.
 
@@ -462,7 +449,7 @@ def read_turns(
     include_text_only: bool = False,
     rollout: str | None = None,
     arrays: bool = False,
-) -> Iterator[StoredTurn]:
+) -> Iterator[Turn]:
     """Turns in creation order, with prompt ids resolved through their references.
 
     Resolution keeps the full sequences of recent turns in a bounded cache, so it costs about
@@ -519,7 +506,7 @@ def read_turns(
             output = ids_of(out)
             cache.put(tid, _join(prompt, output), len(prompt))
             # Values come straight from our own schema: skip validation, it dominated export time.
-            yield StoredTurn.model_construct(
+            yield Turn.model_construct(
                 id=tid,
                 session_id=sid,
                 seq=seq,

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.store.db import RequestReader, StoredTurn, connect, turn_filter
+from polar_mitm.store.db import RequestReader, Turn, connect, turn_filter
 
 
 def _where(*, with_text: bool = False, **filters: Any) -> tuple[str, list[object]]:
@@ -133,7 +133,7 @@ def set_reward(path: str | Path, session: str, value: float | None) -> None:
         raise no_session(path, session)
 
 
-# Columns of a text read, and the StoredTurn fields they fill (token ids stay empty).
+# Columns of a text read, and the Turn fields they fill (token ids stay empty).
 _TEXT_COLUMNS = (
     "t.id, t.session_id, t.seq, t.created_at, t.style, t.path, t.model, t.tag, t.status, t.finish_reason,"
     " t.request, t.response, (t.prompt_len = 0 AND t.output_len = 0), s.task_id, s.reward,"
@@ -145,13 +145,13 @@ _TEXT_FIELDS = (
 )
 
 
-def _text_turn(row: tuple, requests: RequestReader) -> StoredTurn:
+def _text_turn(row: tuple, requests: RequestReader) -> Turn:
     n = len(_TEXT_FIELDS)
     fields = dict(zip(_TEXT_FIELDS, row[:n], strict=True))
     fields["request"] = requests.text(fields["id"], fields["request"], *row[n:])
     fields["text_only"] = bool(fields["text_only"])
     no_ids = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "prompt_ref_len": 0}
-    return StoredTurn.model_construct(**fields, **no_ids, prompt_ref=None, weight_version=None)
+    return Turn.model_construct(**fields, **no_ids, prompt_ref=None, weight_version=None)
 
 
 def text_turns(
@@ -162,7 +162,7 @@ def text_turns(
     since: float | None = None,
     text_only: bool = False,
     newest_first: bool = False,
-) -> Iterator[StoredTurn]:
+) -> Iterator[Turn]:
     """A session's turns that kept their request and reply, as text (token ids left empty): every
     such turn, or with `text_only` only those without token ids (harvested exchanges)."""
     where, args = _where(
@@ -178,7 +178,7 @@ def text_turns(
         db.close()
 
 
-def text_turns_by_id(path: str | Path, ids: list[str]) -> Iterator[StoredTurn]:
+def text_turns_by_id(path: str | Path, ids: list[str]) -> Iterator[Turn]:
     """The named turns, as `text_turns` reads them, in the order named."""
     db = connect(path)
     requests = RequestReader(db)
