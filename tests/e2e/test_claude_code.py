@@ -161,8 +161,12 @@ def test_a_longer_session_is_one_spliced_chain_and_one_trajectory(tmp_path, qwen
     assert got.tobytes() == want.tobytes()  # bit for bit
 
 
-def test_the_lines_a_shared_proxy_prints_run_claude_code(tmp_path, backend, qwen_tokenizer_dir, certs_dir):
-    """README's `proxy` example: paste the printed claude-code line into a shell, run claude there."""
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_the_lines_a_shared_proxy_prints_run_claude_code(
+    tmp_path, backend, qwen_tokenizer_dir, certs_dir, workers
+):
+    """README's `proxy` example: paste the printed claude-code line into a shell, run claude there;
+    with `--workers 2`, through the front that hands each connection to its session's worker."""
     import signal
     import subprocess
 
@@ -172,7 +176,8 @@ def test_the_lines_a_shared_proxy_prints_run_claude_code(tmp_path, backend, qwen
     port, db = free_port(), tmp_path / "shared.sqlite"
     proxy = subprocess.Popen(
         [*POLAR, "proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend.url]
-        + ["--tokenizer", str(qwen_tokenizer_dir), "--db", str(db), "--certs", str(certs_dir)],
+        + ["--tokenizer", str(qwen_tokenizer_dir), "--db", str(db), "--certs", str(certs_dir)]
+        + ["--workers", workers],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -198,3 +203,6 @@ def test_the_lines_a_shared_proxy_prints_run_claude_code(tmp_path, backend, qwen
         proxy.wait(20)
     turns = main_turns(db)
     assert len(turns) == 2 and {t.session_id for t in turns} == {"from-readme"}
+    t1, t2 = turns
+    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+    assert_turns_match_backend(backend, db)
