@@ -303,3 +303,45 @@ def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
         assert names == [fn.__name__ for fn in MIGRATIONS]  # each applied once, in order
         assert con.execute("PRAGMA journal_mode").fetchone() == ("wal",)
         con.close()
+
+
+async def test_workers_harvest_exchanges_with_the_real_upstream(tmp_path, certs_dir, fake_provider):
+    """Harvest mode behind the front: the request reaches the upstream, the exchange is stored."""
+    import asyncio
+    import sqlite3
+
+    db = tmp_path / "h.sqlite"
+    pool = WorkerPool(
+        ProxyConfig(
+            db=str(db),
+            certs_dir=certs_dir,
+            mode="harvest",
+            upstreams={"api.anthropic.com": fake_provider.url},
+            upstream_insecure=True,
+        ),
+        2,
+    )
+    await pool.start()
+    body = {"model": "claude-test", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+
+    def call(session: str) -> dict:
+        with httpx.Client(
+            proxy=pool.session_url(session), verify=str(certs_dir / "mitmproxy-ca-cert.pem"), timeout=60
+        ) as c:
+            r = c.post(MESSAGES_URL, json=body, headers={"x-api-key": "sk-ant-secret"})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    try:
+        replies = await asyncio.gather(*(asyncio.to_thread(call, s) for s in ("h0", "h1", "h2", "h3")))
+    finally:
+        await pool.stop()
+    assert {r["content"][0]["text"] for r in replies} == {fake_provider.GREETING}
+    assert sum(pool.handed) == 4
+    con = sqlite3.connect(db)
+    rows = con.execute(
+        "SELECT t.session_id, t.status, s.mode FROM turns t JOIN sessions s ON s.id = t.session_id"
+    )
+    assert sorted(rows.fetchall()) == [(s, "ok", "harvest") for s in ("h0", "h1", "h2", "h3")]
+    con.close()
+    assert b"sk-ant-secret" not in db.read_bytes()

@@ -43,6 +43,7 @@ log = logging.getLogger("polar_mitm.workers")
 # session is then the default one); mitmproxy answers it as it would.
 MAX_HEAD = 64 * 1024
 HEAD_TIMEOUT = 30.0  # seconds a new connection may take to send its first request head
+STOP_GRACE = 5.0  # seconds a stopping worker gives its open connections to finish
 
 
 def session_of(head: bytes) -> str | None:
@@ -277,6 +278,8 @@ async def serve_worker(config: ProxyConfig, ctl: socket.socket) -> None:
     loop.add_reader(ctl.fileno(), readable)
     try:
         await closed
+        if serving:  # connections still open: their turns may be finishing (a store write)
+            await asyncio.wait(list(serving), timeout=STOP_GRACE)
     finally:
         for t in list(serving):
             t.cancel()
