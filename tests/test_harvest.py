@@ -993,3 +993,42 @@ async def test_a_harvested_codex_session_with_a_freeform_or_shell_call_is_one_co
     assert [m["role"] for m in row["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert row["metadata"]["turn_ids"] == [first.id, second.id]
     assert row["messages"][-1]["content"] == "Done."
+
+
+async def test_a_proxy_stopped_right_after_a_reply_still_stores_it(
+    fake_provider, tmp_path, certs_dir, monkeypatch
+):
+    """A reply with a length has reached the harness before its exchange is written: stopping must
+    wait for that, here on a store that takes half a second to write (a slow disk)."""
+    import asyncio
+
+    from polar_mitm.store.db import Store
+
+    insert = Store.insert_turn
+
+    async def slow_insert(self, rec):
+        await asyncio.sleep(0.5)
+        await insert(self, rec)
+
+    monkeypatch.setattr(Store, "insert_turn", slow_insert)
+    for i in range(2):
+        proxy = PolarProxy(
+            ProxyConfig(
+                db=str(tmp_path / f"stop-{i}.sqlite"),
+                certs_dir=certs_dir,
+                mode="harvest",
+                upstreams={"api.anthropic.com": fake_provider.url},
+                upstream_insecure=True,
+            )
+        )
+        await proxy.start()
+        try:
+            async with httpx.AsyncClient(proxy=proxy.url, verify=str(proxy.ca.cert), timeout=60) as client:
+                for stream in (True, False):  # chunked, then with a length
+                    r = await client.post(URL, json=message_body(stream=stream), headers={"x-api-key": KEY})
+                    assert r.status_code == 200 and (b"message_stop" if stream else b"end_turn") in r.content
+        finally:
+            await proxy.stop()
+        con = sqlite3.connect(tmp_path / f"stop-{i}.sqlite")
+        assert con.execute("SELECT status FROM turns").fetchall() == [("ok",), ("ok",)]
+        con.close()

@@ -11,6 +11,7 @@ certificate checks for those upstreams only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -44,7 +45,18 @@ class Harvest:
         self.default_session = default_session
         self.recorded = 0
         self._sessions: set[str] = set()
+        self._storing = 0  # exchanges being written: a stopping proxy waits for them (`drain`)
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._insecure_addrs = {(u.host, u.port) for u in self.upstreams.values() if u.scheme == "https"}
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until no exchange is being written (at most `timeout` s); False if one still is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
@@ -126,10 +138,19 @@ class Harvest:
             data.ssl_conn.set_verify(SSL.VERIFY_NONE)
 
     async def _store(self, rec: Turn) -> None:
-        if rec.session_id not in self._sessions:
-            # Sessions named by proxy credentials appear with their first turn: mark them harvested.
-            await self.store.ensure_session(rec.session_id, mode="harvest")
-            self._sessions.add(rec.session_id)
-        await self.store.insert_turn(rec)
+        # A streamed reply has reached the harness before its exchange is written here, so a proxy
+        # stopping right after its harness ended waits for this (`drain`) before closing the store.
+        self._storing += 1
+        self._idle.clear()
+        try:
+            if rec.session_id not in self._sessions:
+                # Sessions named by proxy credentials appear with their first turn: mark them harvested.
+                await self.store.ensure_session(rec.session_id, mode="harvest")
+                self._sessions.add(rec.session_id)
+            await self.store.insert_turn(rec)
+        finally:
+            self._storing -= 1
+            if not self._storing:
+                self._idle.set()
         self.recorded += 1
         log.info("harvested %s %s%s: %s", rec.style, rec.host, rec.path, rec.status)

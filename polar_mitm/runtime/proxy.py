@@ -210,6 +210,8 @@ class PolarProxy:
                     await asyncio.wait_for(self._task, 10)
                 except (TimeoutError, asyncio.CancelledError):
                     pass
+        if self.harvest is not None and not await self.harvest.drain(10):
+            log.warning("stopped while a harvested exchange was still being written; it is not stored")
         if self.gateway is not None:
             await self.gateway.stop()
         if self.policy is not None:
