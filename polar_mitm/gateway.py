@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from polar_mitm import providers, redact
+from polar_mitm.addons.stubs import stub_answer
 from polar_mitm.backends import large_inputs
 from polar_mitm.backends.policy import Policy, TurnContext
 from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
@@ -45,9 +46,10 @@ class _Call:
     """One request being answered: where it came from, and the turn it started, once known (for
     the log line an unexpected failure leaves)."""
 
-    def __init__(self, host: str, request: web.Request):
+    def __init__(self, host: str, request: web.Request, session: str | None = None):
         self.host = host
         self.request = request
+        self.session = session  # of a handed-over connection; routed flows carry it in a header
         self.id = "req_" + secrets.token_hex(6)
         self.turn_id: str | None = None
 
@@ -74,8 +76,12 @@ class Gateway:
         tagger: Tagger | None = None,
         default_host: str | None = None,
         secret: str | None = None,
+        peers: Callable[[int], tuple[str, str] | None] | None = None,
     ):
         self.policy = policy
+        # (session, provider host) of a connection that the proxy handed over still encrypted,
+        # by the connection's remote port (`addons/handoff.py`); such a connection is authorized.
+        self.peers = peers
         self.default_host = default_host  # the provider this gateway stands in for, if any
         # Required of every request when set (the proxy always sets one); None: a stand-in that
         # answers anyone who can reach it.
@@ -111,6 +117,19 @@ class Gateway:
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self.port
 
+    async def start_tls(self, ssl_context) -> int:
+        """A second, TLS, listener on loopback for the connections the proxy hands over."""
+        assert self.runner is not None
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=ssl_context)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def _peer(self, request: web.Request) -> tuple[str, str] | None:
+        if self.peers is None or request.transport is None:
+            return None
+        addr = request.transport.get_extra_info("peername")
+        return self.peers(addr[1]) if addr else None
+
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
@@ -119,11 +138,15 @@ class Gateway:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         # Routed flows name their provider host; a direct request (stand-in use) has it in Host.
-        host = request.headers.get(HOST_HEADER) or request.host.rsplit(":", 1)[0]
+        peer = self._peer(request)
+        if peer is not None:
+            host = peer[1]
+        else:
+            host = request.headers.get(HOST_HEADER) or request.host.rsplit(":", 1)[0]
         if host.lower() not in providers.HOST_STYLES and self.default_host:
             host = self.default_host
         found = providers.route(host, request.method, request.path_qs)
-        if not self._authorized(request):
+        if peer is None and not self._authorized(request):
             log.warning("refused a %s %s that did not come through the proxy", request.method, request.path)
             style = found[0] if found else providers.error_style(host)
             return self._error(
@@ -133,13 +156,18 @@ class Gateway:
                 ),
             )
         self.first_request.set()
+        if found is None and peer is not None:  # a side endpoint of the provider's host
+            status, body, ctype = stub_answer(
+                request.method, request.path_qs, request.headers.get("upgrade", "")
+            )
+            return web.Response(status=status, body=body, content_type=ctype)
         if found is None:
             style = providers.error_style(host)
             return self._error(
                 style, ProviderError("not_found", f"{request.method} {request.path} is not served", 404)
             )
         style, ep = found
-        call = _Call(host, request)
+        call = _Call(host, request, peer[0] if peer is not None else None)
         try:
             return await self._answer(style, ep, call)
         except ProviderError as e:
@@ -162,7 +190,7 @@ class Gateway:
             return web.json_response(style.render_count(await self.policy.count_tokens(req)))
         await self._check_fits(req)
         ctx = TurnContext(
-            session_id=request.headers.get(SESSION_HEADER) or self.default_session,
+            session_id=request.headers.get(SESSION_HEADER) or call.session or self.default_session,
             host=call.host,
             path=redact.url(request.path_qs),
             headers=redact.headers(request.headers.items()),  # x-polar-* never stored

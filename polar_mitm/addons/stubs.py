@@ -56,19 +56,25 @@ class Stubs:
         )
 
 
-def stub_response(req: http.Request) -> http.Response:
-    path = req.path.split("?", 1)[0]
-    headers = {"content-type": "application/json"}
-    if req.headers.get("upgrade", "").lower() == "websocket":
-        return http.Response.make(426, b"Upgrade Required", {"content-type": "text/plain"})
-    if req.method in ("HEAD", "OPTIONS") or path in ("", "/"):
-        return http.Response.make(200, b"", headers)
+def stub_answer(method: str, path: str, upgrade: str = "") -> tuple[int, bytes, str]:
+    """(status, body, content type) of a side endpoint's local answer; the proxy's stubs and the
+    gateway (for the provider connections handed to it) both answer with this."""
+    path = path.split("?", 1)[0]
+    if upgrade.lower() == "websocket":
+        return 426, b"Upgrade Required", "text/plain"
+    if method in ("HEAD", "OPTIONS") or path in ("", "/"):
+        return 200, b"", "application/json"
     if path.endswith("/hello"):  # connectivity probes (Claude Code's interactive start-up)
-        return http.Response.make(200, b'{"message": "hello"}', headers)
-    if "event_logging" in path or "telemetry" in path or "/log" in path or req.method == "POST":
-        return http.Response.make(200, b"{}", headers)
+        return 200, b'{"message": "hello"}', "application/json"
+    if "event_logging" in path or "telemetry" in path or "/log" in path or method == "POST":
+        return 200, b"{}", "application/json"
     body = {
         "type": "error",
         "error": {"type": "not_found_error", "message": f"{path} is not served by polar-mitm"},
     }
-    return http.Response.make(404, json.dumps(body).encode(), headers)
+    return 404, json.dumps(body).encode(), "application/json"
+
+
+def stub_response(req: http.Request) -> http.Response:
+    status, body, ctype = stub_answer(req.method, req.path, req.headers.get("upgrade", ""))
+    return http.Response.make(status, body, {"content-type": ctype})

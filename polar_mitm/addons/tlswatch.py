@@ -25,7 +25,7 @@ class TlsWatch:
         return self.requests.get(host, 0) > 0
 
     def tls_failed_client(self, data: tls.TlsData) -> None:
-        self._refused(data.context.client.sni or "?", str(data.conn.error or "handshake failed"))
+        self.refused(data.context.client.sni or "?", str(data.conn.error or "handshake failed"))
 
     def tls_established_client(self, data: tls.TlsData) -> None:
         self._silent[data.context.client.id] = data.context.client.sni or "?"
@@ -33,13 +33,17 @@ class TlsWatch:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         host = self._silent.pop(flow.client_conn.id, None) or flow.client_conn.sni
         if host:
-            self.requests[host] = self.requests.get(host, 0) + 1
+            self.seen(host)
+
+    def seen(self, host: str) -> None:
+        """A request arrived over TLS for `host`: the harness trusts our certificate there."""
+        self.requests[host] = self.requests.get(host, 0) + 1
 
     def client_disconnected(self, client: connection.Client) -> None:
         host = self._silent.pop(client.id, None)
         if host is not None:
-            self._refused(host, "the client closed the connection right after the TLS handshake")
+            self.refused(host, "the client closed the connection right after the TLS handshake")
 
-    def _refused(self, host: str, why: str) -> None:
+    def refused(self, host: str, why: str) -> None:
         self.failures.append((time.time(), host, why))
         log.info("client refused our certificate for %s: %s", host, why)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from polar_mitm import providers
 from polar_mitm.addons.egress import Egress
+from polar_mitm.addons.handoff import Handoff, provider_tls
 from polar_mitm.addons.harvest import Harvest
 from polar_mitm.addons.routing import Routing
 from polar_mitm.addons.sessions import Sessions
@@ -138,20 +139,11 @@ class PolarProxy:
             listen_socket(self.config.listen_host, self.config.listen_port).close()
         self.ca = ensure_ca(self.config.certs_dir)
         self.store = await Store.open(self.config.db)
+        sessions = Sessions(self.config.default_session, token=self.config.token)
         if self.config.mode == "harvest":
             intercepted, mode_addons = self._harvest_addons()
         else:
-            self.policy = Policy(self.config.policy, self.store)
-            self.gateway = Gateway(
-                self.policy,
-                default_session=self.config.default_session,
-                tagger=self.tagger(),
-                secret=Gateway.new_secret(),
-            )
-            gw_port = await self.gateway.start()
-            intercepted = set(providers.HOST_STYLES) | recipes.stub_hosts()
-            self.egress = Egress(intercepted)
-            mode_addons = [self.egress, Routing(gw_port, self.gateway.secret), Stubs(intercepted)]
+            intercepted, mode_addons = await self._policy_addons(sessions)
         opts = options.Options(
             listen_host=self.config.listen_host,
             listen_port=self.config.listen_port,
@@ -159,11 +151,7 @@ class PolarProxy:
         )
         self.master = Master(opts)
         self.master.addons.add(*mitmproxy_addons())
-        self.master.addons.add(
-            Sessions(self.config.default_session, token=self.config.token),
-            *mode_addons,
-            self.tls,
-        )
+        self.master.addons.add(sessions, *mode_addons, self.tls)
         self.master.options.update(
             allow_hosts=["^(?:" + "|".join(host_pattern(h) for h in sorted(intercepted)) + r")(?::\d+)?$"],
             connection_strategy="lazy",
@@ -172,6 +160,35 @@ class PolarProxy:
         self._task = asyncio.create_task(self.master.run())
         self.port = await self._wait_listening()
         return self.port
+
+    async def _policy_addons(self, sessions: Sessions) -> tuple[set[str], list[object]]:
+        """Policy mode: the gateway answers model calls. A harness's TLS connection to a provider
+        host is handed to the gateway's TLS port as it is (`addons/handoff.py`: mitmproxy only
+        relays its bytes); mitmproxy intercepts TLS only for the side hosts we stub. Plain-HTTP
+        requests to a provider host still pass mitmproxy's HTTP layer: `routing` sends their model
+        calls to the gateway's plain port and `stubs` answers the rest."""
+        assert self.ca is not None and self.store is not None
+        self.policy = Policy(self.config.policy, self.store)
+        handoff = Handoff(set(providers.HOST_STYLES), sessions, self.config.default_session, self.tls)
+        self.gateway = Gateway(
+            self.policy,
+            default_session=self.config.default_session,
+            tagger=self.tagger(),
+            secret=Gateway.new_secret(),
+            peers=handoff.peer,
+        )
+        gw_port = await self.gateway.start()
+        handoff.gateway_port = await self.gateway.start_tls(
+            provider_tls(self.ca.dir, set(providers.HOST_STYLES))
+        )
+        answered = set(providers.HOST_STYLES) | recipes.stub_hosts()
+        self.egress = Egress(answered)
+        return recipes.stub_hosts(), [
+            handoff,
+            self.egress,
+            Routing(gw_port, self.gateway.secret),
+            Stubs(answered),
+        ]
 
     def _harvest_addons(self) -> tuple[set[str], list[object]]:
         """Harvest mode: no policy and no stubs. Provider hosts (and --upstream hosts) are
