@@ -423,3 +423,23 @@ async def test_text_valued_tool_formats_are_typed_by_the_requests_schema(make_st
         r = await c.post(URL, json=body([{"role": "user", "content": "list"}], tools=[tool]))
     [use] = [b for b in r.json()["content"] if b["type"] == "tool_use"]
     assert use["input"] == {"command": "ls", "timeout": 30}
+
+
+async def test_the_gateway_tls_port_answers_only_connections_the_proxy_handed_over(make_stack):
+    """Model calls reach the gateway's TLS port through the proxy; another local client that
+    connects to that port itself is refused and writes nothing."""
+    stack = await make_stack()
+    async with stack.client() as c:  # through the proxy: served
+        r = await c.post(
+            URL, json={"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert r.status_code == 200
+    port = stack.proxy.handoff.gateway_port
+    async with httpx.AsyncClient(verify=False, timeout=30) as direct:  # noqa: S501 - a stranger
+        r = await direct.post(
+            f"https://127.0.0.1:{port}/v1/messages",
+            headers={"host": "api.anthropic.com"},
+            json={"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert len(list(read_turns(stack.db))) == 1

@@ -115,6 +115,7 @@ class PolarProxy:
         self.master: Master | None = None
         self.tls = TlsWatch()
         self.egress: Egress | None = None  # policy mode: per-session internet access
+        self.handoff: Handoff | None = None  # policy mode: provider connections to the gateway
         self.port = 0
         self._task: asyncio.Task | None = None
 
@@ -170,6 +171,7 @@ class PolarProxy:
         assert self.ca is not None and self.store is not None
         self.policy = Policy(self.config.policy, self.store)
         handoff = Handoff(set(providers.HOST_STYLES), sessions, self.config.default_session, self.tls)
+        self.handoff = handoff
         self.gateway = Gateway(
             self.policy,
             default_session=self.config.default_session,
