@@ -81,7 +81,7 @@ def _start(argv: list[str], ready: str, log: Path, timeout: float = 60.0) -> tup
 
 _FAKE = """
 import sys
-from polar_mitm.backends.fake import FakeBackendConfig, serve
+from polar_mitm.fake import FakeBackendConfig, serve
 serve(FakeBackendConfig.model_validate_json(sys.argv[1]), "127.0.0.1", int(sys.argv[2]))
 """
 

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from polar_mitm.backends.fake import FakeBackendConfig, start_fake_backend
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
+from polar_mitm.fake import FakeBackendConfig, start_fake_backend
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
 from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
 from polar_mitm.runtime.sandbox import SandboxSpec

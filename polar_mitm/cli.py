@@ -330,7 +330,7 @@ def tokenizer_build(kind, out) -> None:
     click.echo(str(path))
 
 
-from polar_mitm.backends.fake_cli import fake_backend  # noqa: E402
+from polar_mitm.fake.cli import fake_backend  # noqa: E402
 
 main.add_command(fake_backend)
 

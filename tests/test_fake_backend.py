@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar_mitm.backends.fake import (
+from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.fake import (
     DEFAULT_TEXT,
     STATE,
     ContractError,
@@ -36,7 +37,6 @@ from polar_mitm.backends.fake import (
     start_fake_backend,
     truncation_mask,
 )
-from polar_mitm.backends.tokenizer import Tokenizer
 from tests.strategies import json_values
 
 # --- helpers -------------------------------------------------------------------------------------

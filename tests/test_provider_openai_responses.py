@@ -128,7 +128,7 @@ def test_responses_lite_tools_inside_an_additional_tools_item_with_namespaces():
 def test_codex_code_mode_exec_is_what_the_fake_backend_drives():
     """Codex's default models offer only the freeform `exec` (JavaScript) tool; as parsed here it
     is the shell the fake backend's default script calls, with a script that runs the command."""
-    from polar_mitm.backends.fake import find_shell_tool, shell_arguments
+    from polar_mitm.fake import find_shell_tool, shell_arguments
 
     exec_tool = {
         "type": "custom",

@@ -79,7 +79,7 @@ class Service:
 
 @pytest.fixture
 async def service(tmp_path, certs_dir, qwen_tokenizer_dir):
-    from polar_mitm.backends.fake import FakeBackendConfig, start_fake_backend
+    from polar_mitm.fake import FakeBackendConfig, start_fake_backend
 
     started: list[tuple[Service, object]] = []
 

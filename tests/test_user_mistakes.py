@@ -78,8 +78,8 @@ def test_run_with_a_tokenizer_directory_lacking_tokenizer_json_says_so(tmp_path,
 async def test_check_policy_refuses_a_backend_tokenizer_path_that_is_not_here(tiny_tokenizer_dir):
     import pytest
 
-    from polar_mitm.backends.fake import STATE, FakeBackendConfig, start_fake_backend
     from polar_mitm.backends.policy import PolicyConfig
+    from polar_mitm.fake import STATE, FakeBackendConfig, start_fake_backend
     from polar_mitm.runtime.preflight import PreflightError, check_policy
 
     runner, url = await start_fake_backend(FakeBackendConfig(tokenizer_path=str(tiny_tokenizer_dir)))

@@ -36,18 +36,18 @@ and show what clients sent.
 
 from __future__ import annotations
 
-from polar_mitm.backends.fake.chat import ParsedOutput, parse_output
-from polar_mitm.backends.fake.config import FakeBackendConfig
-from polar_mitm.backends.fake.contract import (
+from polar_mitm.fake.chat import ParsedOutput, parse_output
+from polar_mitm.fake.config import FakeBackendConfig
+from polar_mitm.fake.contract import (
     ContractError,
     GenParams,
     check_generate_body,
     check_sampling_params,
 )
-from polar_mitm.backends.fake.engine import Engine, Generation
-from polar_mitm.backends.fake.json_schema import minimal_json_instance
-from polar_mitm.backends.fake.model import RandomModel, Step, log_softmax, random_vocab, truncation_mask
-from polar_mitm.backends.fake.script import (
+from polar_mitm.fake.engine import Engine, Generation
+from polar_mitm.fake.json_schema import minimal_json_instance
+from polar_mitm.fake.model import RandomModel, Step, log_softmax, random_vocab, truncation_mask
+from polar_mitm.fake.script import (
     DEFAULT_SCRIPT,
     DEFAULT_TEXT,
     SHELL_TOOL_NAMES,
@@ -65,8 +65,8 @@ from polar_mitm.backends.fake.script import (
     scripted_reply,
     shell_arguments,
 )
-from polar_mitm.backends.fake.server import SGLANG_VERSION_EMULATED, create_app, serve, start_fake_backend
-from polar_mitm.backends.fake.state import STATE, FakeBackendState, Fault, FaultMode
+from polar_mitm.fake.server import SGLANG_VERSION_EMULATED, create_app, serve, start_fake_backend
+from polar_mitm.fake.state import STATE, FakeBackendState, Fault, FaultMode
 
 __all__ = [
     "DEFAULT_SCRIPT",

@@ -39,9 +39,10 @@ from typing import Any
 
 from aiohttp import web
 
-from polar_mitm.backends.fake.chat import _ChatCompletions
-from polar_mitm.backends.fake.config import FakeBackendConfig
-from polar_mitm.backends.fake.contract import (
+from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.fake.chat import _ChatCompletions
+from polar_mitm.fake.config import FakeBackendConfig
+from polar_mitm.fake.contract import (
     ContractError,
     GenParams,
     _bad_request_validation,
@@ -50,10 +51,9 @@ from polar_mitm.backends.fake.contract import (
     _sse,
     check_generate_body,
 )
-from polar_mitm.backends.fake.engine import Engine
-from polar_mitm.backends.fake.serving import _drop, _Handlers, _Item
-from polar_mitm.backends.fake.state import STATE, FakeBackendState, Fault, FaultMode
-from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.fake.engine import Engine
+from polar_mitm.fake.serving import _drop, _Handlers, _Item
+from polar_mitm.fake.state import STATE, FakeBackendState, Fault, FaultMode
 
 SGLANG_VERSION_EMULATED = "0.5.x"
 

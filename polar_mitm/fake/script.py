@@ -18,8 +18,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from polar_mitm.backends.fake.json_schema import _schema_type, minimal_json_instance
-from polar_mitm.backends.fake.model import _hash64
+from polar_mitm.fake.json_schema import _schema_type, minimal_json_instance
+from polar_mitm.fake.model import _hash64
 
 # --------------------------------------------------------------------------------------------
 # Rules

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from polar_mitm.backends.fake.script import DEFAULT_SCRIPT, Rule
+from polar_mitm.fake.script import DEFAULT_SCRIPT, Rule
 
 
 class FakeBackendConfig(BaseModel):

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from polar_mitm.backends.fake.config import FakeBackendConfig
-from polar_mitm.backends.fake.contract import GenParams
-from polar_mitm.backends.fake.json_schema import minimal_json_instance
-from polar_mitm.backends.fake.model import RandomModel, Step, _f32, _hash64, _ids_hash, random_vocab
-from polar_mitm.backends.fake.script import scripted_logprob, scripted_reply
 from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.fake.config import FakeBackendConfig
+from polar_mitm.fake.contract import GenParams
+from polar_mitm.fake.json_schema import minimal_json_instance
+from polar_mitm.fake.model import RandomModel, Step, _f32, _hash64, _ids_hash, random_vocab
+from polar_mitm.fake.script import scripted_logprob, scripted_reply
 
 
 @dataclass

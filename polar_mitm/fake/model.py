@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from polar_mitm.backends.fake.contract import GenParams
 from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.fake.contract import GenParams
 
 
 def _hash64(*parts: Any) -> int:

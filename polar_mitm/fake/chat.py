@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from polar_mitm.backends.fake.contract import (
+from polar_mitm.fake.contract import (
     GenParams,
     _bad_request_validation,
     _json,
@@ -36,8 +36,8 @@ from polar_mitm.backends.fake.contract import (
     _read_json,
     _sse,
 )
-from polar_mitm.backends.fake.serving import _drop, _Handlers, _Item
-from polar_mitm.backends.fake.state import FaultMode
+from polar_mitm.fake.serving import _drop, _Handlers, _Item
+from polar_mitm.fake.state import FaultMode
 
 # --------------------------------------------------------------------------------------------
 # Output parsing for /v1/chat/completions (SGLang's qwen25 tool parser + qwen3 reasoning parser)

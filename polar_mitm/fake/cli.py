@@ -39,7 +39,7 @@ def fake_backend(
     /v1/models and /v1/chat/completions. The default script calls the harness's shell tool for
     "Create FILE containing WORD" and "run: CMD", then answers "Done. The command finished."
     """
-    from polar_mitm.backends.fake import FakeBackendConfig, load_script, serve
+    from polar_mitm.fake import FakeBackendConfig, load_script, serve
 
     if tokenizer is None:
         from polar_mitm.backends.tokenizer_build import ensure_tokenizer

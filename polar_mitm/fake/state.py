@@ -19,11 +19,11 @@ import numpy as np
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
-from polar_mitm.backends.fake.config import FakeBackendConfig
-from polar_mitm.backends.fake.contract import GenParams
-from polar_mitm.backends.fake.engine import Engine
-from polar_mitm.backends.fake.model import _hash64, _ids_hash
 from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.fake.config import FakeBackendConfig
+from polar_mitm.fake.contract import GenParams
+from polar_mitm.fake.engine import Engine
+from polar_mitm.fake.model import _hash64, _ids_hash
 
 FaultMode = Literal["http500", "garbage", "hang", "drop_midstream", "abort"]
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from polar_mitm.backends.fake.contract import GenParams, _dumps, _json
-from polar_mitm.backends.fake.engine import Generation
-from polar_mitm.backends.fake.script import scripted_logprob
-from polar_mitm.backends.fake.state import FakeBackendState, FaultMode, _InFlight
+from polar_mitm.fake.contract import GenParams, _dumps, _json
+from polar_mitm.fake.engine import Generation
+from polar_mitm.fake.script import scripted_logprob
+from polar_mitm.fake.state import FakeBackendState, FaultMode, _InFlight
 
 _ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
