@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from mitmproxy import connection
 from mitmproxy.proxy import server_hooks
 
 from polar_mitm.addons.sessions import Sessions
@@ -41,6 +42,13 @@ class Handoff:
             self._silent.discard(port)
             self.tls.seen(found[1])
         return found
+
+    def provider_host(self, server: connection.Server) -> str | None:
+        """The provider host a server connection is (or will be, once opened) handed over for."""
+        host = self._hosts.get(server.id)
+        if host is None and server.address is not None and str(server.address[0]).lower() in self.hosts:
+            host = str(server.address[0]).lower()
+        return host
 
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         address = data.server.address

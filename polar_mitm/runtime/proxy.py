@@ -90,6 +90,21 @@ def proxy_url(host: str, port: int, session: str, token: str | None) -> str:
     return f"http://{session}:{token or 'x'}@{host}:{port}"
 
 
+def make_tagger(recipe: str | None):
+    """The side-call tagger: this recipe's rules, or every recipe's (None)."""
+    rs = [recipes.get(recipe)] if recipe else list(recipes.all_recipes().values())
+
+    def tag(req, path):
+        text = recipes.CallText(req)
+        for r in rs:
+            t = r.tag(req, path, text)
+            if t:
+                return t
+        return None
+
+    return tag
+
+
 def mitmproxy_addons() -> list[object]:
     """The mitmproxy addons the proxy needs: listening, TLS and layer decisions, and two guards.
     mitmproxy calls every loaded addon for each event of each flow, so the rest of its defaults
@@ -120,17 +135,7 @@ class PolarProxy:
         self._task: asyncio.Task | None = None
 
     def tagger(self):
-        rs = [recipes.get(self.config.recipe)] if self.config.recipe else list(recipes.all_recipes().values())
-
-        def tag(req, path):
-            text = recipes.CallText(req)
-            for r in rs:
-                t = r.tag(req, path, text)
-                if t:
-                    return t
-            return None
-
-        return tag
+        return make_tagger(self.config.recipe)
 
     async def start(self) -> int:
         """Start listening and return the port; ProxyStartError (one line) when it cannot."""
