@@ -173,3 +173,38 @@ def test_the_gateway_answers_a_mutated_body_in_the_styles_shape(gateway, style, 
         return
     assert OK_REPLY[style](json.loads(body)), body[:500]
     assert after == before + 1
+
+
+def _depth_by_hand(raw: bytes) -> int:
+    """A JSON text's bracket depth, read byte by byte (strings and their escapes skipped)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for b in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:
+                escaped = True
+            elif b == 0x22:
+                in_string = False
+        elif b == 0x5C:
+            escaped = not escaped  # a backslash outside a string still escapes what follows
+        elif b == 0x22 and not escaped:
+            in_string = True
+        else:
+            escaped = False
+            if b in b"[{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif b in b"]}":
+                depth -= 1
+    return deepest
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.sampled_from([b"[", b"]", b"{", b"}", b'"', b"\\", b"a", b" "]), min_size=0, max_size=400))
+def test_nesting_depth_matches_reading_byte_by_byte(parts):
+    from polar_mitm.providers.fields import nesting_depth
+
+    raw = b"[" * 129 + b"".join(parts)  # past the count shortcut
+    assert nesting_depth(raw) == _depth_by_hand(raw)
