@@ -354,3 +354,60 @@ async def test_a_turn_reads_back_as_it_was_written(tmp_path):
     ).split()
     assert {k: getattr(read, k) for k in filled} == {k: getattr(written, k) for k in filled}
     assert read.seq == 1 and read.task_id == "task-1"
+
+
+def test_a_turn_that_begins_the_next_one_is_kept_as_a_view_of_it():
+    from polar_mitm.store.db import _SequenceCache
+
+    cache = _SequenceCache(compact=True, hot_tokens=1_000)
+    first = list(range(100, 140))
+    cache.put("t1", first, 30)
+    second = first + [7, 8, 9]
+    cache.put("t2", second, 41, parent=("t1", len(first)))
+    assert "t1" not in cache.hot and cache.hot_size == len(second)  # one sequence for both
+    assert cache.get("t1") == (first, 30) and cache.get("t2") == (second, 41)
+    # Spliced from part of it only (the harness changed the reply): no view.
+    cache.put("t3", first[:35] + [1, 2], 36, parent=("t2", 35))
+    assert "t2" in cache.hot and cache.get("t2") == (second, 41)
+    # What the caller says is checked against the ids.
+    cache.put("t4", [0] + second[1:] + [5], 43, parent=("t2", len(second)))
+    assert "t2" in cache.hot
+    # The sequence a view points to leaves the cache: the view answers nothing (the store reads).
+    cache.hot.pop("t2")
+    cache.hot_size -= len(second)
+    assert cache.get("t1") is None and "t1" not in cache.views
+
+
+async def test_an_earlier_turn_of_a_conversation_reads_back_exactly(tmp_path):
+    """Turns kept as views, turns evicted, and the database agree on every sequence."""
+    db = tmp_path / "v.sqlite"
+    store = await Store.open(db)
+    store.cache = type(store.cache)(compact=True, hot_tokens=300, max_tokens=400)
+    seq: list[int] = []
+    prev = None
+    want = {}
+    for i in range(12):
+        prompt = seq + [1000 + i] * 7
+        out = [2000 + i] * 5
+        await store.insert_turn(
+            Turn(
+                id=f"t{i}",
+                session_id="s",
+                style="anthropic",
+                prompt_ids=prompt,
+                prompt_ref=prev,
+                prompt_ref_len=len(seq) if prev else 0,
+                output_ids=out,
+                output_logprobs=[-0.5] * 5,
+            )
+        )
+        seq, prev = prompt + out, f"t{i}"
+        want[prev] = (seq, len(prompt))
+    assert store.cache.views  # earlier turns became views
+    for tid, (ids, plen) in want.items():
+        assert await store.sequence(tid) == (ids, plen)
+    await store.close()
+    fresh = await Store.open(db)  # nothing cached: everything from the database
+    for tid, (ids, plen) in want.items():
+        assert await fresh.sequence(tid) == (ids, plen)
+    await fresh.close()
