@@ -25,13 +25,9 @@ from mitmproxy import ctx, exceptions
 from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import layers
 
-from polar_mitm import providers
-from polar_mitm.addons.egress import Egress
-from polar_mitm.addons.handoff import Handoff, provider_tls
-from polar_mitm.addons.routing import Routing
 from polar_mitm.addons.sessions import Sessions
-from polar_mitm.addons.stubs import Stubs
 from polar_mitm.addons.tlswatch import TlsWatch
+from polar_mitm.runtime.proxy import PolicySide, ProxyConfig
 
 log = logging.getLogger("polar_mitm.mitmdump")
 
@@ -42,19 +38,12 @@ class PolarMitm:
     """The policy proxy's addons as one mitmproxy addon (its children are in `addons`)."""
 
     def __init__(self) -> None:
-        from polar_mitm.runtime import recipes
-
-        hosts = set(providers.HOST_STYLES)
-        answered = hosts | recipes.stub_hosts()
         self.tls = TlsWatch()
         self.sessions = Sessions("default")
-        self.handoff = Handoff(hosts, self.sessions, "default", self.tls)
-        self.egress = Egress(answered)
-        self.routing = Routing(0)
-        self.addons = [self.sessions, self.handoff, self.egress, self.routing, Stubs(answered), self.tls]
+        self.side = PolicySide(self.sessions, self.tls, "default")
+        self.handoff = self.side.handoff
+        self.addons = [self.sessions, *self.side.addons, self.tls]
         self.store: Any = None
-        self.policy: Any = None
-        self.gateway: Any = None
 
     def load(self, loader: Loader) -> None:
         loader.add_option("polar_backend", str, "", "polar-mitm: URL of the SGLang policy server (required).")
@@ -76,7 +65,7 @@ class PolarMitm:
     def configure(self, updated: set[str]) -> None:
         if not updated & set(OPTIONS):
             return
-        if self.gateway is not None:
+        if self.side.gateway is not None:
             raise exceptions.OptionsError(
                 "polar-mitm: its options are read at start; restart mitmdump to change them"
             )
@@ -92,10 +81,7 @@ class PolarMitm:
         self.handoff.default_session = ctx.options.polar_session
 
     async def running(self) -> None:
-        from polar_mitm.backends.policy import Policy
         from polar_mitm.cli_options import make_policy_config
-        from polar_mitm.gateway import Gateway
-        from polar_mitm.runtime.proxy import ProxyConfig, make_tagger
         from polar_mitm.store.db import Store
 
         if not ctx.options.polar_backend or not ctx.options.polar_tokenizer:
@@ -111,19 +97,7 @@ class PolarMitm:
             ),
         )
         self.store = await Store.open(config.db)
-        self.policy = Policy(config.policy, self.store)
-        self.gateway = Gateway(
-            self.policy,
-            default_session=config.default_session,
-            tagger=make_tagger(config.recipe),
-            secret=Gateway.new_secret(),
-            peers=self.handoff.peer,
-        )
-        self.routing.gateway_port = await self.gateway.start()
-        self.routing.secret = self.gateway.secret
-        self.handoff.gateway_port = await self.gateway.start_tls(
-            provider_tls(ctx.options.confdir, set(providers.HOST_STYLES))
-        )
+        await self.side.start(config, self.store, ctx.options.confdir)
         log.info("polar-mitm: model calls go to %s; turns to %s", config.policy.backend_url, config.db)
 
     def next_layer(self, nextlayer: Any) -> None:
@@ -135,10 +109,7 @@ class PolarMitm:
             nextlayer.layer = layers.TCPLayer(nextlayer.context, ignore=True)
 
     async def done(self) -> None:
-        if self.gateway is not None:
-            await self.gateway.stop()
-        if self.policy is not None:
-            await self.policy.close()
+        await self.side.stop()
         if self.store is not None:
             await self.store.close()
 

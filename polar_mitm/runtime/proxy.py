@@ -119,6 +119,50 @@ def mitmproxy_addons() -> list[object]:
     ]
 
 
+class PolicySide:
+    """Policy mode's addons and what answers behind them: the policy and the gateway. One
+    definition for the embedded proxy (`PolarProxy`) and the mitmdump script (`polar_mitm.mitmdump`).
+
+    A harness's TLS connection to a provider host is handed to the gateway's TLS port as it is
+    (`addons/handoff.py`: mitmproxy only relays its bytes). Plain-HTTP requests to a provider host
+    still pass mitmproxy's HTTP layer: `routing` sends their model calls to the gateway's plain
+    port and `stubs` answers the rest, as it does for the side hosts the recipes stub (the only
+    hosts whose TLS mitmproxy itself needs to intercept: `intercepted`)."""
+
+    def __init__(self, sessions: Sessions, tls: TlsWatch, default_session: str):
+        hosts = set(providers.HOST_STYLES)
+        answered = hosts | recipes.stub_hosts()
+        self.intercepted = recipes.stub_hosts()
+        self.handoff = Handoff(hosts, sessions, default_session, tls)
+        self.egress = Egress(answered)
+        self.routing = Routing(0)
+        self.addons: list[object] = [self.handoff, self.egress, self.routing, Stubs(answered)]
+        self.policy: Policy | None = None
+        self.gateway: Gateway | None = None
+
+    async def start(self, config: ProxyConfig, store: Store, confdir: Path | str) -> None:
+        """Start the policy and the gateway (its plain and TLS ports) and point the addons at it."""
+        self.policy = Policy(config.policy, store)
+        self.gateway = Gateway(
+            self.policy,
+            default_session=config.default_session,
+            tagger=make_tagger(config.recipe),
+            secret=Gateway.new_secret(),
+            peers=self.handoff.peer,
+        )
+        self.routing.gateway_port = await self.gateway.start()
+        self.routing.secret = self.gateway.secret
+        self.handoff.gateway_port = await self.gateway.start_tls(
+            provider_tls(confdir, set(providers.HOST_STYLES))
+        )
+
+    async def stop(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
+        if self.policy is not None:
+            await self.policy.close()
+
+
 class PolarProxy:
     def __init__(self, config: ProxyConfig):
         self.config = config
@@ -131,6 +175,7 @@ class PolarProxy:
         self.tls = TlsWatch()
         self.egress: Egress | None = None  # policy mode: per-session internet access
         self.handoff: Handoff | None = None  # policy mode: provider connections to the gateway
+        self.side: PolicySide | None = None  # policy mode: its addons, policy and gateway
         self.port = 0
         self._task: asyncio.Task | None = None
 
@@ -168,34 +213,13 @@ class PolarProxy:
         return self.port
 
     async def _policy_addons(self, sessions: Sessions) -> tuple[set[str], list[object]]:
-        """Policy mode: the gateway answers model calls. A harness's TLS connection to a provider
-        host is handed to the gateway's TLS port as it is (`addons/handoff.py`: mitmproxy only
-        relays its bytes); mitmproxy intercepts TLS only for the side hosts we stub. Plain-HTTP
-        requests to a provider host still pass mitmproxy's HTTP layer: `routing` sends their model
-        calls to the gateway's plain port and `stubs` answers the rest."""
+        """Policy mode: the gateway answers model calls (`PolicySide`)."""
         assert self.ca is not None and self.store is not None
-        self.policy = Policy(self.config.policy, self.store)
-        handoff = Handoff(set(providers.HOST_STYLES), sessions, self.config.default_session, self.tls)
-        self.handoff = handoff
-        self.gateway = Gateway(
-            self.policy,
-            default_session=self.config.default_session,
-            tagger=self.tagger(),
-            secret=Gateway.new_secret(),
-            peers=handoff.peer,
-        )
-        gw_port = await self.gateway.start()
-        handoff.gateway_port = await self.gateway.start_tls(
-            provider_tls(self.ca.dir, set(providers.HOST_STYLES))
-        )
-        answered = set(providers.HOST_STYLES) | recipes.stub_hosts()
-        self.egress = Egress(answered)
-        return recipes.stub_hosts(), [
-            handoff,
-            self.egress,
-            Routing(gw_port, self.gateway.secret),
-            Stubs(answered),
-        ]
+        side = PolicySide(sessions, self.tls, self.config.default_session)
+        self.side, self.handoff, self.egress = side, side.handoff, side.egress
+        await side.start(self.config, self.store, self.ca.dir)
+        self.policy, self.gateway = side.policy, side.gateway
+        return side.intercepted, side.addons
 
     def _harvest_addons(self) -> tuple[set[str], list[object]]:
         """Harvest mode: no policy and no stubs. Provider hosts (and --upstream hosts) are
@@ -236,10 +260,8 @@ class PolarProxy:
                     pass
         if self.harvest is not None and not await self.harvest.drain(10):
             log.warning("stopped while a harvested exchange was still being written; it is not stored")
-        if self.gateway is not None:
-            await self.gateway.stop()
-        if self.policy is not None:
-            await self.policy.close()
+        if self.side is not None:
+            await self.side.stop()
         if self.store is not None:
             await self.store.close()
 
