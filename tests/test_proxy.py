@@ -443,3 +443,16 @@ async def test_the_gateway_tls_port_answers_only_connections_the_proxy_handed_ov
         )
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
     assert len(list(read_turns(stack.db))) == 1
+
+
+def test_provider_certificates_are_loaded_without_leaving_files(certs_dir):
+    import ssl
+    import tempfile
+    from pathlib import Path
+
+    from polar_mitm.addons.handoff import provider_tls
+
+    before = set(Path(tempfile.gettempdir()).glob("polar-mitm-tls-*"))
+    ctx = provider_tls(certs_dir, {"api.anthropic.com", "api.openai.com"})
+    assert isinstance(ctx, ssl.SSLContext) and ctx.sni_callback is not None
+    assert set(Path(tempfile.gettempdir()).glob("polar-mitm-tls-*")) == before

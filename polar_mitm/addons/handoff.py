@@ -81,12 +81,11 @@ class Handoff:
             self.tls.refused(host, "the client closed the connection without sending a request")
 
 
-def provider_tls(confdir: Path, hosts: set[str]) -> ssl.SSLContext:
+def provider_tls(confdir: Path | str, hosts: set[str]) -> ssl.SSLContext:
     """A server context that answers each provider host (by SNI) with a certificate from our CA."""
     from mitmproxy.certs import CertStore
 
-    store = CertStore.from_store(confdir, "mitmproxy", 2048)
-    tmp = Path(tempfile.mkdtemp(prefix="polar-mitm-tls-"))
+    store = CertStore.from_store(Path(confdir).expanduser(), "mitmproxy", 2048)
     lock = threading.Lock()
     contexts: dict[str, ssl.SSLContext] = {}
 
@@ -95,20 +94,21 @@ def provider_tls(confdir: Path, hosts: set[str]) -> ssl.SSLContext:
             ctx = contexts.get(host)
             if ctx is None:
                 entry = store.get_cert(host, [x509.DNSName(host)])
-                pem = tmp / f"{len(contexts)}.pem"
-                pem.touch(mode=0o600)
-                pem.write_bytes(
-                    entry.cert.to_pem()
-                    + entry.privatekey.private_bytes(
-                        serialization.Encoding.PEM,
-                        serialization.PrivateFormat.TraditionalOpenSSL,
-                        serialization.NoEncryption(),
-                    )
-                )
                 ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
                 ctx.set_alpn_protocols(["http/1.1"])
-                ctx.load_cert_chain(pem)
-                pem.unlink()
+                # ssl loads a key only from a file: a private one, gone once it is read.
+                with tempfile.TemporaryDirectory(prefix="polar-mitm-tls-") as tmp:
+                    pem = Path(tmp) / "leaf.pem"
+                    pem.touch(mode=0o600)
+                    pem.write_bytes(
+                        entry.cert.to_pem()
+                        + entry.privatekey.private_bytes(
+                            serialization.Encoding.PEM,
+                            serialization.PrivateFormat.TraditionalOpenSSL,
+                            serialization.NoEncryption(),
+                        )
+                    )
+                    ctx.load_cert_chain(pem)
                 contexts[host] = ctx
             return ctx
 
