@@ -65,6 +65,33 @@ def _turns(client: httpx.Client, first: str, turns: int) -> list[dict]:
     return replies
 
 
+def _policy_pool(db, backend, tokenizer_dir, certs_dir) -> WorkerPool:
+    """Two policy-mode workers over the fake backend, writing `db`."""
+    config = ProxyConfig(
+        db=str(db),
+        certs_dir=certs_dir,
+        policy=PolicyConfig(backend_url=backend.url, tokenizer=str(tokenizer_dir)),
+    )
+    return WorkerPool(config, 2)
+
+
+def _proxy_argv(port, backend, tokenizer_dir, db, certs_dir) -> list[str]:
+    """`polar-mitm proxy --workers 2` on `port`."""
+    return [
+        sys.executable,
+        "-m",
+        "polar_mitm",
+        "proxy",
+        "--workers",
+        "2",
+        "--listen",
+        f"127.0.0.1:{port}",
+    ] + [
+        *("--backend", backend.url, "--tokenizer", str(tokenizer_dir)),
+        *("--db", str(db), "--certs", str(certs_dir)),
+    ]
+
+
 @pytest.fixture
 def backend(qwen_tokenizer_dir):
     b = FakeBackend(qwen_tokenizer_dir)
@@ -76,14 +103,7 @@ async def test_workers_serve_every_session_on_its_own_worker(
     tmp_path, certs_dir, qwen_tokenizer_dir, backend
 ):
     db = tmp_path / "w.sqlite"
-    pool = WorkerPool(
-        ProxyConfig(
-            db=str(db),
-            certs_dir=certs_dir,
-            policy=PolicyConfig(backend_url=backend.url, tokenizer=str(qwen_tokenizer_dir)),
-        ),
-        2,
-    )
+    pool = _policy_pool(db, backend, qwen_tokenizer_dir, certs_dir)
     await pool.start()
     sessions = [f"s{i}" for i in range(6)]
     assert {pick(s, 2) for s in sessions} == {0, 1}  # both workers get sessions
@@ -129,14 +149,7 @@ async def test_a_worker_that_dies_is_started_again_and_its_sessions_go_on(
     import asyncio
 
     db = tmp_path / "w.sqlite"
-    pool = WorkerPool(
-        ProxyConfig(
-            db=str(db),
-            certs_dir=certs_dir,
-            policy=PolicyConfig(backend_url=backend.url, tokenizer=str(qwen_tokenizer_dir)),
-        ),
-        2,
-    )
+    pool = _policy_pool(db, backend, qwen_tokenizer_dir, certs_dir)
     await pool.start()
 
     def turn(text: str) -> None:
@@ -163,14 +176,7 @@ async def test_a_worker_that_cannot_start_is_one_error_and_leaves_nothing(
 ):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    pool = WorkerPool(
-        ProxyConfig(
-            db=str(blocker / "x.sqlite"),
-            certs_dir=certs_dir,
-            policy=PolicyConfig(backend_url=backend.url, tokenizer=str(qwen_tokenizer_dir)),
-        ),
-        2,
-    )
+    pool = _policy_pool(blocker / "x.sqlite", backend, qwen_tokenizer_dir, certs_dir)
     with pytest.raises(ProxyStartError, match="proxy worker 0 did not start"):
         await pool.start()
     assert all(p.poll() is not None for p in pool._procs)
@@ -201,24 +207,7 @@ def _state(pid: int) -> str:
 def test_workers_end_with_the_front(tmp_path, certs_dir, qwen_tokenizer_dir, backend, how):
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "polar_mitm",
-            "proxy",
-            "--workers",
-            "2",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--backend",
-            backend.url,
-            "--tokenizer",
-            str(qwen_tokenizer_dir),
-            "--db",
-            str(tmp_path / "w.sqlite"),
-            "--certs",
-            str(certs_dir),
-        ],
+        _proxy_argv(port, backend, qwen_tokenizer_dir, tmp_path / "w.sqlite", certs_dir),
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -249,24 +238,7 @@ def test_workers_share_the_busy_port_error(tmp_path, certs_dir, qwen_tokenizer_d
         s.listen()
         port = s.getsockname()[1]
         r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "polar_mitm",
-                "proxy",
-                "--workers",
-                "2",
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--backend",
-                backend.url,
-                "--tokenizer",
-                str(qwen_tokenizer_dir),
-                "--db",
-                str(tmp_path / "w.sqlite"),
-                "--certs",
-                str(certs_dir),
-            ],
+            _proxy_argv(port, backend, qwen_tokenizer_dir, tmp_path / "w.sqlite", certs_dir),
             capture_output=True,
             text=True,
             timeout=60,

@@ -169,3 +169,31 @@ def assert_turns_match_backend(backend: FakeBackend, db: Path) -> None:
         )
         assert again["output_ids"] == t.output_ids
         assert [lp[0] for lp in again["meta_info"]["output_token_logprobs"]] == t.output_logprobs
+
+
+def claude_in_shell(exports: str, tmp_path: Path) -> None:
+    """README's way of using a long-lived proxy: a harness's `export` line pasted into a shell and
+    Claude Code run there; it must run its Bash tool call and print the fake's final answer."""
+    work = tmp_path / "work"
+    work.mkdir()
+    r = subprocess.run(
+        ["bash", "-c", f"{exports}; claude -p 'Create out.txt containing hi' --allowedTools Bash"],
+        cwd=work,
+        env=harness_env(tmp_path / "home"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (work / "out.txt").read_text() == "hi\n"
+    assert "Done. The command finished." in r.stdout
+
+
+def assert_two_spliced_turns(backend: FakeBackend, db: Path, session: str) -> None:
+    """Claude Code's tool call and answer: two main turns of `session`, the second's prompt
+    beginning with the first's prompt and sampled ids, every id and logprob the backend's."""
+    turns = main_turns(db)
+    assert len(turns) == 2 and {t.session_id for t in turns} == {session}
+    t1, t2 = turns
+    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+    assert_turns_match_backend(backend, db)

@@ -170,7 +170,7 @@ def test_the_lines_a_shared_proxy_prints_run_claude_code(
     import signal
     import subprocess
 
-    from tests.e2e.harness import POLAR, Lines, free_port
+    from tests.e2e.harness import POLAR, Lines, assert_two_spliced_turns, claude_in_shell, free_port
 
     require_binary("claude")
     port, db = free_port(), tmp_path / "shared.sqlite"
@@ -184,25 +184,8 @@ def test_the_lines_a_shared_proxy_prints_run_claude_code(
     try:
         printed = Lines(proxy.stderr)
         printed.until("# claude-code: ")
-        exports = printed.next().replace("SESSION", "from-readme")
-        work = tmp_path / "work"
-        work.mkdir()
-        r = subprocess.run(
-            ["bash", "-c", f"{exports}; claude -p 'Create out.txt containing hi' --allowedTools Bash"],
-            cwd=work,
-            env=harness_env(tmp_path / "home"),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert (work / "out.txt").read_text() == "hi\n"
-        assert "Done. The command finished." in r.stdout
+        claude_in_shell(printed.next().replace("SESSION", "from-readme"), tmp_path)
     finally:
         proxy.send_signal(signal.SIGINT)
         proxy.wait(20)
-    turns = main_turns(db)
-    assert len(turns) == 2 and {t.session_id for t in turns} == {"from-readme"}
-    t1, t2 = turns
-    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
-    assert_turns_match_backend(backend, db)
+    assert_two_spliced_turns(backend, db, "from-readme")

@@ -11,14 +11,7 @@ import pytest
 from polar_mitm.runtime import recipes
 from polar_mitm.runtime.certs import ensure_ca
 from polar_mitm.runtime.local import shell_exports
-from tests.e2e.harness import (
-    Lines,
-    assert_turns_match_backend,
-    free_port,
-    harness_env,
-    main_turns,
-    require_binary,
-)
+from tests.e2e.harness import Lines, assert_two_spliced_turns, claude_in_shell, free_port, require_binary
 
 pytestmark = pytest.mark.e2e
 
@@ -66,25 +59,9 @@ def test_claude_code_through_mitmdump_with_the_polar_addon(tmp_path, backend, qw
             pass
         ca = ensure_ca(certs_dir)
         exports = shell_exports(recipes.get("claude-code"), f"http://cc-mitmdump:x@127.0.0.1:{port}", ca)
-        work = tmp_path / "work"
-        work.mkdir()
-        r = subprocess.run(
-            ["bash", "-c", f"{exports}; claude -p 'Create out.txt containing hi' --allowedTools Bash"],
-            cwd=work,
-            env=harness_env(tmp_path / "home"),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert (work / "out.txt").read_text() == "hi\n"
-        assert "Done. The command finished." in r.stdout
+        claude_in_shell(exports, tmp_path)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(20)
-    turns = main_turns(db)
-    assert len(turns) == 2 and {t.session_id for t in turns} == {"cc-mitmdump"}
-    t1, t2 = turns
-    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
-    assert_turns_match_backend(backend, db)
+    assert_two_spliced_turns(backend, db, "cc-mitmdump")
     assert int(user.with_suffix(".seen").read_text()) > 0  # the user's own addon ran beside ours
