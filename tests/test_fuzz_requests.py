@@ -208,3 +208,52 @@ def test_nesting_depth_matches_reading_byte_by_byte(parts):
 
     raw = b"[" * 129 + b"".join(parts)  # past the count shortcut
     assert nesting_depth(raw) == _depth_by_hand(raw)
+
+
+# Where 64-bit integers end, where floats lose integers, and zeros.
+_EDGE_NUMBERS = [
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    -(2**63),
+    -(2**63) - 1,
+    10**30,
+    0,
+    -0.0,
+    1e308,
+]
+
+
+def _read(reader, raw: bytes) -> tuple[str, str]:
+    """What a reader makes of raw: its value written back exactly (1 and 1.0, NaN and key order
+    told apart), or its error."""
+    try:
+        return "value", json.dumps(reader(raw), allow_nan=True)
+    except InvalidRequest as e:
+        return "error", e.message
+
+
+@settings(max_examples=600, deadline=None, derandomize=True, database=None)
+@given(
+    json_values
+    | st.builds(lambda n: deep(n), st.integers(min_value=1, max_value=1100))
+    | st.lists(st.sampled_from(_EDGE_NUMBERS) | st.integers(-(2**66), 2**66) | st.floats(), max_size=3),
+    st.booleans(),
+    st.sampled_from([None, "cut", "junk", "latin1"]),
+)
+def test_loads_reads_every_body_as_json_does(value, ascii_only, damage):
+    """The orjson fast path of `fields.loads` gives the very values (and types) `json` gives, and
+    the same error where `json`'s reading refuses the body: big integers, NaN, lone surrogate
+    escapes, nesting past the limit, cut or non-UTF-8 bodies among the inputs."""
+    raw = json.dumps(value, ensure_ascii=ascii_only, allow_nan=True).encode("utf-8", "surrogatepass")
+    if damage == "cut":
+        raw = raw[: len(raw) // 2]
+    elif damage == "junk":
+        raw += b" x"
+    elif damage == "latin1":
+        raw = b'["\xe9"]'
+    fast = _read(fields.loads, raw)
+    exact = _read(lambda r: fields._loads_exactly(r, fields.MAX_DEPTH), raw)
+    assert fast == exact

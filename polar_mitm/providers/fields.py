@@ -17,12 +17,15 @@ import operator
 import re
 from typing import Any
 
+import orjson
+
 from polar_mitm.neutral import ProviderError
 
 # Deeper than any real request (JSON Schemas of MCP tools nest a few dozen levels); shallow enough
 # that every recursive reader downstream (schema conversion, templates' tojson) stays far from
 # Python's recursion limit.
 MAX_DEPTH = 128
+_I64 = float(2**63)
 
 # The escape of a high or low surrogate code unit.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -48,12 +51,30 @@ def bad(where: str, problem: str) -> InvalidRequest:
 
 
 def loads(raw: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
-    """The request body as JSON, or an InvalidRequest that says what is wrong with it."""
+    """The request body as JSON, or an InvalidRequest that says what is wrong with it.
+
+    orjson reads it first (4-5x faster than `json` on a long conversation). Whatever orjson
+    accepts is valid UTF-8 with no lone surrogate and at most 1,024 levels deep, so only the depth
+    is left to check, on the objects. What orjson refuses (malformed JSON, lone surrogates, NaN
+    and infinities), and a body with a float no smaller than 2**63, which orjson also gives for
+    integers too large for 64 bits, is read again by `json`, as every body was before: the same
+    values, and errors that say exactly what is wrong."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _loads_exactly(raw, max_depth)
+    depth, huge = _shape(body)
+    if huge:
+        return _loads_exactly(raw, max_depth)
+    if depth > max_depth:
+        raise _too_deep(depth, max_depth)
+    return body
+
+
+def _loads_exactly(raw: bytes, max_depth: int) -> Any:
     depth = nesting_depth(raw)
     if depth > max_depth:
-        raise InvalidRequest(
-            f"request body: JSON nested {depth} levels deep; at most {max_depth} are accepted"
-        )
+        raise _too_deep(depth, max_depth)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -71,6 +92,29 @@ def loads(raw: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
                 "send text as UTF-8 or as complete surrogate pairs",
             )
     return body
+
+
+def _too_deep(depth: int, max_depth: int) -> InvalidRequest:
+    return InvalidRequest(f"request body: JSON nested {depth} levels deep; at most {max_depth} are accepted")
+
+
+def _shape(value: Any) -> tuple[int, bool]:
+    """(how deep arrays and objects nest in `value`, whether it holds a float of magnitude 2**63
+    or more), without recursion; strings and numbers are not looked into."""
+    deepest = 0
+    huge = False
+    stack = [(value, 1)] if type(value) in (dict, list) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+        for item in v.values() if type(v) is dict else v:
+            t = type(item)
+            if t is dict or t is list:
+                stack.append((item, depth + 1))
+            elif t is float and not -_I64 < item < _I64:
+                huge = True
+    return deepest, huge
 
 
 def nesting_depth(raw: bytes) -> int:
