@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import logging
 import secrets
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from polar_mitm.backends import large_inputs
 from polar_mitm.backends.policy import Policy, TurnContext
 from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
 from polar_mitm.providers import Style, fields
+from polar_mitm.providers.base import ItemMemo
 
 log = logging.getLogger("polar_mitm.gateway")
 
@@ -38,6 +40,9 @@ SESSION_HEADER = "x-polar-session"
 # Proves a request came through the proxy (and its --token check), not from any local process
 # that found the loopback port. Never stored (redact drops x-polar-* headers).
 SECRET_HEADER = "x-polar-secret"
+# What the sessions' message memos may hold in all (JSON text; the messages read are about as
+# much again): a few hundred 32k-token conversations.
+MEMO_BYTES = 256 * 2**20
 
 Tagger = Callable[[ChatRequest, str], str | None]
 
@@ -93,6 +98,9 @@ class Gateway:
         self.turns_served = 0
         self.tokens_sampled = 0
         self.first_request = asyncio.Event()
+        # Per (session, style): how the messages of its last requests read (see ItemMemo).
+        self._memos: OrderedDict[tuple[str, str], ItemMemo] = OrderedDict()
+        self._memo_bytes = 0
 
     @property
     def max_request_bytes(self) -> int:
@@ -182,15 +190,21 @@ class Gateway:
     async def _answer(self, style: Style, ep: str, call: _Call) -> web.StreamResponse:
         request = call.request
         raw = await self._read(request)
-        body = fields.loads(raw) if raw else ({} if ep == "models" else None)
+        body, by_orjson = fields.read_body(raw) if raw else ({} if ep == "models" else None, False)
         if ep == "models":
             return web.json_response(style.render_models(await self._model_names()))
-        req = self._parse(style, ep, body, request)
-        if ep == "count_tokens":
+        session = request.headers.get(SESSION_HEADER) or call.session or self.default_session
+        if ep == "count_tokens":  # counting needs no max_tokens, even where generating does
+            req = style.parse_request(body, path=request.path_qs, require_max_tokens=False)
             return web.json_response(style.render_count(await self.policy.count_tokens(req)))
+        memo = self._memo(session, style, len(raw)) if by_orjson else None
+        try:
+            req = style.parse_request(body, path=request.path_qs, memo=memo)
+        finally:
+            self._memo_bytes += memo.size if memo is not None else 0
         await self._check_fits(req)
         ctx = TurnContext(
-            session_id=request.headers.get(SESSION_HEADER) or call.session or self.default_session,
+            session_id=session,
             host=call.host,
             path=redact.url(request.path_qs),
             headers=redact.headers(request.headers.items()),  # x-polar-* never stored
@@ -251,11 +265,17 @@ class Gateway:
         given = request.headers.get(SECRET_HEADER, "").encode("utf-8", "replace")
         return hmac.compare_digest(given, self.secret.encode())
 
-    @staticmethod
-    def _parse(style: Style, ep: str, body: Any, request: web.Request) -> ChatRequest:
-        if ep == "count_tokens":  # counting needs no max_tokens, even where generating does
-            return style.parse_request(body, path=request.path_qs, require_max_tokens=False)
-        return style.parse_request(body, path=request.path_qs)
+    def _memo(self, session: str, style: Style, size: int) -> ItemMemo:
+        """The session's memo of its messages in this style, its bytes taken off the total until
+        the request has read (others are dropped, oldest first, to keep the total in bounds)."""
+        key = (session, style.NAME)
+        memo = self._memos.pop(key, None) or ItemMemo()
+        self._memo_bytes -= memo.size
+        self._memos[key] = memo
+        while self._memo_bytes + size > MEMO_BYTES and len(self._memos) > 1:
+            _, old = self._memos.popitem(last=False)
+            self._memo_bytes -= old.size
+        return memo
 
     async def _model_names(self) -> list[str]:
         try:

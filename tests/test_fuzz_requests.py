@@ -31,6 +31,7 @@ from polar_mitm import sse
 from polar_mitm.backends.render import conversation_hashes
 from polar_mitm.neutral import ChatRequest, ProviderError
 from polar_mitm.providers import STYLES, fields
+from polar_mitm.providers.base import ItemMemo
 from polar_mitm.providers.fields import InvalidRequest
 from tests.conftest import STYLE_ENDPOINTS, start_gateway_rig
 from tests.helpers import VALID_REQUESTS, error_message
@@ -122,6 +123,34 @@ def test_a_mutated_body_parses_or_is_a_400_naming_a_field(style, data):
         assert e.status == 400, e.message
         return
     _safe_downstream(req)
+
+
+def _parsed(module, raw: bytes, style: str, memo=None) -> tuple[str, str]:
+    """What a style reads from raw (its neutral request written out exactly), or its error."""
+    try:
+        req = module.parse_request(fields.loads(raw), path=_path(style), memo=memo)
+    except ProviderError as e:
+        return "error", e.message
+    return "request", json.dumps(req.model_dump(), allow_nan=True)
+
+
+@pytest.mark.parametrize("style", STYLE_NAMES)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_a_conversation_reads_the_same_with_its_memo_as_without(style, data):
+    """Requests read one after another with one ItemMemo, as the gateway reads a session's, give
+    exactly what each gives read alone: the memo's messages are reused only where their JSON is
+    the same (1, 1.0 and true told apart), and a request that fails leaves the memo as it was."""
+    module = STYLES[style]
+    memo = ItemMemo()
+    for _ in range(4):
+        raw = data.draw(mutated(style))
+        by_orjson = True
+        try:
+            by_orjson = fields.read_body(raw)[1]
+        except InvalidRequest:
+            pass
+        assert _parsed(module, raw, style, memo if by_orjson else None) == _parsed(module, raw, style)
 
 
 # ---- through the gateway -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import threading
 from array import array
 from collections import OrderedDict
@@ -33,6 +34,19 @@ def _message_key(m: Message) -> str:
 
 def extend_hash(prev: str, message: Message) -> str:
     """The hash of a conversation one message longer than the one `prev` identifies."""
+    # Requests read alike share their message objects (ItemMemo): known by identity, the message
+    # kept with its hash (so that its id is not another's meanwhile) and with the fields it held
+    # (a field set anew since is seen; messages are not changed in place once read).
+    fields = (message, message.role, message.content, message.reasoning, message.tool_calls)
+    known = _BY_OBJECT.get((prev, id(message)))
+    if known is not None and all(map(operator.is_, known[0], fields)):
+        return known[1]
+    h = _extend_hash(prev, message)
+    _BY_OBJECT.put((prev, id(message)), (fields, h), len(message.content))
+    return h
+
+
+def _extend_hash(prev: str, message: Message) -> str:
     calls = tuple(
         (c.name, c.raw) if c.raw is not None else (c.name, json.dumps(c.arguments, sort_keys=True))
         for c in message.tool_calls
@@ -57,19 +71,20 @@ class _Memo:
         self.chars = 0
 
     def get(self, key):
-        value = self.new.get(key)
-        if value is None and (value := self.old.get(key)) is not None:
-            self.put(key, value, len(key[2]))
-        return value
+        held = self.new.get(key)
+        if held is None and (held := self.old.get(key)) is not None:
+            self.put(key, *held)
+        return held[0] if held is not None else None
 
     def put(self, key, value, chars: int) -> None:
         if self.chars + chars > self.max_chars:
             self.old, self.new, self.chars = self.new, {}, 0
-        self.new[key] = value
+        self.new[key] = (value, chars)
         self.chars += chars
 
 
 _HASHES = _Memo(32_000_000)
+_BY_OBJECT = _Memo(32_000_000)
 
 
 def conversation_hashes(messages: list[Message], tools: list[Tool]) -> list[str]:
@@ -214,7 +229,7 @@ def render_continuation(
     content: its end-of-turn marker (unless the model already sampled it) and any separator.
     """
     stand_in = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
-    before = tok.render(stand_in, add_generation_prompt=False, **template_kwargs)
+    before = _stand_in_text(tok, stand_in, template_kwargs)
     after = tok.render(
         stand_in + [m.to_template() for m in new_messages], add_generation_prompt=True, **template_kwargs
     )
@@ -230,6 +245,22 @@ def render_continuation(
         if closing.startswith(eos_text):
             glue = closing[len(eos_text) :]
     return tok.encode(glue + after[len(before) :])
+
+
+def _stand_in_text(tok: Tokenizer, stand_in: list[dict], template_kwargs: dict[str, Any]) -> str:
+    """The stand-in conversation rendered alone: the same every turn, so rendered once per
+    tokenizer and template arguments."""
+    key = (id(tok), repr(sorted(template_kwargs.items())))
+    held = _STAND_INS.get(key)
+    if held is None or held[0] is not tok:
+        held = (tok, tok.render(stand_in, add_generation_prompt=False, **template_kwargs))
+        if len(_STAND_INS) >= 64:
+            _STAND_INS.clear()
+        _STAND_INS[key] = held
+    return held[1]
+
+
+_STAND_INS: dict[tuple[int, str], tuple[Tokenizer, str]] = {}
 
 
 def generation_opens_reasoning(tok: Tokenizer, template_kwargs: dict[str, Any]) -> bool:

@@ -34,7 +34,7 @@ from polar_mitm.neutral import (
     ToolCallEvent,
 )
 from polar_mitm.providers import fields
-from polar_mitm.providers.base import Endpoint, each
+from polar_mitm.providers.base import Endpoint, ItemMemo, each
 from polar_mitm.sse import JsonEvent
 
 NAME = "anthropic"
@@ -184,7 +184,9 @@ def _tool(where: str, t: Any) -> Tool:
     )
 
 
-def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = True) -> ChatRequest:
+def parse_request(
+    body: Any, *, path: str = "", require_max_tokens: bool = True, memo: ItemMemo | None = None
+) -> ChatRequest:
     del path  # everything is in the body
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
@@ -197,8 +199,8 @@ def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = True)
     system = _system_text(body.get("system"))
     if system:
         messages.append(Message(role="system", content=system))
-    for i, m in enumerate(msgs):
-        messages.extend(_parse_message(i, m))
+    for read in memo.read(msgs, _parse_message) if memo else map(_parse_message, range(len(msgs)), msgs):
+        messages.extend(read)
     tools = [_tool(f"tools.{j}", t) for j, t in enumerate(fields.opt_list(body, "tools", ""))]
     tool_choice: Any = None
     if (tc := fields.opt_obj(body, "tool_choice", "")) is not None:

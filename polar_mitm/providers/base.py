@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Literal, Protocol
 
+import orjson
+
 from polar_mitm.neutral import ChatRequest, Completion, Event, FinishReason, Message, ProviderError
 from polar_mitm.sse import JsonEvent
 
@@ -29,8 +31,12 @@ class Style(Protocol):
         """Which model endpoint (method, path) is, or None for anything else (side calls)."""
         ...
 
-    def parse_request(self, body: Any, *, path: str, require_max_tokens: bool = ...) -> ChatRequest:
-        """A native request body (and its path, where the model or stream flag live) as neutral."""
+    def parse_request(
+        self, body: Any, *, path: str, require_max_tokens: bool = ..., memo: ItemMemo | None = ...
+    ) -> ChatRequest:
+        """A native request body (and its path, where the model or stream flag live) as neutral.
+        `memo`, the conversation's previous request as read, spares reading its messages again
+        (styles whose messages each read alone use it)."""
         ...
 
     def parse_reply(self, reply: Any, *, lenient: bool = ...) -> tuple[list[Message], FinishReason]:
@@ -61,6 +67,51 @@ class Style(Protocol):
     def render_count(self, n: int) -> dict[str, Any]: ...
 
     def render_models(self, names: list[str]) -> dict[str, Any]: ...
+
+
+class ItemMemo:
+    """What the items (messages) of a conversation's last two requests were read as.
+
+    A harness sends its whole conversation every turn, so each request repeats, item for item,
+    the one before it plus what is new, and reading every item again costs a long conversation
+    milliseconds a turn. `read` gives an item whose JSON text (orjson's, which tells 1, 1.0 and
+    true apart) is that of an item of the last two requests what it was read as then, and reads
+    the others. Two requests, so a side call between two turns (a title, a summary) does not
+    make the next turn read everything again.
+
+    For items that read alone (their reading depends on nothing else; the index only names them
+    in errors), whose readings nobody changes afterwards (they are shared between turns), and
+    bodies read by orjson (`fields.read_body`): its text of NaN is that of null."""
+
+    __slots__ = ("last", "before", "size")
+
+    def __init__(self) -> None:
+        self.last: dict[bytes, Any] = {}
+        self.before: dict[bytes, Any] = {}
+        self.size = 0  # bytes of JSON text held
+
+    def read[T, R](self, items: list[T], parse: Callable[[int, T], R]) -> list[R]:
+        out: list[R] = []
+        now: dict[bytes, Any] = {}
+        for i, item in enumerate(items):
+            try:
+                key = orjson.dumps(item)
+            except TypeError:  # not orjson's to write (an integer past 64 bits): read it
+                out.append(parse(i, item))
+                continue
+            known = self.last.get(key, _MISSING)
+            if known is _MISSING:
+                known = self.before.get(key, _MISSING)
+            if known is _MISSING:
+                known = parse(i, item)
+            now[key] = known
+            out.append(known)
+        self.before, self.last = self.last, now  # only once every item has read
+        self.size = sum(map(len, self.before)) + sum(map(len, now))
+        return out
+
+
+_MISSING = object()
 
 
 def each[T, R](items: Iterable[T], parse: Callable[[int, T], R], *, lenient: bool) -> list[R]:

@@ -51,7 +51,13 @@ def bad(where: str, problem: str) -> InvalidRequest:
 
 
 def loads(raw: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
-    """The request body as JSON, or an InvalidRequest that says what is wrong with it.
+    """The request body as JSON, or an InvalidRequest that says what is wrong with it."""
+    return read_body(raw, max_depth=max_depth)[0]
+
+
+def read_body(raw: bytes, *, max_depth: int = MAX_DEPTH) -> tuple[Any, bool]:
+    """`loads`, and whether orjson read the body (then it holds no NaN or infinity, and orjson
+    writes each of its values back as distinct JSON text).
 
     orjson reads it first (4-5x faster than `json` on a long conversation). Whatever orjson
     accepts is valid UTF-8 with no lone surrogate and at most 1,024 levels deep, so only the depth
@@ -62,13 +68,13 @@ def loads(raw: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return _loads_exactly(raw, max_depth)
+        return _loads_exactly(raw, max_depth), False
     depth, huge = _shape(body)
     if huge:
-        return _loads_exactly(raw, max_depth)
+        return _loads_exactly(raw, max_depth), False
     if depth > max_depth:
         raise _too_deep(depth, max_depth)
-    return body
+    return body, True
 
 
 def _loads_exactly(raw: bytes, max_depth: int) -> Any:

@@ -41,7 +41,7 @@ from polar_mitm.neutral import (
     ToolCallEvent,
 )
 from polar_mitm.providers import fields
-from polar_mitm.providers.base import Endpoint, each, first_of
+from polar_mitm.providers.base import Endpoint, ItemMemo, each, first_of
 from polar_mitm.sse import JsonEvent
 
 NAME = "gemini"
@@ -340,9 +340,13 @@ def _sampling(gc: Any) -> Sampling:
         raise _bad(f"generationConfig: invalid sampling parameter: {e}") from e
 
 
-def parse_request(body: Any, *, path: str, require_max_tokens: bool = False) -> ChatRequest:
+def parse_request(
+    body: Any, *, path: str, require_max_tokens: bool = False, memo: ItemMemo | None = None
+) -> ChatRequest:
     """A generateContent / streamGenerateContent / countTokens body (model and stream from `path`)."""
-    del require_max_tokens  # Gemini never requires maxOutputTokens
+    # Gemini never requires maxOutputTokens; a function response is read with the calls of the
+    # content before it, so contents do not read alone (no memo).
+    del require_max_tokens, memo
     model, stream = model_and_stream(path)
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")

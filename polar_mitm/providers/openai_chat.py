@@ -32,7 +32,7 @@ from polar_mitm.neutral import (
     ToolCallEvent,
 )
 from polar_mitm.providers import fields
-from polar_mitm.providers.base import Endpoint, each, first_of
+from polar_mitm.providers.base import Endpoint, ItemMemo, each, first_of
 from polar_mitm.providers.fields import InvalidRequest
 from polar_mitm.sse import JsonEvent
 
@@ -278,14 +278,16 @@ def _thinking(body: dict[str, Any]) -> bool | None:
     return None
 
 
-def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = False) -> ChatCompletionsRequest:
+def parse_request(
+    body: Any, *, path: str = "", require_max_tokens: bool = False, memo: ItemMemo | None = None
+) -> ChatCompletionsRequest:
     del path, require_max_tokens  # everything is in the body; max_tokens is optional
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages: field required (a non-empty list of messages)", "messages")
-    messages = [_parse_message(i, m) for i, m in enumerate(msgs)]
+    messages = memo.read(msgs, _parse_message) if memo else [_parse_message(i, m) for i, m in enumerate(msgs)]
     n = body.get("n")
     if n not in (None, 1):
         raise _bad("n: only one choice per request is supported", "n")

@@ -45,7 +45,7 @@ from polar_mitm.neutral import (
     ToolCallEvent,
 )
 from polar_mitm.providers import fields, openai_chat
-from polar_mitm.providers.base import Endpoint
+from polar_mitm.providers.base import Endpoint, ItemMemo
 from polar_mitm.sse import JsonEvent
 
 NAME = "openai-responses"
@@ -372,8 +372,13 @@ def _tool_choice(tc: Any) -> str | dict[str, Any] | None:
     return None
 
 
-def parse_request(body: Any, *, path: str = "", require_max_tokens: bool = False) -> ChatRequest:
-    del path, require_max_tokens  # everything is in the body; max_output_tokens is optional
+def parse_request(
+    body: Any, *, path: str = "", require_max_tokens: bool = False, memo: ItemMemo | None = None
+) -> ChatRequest:
+    # Everything is in the body; max_output_tokens is optional. Input items fold into the
+    # messages around them (a function call joins the assistant message before it), so they do
+    # not read alone (no memo).
+    del path, require_max_tokens, memo
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     for key in ("previous_response_id", "conversation"):
