@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -62,27 +63,36 @@ async def session(proxy_url: str, ca: Path, sid: str, turns: int, system: str) -
     return first
 
 
-def tree_cpu(proc: Proc) -> float:
-    """CPU seconds of a process and its children (a --workers front and its workers)."""
+def tree_cpu(proc: Proc) -> dict[int, float]:
+    """CPU seconds of a process and of each of its children (a --workers front and its workers),
+    by pid."""
     pids = [proc.pid] + [
         int(p)
         for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     ]
-    total = 0
+    out = {}
     for pid in pids:
+        total = 0
         for task in Path(f"/proc/{pid}/task").glob("*"):
             try:
                 total += int((task / "schedstat").read_text().split()[0])
             except (OSError, ValueError, IndexError):
                 pass
-    return total / 1e9
+        out[pid] = total / 1e9
+    return out
+
+
+def spent(before: dict[int, float], after: dict[int, float]) -> tuple[float, float]:
+    """(CPU seconds of all the processes, of the busiest one) between two `tree_cpu` readings."""
+    each = [t - before.get(pid, 0.0) for pid, t in after.items()]
+    return sum(each), max(each, default=0.0)
 
 
 async def through(
     proxy: Proc, ca: Path, sessions: int, turns: int, system: str, tag: str, upstream: Proc | None = None
-) -> tuple[float, float, float, float, bytes]:
-    """Seconds, and CPU seconds of the proxy, the client (this process) and the server behind
-    the proxy, for every session's conversation through `proxy`."""
+) -> tuple[float, float, float, float, float, bytes]:
+    """Seconds; CPU seconds of the proxy, the client (this process) and the server behind the
+    proxy; and of the proxy's busiest process, for every session's conversation through `proxy`."""
     cpu0, client0, up0 = tree_cpu(proxy), time.process_time(), upstream.cpu() if upstream else 0.0
     t0 = time.perf_counter()
     firsts = await asyncio.gather(
@@ -90,7 +100,8 @@ async def through(
     )
     secs = time.perf_counter() - t0
     up = upstream.cpu() - up0 if upstream else 0.0
-    return secs, tree_cpu(proxy) - cpu0, time.process_time() - client0, up, firsts[0]
+    cpu, busiest = spent(cpu0, tree_cpu(proxy))
+    return secs, cpu, time.process_time() - client0, up, busiest, firsts[0]
 
 
 async def direct(backend: str, prompts: list[list[int]], concurrency: int) -> float:
@@ -121,7 +132,7 @@ async def run(sessions: int, turns: int, context: int, workers: int, rounds: int
     system = "You are a coding agent working in a large repository. " * max(1, context // 11)
     procs: list[Proc] = []
     n = sessions * turns
-    rows: dict[str, list[tuple[float, float, float, float]]] = {}
+    rows: dict[str, list[tuple[float, float, float, float, float]]] = {}
     prof: Profile | None = None
     try:
         fake = start_fake(tmp, tokenizer_path=tok_dir, script=SCRIPT, context_length=400_000)
@@ -150,7 +161,7 @@ async def run(sessions: int, turns: int, context: int, workers: int, rounds: int
                         got = await through(proxy, ca, sessions, turns, system, f"r{r}-", upstream)
                 else:
                     got = await through(proxy, ca, sessions, turns, system, f"r{r}-", upstream)
-                rows.setdefault(name, []).append(got[:4])
+                rows.setdefault(name, []).append(got[:5])
             prompts = [
                 t.prompt_ids for t in read_turns(tmp / "one.sqlite") if t.session_id.startswith(f"r{r}-")
             ]
@@ -158,7 +169,7 @@ async def run(sessions: int, turns: int, context: int, workers: int, rounds: int
             client0, up0 = time.process_time(), fake.cpu()
             secs = await direct(fake.url, prompts, sessions)
             rows.setdefault("direct /generate", []).append(
-                (secs, 0.0, time.process_time() - client0, fake.cpu() - up0)
+                (secs, 0.0, time.process_time() - client0, fake.cpu() - up0, 0.0)
             )
     finally:
         for p in procs:
@@ -169,14 +180,27 @@ async def run(sessions: int, turns: int, context: int, workers: int, rounds: int
         f"{sessions} concurrent sessions × {turns} turns ({n} turns), ~{context}-token system prompt, "
         f"fastest of {rounds} rounds; CPU in ms per turn"
     )
-    print("| path | seconds | turns/s | proxy CPU | client CPU | server CPU | vs mitmdump | vs 1 worker |")
-    print("|---|---|---|---|---|---|---|---|")
-    for k, (secs, cpu, client, up) in best.items():
-        ms = [f"{c / n * 1000:.1f}" if c else "–" for c in (cpu, client, up)]
+    # What the proxy alone could carry, its processes each on a core of their own and the client
+    # and server elsewhere: one process is busy for `busiest` of every n turns.
+    bound = {k: n / v[4] for k, v in best.items() if v[4]}
+    print(
+        "| path | seconds | turns/s | proxy CPU | client CPU | server CPU | busiest proxy process CPU |"
+        " turns/s its CPU allows | vs mitmdump | vs 1 worker |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k, (secs, cpu, client, up, busiest) in best.items():
+        ms = [f"{c / n * 1000:.1f}" if c else "–" for c in (cpu, client, up, busiest)]
+        allows = f"{bound[k]:.0f}" if k in bound else "–"
         print(
-            f"| {k} | {secs:.2f} | {tps[k]:.1f} | {' | '.join(ms)} | {tps[k] / tps['mitmdump']:.2f}× |"
+            f"| {k} | {secs:.2f} | {tps[k]:.1f} | {' | '.join(ms)} | {allows} | {tps[k] / tps['mitmdump']:.2f}× |"
             f" {tps[k] / tps['polar-mitm, 1 worker']:.2f}× |"
         )
+    one, many = "polar-mitm, 1 worker", f"polar-mitm, {workers} workers"
+    print(
+        f"\nturns/s the busiest proxy process's CPU allows, {workers} workers against 1: "
+        f"{bound[many] / bound[one]:.2f}× (measured turns/s: {tps[many] / tps[one]:.2f}×, on {os.cpu_count()} cores "
+        "shared with the client and the server)"
+    )
     if prof is not None:
         prof.print_top(45)
 
