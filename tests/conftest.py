@@ -160,8 +160,7 @@ class GatewayRig:
         return r.status, r.headers.get("content-type", ""), await r.read()
 
     async def turns(self) -> int:
-        async with self.store._db.execute("SELECT count(*) FROM turns") as cur:
-            return (await cur.fetchone())[0]
+        return (await self.store.query("SELECT count(*) FROM turns"))[0][0]
 
 
 async def start_gateway_rig(

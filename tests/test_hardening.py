@@ -121,7 +121,7 @@ async def test_gateway_port_refuses_requests_without_the_proxys_secret(make_stac
         r = await c.post(MESSAGES_URL, json=body(HI))
     assert r.status_code == 200
     assert [t.session_id for t in read_turns(stack.db)] == ["s-test"]
-    await stack.proxy.store._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    await stack.proxy.store.query("PRAGMA wal_checkpoint(PASSIVE)")
     blob = b"".join(open(p, "rb").read() for p in glob.glob(stack.db + "*"))
     assert stack.proxy.gateway.secret.encode() not in blob
 

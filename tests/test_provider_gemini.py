@@ -641,7 +641,7 @@ async def test_api_keys_never_reach_the_disk(make_stack):
             headers={"x-goog-api-key": secrets[0]},
         )
         assert r.status_code == 200
-    await stack.proxy.store._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    await stack.proxy.store.query("PRAGMA wal_checkpoint(PASSIVE)")
     blob = b"".join(open(p, "rb").read() for p in glob.glob(stack.db + "*"))
     assert b"x-goog-api-key" in blob and b"key=[redacted]" in blob  # names kept, values not
     for s in secrets:

@@ -223,7 +223,7 @@ async def test_credentials_never_reach_the_disk(make_stack):
             headers={"x-api-key": secrets[0], "authorization": secrets[1], "cookie": "session=SECRET-COOKIE"},
         )
         assert r.status_code == 200
-    await stack.proxy.store._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    await stack.proxy.store.query("PRAGMA wal_checkpoint(PASSIVE)")
     blob = b"".join(open(p, "rb").read() for p in glob.glob(stack.db + "*"))
     assert b"x-api-key" in blob  # the header name is kept, its value is not
     for s in [*secrets, "SECRET-COOKIE"]:

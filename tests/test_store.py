@@ -1,5 +1,6 @@
 """The store: packing, migrations, prefix references, credentials never stored."""
 
+import asyncio
 import json
 import sqlite3
 
@@ -411,3 +412,22 @@ async def test_an_earlier_turn_of_a_conversation_reads_back_exactly(tmp_path):
     for tid, (ids, plen) in want.items():
         assert await fresh.sequence(tid) == (ids, plen)
     await fresh.close()
+
+
+async def test_a_write_is_one_transaction_rolled_back_whole_when_a_statement_fails(tmp_path):
+    store = await Store.open(tmp_path / "w.sqlite")
+    try:
+        await store.ensure_session("s")
+        with pytest.raises(sqlite3.IntegrityError):
+            await store.write(
+                ("UPDATE sessions SET reward = 1.5 WHERE id = ?", ("s",)),
+                ("INSERT INTO sessions (id, created_at) VALUES (?, ?)", ("s", 0.0)),  # the id exists
+            )
+        assert await store.query("SELECT reward FROM sessions WHERE id = ?", ("s",)) == [(None,)]
+        # The connection is usable after it, and concurrent writes are each committed.
+        await asyncio.gather(*(store.ensure_session(f"t{i}") for i in range(20)))
+        assert (await store.query("SELECT count(*) FROM sessions"))[0][0] == 21
+    finally:
+        await store.close()
+    seen = sqlite3.connect(tmp_path / "w.sqlite").execute("SELECT count(*) FROM sessions").fetchone()[0]
+    assert seen == 21  # durable: another connection reads them after close

@@ -1,6 +1,6 @@
 """SQLite store of sessions and turns.
 
-`Store` is the async writer the proxy uses (aiosqlite, WAL). `read_turns` is the synchronous
+`Store` is the async writer the proxy uses (WAL; its connection lives in a thread of its own). `read_turns` is the synchronous
 reader the offline reconstructor uses; `connect` opens the file for it (see there for when
 migrations run); `queries` holds the smaller questions the other packages ask. A turn's prompt is stored as a reference to an earlier
 turn's full sequence (prompt + output) plus its own new suffix, so a long session costs its
@@ -10,16 +10,17 @@ turn's request (`deltas`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import aiosqlite
 import numpy as np
 from pydantic import BaseModel, Field
 
@@ -76,8 +77,8 @@ class Turn(BaseModel):
     text_only: bool = False
 
 
-def _connect_sync(path: str | Path) -> sqlite3.Connection:
-    db = sqlite3.connect(str(path))
+def _connect_sync(path: str | Path, **kw: Any) -> sqlite3.Connection:
+    db = sqlite3.connect(str(path), **kw)
     # Switching a new file to WAL takes an exclusive lock without waiting for it: processes that
     # open a new file together (a proxy's workers, nodes) retry while another one switches it.
     for attempt in range(100):
@@ -208,13 +209,28 @@ class _SequenceCache:
             self.size -= len(old)
 
 
+Statement = tuple[str, Sequence[Any]]
+
+
 class Store:
     """Async writer used by the proxy; safe for concurrent turns, and beside other writers (other
-    processes) of the same file."""
+    processes) of the same file.
 
-    def __init__(self, path: str | Path, db: aiosqlite.Connection, *, request_memo_chars: int = 32_000_000):
+    Its connection lives in one thread of its own; every write (`write`) is one transaction,
+    committed there in one trip from the event loop, so a turn costs one thread hop and
+    concurrent writes never share a transaction."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        thread: ThreadPoolExecutor,
+        conn: sqlite3.Connection,
+        *,
+        request_memo_chars: int,
+    ):
         self.path = str(path)
-        self._db = db
+        self._thread = thread
+        self._conn = conn  # used in `_thread` only
         self.cache = _SequenceCache(compact=True)
         self._sessions: set[str] = set()
         # Recent requests, to store the next one of a conversation as what differs (0: whole).
@@ -229,14 +245,39 @@ class Store:
     @classmethod
     async def open(cls, path: str | Path, *, request_memo_chars: int = 32_000_000) -> Store:
         init_db(path)
-        db = await aiosqlite.connect(str(path))
-        await db.execute("PRAGMA journal_mode=WAL")
-        await db.execute("PRAGMA synchronous=NORMAL")
-        await db.execute("PRAGMA foreign_keys=ON")
-        return cls(path, db, request_memo_chars=request_memo_chars)
+        thread = ThreadPoolExecutor(1, thread_name_prefix="polar-store")
+        # Autocommit: `write` opens and commits its own transactions.
+        conn = await asyncio.get_running_loop().run_in_executor(
+            thread, lambda: _connect_sync(path, isolation_level=None)
+        )
+        return cls(path, thread, conn, request_memo_chars=request_memo_chars)
 
     async def close(self) -> None:
-        await self._db.close()
+        await self._run(self._conn.close)
+        self._thread.shutdown(wait=False)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def write(self, *statements: Statement) -> None:
+        """Run the statements as one transaction; it is committed (durable in the WAL) when this
+        returns, or rolled back and the error raised."""
+        await self._run(self._write, statements)
+
+    def _write(self, statements: Sequence[Statement]) -> None:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")  # the write lock first, waiting for other writers
+        try:
+            for sql, params in statements:
+                conn.execute(sql, params)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    async def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """The rows of one query."""
+        return await self._run(lambda: self._conn.execute(sql, params).fetchall())
 
     async def ensure_session(
         self,
@@ -248,46 +289,41 @@ class Store:
         mode: str = "policy",
         metadata: dict[str, Any] | None = None,
     ) -> None:
-        await self._db.execute(
-            "INSERT OR IGNORE INTO sessions (id, task_id, harness, command, mode, metadata, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        await self.write(
             (
-                session_id,
-                task_id,
-                harness,
-                json.dumps(list(command)) if command is not None else None,
-                mode,
-                json.dumps(metadata or {}),
-                time.time(),
-            ),
-        )
-        await self._db.commit()
-
-    async def _ensure_known(self, session_id: str) -> None:
-        # Sessions named by proxy credentials appear with their first turn.
-        if session_id not in self._sessions:
-            await self._db.execute(
-                "INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?, ?)", (session_id, time.time())
+                "INSERT OR IGNORE INTO sessions (id, task_id, harness, command, mode, metadata, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    session_id,
+                    task_id,
+                    harness,
+                    json.dumps(list(command)) if command is not None else None,
+                    mode,
+                    json.dumps(metadata or {}),
+                    time.time(),
+                ),
             )
-            self._sessions.add(session_id)
+        )
 
     async def end_session(self, session_id: str, exit_code: int | None) -> None:
-        await self._db.execute(
-            "UPDATE sessions SET ended_at = ?, exit_code = ? WHERE id = ?",
-            (time.time(), exit_code, session_id),
+        await self.write(
+            (
+                "UPDATE sessions SET ended_at = ?, exit_code = ? WHERE id = ?",
+                (time.time(), exit_code, session_id),
+            )
         )
-        await self._db.commit()
 
     async def insert_turn(self, rec: Turn) -> None:
         """Commit one turn. Returns only once the turn is durable in the WAL.
 
         Its `seq` is computed by the INSERT itself, under SQLite's write lock, so writers in other
         processes sharing the file never hand out the same one (m004 indexes seq for the MAX)."""
-        await self._ensure_known(rec.session_id)
+        # Sessions named by proxy credentials appear with their first turn.
+        known = rec.session_id in self._sessions
         suffix = rec.prompt_ids[rec.prompt_ref_len :] if rec.prompt_ref else rec.prompt_ids
         key = (rec.session_id, rec.tag, rec.path)
         request_ref, delta = self._request_delta(rec.request, rec.prompt_ref, self._last_request.get(key))
-        await self._db.execute(
+        insert = (
             "INSERT INTO turns (id, session_id, seq, created_at, style, host, path, model, tag, status,"
             " finish_reason, prompt_ref, prompt_ref_len, prompt_suffix, prompt_len, output_ids,"
             " output_logprobs, output_len, weight_version, msg_hash, post_hash, request, request_headers,"
@@ -324,7 +360,12 @@ class Store:
                 *((0, 0, None) if delta is None else delta),
             ),
         )
-        await self._db.commit()
+        session = (
+            "INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?, ?)",
+            (rec.session_id, time.time()),
+        )
+        await (self.write(insert) if known else self.write(session, insert))
+        self._sessions.add(rec.session_id)
         if rec.status == "ok" and rec.post_hash is not None:
             self._post_hashes[(rec.session_id, rec.post_hash)] = rec.id
             self._post_hashes.move_to_end((rec.session_id, rec.post_hash))
@@ -368,12 +409,11 @@ class Store:
         if known is not None:  # the longest prefix, stored by this writer: what the query returns
             return known, hashes[0]
         marks = ",".join("?" * len(hashes))
-        async with self._db.execute(
+        rows = await self.query(
             f"SELECT id, post_hash FROM turns WHERE session_id = ? AND status = 'ok'"
             f" AND post_hash IN ({marks}) ORDER BY seq DESC",
             (session_id, *hashes),
-        ) as cur:
-            rows = await cur.fetchall()
+        )
         if not rows:
             return None
         by_hash: dict[str, str] = {}
@@ -397,12 +437,12 @@ class Store:
             if cached is not None:
                 base = cached[0]
                 break
-            async with self._db.execute(
+            rows = await self.query(
                 "SELECT id, prompt_ref, prompt_ref_len, prompt_suffix, output_ids, prompt_len"
                 " FROM turns WHERE id = ?",
                 (cur_id,),
-            ) as c:
-                row = await c.fetchone()
+            )
+            row = rows[0] if rows else None
             if row is None:
                 raise KeyError(f"turn {cur_id} not in store {self.path}")
             chain.append(row)
@@ -417,8 +457,7 @@ class Store:
         return seq, prompt_len
 
     async def set_reward(self, session_id: str, value: float | None) -> None:
-        await self._db.execute("UPDATE sessions SET reward = ? WHERE id = ?", (value, session_id))
-        await self._db.commit()
+        await self.write(("UPDATE sessions SET reward = ? WHERE id = ?", (value, session_id)))
 
 
 # ---- synchronous reading, for the offline tools --------------------------------------------

@@ -24,48 +24,50 @@ class RolloutLog:
 
     def __init__(self, store: Store):
         self.store = store
-        self._db = store._db
 
     async def begin_rollout(self, rollout_id: str, config: dict[str, Any]) -> None:
-        await self._db.execute(
-            "INSERT INTO rollouts (id, created_at, config) VALUES (?, ?, ?)",
-            (rollout_id, time.time(), json.dumps(config, default=str)),
+        await self.store.write(
+            (
+                "INSERT INTO rollouts (id, created_at, config) VALUES (?, ?, ?)",
+                (rollout_id, time.time(), json.dumps(config, default=str)),
+            )
         )
-        await self._db.commit()
 
     async def end_rollout(self, rollout_id: str, status: str) -> None:
-        await self._db.execute(
-            "UPDATE rollouts SET ended_at = ?, status = ? WHERE id = ?", (time.time(), status, rollout_id)
+        await self.store.write(
+            ("UPDATE rollouts SET ended_at = ?, status = ? WHERE id = ?", (time.time(), status, rollout_id))
         )
-        await self._db.commit()
 
     async def add_group(
         self, group_id: str, rollout_id: str, task_id: str, num_samples: int, task: str
     ) -> None:
-        await self._db.execute(
-            "INSERT INTO rollout_groups (id, rollout_id, task_id, num_samples, task, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (group_id, rollout_id, task_id, num_samples, task, time.time()),
+        await self.store.write(
+            (
+                "INSERT INTO rollout_groups (id, rollout_id, task_id, num_samples, task, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (group_id, rollout_id, task_id, num_samples, task, time.time()),
+            )
         )
-        await self._db.commit()
 
     async def end_group(self, group_id: str, status: str) -> None:
-        await self._db.execute(
-            "UPDATE rollout_groups SET ended_at = ?, status = ? WHERE id = ?", (time.time(), status, group_id)
+        await self.store.write(
+            (
+                "UPDATE rollout_groups SET ended_at = ?, status = ? WHERE id = ?",
+                (time.time(), status, group_id),
+            )
         )
-        await self._db.commit()
 
     async def add_sample(self, session_id: str, group_id: str, index: int, attempt: int, status: str) -> None:
-        await self._db.execute(
-            "INSERT INTO samples (session_id, group_id, sample_index, attempt, status, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (session_id, group_id, index, attempt, status, time.time()),
+        await self.store.write(
+            (
+                "INSERT INTO samples (session_id, group_id, sample_index, attempt, status, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (session_id, group_id, index, attempt, status, time.time()),
+            )
         )
-        await self._db.commit()
 
     async def set_status(self, session_id: str, status: str) -> None:
-        await self._db.execute("UPDATE samples SET status = ? WHERE session_id = ?", (status, session_id))
-        await self._db.commit()
+        await self.store.write(("UPDATE samples SET status = ? WHERE session_id = ?", (status, session_id)))
 
     async def finish_sample(
         self,
@@ -82,25 +84,26 @@ class RolloutLog:
         if status not in FINAL:
             raise ValueError(f"not a final sample status: {status!r}")
         now = time.time()
-        await self._db.execute(
-            "UPDATE samples SET status = ?, cause = ?, reward = ?, reward_detail = ?, exit_code = ?,"
-            " timings = ?, ended_at = ? WHERE session_id = ?",
+        await self.store.write(
             (
-                status,
-                cause,
-                reward,
-                json.dumps(detail, default=str) if detail is not None else None,
-                exit_code,
-                json.dumps(timings or {}),
-                now,
-                session_id,
+                "UPDATE samples SET status = ?, cause = ?, reward = ?, reward_detail = ?, exit_code = ?,"
+                " timings = ?, ended_at = ? WHERE session_id = ?",
+                (
+                    status,
+                    cause,
+                    reward,
+                    json.dumps(detail, default=str) if detail is not None else None,
+                    exit_code,
+                    json.dumps(timings or {}),
+                    now,
+                    session_id,
+                ),
+            ),
+            (
+                "UPDATE sessions SET reward = ?, exit_code = ?, ended_at = COALESCE(ended_at, ?) WHERE id = ?",
+                (reward, exit_code, now, session_id),
             ),
         )
-        await self._db.execute(
-            "UPDATE sessions SET reward = ?, exit_code = ?, ended_at = COALESCE(ended_at, ?) WHERE id = ?",
-            (reward, exit_code, now, session_id),
-        )
-        await self._db.commit()
 
 
 @dataclass(frozen=True)
