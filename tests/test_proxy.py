@@ -456,3 +456,21 @@ def test_provider_certificates_are_loaded_without_leaving_files(certs_dir):
     ctx = provider_tls(certs_dir, {"api.anthropic.com", "api.openai.com"})
     assert isinstance(ctx, ssl.SSLContext) and ctx.sni_callback is not None
     assert set(Path(tempfile.gettempdir()).glob("polar-mitm-tls-*")) == before
+
+
+@pytest.mark.parametrize("version", ["TLSv1_2", "TLSv1_3"])
+async def test_a_client_limited_to_one_tls_version_is_answered(make_stack, version):
+    """The gateway terminates the harness's TLS itself: a client that speaks only TLS 1.2 (older
+    runtimes, some corporate builds) gets its turn as one that speaks TLS 1.3 does."""
+    import ssl
+
+    stack = await make_stack()
+    ctx = ssl.create_default_context(cafile=str(stack.proxy.ca.cert))
+    ctx.minimum_version = ctx.maximum_version = getattr(ssl.TLSVersion, version)
+    host, port = stack.proxy.url.removeprefix("http://").split(":")
+    async with httpx.AsyncClient(proxy=f"http://tls:tok@{host}:{port}", verify=ctx, timeout=30) as c:
+        r = await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
+        assert r.status_code == 200, r.text
+        tls = r.extensions["network_stream"].get_extra_info("ssl_object")
+        assert tls.version() == version.replace("_", ".")  # what the gateway negotiated
+    assert [t.session_id for t in read_turns(stack.db)] == ["tls"]
