@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -169,6 +171,25 @@ def assert_turns_match_backend(backend: FakeBackend, db: Path) -> None:
         )
         assert again["output_ids"] == t.output_ids
         assert [lp[0] for lp in again["meta_info"]["output_token_logprobs"]] == t.output_logprobs
+
+
+@contextmanager
+def shared_proxy(backend: FakeBackend, tokenizer: Path, db: Path, certs: Path, *args: str) -> Iterator[Lines]:
+    """`polar-mitm proxy` (README's shared proxy) in its own process, with `args`; yields the lines
+    it prints, and stops it with SIGINT as a user's Ctrl-C would."""
+    import signal
+
+    proxy = subprocess.Popen(
+        [*POLAR, "proxy", "--listen", f"127.0.0.1:{free_port()}", "--backend", backend.url]
+        + ["--tokenizer", str(tokenizer), "--db", str(db), "--certs", str(certs), *args],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield Lines(proxy.stderr)
+    finally:
+        proxy.send_signal(signal.SIGINT)
+        proxy.wait(20)
 
 
 def claude_in_shell(exports: str, tmp_path: Path) -> None:

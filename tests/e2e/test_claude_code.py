@@ -167,25 +167,11 @@ def test_the_lines_a_shared_proxy_prints_run_claude_code(
 ):
     """README's `proxy` example: paste the printed claude-code line into a shell, run claude there;
     with `--workers 2`, through the front that hands each connection to its session's worker."""
-    import signal
-    import subprocess
-
-    from tests.e2e.harness import POLAR, Lines, assert_two_spliced_turns, claude_in_shell, free_port
+    from tests.e2e.harness import assert_two_spliced_turns, claude_in_shell, shared_proxy
 
     require_binary("claude")
-    port, db = free_port(), tmp_path / "shared.sqlite"
-    proxy = subprocess.Popen(
-        [*POLAR, "proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend.url]
-        + ["--tokenizer", str(qwen_tokenizer_dir), "--db", str(db), "--certs", str(certs_dir)]
-        + ["--workers", workers],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        printed = Lines(proxy.stderr)
+    db = tmp_path / "shared.sqlite"
+    with shared_proxy(backend, qwen_tokenizer_dir, db, certs_dir, "--workers", workers) as printed:
         printed.until("# claude-code: ")
         claude_in_shell(printed.next().replace("SESSION", "from-readme"), tmp_path)
-    finally:
-        proxy.send_signal(signal.SIGINT)
-        proxy.wait(20)
     assert_two_spliced_turns(backend, db, "from-readme")
