@@ -40,7 +40,7 @@ SESSION_HEADER = "x-polar-session"
 # Proves a request came through the proxy (and its --token check), not from any local process
 # that found the loopback port. Never stored (redact drops x-polar-* headers).
 SECRET_HEADER = "x-polar-secret"
-# What the sessions' message memos may hold in all (JSON text; the messages read are about as
+# What the sessions' request memos may hold in all (JSON text; the messages read are about as
 # much again): a few hundred 32k-token conversations.
 MEMO_BYTES = 256 * 2**20
 
@@ -98,7 +98,7 @@ class Gateway:
         self.turns_served = 0
         self.tokens_sampled = 0
         self.first_request = asyncio.Event()
-        # Per (session, style): how the messages of its last requests read (see ItemMemo).
+        # Per (session, style): how the messages and tools of its last requests read (see ItemMemo).
         self._memos: OrderedDict[tuple[str, str], ItemMemo] = OrderedDict()
         self._memo_bytes = 0
 
@@ -200,6 +200,8 @@ class Gateway:
         memo = self._memo(session, style, len(raw)) if by_orjson else None
         try:
             req = style.parse_request(body, path=request.path_qs, memo=memo)
+            if memo is not None:
+                memo.settle()
         finally:
             self._memo_bytes += memo.size if memo is not None else 0
         await self._check_fits(req)
@@ -270,6 +272,7 @@ class Gateway:
         the request has read (others are dropped, oldest first, to keep the total in bounds)."""
         key = (session, style.NAME)
         memo = self._memos.pop(key, None) or ItemMemo()
+        memo.begin()
         self._memo_bytes -= memo.size
         self._memos[key] = memo
         while self._memo_bytes + size > MEMO_BYTES and len(self._memos) > 1:

@@ -127,10 +127,14 @@ def test_a_mutated_body_parses_or_is_a_400_naming_a_field(style, data):
 
 def _parsed(module, raw: bytes, style: str, memo=None) -> tuple[str, str]:
     """What a style reads from raw (its neutral request written out exactly), or its error."""
+    if memo is not None:
+        memo.begin()  # as the gateway reads a request: begun, and settled once read whole
     try:
         req = module.parse_request(fields.loads(raw), path=_path(style), memo=memo)
     except ProviderError as e:
         return "error", e.message
+    if memo is not None:
+        memo.settle()
     return "request", json.dumps(req.model_dump(), allow_nan=True)
 
 

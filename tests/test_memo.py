@@ -24,10 +24,16 @@ def _anthropic(*messages) -> bytes:
     )
 
 
-def _read(raw: bytes, memo: ItemMemo | None):
+def _read(raw: bytes, memo: ItemMemo | None, parse=anthropic.parse_request):
+    """A request read as the gateway reads it: the memo begun, and settled once read whole."""
     body, by_orjson = fields.read_body(raw)
     assert by_orjson
-    return anthropic.parse_request(body, memo=memo)
+    if memo is not None:
+        memo.begin()
+    req = parse(body, memo=memo)
+    if memo is not None:
+        memo.settle()
+    return req
 
 
 def test_a_repeated_message_is_shared_and_a_new_one_read():
@@ -68,17 +74,21 @@ def test_a_request_that_fails_leaves_the_memo_as_it_was():
     held = (dict(memo.last), dict(memo.before), memo.size)
     with pytest.raises(InvalidRequest):
         _read(
-            _anthropic({"role": "assistant", "content": [_call(1)]}, {"role": "robot", "content": "x"}), memo
+            _anthropic({"role": "assistant", "content": [_call(2)]}, {"role": "robot", "content": "x"}), memo
         )
     assert (memo.last, memo.before, memo.size) == held
+    memo.begin()  # the next request: what the failed one read is dropped
+    assert memo.now == {}
 
 
 def test_openai_chat_messages_are_shared_too():
     memo = ItemMemo()
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    one = openai_chat.parse_request({"model": "m", "messages": msgs}, memo=memo)
-    two = openai_chat.parse_request(
-        {"model": "m", "messages": [*msgs, {"role": "user", "content": "v"}]}, memo=memo
+    one = _read(orjson.dumps({"model": "m", "messages": msgs}), memo, openai_chat.parse_request)
+    two = _read(
+        orjson.dumps({"model": "m", "messages": [*msgs, {"role": "user", "content": "v"}]}),
+        memo,
+        openai_chat.parse_request,
     )
     assert two.messages[:2] == one.messages and all(
         a is b for a, b in zip(two.messages[:2], one.messages, strict=True)
@@ -91,7 +101,52 @@ def test_the_gateway_keeps_memos_within_its_bytes(monkeypatch):
     for session in ("a", "b", "c"):
         memo = gw._memo(session, anthropic, 300)
         memo.read([{"text": "x" * 290}], lambda i, item: item)
+        memo.settle()
         gw._memo_bytes += memo.size
     assert list(gw._memos) == [("b", "anthropic"), ("c", "anthropic")]  # "a" made room
     assert gw._memo_bytes == sum(m.size for m in gw._memos.values())
     assert gw._memo(("c"), anthropic, 10) is gw._memos[("c", "anthropic")]
+
+
+TOOLS = [
+    {
+        "name": "Bash",
+        "description": "Run a command",
+        "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "default": 1}}},
+    },
+    {"name": "Read", "description": "Read a file", "input_schema": {"type": "object", "properties": {}}},
+]
+
+
+def test_tools_are_shared_and_their_hash_known_by_identity():
+    memo = ItemMemo()
+    body = {"model": "m", "max_tokens": 8, "tools": TOOLS, "messages": [{"role": "user", "content": "go"}]}
+    one = _read(orjson.dumps(body), memo)
+    two = _read(
+        orjson.dumps({**body, "messages": [*body["messages"], {"role": "user", "content": "more"}]}), memo
+    )
+    assert all(a is b for a, b in zip(two.tools, one.tools, strict=True))
+    alone = anthropic.parse_request(body)  # read without the memo: other objects, the same hash
+    assert conversation_hashes(two.messages, two.tools)[:2] == conversation_hashes(
+        alone.messages, alone.tools
+    )
+    # A tool whose default differs only as 1.0 differs from 1: read again, hashed again.
+    changed = [
+        {
+            **TOOLS[0],
+            "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "default": 1.0}}},
+        },
+        TOOLS[1],
+    ]
+    three = _read(orjson.dumps({**body, "tools": changed}), memo)
+    assert three.tools[0] is not one.tools[0] and three.tools[1] is one.tools[1]
+    assert (
+        conversation_hashes(three.messages, three.tools)[0] != conversation_hashes(one.messages, one.tools)[0]
+    )
+
+
+def test_a_tool_field_set_anew_is_hashed_anew():
+    tools = anthropic.parse_request({"model": "m", "max_tokens": 8, "tools": TOOLS, "messages": []}).tools
+    before = conversation_hashes([], tools)[0]
+    tools[1].description = "Read a file, carefully"
+    assert conversation_hashes([], tools)[0] != before

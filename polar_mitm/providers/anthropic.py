@@ -184,6 +184,10 @@ def _tool(where: str, t: Any) -> Tool:
     )
 
 
+def _tool_item(j: int, t: Any) -> Tool:
+    return _tool(f"tools.{j}", t)
+
+
 def parse_request(
     body: Any, *, path: str = "", require_max_tokens: bool = True, memo: ItemMemo | None = None
 ) -> ChatRequest:
@@ -201,7 +205,8 @@ def parse_request(
         messages.append(Message(role="system", content=system))
     for read in memo.read(msgs, _parse_message) if memo else map(_parse_message, range(len(msgs)), msgs):
         messages.extend(read)
-    tools = [_tool(f"tools.{j}", t) for j, t in enumerate(fields.opt_list(body, "tools", ""))]
+    listed = fields.opt_list(body, "tools", "")
+    tools = memo.read(listed, _tool_item) if memo else [_tool_item(j, t) for j, t in enumerate(listed)]
     tool_choice: Any = None
     if (tc := fields.opt_obj(body, "tool_choice", "")) is not None:
         kind = fields.type_tag(tc, "tool_choice")

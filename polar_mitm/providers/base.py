@@ -70,45 +70,56 @@ class Style(Protocol):
 
 
 class ItemMemo:
-    """What the items (messages) of a conversation's last two requests were read as.
+    """What the items (messages, tools) of a conversation's last two requests were read as.
 
     A harness sends its whole conversation every turn, so each request repeats, item for item,
     the one before it plus what is new, and reading every item again costs a long conversation
     milliseconds a turn. `read` gives an item whose JSON text (orjson's, which tells 1, 1.0 and
-    true apart) is that of an item of the last two requests what it was read as then, and reads
-    the others. Two requests, so a side call between two turns (a title, a summary) does not
-    make the next turn read everything again.
+    true apart), read by the same function, was in the last two requests what it was read as
+    then, and reads the others. Two requests, so a side call between two turns (a title, a
+    summary) does not make the next turn read everything again. The owner calls `begin` before a
+    request is read and `settle` once it has read whole: what a request that failed read is
+    dropped with it.
 
     For items that read alone (their reading depends on nothing else; the index only names them
     in errors), whose readings nobody changes afterwards (they are shared between turns), and
     bodies read by orjson (`fields.read_body`): its text of NaN is that of null."""
 
-    __slots__ = ("last", "before", "size")
+    __slots__ = ("last", "before", "now", "size")
 
     def __init__(self) -> None:
-        self.last: dict[bytes, Any] = {}
-        self.before: dict[bytes, Any] = {}
-        self.size = 0  # bytes of JSON text held
+        self.last: dict[tuple[Callable, bytes], Any] = {}
+        self.before: dict[tuple[Callable, bytes], Any] = {}
+        self.now: dict[tuple[Callable, bytes], Any] = {}  # the request being read
+        self.size = 0  # bytes of JSON text held by `last` and `before`
+
+    def begin(self) -> None:
+        self.now = {}
 
     def read[T, R](self, items: list[T], parse: Callable[[int, T], R]) -> list[R]:
         out: list[R] = []
-        now: dict[bytes, Any] = {}
+        now = self.now
         for i, item in enumerate(items):
             try:
-                key = orjson.dumps(item)
+                key = (parse, orjson.dumps(item))
             except TypeError:  # not orjson's to write (an integer past 64 bits): read it
                 out.append(parse(i, item))
                 continue
-            known = self.last.get(key, _MISSING)
+            known = now.get(key, _MISSING)
+            if known is _MISSING:
+                known = self.last.get(key, _MISSING)
             if known is _MISSING:
                 known = self.before.get(key, _MISSING)
             if known is _MISSING:
                 known = parse(i, item)
             now[key] = known
             out.append(known)
-        self.before, self.last = self.last, now  # only once every item has read
-        self.size = sum(map(len, self.before)) + sum(map(len, now))
         return out
+
+    def settle(self) -> None:
+        """The request has read whole: its items become the last request's."""
+        self.before, self.last, self.now = self.last, self.now, {}
+        self.size = sum(len(k[1]) for k in self.before) + sum(len(k[1]) for k in self.last)
 
 
 _MISSING = object()

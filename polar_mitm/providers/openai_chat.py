@@ -211,15 +211,18 @@ def _parse_message(i: int, m: Any) -> Message:
     )
 
 
-def _parse_tools(body: dict[str, Any]) -> list[Tool]:
-    tools = []
-    for j, t in enumerate(fields.opt_list(body, "tools", "")):
-        where = f"tools.{j}"
-        t = fields.obj(t, where)
-        kind = fields.type_tag(t, where) or "function"
-        if kind != "function":
-            raise _bad(f"{where}.type: unsupported tool type {kind!r}; expected 'function'", where)
-        tools.append(_tool(t.get("function"), f"{where}.function"))
+def _tool_item(j: int, t: Any) -> Tool:
+    where = f"tools.{j}"
+    t = fields.obj(t, where)
+    kind = fields.type_tag(t, where) or "function"
+    if kind != "function":
+        raise _bad(f"{where}.type: unsupported tool type {kind!r}; expected 'function'", where)
+    return _tool(t.get("function"), f"{where}.function")
+
+
+def _parse_tools(body: dict[str, Any], memo: ItemMemo | None = None) -> list[Tool]:
+    listed = fields.opt_list(body, "tools", "")
+    tools = memo.read(listed, _tool_item) if memo else [_tool_item(j, t) for j, t in enumerate(listed)]
     for j, fn in enumerate(fields.opt_list(body, "functions", "")):  # the pre-tools form
         tools.append(_tool(fn, f"functions.{j}"))
     return tools
@@ -321,7 +324,7 @@ def parse_request(
         style=NAME,
         model=fields.opt_str(body, "model", ""),
         messages=messages,
-        tools=_parse_tools(body),
+        tools=_parse_tools(body, memo),
         tool_choice=_tool_choice(body.get("tool_choice", body.get("function_call"))),
         sampling=sampling,
         stream=bool(body.get("stream", False)),
