@@ -268,8 +268,9 @@ class Gateway:
         return hmac.compare_digest(given, self.secret.encode())
 
     def _memo(self, session: str, style: Style, size: int) -> ItemMemo:
-        """The session's memo of its messages in this style, its bytes taken off the total until
-        the request has read (others are dropped, oldest first, to keep the total in bounds)."""
+        """The session's memo in this style, begun for a request; its bytes are taken off the
+        total until the request has read (others are dropped, oldest first, to keep the total in
+        bounds)."""
         key = (session, style.NAME)
         memo = self._memos.pop(key, None) or ItemMemo()
         memo.begin()

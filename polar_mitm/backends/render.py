@@ -18,7 +18,7 @@ import operator
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 from polar_mitm.backends.sglang import ids_json
@@ -35,16 +35,25 @@ def _message_key(m: Message) -> str:
 
 def extend_hash(prev: str, message: Message) -> str:
     """The hash of a conversation one message longer than the one `prev` identifies."""
-    # Requests read alike share their message objects (ItemMemo): known by identity, the message
-    # kept with its hash (so that its id is not another's meanwhile) and with the fields it held
-    # (a field set anew since is seen; messages are not changed in place once read).
-    fields = (message, message.role, message.content, message.reasoning, message.tool_calls)
-    known = _BY_OBJECT.get((prev, id(message)))
-    if known is not None and all(map(operator.is_, known[0], fields)):
+    held = (message, message.role, message.content, message.reasoning, message.tool_calls)
+    return _by_identity(
+        _BY_OBJECT, (prev, id(message)), held, len(message.content), _extend_hash, prev, message
+    )
+
+
+def _by_identity(
+    memo: _Memo, key: Any, held: tuple, chars: int, compute: Callable[..., str], *args: Any
+) -> str:
+    """compute(*args), remembered for objects known by identity. Requests read alike share their message
+    and tool objects (ItemMemo); `held` keeps the objects (so that their ids are not others'
+    meanwhile) and the fields they held (a field set anew since is seen; nothing is changed in
+    place once read)."""
+    known = memo.get(key)
+    if known is not None and all(map(operator.is_, known[0], held)):
         return known[1]
-    h = _extend_hash(prev, message)
-    _BY_OBJECT.put((prev, id(message)), (fields, h), len(message.content))
-    return h
+    value = compute(*args)
+    memo.put(key, (held, value), chars)
+    return value
 
 
 def _extend_hash(prev: str, message: Message) -> str:
@@ -100,22 +109,17 @@ def conversation_hashes(messages: list[Message], tools: list[Tool]) -> list[str]
 
 
 def _tools_hash(tools: list[Tool]) -> str:
-    # Requests read alike share their tool objects (ItemMemo): a tool set is known by identity, as
-    # messages are (its JSON, sorted, is ~0.25 ms a turn for Claude Code's tools).
-    held = [(t, t.name, t.description, t.parameters) for t in tools]
-    key = tuple(map(id, tools))
-    known = _TOOLS_BY_OBJECT.get(key)
-    if known is not None and all(map(operator.is_, _flat(known[0]), _flat(held))):
-        return known[1]
-    h = hashlib.sha256(
+    """The hash of a tool set, known by identity as messages are (its JSON, sorted, is ~0.25 ms a
+    turn for Claude Code's tools)."""
+    held = tuple(x for t in tools for x in (t, t.name, t.description, t.parameters))
+    chars = sum(len(t.description) + 1_000 for t in tools)
+    return _by_identity(_TOOLS_BY_OBJECT, tuple(map(id, tools)), held, chars, _hash_tools, tools)
+
+
+def _hash_tools(tools: list[Tool]) -> str:
+    return hashlib.sha256(
         json.dumps([t.model_dump() for t in tools], sort_keys=True, ensure_ascii=False).encode()
     ).hexdigest()[:32]
-    _TOOLS_BY_OBJECT.put(key, (held, h), sum(len(t.description) + 1_000 for t in tools))
-    return h
-
-
-def _flat(held: list[tuple]) -> Iterator[Any]:
-    return (x for fields in held for x in fields)
 
 
 def render_full(

@@ -35,8 +35,8 @@ class Style(Protocol):
         self, body: Any, *, path: str, require_max_tokens: bool = ..., memo: ItemMemo | None = ...
     ) -> ChatRequest:
         """A native request body (and its path, where the model or stream flag live) as neutral.
-        `memo`, the conversation's previous request as read, spares reading its messages again
-        (styles whose messages each read alone use it)."""
+        `memo`, what the conversation's last requests were read as, spares reading repeated
+        messages and tools again (styles whose items each read alone use it)."""
         ...
 
     def parse_reply(self, reply: Any, *, lenient: bool = ...) -> tuple[list[Message], FinishReason]:

@@ -1,11 +1,11 @@
 """SQLite store of sessions and turns.
 
-`Store` is the async writer the proxy uses (WAL; its connection lives in a thread of its own). `read_turns` is the synchronous
-reader the offline reconstructor uses; `connect` opens the file for it (see there for when
-migrations run); `queries` holds the smaller questions the other packages ask. A turn's prompt is stored as a reference to an earlier
-turn's full sequence (prompt + output) plus its own new suffix, so a long session costs its
-unique tokens, not turns × context; its raw request likewise as what differs from an earlier
-turn's request (`deltas`).
+`Store` is the async writer the proxy uses (WAL; its connection lives in a thread of its own).
+`read_turns` is the synchronous reader the offline reconstructor uses; `connect` opens the file
+for it (see there for when migrations run); `queries` holds the smaller questions the other
+packages ask. A turn's prompt is stored as a reference to an earlier turn's full sequence
+(prompt + output) plus its own new suffix, so a long session costs its unique tokens, not turns ×
+context; its raw request likewise as what differs from an earlier turn's request (`deltas`).
 """
 
 from __future__ import annotations
@@ -364,7 +364,10 @@ class Store:
             "INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?, ?)",
             (rec.session_id, time.time()),
         )
-        await (self.write(insert) if known else self.write(session, insert))
+        if known:
+            await self.write(insert)
+        else:
+            await self.write(session, insert)
         self._sessions.add(rec.session_id)
         if rec.status == "ok" and rec.post_hash is not None:
             self._post_hashes[(rec.session_id, rec.post_hash)] = rec.id
@@ -442,9 +445,9 @@ class Store:
                 " FROM turns WHERE id = ?",
                 (cur_id,),
             )
-            row = rows[0] if rows else None
-            if row is None:
+            if not rows:
                 raise KeyError(f"turn {cur_id} not in store {self.path}")
+            row = rows[0]
             chain.append(row)
             cur_id = row[1]
         seq = base
