@@ -193,12 +193,17 @@ def shared_proxy(backend: FakeBackend, tokenizer: Path, db: Path, certs: Path, *
 
 
 def claude_in_shell(exports: str, tmp_path: Path) -> None:
+    """Claude Code run from a pasted `export` line (`harness_in_shell`)."""
+    harness_in_shell(exports, "claude -p 'Create out.txt containing hi' --allowedTools Bash", tmp_path)
+
+
+def harness_in_shell(exports: str, command: str, tmp_path: Path) -> None:
     """README's way of using a long-lived proxy: a harness's `export` line pasted into a shell and
-    Claude Code run there; it must run its Bash tool call and print the fake's final answer."""
+    the harness run there; it must run its shell tool call and print the fake's final answer."""
     work = tmp_path / "work"
     work.mkdir()
     r = subprocess.run(
-        ["bash", "-c", f"{exports}; claude -p 'Create out.txt containing hi' --allowedTools Bash"],
+        ["bash", "-c", f"{exports}; {command}"],
         cwd=work,
         env=harness_env(tmp_path / "home"),
         capture_output=True,

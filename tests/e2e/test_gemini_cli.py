@@ -137,29 +137,16 @@ def test_thought_parts_and_keepalives_reach_the_real_cli(tmp_path, thinking_back
 def test_gemini_cli_through_a_shared_proxy_with_two_workers(tmp_path, backend, qwen_tokenizer_dir, certs_dir):
     """The gemini-cli line a `proxy --workers 2` prints, pasted into a shell: the front hands each
     of the CLI's connections to its session's worker, and the turns splice as through one proxy."""
-    import subprocess
-
-    from tests.e2e.harness import shared_proxy
+    from tests.e2e.harness import harness_in_shell, shared_proxy
 
     require_binary("gemini")
-    work, db = tmp_path / "work", tmp_path / "shared.sqlite"
-    work.mkdir()
+    db = tmp_path / "shared.sqlite"
     with shared_proxy(
         backend, qwen_tokenizer_dir, db, certs_dir, "--workers", "2", "--tool-parser", "qwen25"
     ) as printed:
         printed.until("# gemini-cli: ")
         exports = printed.next().replace("SESSION", "gem-workers")
-        r = subprocess.run(
-            ["bash", "-c", f"{exports}; gemini -p 'Create out.txt containing hi' --yolo"],
-            cwd=work,
-            env=harness_env(tmp_path / "home"),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert (work / "out.txt").read_text() == "hi\n"
-    assert "Done. The command finished." in r.stdout
+        harness_in_shell(exports, "gemini -p 'Create out.txt containing hi' --yolo", tmp_path)
     t1, t2 = main_turns(db)
     assert {t.session_id for t in read_turns(db)} == {"gem-workers"}
     assert t2.prompt_ref == t1.id
