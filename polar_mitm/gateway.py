@@ -43,6 +43,7 @@ SECRET_HEADER = "x-polar-secret"
 # What the sessions' request memos may hold in all (JSON text; the messages read are about as
 # much again): a few hundred 32k-token conversations.
 MEMO_BYTES = 256 * 2**20
+UNKNOWN_SAID_MAX = 100_000  # (session, style, field) entries remembered before starting over
 
 Tagger = Callable[[ChatRequest, str], str | None]
 
@@ -101,6 +102,8 @@ class Gateway:
         # Per (session, style): how the messages and tools of its last requests read (see ItemMemo).
         self._memos: OrderedDict[tuple[str, str], ItemMemo] = OrderedDict()
         self._memo_bytes = 0
+        # (session, style, field) of the unknown request fields already said (see _say_unknown).
+        self._unknown_said: set[tuple[str, str, str]] = set()
 
     @property
     def max_request_bytes(self) -> int:
@@ -204,6 +207,7 @@ class Gateway:
                 memo.settle()
         finally:
             self._memo_bytes += memo.size if memo is not None else 0
+        self._say_unknown(session, style, body)
         await self._check_fits(req)
         ctx = TurnContext(
             session_id=session,
@@ -266,6 +270,24 @@ class Gateway:
             return True
         given = request.headers.get(SECRET_HEADER, "").encode("utf-8", "replace")
         return hmac.compare_digest(given, self.secret.encode())
+
+    def _say_unknown(self, session: str, style: Style, body: Any) -> None:
+        """Log, once per session, each top-level request field the style does not know: a field
+        the provider reads and we do not is a prompt the harness did not send."""
+        for name in style.unknown_fields(body):
+            key = (session, style.NAME, name)
+            if key in self._unknown_said:
+                continue
+            if len(self._unknown_said) >= UNKNOWN_SAID_MAX:
+                self._unknown_said.clear()
+            self._unknown_said.add(key)
+            log.warning(
+                "session %s: %s request field %r is not read by polar-mitm (the policy's prompt may "
+                "differ from what the provider would see); said once per session",
+                session,
+                style.NAME,
+                name[:100],
+            )
 
     def _memo(self, session: str, style: Style, size: int) -> ItemMemo:
         """The session's memo in this style, begun for a request; its bytes are taken off the

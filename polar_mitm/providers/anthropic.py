@@ -33,13 +33,25 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
-from polar_mitm.providers import fields
+from polar_mitm.providers import base, fields
 from polar_mitm.providers.base import Endpoint, ItemMemo, each
 from polar_mitm.sse import JsonEvent
 
 NAME = "anthropic"
 ID_PREFIX = "toolu_"
 HOSTS = ["api.anthropic.com"]
+# The Messages API's request fields: those read, then those the policy has no use for (billing,
+# routing, server-side tools it cannot run). Anything else is said once per session.
+KNOWN_FIELDS = frozenset(
+    {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "temperature", "top_p"}
+    | {"top_k", "stop_sequences", "stream", "thinking"}
+    | {"metadata", "service_tier", "container", "mcp_servers"}
+)
+
+
+def unknown_fields(body: Any) -> list[str]:
+    return base.unknown_fields(body, KNOWN_FIELDS)
+
 
 _BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:.*$", re.MULTILINE)
 

@@ -66,6 +66,11 @@ class Style(Protocol):
 
     def render_count(self, n: int) -> dict[str, Any]: ...
 
+    def unknown_fields(self, body: Any) -> list[str]:
+        """The top-level fields of a request body this style neither reads nor knowingly ignores
+        (so a field the provider accepts and we misread is said, not silent)."""
+        ...
+
     def render_models(self, names: list[str]) -> dict[str, Any]: ...
 
 
@@ -123,6 +128,13 @@ class ItemMemo:
 
 
 _MISSING = object()
+
+
+def unknown_fields(body: Any, known: frozenset[str], spell: Callable[[str], str] = str) -> list[str]:
+    """The keys of a request body (spelled by `spell`) that are not in `known`, in body order."""
+    if not isinstance(body, dict):
+        return []
+    return [k for k in body if spell(k) not in known]
 
 
 def each[T, R](items: Iterable[T], parse: Callable[[int, T], R], *, lenient: bool) -> list[R]:

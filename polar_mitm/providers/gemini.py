@@ -40,7 +40,7 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
-from polar_mitm.providers import fields
+from polar_mitm.providers import base, fields
 from polar_mitm.providers.base import Endpoint, ItemMemo, each, first_of
 from polar_mitm.sse import JsonEvent
 
@@ -91,6 +91,171 @@ def model_and_stream(path: str) -> tuple[str, bool]:
 
 
 # ---- request -----------------------------------------------------------------------------------
+
+# The Gemini API reads a body as protobuf JSON, which accepts each field by its proto name
+# (`system_instruction`, `function_call`) as well as by its JSON name (`systemInstruction`);
+# litellm and other clients send the proto names. Bodies are read in the JSON names, so every key
+# of a message type is spelled that way first. Only the keys of proto messages are renamed, never
+# those of the free-form values inside them (a call's `args`, a function's `response`, a
+# `parametersJsonSchema`, the property names of a schema's `properties`): those are data.
+#
+# message type -> {field (JSON name): the type of its value}; a type is a message type's name,
+# _FREE (a google.protobuf.Value/Struct: left as it is), _SCALAR, or _SCHEMA_MAP (a map of names
+# to Schema). A field a type does not list is renamed too, and its value left as it is.
+_FREE = "free"
+_SCALAR = "scalar"
+_SCHEMA_MAP = "schema map"
+_MESSAGES: dict[str, dict[str, str]] = {
+    "GenerateContentRequest": {
+        "model": _SCALAR,
+        "contents": "Content",
+        "systemInstruction": "Content",
+        "tools": "Tool",
+        "toolConfig": "ToolConfig",
+        "generationConfig": "GenerationConfig",
+        "generateContentRequest": "GenerateContentRequest",
+        "safetySettings": "SafetySetting",
+        "cachedContent": _SCALAR,
+        "labels": _FREE,
+    },
+    "Content": {"role": _SCALAR, "parts": "Part"},
+    "Part": {
+        "text": _SCALAR,
+        "thought": _SCALAR,
+        "thoughtSignature": _SCALAR,
+        "inlineData": "Blob",
+        "fileData": "FileData",
+        "functionCall": "FunctionCall",
+        "functionResponse": "FunctionResponse",
+        "executableCode": "ExecutableCode",
+        "codeExecutionResult": "CodeExecutionResult",
+        "videoMetadata": "VideoMetadata",
+        "partMetadata": _FREE,
+    },
+    "Blob": {"mimeType": _SCALAR, "data": _SCALAR, "displayName": _SCALAR},
+    "FileData": {"mimeType": _SCALAR, "fileUri": _SCALAR, "displayName": _SCALAR},
+    "FunctionCall": {"id": _SCALAR, "name": _SCALAR, "args": _FREE},
+    "FunctionResponse": {
+        "id": _SCALAR,
+        "name": _SCALAR,
+        "response": _FREE,
+        "parts": "Part",
+        "willContinue": _SCALAR,
+        "scheduling": _SCALAR,
+    },
+    "ExecutableCode": {"language": _SCALAR, "code": _SCALAR},
+    "CodeExecutionResult": {"outcome": _SCALAR, "output": _SCALAR},
+    "VideoMetadata": {"startOffset": _SCALAR, "endOffset": _SCALAR, "fps": _SCALAR},
+    "SafetySetting": {"category": _SCALAR, "threshold": _SCALAR},
+    "Tool": {
+        "functionDeclarations": "FunctionDeclaration",
+        "googleSearchRetrieval": _FREE,
+        "codeExecution": _FREE,
+        "googleSearch": _FREE,
+        "urlContext": _FREE,
+        "computerUse": _FREE,
+    },
+    "FunctionDeclaration": {
+        "name": _SCALAR,
+        "description": _SCALAR,
+        "behavior": _SCALAR,
+        "parameters": "Schema",
+        "parametersJsonSchema": _FREE,
+        "response": "Schema",
+        "responseJsonSchema": _FREE,
+    },
+    "Schema": {
+        "type": _SCALAR,
+        "format": _SCALAR,
+        "title": _SCALAR,
+        "description": _SCALAR,
+        "nullable": _SCALAR,
+        "enum": _SCALAR,
+        "maxItems": _SCALAR,
+        "minItems": _SCALAR,
+        "properties": _SCHEMA_MAP,
+        "required": _SCALAR,
+        "minProperties": _SCALAR,
+        "maxProperties": _SCALAR,
+        "minLength": _SCALAR,
+        "maxLength": _SCALAR,
+        "pattern": _SCALAR,
+        "example": _FREE,
+        "anyOf": "Schema",
+        "propertyOrdering": _SCALAR,
+        "default": _FREE,
+        "items": "Schema",
+        "minimum": _SCALAR,
+        "maximum": _SCALAR,
+    },
+    "ToolConfig": {"functionCallingConfig": "FunctionCallingConfig", "retrievalConfig": _FREE},
+    "FunctionCallingConfig": {"mode": _SCALAR, "allowedFunctionNames": _SCALAR},
+    "GenerationConfig": {
+        "stopSequences": _SCALAR,
+        "responseMimeType": _SCALAR,
+        "responseSchema": "Schema",
+        "responseJsonSchema": _FREE,
+        "responseModalities": _SCALAR,
+        "candidateCount": _SCALAR,
+        "maxOutputTokens": _SCALAR,
+        "temperature": _SCALAR,
+        "topP": _SCALAR,
+        "topK": _SCALAR,
+        "seed": _SCALAR,
+        "presencePenalty": _SCALAR,
+        "frequencyPenalty": _SCALAR,
+        "responseLogprobs": _SCALAR,
+        "logprobs": _SCALAR,
+        "enableEnhancedCivicAnswers": _SCALAR,
+        "speechConfig": _FREE,
+        "thinkingConfig": "ThinkingConfig",
+        "mediaResolution": _SCALAR,
+    },
+    "ThinkingConfig": {"includeThoughts": _SCALAR, "thinkingBudget": _SCALAR, "thinkingLevel": _SCALAR},
+}
+# Fields the Gemini API accepts on a request but the policy has no use for (safety, caching,
+# labels): their absence from a prompt is not a misreading.
+IGNORED_FIELDS = frozenset({"model", "safetySettings", "cachedContent", "labels"})
+KNOWN_FIELDS = frozenset(_MESSAGES["GenerateContentRequest"])
+
+
+def unknown_fields(body: Any) -> list[str]:
+    return base.unknown_fields(body, KNOWN_FIELDS, json_name)
+
+
+def json_name(key: str) -> str:
+    """A proto field name's JSON name (`max_output_tokens` -> `maxOutputTokens`); JSON names, and
+    keys without an underscore, are their own."""
+    if "_" not in key:
+        return key
+    head, *rest = key.split("_")
+    return head + "".join(w[:1].upper() + w[1:] for w in rest)
+
+
+def json_names(value: Any, kind: str = "GenerateContentRequest", where: str = "") -> Any:
+    """`value`, a `kind` message (or a list of them) as protobuf JSON, with every key of a proto
+    message spelled by its JSON name. The same object comes back when nothing is renamed. A field
+    given in both spellings is refused, as the API refuses it."""
+    if isinstance(value, list):
+        out = [json_names(v, kind, f"{where}.{i}") for i, v in enumerate(value)]
+        return value if all(a is b for a, b in zip(out, value, strict=True)) else out
+    if not isinstance(value, dict) or kind in (_FREE, _SCALAR):
+        return value
+    if kind == _SCHEMA_MAP:
+        out = {k: json_names(v, "Schema", f"{where}.{k}") for k, v in value.items()}
+        return value if all(out[k] is v for k, v in value.items()) else out
+    fields_of = _MESSAGES[kind]
+    renamed: dict[str, Any] = {}
+    changed = False
+    for key, v in value.items():
+        name = json_name(key)
+        at = f"{where}.{name}".lstrip(".")
+        if name in renamed:
+            raise fields.bad(at, "given twice (by its JSON name and by its proto name)")
+        child = json_names(v, fields_of.get(name, _FREE), at)
+        changed = changed or name != key or child is not v
+        renamed[name] = child
+    return renamed if changed else value
 
 
 def _bad(msg: str) -> ProviderError:
@@ -350,6 +515,7 @@ def parse_request(
     model, stream = model_and_stream(path)
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
+    body = json_names(body)
     # countTokens accepts a whole GenerateContentRequest in place of bare contents.
     if isinstance(body.get("generateContentRequest"), dict):
         body = body["generateContentRequest"]

@@ -31,7 +31,7 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
-from polar_mitm.providers import fields
+from polar_mitm.providers import base, fields
 from polar_mitm.providers.base import Endpoint, ItemMemo, each, first_of
 from polar_mitm.providers.fields import InvalidRequest
 from polar_mitm.sse import JsonEvent
@@ -48,6 +48,21 @@ HOSTS = [
     "coding.dashscope.aliyuncs.com",
     "coding-intl.dashscope.aliyuncs.com",
 ]
+# Chat Completions request fields: those read, then those that change neither the prompt nor what
+# the policy may answer (accounting, caching, sampling knobs the policy's own settings decide).
+KNOWN_FIELDS = frozenset(
+    {"model", "messages", "tools", "tool_choice", "functions", "function_call", "max_tokens"}
+    | {"max_completion_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream", "stream_options"}
+    | {"response_format", "reasoning_effort", "chat_template_kwargs", "enable_thinking"}
+    | {"user", "metadata", "store", "parallel_tool_calls", "seed", "frequency_penalty"}
+    | {"presence_penalty", "logit_bias", "logprobs", "top_logprobs", "service_tier", "prompt_cache_key"}
+    | {"safety_identifier", "verbosity"}
+)
+
+
+def unknown_fields(body: Any) -> list[str]:
+    return base.unknown_fields(body, KNOWN_FIELDS)
+
 
 # neutral kind -> (OpenAI error type, code, status override). OpenAI's node SDK retries 408,
 # 409, 429 and every 5xx, so an overloaded or unreachable policy backend is a 503 (not

@@ -44,13 +44,26 @@ from polar_mitm.neutral import (
     ToolCall,
     ToolCallEvent,
 )
-from polar_mitm.providers import fields, openai_chat
+from polar_mitm.providers import base, fields, openai_chat
 from polar_mitm.providers.base import Endpoint, ItemMemo
 from polar_mitm.sse import JsonEvent
 
 NAME = "openai-responses"
 ID_PREFIX = "call_"
 HOSTS = ["api.openai.com"]
+# Responses request fields: those read (or refused: previous_response_id, conversation,
+# background), then those that change neither the prompt nor what the policy may answer.
+KNOWN_FIELDS = frozenset(
+    {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature"}
+    | {"top_p", "reasoning", "text", "stream", "background", "previous_response_id", "conversation"}
+    | {"store", "metadata", "user", "parallel_tool_calls", "include", "service_tier", "truncation"}
+    | {"prompt_cache_key", "safety_identifier", "stream_options", "top_logprobs", "client_metadata"}
+)
+
+
+def unknown_fields(body: Any) -> list[str]:
+    return base.unknown_fields(body, KNOWN_FIELDS)
+
 
 REASONING_TOKEN_PREFIX = "polar-r1:"
 COMPACTION_TOKEN_PREFIX = "polar-c1:"
