@@ -602,3 +602,120 @@ def test_qwen_code_recipe_routes_its_hosts_here_and_tags_the_memory_extractor():
         "You are now acting as the managed memory extraction subagent for an AI coding assistant.\n\nRules:"
     )
     assert rec.tag(openai_chat.parse_request(extractor), path) == "memory-extract"
+
+
+# Copilot CLI's default OpenAI path offers apply_patch as a Chat Completions `custom` tool.
+APPLY_PATCH = {
+    "type": "custom",
+    "custom": {
+        "name": "apply_patch",
+        "description": "Apply a patch",
+        "format": {
+            "type": "grammar",
+            "grammar": {"syntax": "lark", "definition": "start: PATCH\nPATCH: /.+/s"},
+        },
+    },
+}
+PATCH_TEXT = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+
+
+def test_custom_tools_are_offered_as_one_string_argument_and_their_calls_echo_back():
+    body = {
+        "model": "gpt-5",
+        "messages": [
+            {"role": "user", "content": "add a.txt"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "call_1", "type": "custom", "custom": {"name": "apply_patch", "input": PATCH_TEXT}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "Done!"},
+        ],
+        "tools": [SHELL, APPLY_PATCH, {"type": "custom", "custom": {"name": "notes"}}],
+    }
+    req = openai_chat.parse_request(body)
+    shell, patch, notes = req.tools
+    assert patch.name == "apply_patch" and patch.parameters["required"] == ["input"]
+    assert "lark grammar" in patch.parameters["properties"]["input"]["description"]
+    assert "PATCH: /.+/s" in patch.parameters["properties"]["input"]["description"]
+    assert notes.parameters["properties"]["input"]["type"] == "string"
+    assert req.custom_tools == {"apply_patch", "notes"}
+    [call] = req.messages[1].tool_calls
+    assert call == ToolCall(id="call_1", name="apply_patch", arguments={"input": PATCH_TEXT})
+    # The same Responses-style freeform tool: one reading of custom tools for both styles.
+    from polar_mitm.providers import openai_responses
+
+    r = openai_responses.parse_request(
+        {
+            "model": "m",
+            "input": "x",
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "apply_patch",
+                    "description": "Apply a patch",
+                    "format": {
+                        "type": "grammar",
+                        "syntax": "lark",
+                        "definition": "start: PATCH\nPATCH: /.+/s",
+                    },
+                }
+            ],
+        }
+    )
+    assert r.tools == [patch]
+
+
+async def test_custom_tool_calls_render_as_custom_in_json_and_stream_and_reassemble():
+    req = openai_chat.parse_request(
+        {
+            "model": "gpt-5",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [SHELL, APPLY_PATCH],
+            "stream": True,
+        }
+    )
+    patch = ToolCall(id="call_7", name="apply_patch", arguments={"input": PATCH_TEXT})
+    c = completion(tool_calls=[CALL, patch], finish_reason="tool_calls")
+    whole = openai_chat.render_response(c, req)
+    calls = whole["choices"][0]["message"]["tool_calls"]
+    assert calls[0]["type"] == "function"
+    assert calls[1] == {
+        "id": "call_7",
+        "type": "custom",
+        "custom": {"name": "apply_patch", "input": PATCH_TEXT},
+    }
+    raw = await collect(
+        [
+            Started(turn_id="turn_abc", prompt_tokens=10),
+            ToolCallEvent(call=CALL),
+            ToolCallEvent(call=patch),
+            Done(completion=c),
+        ],
+        req,
+    )
+    events = [(None, ch) for ch in parse_sse(raw)[1][:-1]]
+    assembled = openai_chat.assemble(events)
+    assert assembled["choices"][0]["message"]["tool_calls"] == calls
+    # What the reply reads as is what its echo in the next request reads as.
+    [msg], finish = openai_chat.parse_reply(assembled)
+    assert msg.tool_calls == [CALL, patch] and finish == "tool_calls"
+
+
+async def test_custom_tools_through_the_proxy_reach_the_prompt(make_stack):
+    stack = await make_stack()
+    body = {
+        "model": "gpt-5",
+        "messages": [{"role": "user", "content": "add a.txt"}],
+        "tools": [APPLY_PATCH],
+    }
+    async with stack.client() as c:
+        r = await c.post(
+            "https://api.openai.com/v1/chat/completions", json=body, headers={"authorization": "Bearer k"}
+        )
+    assert r.status_code == 200, r.text
+    [turn] = list(read_turns(stack.db))
+    tok = await stack.proxy.policy.tokenizer()
+    assert "apply_patch" in tok.decode(turn.prompt_ids) and "lark grammar" in tok.decode(turn.prompt_ids)

@@ -9,12 +9,22 @@ mode records a real provider's, so an echoed reply always reads like the reply i
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Literal, Protocol
 
 import orjson
 
-from polar_mitm.neutral import ChatRequest, Completion, Event, FinishReason, Message, ProviderError
+from polar_mitm.neutral import (
+    ChatRequest,
+    Completion,
+    Event,
+    FinishReason,
+    Message,
+    ProviderError,
+    Tool,
+    ToolCall,
+)
 from polar_mitm.sse import JsonEvent
 
 Endpoint = Literal["generate", "count_tokens", "models"]
@@ -128,6 +138,32 @@ class ItemMemo:
 
 
 _MISSING = object()
+
+
+def freeform_tool(name: str, description: str, grammar: tuple[str, str] | None = None) -> Tool:
+    """A custom (freeform) tool, which takes one string and no JSON (OpenAI's `custom` tools in
+    Responses and Chat Completions, e.g. Codex's and Copilot CLI's apply_patch), as a function
+    with one string argument, `input`; `grammar` is (syntax, definition) when the input must
+    match one, and the policy is told it in the argument's description."""
+    hint = "The raw input for this tool."
+    if grammar is not None:
+        hint += f" It must match this {grammar[0]} grammar:\n{grammar[1]}"
+    return Tool(
+        name=name,
+        description=description,
+        parameters={
+            "type": "object",
+            "properties": {"input": {"type": "string", "description": hint}},
+            "required": ["input"],
+        },
+    )
+
+
+def freeform_input(call: ToolCall) -> str:
+    """A call of a freeform tool as the one string it takes (its `input`; the policy's raw text
+    when its arguments did not parse; else the arguments as JSON)."""
+    value = call.arguments.get("input") if call.raw is None else call.raw
+    return value if isinstance(value, str) else json.dumps(call.arguments, ensure_ascii=False)
 
 
 def unknown_fields(body: Any, known: frozenset[str], spell: Callable[[str], str] = str) -> list[str]:

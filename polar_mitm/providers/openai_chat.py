@@ -98,6 +98,7 @@ class ChatCompletionsRequest(ChatRequest):
     """
 
     include_usage: bool = False
+    custom_tools: frozenset[str] = frozenset()  # names of the offered `custom` (freeform) tools
 
 
 # ---- request -----------------------------------------------------------------------------------
@@ -165,6 +166,13 @@ def _parse_arguments(raw: Any, where: str) -> ToolCall:
 def _parse_tool_call(where: str, c: Any) -> ToolCall:
     if not isinstance(c, dict):
         raise _bad(f"{where}: must be an object", where)
+    if c.get("type") == "custom":  # a freeform tool's call: one string, as its tool was offered
+        custom = fields.obj(c.get("custom"), f"{where}.custom")
+        return ToolCall(
+            id=str(c.get("id") or ""),
+            name=fields.string(custom, "name", f"{where}.custom"),
+            arguments={"input": fields.opt_str(custom, "input", f"{where}.custom")},
+        )
     fn = c.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise _bad(f"{where}.function.name: required", f"{where}.function.name")
@@ -230,9 +238,40 @@ def _tool_item(j: int, t: Any) -> Tool:
     where = f"tools.{j}"
     t = fields.obj(t, where)
     kind = fields.type_tag(t, where) or "function"
+    if kind == "custom":
+        return _custom_tool(t.get("custom"), f"{where}.custom")
     if kind != "function":
-        raise _bad(f"{where}.type: unsupported tool type {kind!r}; expected 'function'", where)
+        raise _bad(f"{where}.type: unsupported tool type {kind!r}; expected 'function' or 'custom'", where)
     return _tool(t.get("function"), f"{where}.function")
+
+
+def _custom_tool(c: Any, where: str) -> Tool:
+    """A `custom` tool (`{"name", "description", "format": {"type": "text"} or {"type":
+    "grammar", "grammar": {"definition", "syntax"}}}`) as the freeform tool Responses reads too."""
+    c = fields.obj(c, where)
+    fmt = fields.opt_obj(c, "format", where) or {}
+    grammar = None
+    if fmt.get("type") == "grammar":
+        g = fields.obj(fmt.get("grammar"), f"{where}.format.grammar")
+        syntax = fields.opt_str(g, "syntax", f"{where}.format.grammar", default="grammar")
+        grammar = (syntax, fields.string(g, "definition", f"{where}.format.grammar"))
+    return base.freeform_tool(
+        fields.string(c, "name", where), fields.opt_str(c, "description", where), grammar
+    )
+
+
+def _custom_names(body: dict[str, Any]) -> frozenset[str]:
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return frozenset()
+    return frozenset(
+        t["custom"]["name"]
+        for t in tools
+        if isinstance(t, dict)
+        and t.get("type") == "custom"
+        and isinstance(t.get("custom"), dict)
+        and isinstance(t["custom"].get("name"), str)
+    )
 
 
 def _parse_tools(body: dict[str, Any], memo: ItemMemo | None = None) -> list[Tool]:
@@ -340,6 +379,7 @@ def parse_request(
         model=fields.opt_str(body, "model", ""),
         messages=messages,
         tools=_parse_tools(body, memo),
+        custom_tools=_custom_names(body),
         tool_choice=_tool_choice(body.get("tool_choice", body.get("function_call"))),
         sampling=sampling,
         stream=bool(body.get("stream", False)),
@@ -384,7 +424,13 @@ def _usage(c: Completion) -> dict[str, Any]:
     }
 
 
-def _tool_call(call: ToolCall) -> dict[str, Any]:
+def _tool_call(call: ToolCall, custom: frozenset[str] = frozenset()) -> dict[str, Any]:
+    if call.name in custom:
+        return {
+            "id": call.id,
+            "type": "custom",
+            "custom": {"name": call.name, "input": base.freeform_input(call)},
+        }
     return {
         "id": call.id,
         "type": "function",
@@ -392,8 +438,11 @@ def _tool_call(call: ToolCall) -> dict[str, Any]:
     }
 
 
+def _custom(req: ChatRequest | None) -> frozenset[str]:
+    return req.custom_tools if isinstance(req, ChatCompletionsRequest) else frozenset()
+
+
 def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, Any]:
-    del req  # the reply does not depend on how the request was made
     message: dict[str, Any] = {
         "role": "assistant",
         # OpenAI sends null content when the reply is only tool calls.
@@ -403,7 +452,7 @@ def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, 
     if c.reasoning:
         message["reasoning_content"] = c.reasoning
     if c.tool_calls:
-        message["tool_calls"] = [_tool_call(call) for call in c.tool_calls]
+        message["tool_calls"] = [_tool_call(call, _custom(req)) for call in c.tool_calls]
     return {
         "id": completion_id(c.turn_id),
         "object": "chat.completion",
@@ -466,6 +515,9 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
         elif isinstance(ev, ToolCallEvent):
             tool_index += 1
             call = ev.call
+            if call.name in _custom(req):  # a freeform call: whole, in one chunk
+                yield chunk({"tool_calls": [{"index": tool_index, **_tool_call(call, _custom(req))}]})
+                continue
             # As OpenAI streams them: the call's id and name first, then its arguments.
             yield chunk(
                 {
@@ -534,6 +586,12 @@ def assemble(events: list[JsonEvent]) -> dict[str, Any]:
                     call["id"] = tc["id"]
                 if tc.get("type"):
                     call["type"] = tc["type"]
+                if isinstance(tc.get("custom"), dict):  # a freeform call: its name and input
+                    custom = call.setdefault("custom", {"name": "", "input": ""})
+                    call.pop("function", None)
+                    custom["name"] += tc["custom"].get("name") or ""
+                    custom["input"] += tc["custom"].get("input") or ""
+                    continue
                 fn = tc.get("function") or {}
                 if fn.get("name"):
                     call["function"]["name"] += fn["name"]

@@ -238,20 +238,11 @@ def _convert_tool(t: Any, where: str) -> Tool | None:
     if kind == "custom":  # freeform tools (Codex's apply_patch) take one string
         name = fields.string(t, "name", where)
         fmt = fields.opt_obj(t, "format", where) or {}
-        hint = "The raw input for this tool."
+        grammar = None
         if fmt.get("type") == "grammar" and fmt.get("definition"):
             syntax = fields.opt_str(fmt, "syntax", f"{where}.format", default="grammar")
-            definition = fields.string(fmt, "definition", f"{where}.format")
-            hint += f" It must match this {syntax} grammar:\n{definition}"
-        return Tool(
-            name=name,
-            description=fields.opt_str(t, "description", where),
-            parameters={
-                "type": "object",
-                "properties": {"input": {"type": "string", "description": hint}},
-                "required": ["input"],
-            },
-        )
+            grammar = (syntax, fields.string(fmt, "definition", f"{where}.format"))
+        return base.freeform_tool(name, fields.opt_str(t, "description", where), grammar)
     if kind == "local_shell":
         return Tool(
             name="local_shell", description="Runs a shell command.", parameters=LOCAL_SHELL_PARAMETERS
@@ -525,9 +516,7 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
 def _call_item(item_id: str, call: ToolCall, kind: str, status: str = "completed") -> dict[str, Any]:
     done = status == "completed"
     if kind == "custom":
-        value = call.arguments.get("input") if call.raw is None else call.raw
-        if not isinstance(value, str):
-            value = json.dumps(call.arguments, ensure_ascii=False)
+        value = base.freeform_input(call)
         return {
             "type": "custom_tool_call",
             "id": item_id,
