@@ -641,7 +641,7 @@ def test_custom_tools_are_offered_as_one_string_argument_and_their_calls_echo_ba
     assert "lark grammar" in patch.parameters["properties"]["input"]["description"]
     assert "PATCH: /.+/s" in patch.parameters["properties"]["input"]["description"]
     assert notes.parameters["properties"]["input"]["type"] == "string"
-    assert req.custom_tools == {"apply_patch", "notes"}
+    assert req.custom_tools == ["apply_patch", "notes"]
     [call] = req.messages[1].tool_calls
     assert call == ToolCall(id="call_1", name="apply_patch", arguments={"input": PATCH_TEXT})
     # The same Responses-style freeform tool: one reading of custom tools for both styles.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from polar_mitm import sse
@@ -98,7 +98,7 @@ class ChatCompletionsRequest(ChatRequest):
     """
 
     include_usage: bool = False
-    custom_tools: frozenset[str] = frozenset()  # names of the offered `custom` (freeform) tools
+    custom_tools: list[str] = []  # names of the offered `custom` (freeform) tools, sorted
 
 
 # ---- request -----------------------------------------------------------------------------------
@@ -260,11 +260,11 @@ def _custom_tool(c: Any, where: str) -> Tool:
     )
 
 
-def _custom_names(body: dict[str, Any]) -> frozenset[str]:
+def _custom_names(body: dict[str, Any]) -> list[str]:
     tools = body.get("tools")
     if not isinstance(tools, list):
-        return frozenset()
-    return frozenset(
+        return []
+    return sorted(
         t["custom"]["name"]
         for t in tools
         if isinstance(t, dict)
@@ -424,7 +424,7 @@ def _usage(c: Completion) -> dict[str, Any]:
     }
 
 
-def _tool_call(call: ToolCall, custom: frozenset[str] = frozenset()) -> dict[str, Any]:
+def _tool_call(call: ToolCall, custom: Collection[str] = ()) -> dict[str, Any]:
     if call.name in custom:
         return {
             "id": call.id,
@@ -438,8 +438,8 @@ def _tool_call(call: ToolCall, custom: frozenset[str] = frozenset()) -> dict[str
     }
 
 
-def _custom(req: ChatRequest | None) -> frozenset[str]:
-    return req.custom_tools if isinstance(req, ChatCompletionsRequest) else frozenset()
+def _custom(req: ChatRequest | None) -> list[str]:
+    return req.custom_tools if isinstance(req, ChatCompletionsRequest) else []
 
 
 def render_response(c: Completion, req: ChatRequest | None = None) -> dict[str, Any]:
