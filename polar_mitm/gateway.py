@@ -25,11 +25,10 @@ from typing import Any
 from aiohttp import web
 
 from polar_mitm import providers, redact
-from polar_mitm.addons.stubs import stub_answer
 from polar_mitm.backends import large_inputs
 from polar_mitm.backends.policy import Policy, TurnContext
 from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
-from polar_mitm.providers import Style, fields
+from polar_mitm.providers import Style, fields, side_endpoints
 from polar_mitm.providers.base import ItemMemo
 
 log = logging.getLogger("polar_mitm.gateway")
@@ -168,8 +167,11 @@ class Gateway:
             )
         self.first_request.set()
         if found is None and peer is not None:  # a side endpoint of the provider's host
-            status, body, ctype = stub_answer(
-                request.method, request.path_qs, request.headers.get("upgrade", "")
+            status, body, ctype = side_endpoints.answer(
+                request.method,
+                request.path_qs,
+                request.headers.get("upgrade", ""),
+                providers.error_style(host),
             )
             return web.Response(status=status, body=body, content_type=ctype)
         if found is None:

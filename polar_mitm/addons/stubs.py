@@ -1,17 +1,18 @@
 """Answer side endpoints locally: telemetry, policy checks, connectivity probes, model lists.
 
 Anything on a provider host that is not a model endpoint, and anything on a known telemetry
-host, is answered here and never leaves the machine. Codex's WebSocket attempt gets a 426 so it
-falls back to HTTP at once.
+host, is answered here and never leaves the machine, as `providers.side_endpoints` says.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 
 from mitmproxy import http
+
+from polar_mitm import providers
+from polar_mitm.providers import side_endpoints
 
 log = logging.getLogger("polar_mitm.stubs")
 
@@ -56,25 +57,9 @@ class Stubs:
         )
 
 
-def stub_answer(method: str, path: str, upgrade: str = "") -> tuple[int, bytes, str]:
-    """(status, body, content type) of a side endpoint's local answer; the proxy's stubs and the
-    gateway (for the provider connections handed to it) both answer with this."""
-    path = path.split("?", 1)[0]
-    if upgrade.lower() == "websocket":
-        return 426, b"Upgrade Required", "text/plain"
-    if method in ("HEAD", "OPTIONS") or path in ("", "/"):
-        return 200, b"", "application/json"
-    if path.endswith("/hello"):  # connectivity probes (Claude Code's interactive start-up)
-        return 200, b'{"message": "hello"}', "application/json"
-    if "event_logging" in path or "telemetry" in path or "/log" in path or method == "POST":
-        return 200, b"{}", "application/json"
-    body = {
-        "type": "error",
-        "error": {"type": "not_found_error", "message": f"{path} is not served by polar-mitm"},
-    }
-    return 404, json.dumps(body).encode(), "application/json"
-
-
 def stub_response(req: http.Request) -> http.Response:
-    status, body, ctype = stub_answer(req.method, req.path, req.headers.get("upgrade", ""))
+    styles = providers.HOST_STYLES.get(req.pretty_host.lower())
+    status, body, ctype = side_endpoints.answer(
+        req.method, req.path, req.headers.get("upgrade", ""), styles[0] if styles else None
+    )
     return http.Response.make(status, body, {"content-type": ctype})
