@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
+from polar_mitm import redact
 from polar_mitm.store import deltas
 from polar_mitm.store.migrations import migrate, pending
 from polar_mitm.store.packing import (
@@ -297,7 +298,7 @@ class Store:
                     session_id,
                     task_id,
                     harness,
-                    json.dumps(list(command)) if command is not None else None,
+                    json.dumps(redact.argv(command)) if command is not None else None,
                     mode,
                     json.dumps(metadata or {}),
                     time.time(),
