@@ -67,6 +67,34 @@ def harvest_options(f):
     return f
 
 
+def _parse_provider_hosts(
+    ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
+) -> dict[str, str]:
+    from polar_mitm import providers
+
+    out: dict[str, str] = {}
+    for spec in value:
+        try:
+            host, style = providers.parse_provider_host(spec)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        out[host] = style
+    return out
+
+
+PROVIDER_HOST = click.option(
+    "--provider-host",
+    "provider_hosts",
+    multiple=True,
+    metavar="HOST=STYLE",
+    callback=_parse_provider_hosts,
+    help="Also answer HOST's model calls, in API STYLE: anthropic, openai (Chat Completions and "
+    "Responses, told apart by path), openai-chat, openai-responses or gemini; for harnesses whose "
+    "default provider is another compatible host (e.g. api.x.ai=openai, api.moonshot.ai=openai). "
+    "Repeatable; recipes can name such hosts too.",
+)
+
+
 def _parse_listen(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     try:
@@ -106,6 +134,7 @@ def harvest_config(harvest: bool, upstreams: dict[str, str], upstream_insecure: 
 @main.command(context_settings={"allow_interspersed_args": False})
 @policy_options
 @harvest_options
+@PROVIDER_HOST
 @click.option("--session", default=None, help="Session id [default: a new one].")
 @click.option("--task", default=None, help="Task id stored with the session.")
 @click.option("--recipe", default=None, help="Harness recipe [default: chosen from the command's binary].")
@@ -118,7 +147,18 @@ def harvest_config(harvest: bool, upstreams: dict[str, str], upstream_insecure: 
 )
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
-    cmd, session, task, recipe, untrusted_timeout, db, certs, harvest, upstreams, upstream_insecure, **policy
+    cmd,
+    session,
+    task,
+    recipe,
+    untrusted_timeout,
+    db,
+    certs,
+    harvest,
+    upstreams,
+    upstream_insecure,
+    provider_hosts,
+    **policy,
 ) -> None:
     """Run CMD behind the proxy; exit with CMD's exit code.
 
@@ -148,6 +188,7 @@ def run(
         default_session=session_id,
         recipe=rec.name,
         policy=make_policy_config(**policy),
+        provider_hosts=provider_hosts,
         **harvest_config(harvest, upstreams, upstream_insecure),
     )
     preflight(cfg)
@@ -195,6 +236,7 @@ def run(
     default=None,
     help="Require this token as the proxy password (HTTPS_PROXY=http://SESSION:TOKEN@…); others get 407.",
 )
+@PROVIDER_HOST
 @click.option(
     "--workers",
     type=click.IntRange(min=0),
@@ -203,7 +245,17 @@ def run(
     help="Proxy processes behind the one port, each session pinned to one of them (0: one per core).",
 )
 def proxy(
-    listen, session, token, workers, db, certs, harvest, upstreams, upstream_insecure, **policy
+    listen,
+    session,
+    token,
+    workers,
+    db,
+    certs,
+    harvest,
+    upstreams,
+    upstream_insecure,
+    provider_hosts,
+    **policy,
 ) -> None:
     """A long-lived shared proxy for many harnesses.
 
@@ -228,6 +280,7 @@ def proxy(
         default_session=session,
         token=token,
         policy=make_policy_config(**policy),
+        provider_hosts=provider_hosts,
         **harvest_config(harvest, upstreams, upstream_insecure),
     )
     preflight(cfg)

@@ -18,7 +18,7 @@ from types import MappingProxyType
 from polar_mitm.providers import anthropic, gemini, openai_chat, openai_responses
 from polar_mitm.providers.base import Endpoint, Style
 
-__all__ = ["HOST_STYLES", "STYLES", "Style", "error_style", "route"]
+__all__ = ["HOST_STYLES", "STYLES", "Style", "add_hosts", "error_style", "parse_provider_host", "route"]
 
 # The order a host's styles are tried in: OpenAI's host serves Chat Completions and Responses.
 _ALL: tuple[Style, ...] = (anthropic, gemini, openai_chat, openai_responses)
@@ -26,11 +26,21 @@ _ALL: tuple[Style, ...] = (anthropic, gemini, openai_chat, openai_responses)
 STYLES: Mapping[str, Style] = MappingProxyType({s.NAME: s for s in _ALL})
 
 
-def _host_styles() -> Mapping[str, tuple[Style, ...]]:
+# A style name for --provider-host that means both OpenAI styles (the path tells them apart).
+OPENAI = "openai"
+
+
+def style_names(name: str) -> list[str]:
+    """The styles a --provider-host or recipe style name stands for."""
+    return ["openai-chat", "openai-responses"] if name == OPENAI else [name]
+
+
+def _host_styles(extra: Mapping[str, str] | None = None) -> Mapping[str, tuple[Style, ...]]:
     from polar_mitm.runtime import recipes
 
     pairs = [(h, s) for s in _ALL for h in s.HOSTS]
-    pairs += [(h, STYLES[name]) for h, name in sorted(recipes.provider_hosts().items()) if name in STYLES]
+    named = sorted(recipes.provider_hosts().items()) + sorted((extra or {}).items())
+    pairs += [(h, STYLES[n]) for h, name in named for n in style_names(name) if n in STYLES]
     hosts: dict[str, list[Style]] = {}
     for host, style in pairs:
         styles = hosts.setdefault(host.lower(), [])
@@ -42,6 +52,33 @@ def _host_styles() -> Mapping[str, tuple[Style, ...]]:
 # host -> the styles that may answer it. A request to one of these hosts is answered locally: by
 # the policy when its path is a model endpoint, by a stub otherwise.
 HOST_STYLES: Mapping[str, tuple[Style, ...]] = _host_styles()
+_EXTRA: dict[str, str] = {}
+
+
+def parse_provider_host(spec: str) -> tuple[str, str]:
+    """`HOST=STYLE` (--provider-host) as (host, style name); ValueError saying what is wrong."""
+    host, eq, style = spec.partition("=")
+    host, style = host.strip().lower(), style.strip()
+    choices = sorted([*STYLES, OPENAI])
+    if not eq or not host or not style:
+        raise ValueError(
+            f"{spec!r} is not HOST=STYLE (e.g. api.x.ai=openai); STYLE is one of {', '.join(choices)}"
+        )
+    if "/" in host or ":" in host or " " in host:
+        raise ValueError(f"{host!r}: give a bare host name (no scheme, port or path)")
+    if style not in choices:
+        raise ValueError(f"{style!r} is not an API style; choose one of {', '.join(choices)}")
+    return host, style
+
+
+def add_hosts(hosts: Mapping[str, str]) -> None:
+    """Answer these provider hosts too (host -> style name, as --provider-host gives them), from
+    now on in this process: the proxy calls it at its start, before its addons read the table."""
+    global HOST_STYLES
+    new = {h.lower(): s for h, s in hosts.items() if _EXTRA.get(h.lower()) != s}
+    if new:
+        _EXTRA.update(new)
+        HOST_STYLES = _host_styles(_EXTRA)
 
 
 def route(host: str, method: str, path: str) -> tuple[Style, Endpoint] | None:

@@ -51,6 +51,8 @@ class ProxyConfig(BaseModel):
     # whether those upstreams' certificates go unchecked (--upstream-insecure).
     upstreams: dict[str, str] = Field(default_factory=dict)
     upstream_insecure: bool = False
+    # More provider hosts to answer (--provider-host HOST=STYLE): host -> style name.
+    provider_hosts: dict[str, str] = Field(default_factory=dict)
 
 
 class ProxyStartError(RuntimeError):
@@ -166,6 +168,7 @@ class PolicySide:
 class PolarProxy:
     def __init__(self, config: ProxyConfig):
         self.config = config
+        providers.add_hosts(config.provider_hosts)
         self.ca: CA | None = None
         self.store: Store | None = None
         self.policy: Policy | None = None
