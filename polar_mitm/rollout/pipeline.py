@@ -444,7 +444,12 @@ class Pipeline:
                 **base,
             }
         env = child_env(
-            base, self.recipe, self.proxy.session_url(job.session_id), job.sandbox.ca, job.session_id
+            base,
+            self.recipe,
+            self.proxy.session_url(job.session_id),
+            job.sandbox.ca,
+            job.session_id,
+            node_preload=not self.runtime.isolated,  # the host's preload path means nothing inside a container
         )
         env["PWD"] = job.sandbox.workdir
         env.update(job.task.env)

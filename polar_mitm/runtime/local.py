@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel
 
+from polar_mitm.runtime import node_proxy
 from polar_mitm.runtime.certs import CA
 from polar_mitm.runtime.proxy import PolarProxy
 from polar_mitm.runtime.recipes import Recipe
@@ -46,6 +47,7 @@ def child_env(
     session_id: str,
     *,
     harvest: bool = False,
+    node_preload: bool = True,
 ) -> dict[str, str]:
     env = dict(base)
     for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
@@ -56,6 +58,8 @@ def child_env(
     no_proxy += [h for h in LOOPBACK if h not in no_proxy]
     env["NO_PROXY"] = env["no_proxy"] = ",".join(no_proxy)
     env["NODE_USE_ENV_PROXY"] = "1"  # Node's own fetch honours the proxy variables (Node >= 24)
+    if node_preload:  # and on Node 18-22, through a preload (runtime/node_proxy.cjs)
+        env.update(node_proxy.env(env))
     # OpenCode works in $PWD, not its real cwd: a launcher that set our cwd (subprocess cwd=)
     # without updating PWD would send it to work in another directory.
     if not _same_dir(env.get("PWD"), os.getcwd()):
