@@ -68,7 +68,9 @@ def test_fetch_goes_through_the_proxy_only_with_the_preload(tmp_path, certs_dir,
     bare, turns = run_node(tmp_path, certs_dir, backend_process.url, preload=False)
     assert bare.returncode == 2 and "ECONNREFUSED" in bare.stdout, bare.stdout + bare.stderr
     assert turns == 0
+    assert "made no connection through the proxy" in bare.stderr and "HTTPS_PROXY" in bare.stderr
     with_preload, turns = run_node(tmp_path, certs_dir, backend_process.url, preload=True)
+    assert "made no connection" not in with_preload.stderr
     assert "experimental" not in with_preload.stderr  # undici's warning is not the harness's output
     assert with_preload.returncode == 0 and "status 200" in with_preload.stdout, (
         with_preload.stdout + with_preload.stderr

@@ -20,6 +20,10 @@ class TlsWatch:
         self.failures: list[tuple[float, str, str]] = []
         self.requests: dict[str, int] = {}  # host -> requests received over intercepted TLS
         self._silent: dict[str, str] = {}  # client connection id -> host, until a request arrives
+        self.connections = 0  # client connections the proxy accepted (0: the harness ignored it)
+
+    def client_connected(self, client: connection.Client) -> None:
+        self.connections += 1
 
     def trusted(self, host: str) -> bool:
         return self.requests.get(host, 0) > 0

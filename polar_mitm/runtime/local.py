@@ -201,6 +201,8 @@ async def run_harness(
             if own_group:
                 _signal_group(proc.pid, signal.SIGKILL)  # leftovers of the harness, if any
         untrusted = verdict.get("untrusted", False)
+        if proxy.tls.connections == 0:
+            _say_no_connection(cmd, recipe)
         exit_code = EXIT_UNTRUSTED if untrusted else (128 - code if code < 0 else code)
         await proxy.store.end_session(session_id, exit_code)
     finally:
@@ -216,6 +218,18 @@ async def run_harness(
         sampled_tokens=stoks,
         db=proxy.config.db,
         untrusted=untrusted,
+    )
+
+
+def _say_no_connection(cmd: list[str], recipe: Recipe) -> None:
+    """The harness ended without one connection to the proxy: nothing it did was recorded."""
+    node = " (on Node < 24 fetch ignores it; the preload that fixes that is off or undici is missing)"
+    print(
+        f"polar-mitm: {os.path.basename(cmd[0])} made no connection through the proxy, so no model call was "
+        f"recorded. Likely causes: it ignores HTTPS_PROXY{node if recipe.npm or cmd[0] == 'node' else ''}, "
+        "its configuration sends it to a base URL or host that bypasses the proxy (NO_PROXY, a local server), "
+        "or it failed before calling a model (see its output above).",
+        file=sys.stderr,
     )
 
 
