@@ -154,3 +154,23 @@ def test_helpers_the_harness_spawned_do_not_outlive_the_run(tmp_path, certs_dir,
     status = Path(f"/proc/{grandchild}/status")
     # Gone, or a zombie waiting for init to reap it: either way no longer running.
     assert not status.exists() or "\nState:\tZ" in status.read_text()
+
+
+def test_generic_harnesses_get_every_ca_variable_both_proxy_cases_and_a_dummy_key_per_provider(tmp_path):
+    from polar_mitm.runtime.certs import CA
+    from polar_mitm.runtime.local import child_env
+
+    ca = CA(
+        dir=tmp_path, key_and_cert=tmp_path / "k", cert=tmp_path / "ca.pem", bundle=tmp_path / "bundle.pem"
+    )
+    env = child_env({"OPENAI_API_KEY": "mine"}, recipes.get("generic"), "http://s:t@127.0.0.1:1", ca, "s")
+    for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+        assert env[k] == "http://s:t@127.0.0.1:1"
+    assert env["NODE_EXTRA_CA_CERTS"] == str(ca.cert)
+    for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "AWS_CA_BUNDLE"):
+        assert env[k] == str(ca.bundle)
+    assert env["OPENAI_API_KEY"] == "mine"  # the user's own key wins
+    for k in ("ANTHROPIC_API_KEY", "GEMINI_API_KEY", "XAI_API_KEY", "MOONSHOT_API_KEY", "DASHSCOPE_API_KEY"):
+        assert env[k] == "polar-mitm-dummy"
+    harvest = child_env({}, recipes.get("generic"), "http://p", ca, "s", harvest=True)
+    assert "ANTHROPIC_API_KEY" not in harvest  # harvest mode: the harness's own credentials only

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel
 
+from polar_mitm import redact
 from polar_mitm.runtime import node_proxy
 from polar_mitm.runtime.certs import CA
 from polar_mitm.runtime.proxy import PolarProxy
@@ -155,7 +156,7 @@ async def run_harness(
         session_id,
         task_id=task_id,
         harness=recipe.name,
-        command=cmd,
+        command=redact.argv(cmd, recipe.secret_flags),
         mode=proxy.config.mode,
         metadata={"recipe": recipe.name, "upstreams": sorted(proxy.config.upstreams)}
         if harvest

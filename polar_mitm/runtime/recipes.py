@@ -92,6 +92,9 @@ class Recipe(BaseModel):
     env_default: dict[str, str] = Field(default_factory=dict)
     # Variables the harness reads credentials from; when any is set, no dummy credential is added.
     credential_env: list[str] = Field(default_factory=list)
+    # Command-line flags whose value is a credential though their name does not say so (`-k`):
+    # their values are left out of the stored command (see redact.argv).
+    secret_flags: list[str] = Field(default_factory=list)
     side_calls: list[SideCall] = Field(default_factory=list)
     # The headless command a rollout runs, one argument per item; "{instruction}" inside an item is
     # replaced by the task's instruction (as one argument, never through a shell).
