@@ -19,7 +19,14 @@ from typing import Any
 import click
 
 from polar_mitm.reconstruct.breaks import TokenText
-from polar_mitm.reconstruct.export import FORMATS, STRATEGIES, SinkOptions, compute_stats, iter_trajectories
+from polar_mitm.reconstruct.export import (
+    FORMATS,
+    REWARD_TO,
+    STRATEGIES,
+    SinkOptions,
+    compute_stats,
+    iter_trajectories,
+)
 from polar_mitm.reconstruct.export import export as export_rows
 from polar_mitm.reconstruct.groups import NORMALIZE
 from polar_mitm.reconstruct.show import find_rows, render_header, render_list, render_sequence
@@ -169,6 +176,14 @@ def _guarded(f: F) -> F:
     help="Add a GRPO advantage per rollout sample: std = (reward - group mean) / group std; "
     "loo = reward - mean of the group's other samples.",
 )
+@click.option(
+    "--reward-to",
+    type=click.Choice(REWARD_TO),
+    default="all",
+    show_default=True,
+    help="Which rows of a session get its reward: all of them, or the main agent's only (subagent, "
+    "compaction and side rows then have none). Each row's role and parent_id say which is which.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @_guarded
 def export(
@@ -179,13 +194,15 @@ def export(
     selection: Selection,
     tokenizer: Path | None,
     group_normalize: str | None,
+    reward_to: str,
     quiet: bool,
 ) -> None:
     """Export recorded turns as training rows (parquet or JSON lines).
 
     Every row has the columns trajectory_id, session_id, task_id, prompt_ids, response_ids,
-    loss_mask, response_logprobs, num_turns, turn_ids, finish_reason, reward, metadata, and for
-    rollout samples group_id, sample_index, status, reward_detail and advantage (null elsewhere).
+    loss_mask, response_logprobs, num_turns, turn_ids, finish_reason, reward, metadata, for
+    rollout samples group_id, sample_index, status, reward_detail and advantage (null elsewhere),
+    and role (main, subagent, compaction, side) with parent_id (the row it came from).
     Side calls and turns that did not finish 'ok' are left out unless asked for. Rows of samples
     that failed (sandbox, evaluator) or were cancelled are kept with loss_mask 0 and reward 0.
 
@@ -213,6 +230,7 @@ def export(
         options=SinkOptions(tokenizer=str(tokenizer) if tokenizer else None),
         quiet=quiet,
         normalize=group_normalize,  # type: ignore[arg-type]
+        reward_to=reward_to,  # type: ignore[arg-type]
     )
     if not quiet:
         ratio = stats.merge_ratio

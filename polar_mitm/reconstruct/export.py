@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Literal, Protocol
 
 import pyarrow.parquet as pq
 from tqdm import tqdm
@@ -38,10 +38,12 @@ from polar_mitm.reconstruct.prefix_merge import prefix_merge
 from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA, Trajectory, to_table
-from polar_mitm.store.queries import session_rewards
+from polar_mitm.store.queries import session_rewards, tool_calls
 from polar_mitm.store.rollouts import read_samples
 
 STRATEGIES = ("prefix-merge", "per-request")
+RewardTo = Literal["all", "main"]
+REWARD_TO = ("all", "main")
 TOKEN_COLUMNS = ("prompt_ids", "response_ids", "loss_mask", "response_logprobs")
 
 
@@ -188,11 +190,14 @@ def iter_trajectories(
     on_turn: Callable[[], object] | None = None,
     retokenize: str | Path | None = None,
     normalize: Normalize | None = None,
+    reward_to: RewardTo = "all",
 ) -> Iterator[Trajectory]:
     """The rows of a store under one strategy, streamed (see the module docstring). With
     `retokenize` (a tokenizer directory), harvested conversations follow as retokenized rows.
     Rows of rollout samples carry their group, sample and reward (`groups.annotate`); with
-    `normalize`, a GRPO advantage too."""
+    `normalize`, a GRPO advantage too. A session's reward goes to all its rows (`reward_to`
+    "all"), or to its main agent's rows only ("main": subagent, compaction and side rows get
+    none)."""
     selection = selection or Selection()
     stats = stats if stats is not None else ReconstructStats()
     rewards = session_rewards(path)
@@ -215,6 +220,7 @@ def iter_trajectories(
                 rewards=rewards,
                 text=text,
                 stats=stats,
+                tool_calls=lambda ids: tool_calls(path, ids),
             )
         )
     else:
@@ -234,6 +240,8 @@ def iter_trajectories(
     for row in rows:
         if samples:
             annotate(row, samples.get(row.session_id), advantage.get(row.session_id))
+        if reward_to == "main" and row.role != "main":
+            row.reward = row.advantage = None
         stats.add_row(row)
         yield row
 
@@ -256,6 +264,7 @@ def export(
     options: SinkOptions | None = None,
     quiet: bool = False,
     normalize: Normalize | None = None,
+    reward_to: RewardTo = "all",
 ) -> ReconstructStats:
     """Write every row of the store to `out`; returns what happened on the way."""
     if fmt not in FORMATS:
@@ -279,6 +288,7 @@ def export(
                     on_turn=bar.update,
                     retokenize=options.tokenizer,
                     normalize=normalize,
+                    reward_to=reward_to,
                 )
             for row in rows:
                 sink.write(row)

@@ -63,4 +63,6 @@ def per_request(
             finish_reason=finish_reason_of(turn.finish_reason, turn.status),
             reward=rewards.get(turn.session_id),
             meta=meta,
+            # Each turn is its own row here; conversations are linked by prefix-merge only.
+            role="side" if turn.tag else "main",
         )

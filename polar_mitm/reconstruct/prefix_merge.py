@@ -24,7 +24,11 @@ Rules (token ids only; nothing is ever re-tokenized):
    tokenizer). A turn that branches off *inside tokens the model sampled* (a failed splice) is a
    break too (`at: "branch"`). Prompts that diverge inside sampled tokens are also counted as
    `sampled_rewrite` mismatches.
-5. **Rows.** `prompt_ids` is everything before the first mask-1 token, `response_ids` the rest;
+5. **Structure.** A session whose turns form several conversations (the root's children: a
+   subagent, a compacted conversation carried on, side calls) has each row's `role` and
+   `parent_id` set by `structure.link`: the parent is the row that trains the turn the
+   conversation came from (its tool call, or the summary it carries).
+6. **Rows.** `prompt_ids` is everything before the first mask-1 token, `response_ids` the rest;
    `finish_reason` is the last turn's; `trajectory_id` is the last turn's id; the session's
    reward goes on every row of the session; `metadata` (JSON) holds the strategy, weight versions,
    models, styles, tags, where the row branched from and its breaks.
@@ -42,12 +46,13 @@ later turn may still extend any node of it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from polar_mitm.reconstruct import structure
 from polar_mitm.reconstruct.breaks import TokenText, classify_break, common_prefix
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import (
@@ -136,8 +141,12 @@ class SessionMerger:
         reward: float | None = None,
         text: TokenText | None = None,
         stats: ReconstructStats | None = None,
+        tool_calls: ToolCallsOf | None = None,
     ) -> None:
         self.session_id = session_id
+        # The tool calls (id, name) each of some turns made, from the store; asked only for
+        # sessions of several conversations (None: no subagent is recognized).
+        self.tool_calls = tool_calls
         self.task_id = task_id
         self.reward = reward
         self.text = text or TokenText()
@@ -285,10 +294,58 @@ class SessionMerger:
             node.best_child = max(kept, key=lambda c: (c.best, -c.order))
             node.best = node.best_child.best
             self.stats.branches += len(kept) - 1
-        for leaf in self.nodes:
-            if not leaf.dropped and not leaf.children:
-                yield self._row(leaf)
+        rows = [self._row(leaf) for leaf in self.nodes if not leaf.dropped and not leaf.children]
+        if len(self.root.children) > 1:
+            self._link(rows)
         self._last = None
+        yield from rows
+
+    def _link(self, rows: list[Trajectory]) -> None:
+        """Roles and parents of the rows of a session of several conversations (structure.py)."""
+        convs: list[tuple[_Node, list[_Node]]] = []
+        for top in self.root.children:
+            members, stack = [], [top]
+            while stack:
+                n = stack.pop()
+                members.append(n)
+                stack.extend(n.children)
+            convs.append((top, sorted(members, key=lambda n: n.order)))
+        calls = self.tool_calls([n.turn_id for _, ms in convs for n in ms]) if self.tool_calls else {}
+        facts = []
+        for top, members in convs:
+            turns = [
+                structure.TurnFacts(
+                    id=n.turn_id,
+                    created_at=n.turn["created_at"],
+                    next_at=min((c.turn["created_at"] for c in n.children), default=None),
+                    calls=calls.get(n.turn_id, []),
+                    output=np.frombuffer(n.delta[n.n_inter * _W :], dtype=TOKEN_DTYPE),
+                )
+                for n in members
+            ]
+            facts.append(
+                structure.Conversation(
+                    root=top.turn_id,
+                    created_at=top.turn["created_at"],
+                    tag=top.turn["tag"],
+                    prompt=np.frombuffer(top.interstitial, dtype=TOKEN_DTYPE),
+                    turns=turns,
+                )
+            )
+        links = structure.link(facts)
+        for row in rows:
+            found = links[row.turn_ids[0]]
+            row.role = found.role
+            if found.parent_turn is not None:
+                row.parent_id = self._trained_row(self.by_turn[found.parent_turn])
+            row.meta.update(found.meta())
+
+    @staticmethod
+    def _trained_row(node: _Node) -> str:
+        """The id of the row that trains `node`: the leaf reached through its longest branches."""
+        while node.best_child is not None:
+            node = node.best_child
+        return node.turn_id
 
     def _drop_retries(self) -> None:
         for parent in [self.root, *self.nodes]:
@@ -361,6 +418,7 @@ class SessionMerger:
 
 
 _NO_LOGPROBS = np.zeros(0, dtype=LOGPROB_DTYPE)
+ToolCallsOf = Callable[[list[str]], Mapping[str, list[tuple[str, str]]]]
 
 
 def _distinct(values: Iterable[Any]) -> list[Any]:
@@ -373,6 +431,7 @@ def prefix_merge(
     rewards: Mapping[str, float | None] | None = None,
     text: TokenText | None = None,
     stats: ReconstructStats | None = None,
+    tool_calls: ToolCallsOf | None = None,
 ) -> Iterator[Trajectory]:
     """Prefix-merge `turns` (creation order, any sessions); rows come session by session.
 
@@ -385,7 +444,11 @@ def prefix_merge(
         merger = mergers.get(turn.session_id)
         if merger is None:
             merger = mergers[turn.session_id] = SessionMerger(
-                turn.session_id, reward=rewards.get(turn.session_id), text=text, stats=stats
+                turn.session_id,
+                reward=rewards.get(turn.session_id),
+                text=text,
+                stats=stats,
+                tool_calls=tool_calls,
             )
         merger.add(turn)
     for merger in mergers.values():

@@ -39,6 +39,10 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("status", pa.string(), nullable=True),
         pa.field("reward_detail", pa.string(), nullable=True),
         pa.field("advantage", pa.float64(), nullable=True),
+        # Multi-agent structure (see reconstruct/structure.py): main | subagent | compaction | side,
+        # and the trajectory id of the row it came from (null for main and side rows).
+        pa.field("role", pa.string(), nullable=False),
+        pa.field("parent_id", pa.string(), nullable=True),
     ]
 )
 
@@ -64,6 +68,8 @@ class Trajectory:
     status: str | None = None  # the sample's outcome: completed, agent_timeout, failed, …
     reward_detail: str | None = None  # JSON from the evaluator
     advantage: float | None = None
+    role: str = "main"
+    parent_id: str | None = None
 
     @classmethod
     def from_sequence(
@@ -127,6 +133,8 @@ class Trajectory:
             status=row.get("status"),
             reward_detail=row.get("reward_detail"),
             advantage=row.get("advantage"),
+            role=row.get("role") or "main",
+            parent_id=row.get("parent_id"),
         )
 
     def to_row(self) -> dict[str, Any]:
@@ -149,6 +157,8 @@ class Trajectory:
             "status": self.status,
             "reward_detail": self.reward_detail,
             "advantage": self.advantage,
+            "role": self.role,
+            "parent_id": self.parent_id,
         }
 
 
@@ -181,6 +191,8 @@ def to_table(rows: list[Trajectory]) -> pa.Table:
         pa.array([r.status for r in rows], type=pa.string()),
         pa.array([r.reward_detail for r in rows], type=pa.string()),
         pa.array([r.advantage for r in rows], type=pa.float64()),
+        pa.array([r.role for r in rows], type=pa.string()),
+        pa.array([r.parent_id for r in rows], type=pa.string()),
     ]
     return pa.Table.from_arrays(columns, schema=TRAJECTORY_SCHEMA)
 

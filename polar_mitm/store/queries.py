@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from polar_mitm.store.db import RequestReader, Turn, connect, turn_filter
 
 
@@ -67,6 +69,45 @@ def count_turns(
         return db.execute(f"SELECT COUNT(*){_FROM}{where}", args).fetchone()[0]
     finally:
         db.close()
+
+
+def tool_calls(path: str | Path, turn_ids: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """The (id, name) of the tool calls each of these turns made, read from its stored
+    completion; turns that made none are left out. Asked only for the few sessions that hold
+    several conversations, so it reads replies, never prompts."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    db = connect(path)
+    try:
+        for start in range(0, len(turn_ids), 500):
+            chunk = turn_ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for turn_id, response in db.execute(
+                f"SELECT id, response FROM turns WHERE id IN ({marks}) AND response LIKE '%\"tool_calls\"%'",
+                chunk,
+            ):
+                calls = _calls_of(response)
+                if calls:
+                    out[turn_id] = calls
+    finally:
+        db.close()
+    return out
+
+
+def _calls_of(response: str | None) -> list[tuple[str, str]]:
+    """The (id, name) of the tool calls in a stored completion (a turn's `response`: the
+    neutral Completion as JSON)."""
+    try:
+        data = orjson.loads(response or "null")
+    except orjson.JSONDecodeError:
+        return []
+    calls = data.get("tool_calls") if isinstance(data, dict) else None
+    if not isinstance(calls, list):
+        return []
+    return [
+        (str(c.get("id") or ""), c["name"])
+        for c in calls
+        if isinstance(c, dict) and isinstance(c.get("name"), str)
+    ]
 
 
 def session_rewards(path: str | Path) -> dict[str, float | None]:

@@ -1,0 +1,142 @@
+"""How the conversations of one session relate: main agent, subagents, compactions, side calls.
+
+A session (one harness run) may hold several conversations: the main agent's, those of the
+subagents it spawns (Claude Code's `Agent` tool, other harnesses' task tools), a conversation
+that carries on from a compacted one, and side calls (titles, summaries: turns a recipe tags).
+A trainer needs to know which is which and where each came from, so every exported row gets a
+`role` and a `parent_id`.
+
+Rules, over conversations in the order their first turns were created (`link`):
+
+1. **Side.** A conversation whose first turn is tagged (a recipe's side call) is `side`; it has
+   no parent.
+2. **Main.** The session's first untagged conversation is `main`.
+3. **Subagent.** A later conversation that starts while a tool call of an earlier one is open
+   (the turn that made the call was created before it, and the turn that answers it, the next
+   one extending that turn, was not yet) is `subagent`, spawned by that call. Where several calls
+   are open, one whose tool's name says it spawns agents (`Agent`, `Task`, `spawn_agent`,
+   `delegate`, …) wins, then the most recent. Its parent is the conversation of the spawning turn.
+4. **Compaction.** Otherwise, a later conversation whose first prompt contains a run of
+   `COMPACTION_WINDOW` tokens an earlier turn sampled (the summary the harness pasted in) is
+   `compaction`, and its parent is the conversation of that turn.
+5. Any other later conversation is `main` again (a new task in the same process, `/clear`).
+
+`link` is pure: the strategies give it what they know of each turn and map the parent turn it
+names to the row that trains it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ROLES = ("main", "subagent", "compaction", "side")
+# Tokens of an earlier reply that must appear, in order, in a new conversation's first prompt
+# for it to count as a continuation of a compacted one.
+COMPACTION_WINDOW = 32
+_SPAWNS = re.compile(r"agent|task|delegate|spawn|subagent", re.IGNORECASE)
+
+
+@dataclass
+class TurnFacts:
+    """What linking needs of one turn."""
+
+    id: str
+    created_at: float
+    next_at: float | None = None  # when the next turn extending this one was created (None: none)
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (tool call id, tool name) it made
+    output: np.ndarray | None = None  # the sampled ids (for compaction), int32
+
+
+@dataclass
+class Conversation:
+    root: str  # the id of its first turn
+    created_at: float
+    tag: str | None
+    prompt: np.ndarray  # its first turn's prompt ids, int32
+    turns: list[TurnFacts]
+
+
+@dataclass
+class Link:
+    role: str
+    parent_turn: str | None = None  # the turn (of another conversation) it came from
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+
+    def meta(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.parent_turn is not None:
+            out["parent_turn_id"] = self.parent_turn
+        if self.tool_call_id is not None:
+            out["spawned_by_tool_call"] = self.tool_call_id
+        if self.tool_name is not None:
+            out["spawned_by_tool"] = self.tool_name
+        return out
+
+
+def link(conversations: Sequence[Conversation]) -> dict[str, Link]:
+    """Each conversation's role and origin, by its root turn id (see the module docstring)."""
+    order = sorted(conversations, key=lambda c: (c.created_at, c.root))
+    out: dict[str, Link] = {}
+    seen: list[Conversation] = []
+    main_found = False
+    for conv in order:
+        if conv.tag is not None:
+            out[conv.root] = Link("side")
+        elif not main_found:
+            out[conv.root] = Link("main")
+            main_found = True
+        else:
+            out[conv.root] = _spawned(conv, seen) or _compacted(conv, seen) or Link("main")
+        seen.append(conv)
+    return out
+
+
+def _spawned(conv: Conversation, earlier: Sequence[Conversation]) -> Link | None:
+    t = conv.created_at
+    best: tuple[bool, float, TurnFacts, tuple[str, str]] | None = None
+    for other in earlier:
+        if other.tag is not None:
+            continue
+        for turn in other.turns:
+            if not turn.calls or turn.created_at >= t or (turn.next_at is not None and turn.next_at <= t):
+                continue
+            call = next((c for c in turn.calls if _SPAWNS.search(c[1])), turn.calls[0])
+            key = (bool(_SPAWNS.search(call[1])), turn.created_at, turn, call)
+            if best is None or key[:2] > best[:2]:
+                best = key
+    if best is None:
+        return None
+    _, _, turn, (call_id, name) = best
+    return Link("subagent", turn.id, call_id, name)
+
+
+def _compacted(conv: Conversation, earlier: Sequence[Conversation]) -> Link | None:
+    prompt = np.ascontiguousarray(conv.prompt, dtype="<i4").tobytes()
+    for other in reversed(earlier):
+        for turn in reversed(other.turns):
+            if (
+                turn.output is None
+                or turn.created_at >= conv.created_at
+                or len(turn.output) < COMPACTION_WINDOW
+            ):
+                continue
+            mid = (len(turn.output) - COMPACTION_WINDOW) // 2
+            window = np.ascontiguousarray(turn.output[mid : mid + COMPACTION_WINDOW], dtype="<i4").tobytes()
+            if _contains_aligned(prompt, window):
+                return Link("compaction", turn.id)
+    return None
+
+
+def _contains_aligned(haystack: bytes, needle: bytes) -> bool:
+    """Whether `needle` occurs in `haystack` at an offset that is a whole token (4 bytes)."""
+    at = haystack.find(needle)
+    while at != -1:
+        if at % 4 == 0:
+            return True
+        at = haystack.find(needle, at + 1)
+    return False

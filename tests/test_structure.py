@@ -1,0 +1,149 @@
+"""Multi-agent structure on export: a session's conversations as main, subagent, compaction and
+side rows, each linked to the row it came from (reconstruct/structure.py)."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from polar_mitm.reconstruct import structure
+from polar_mitm.reconstruct.export import export, iter_trajectories
+from polar_mitm.store.db import Store, Turn
+
+
+def completion(*calls):
+    return json.dumps({"text": "", "tool_calls": [{"id": i, "name": n, "arguments": {}} for i, n in calls]})
+
+
+def turn(id, prompt, output, at, response=None, tag=None):
+    return Turn(
+        id=id,
+        session_id="s",
+        style="anthropic",
+        created_at=at,
+        tag=tag,
+        finish_reason="tool_calls" if response else "stop",
+        prompt_ids=prompt,
+        output_ids=output,
+        output_logprobs=[-0.5] * len(output),
+        response=response or '{"text": "done"}',
+    )
+
+
+SYSTEM = list(range(1000, 1020))
+SUMMARY = list(range(5000, 5040))  # 40 sampled tokens: the compaction summary
+
+
+async def write(db, turns, reward=1.0):
+    store = await Store.open(db)
+    await store.ensure_session("s", task_id="t")
+    for t in turns:
+        await store.insert_turn(t)
+    await store.close()
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE sessions SET reward = ?", (reward,))
+
+
+def claude_code_like_session():
+    """main: asks the Agent tool (m1); a subagent runs two turns meanwhile (a1, a2); main goes on
+    with the tool result (m2), then summarizes itself (m3); the compacted conversation carries
+    the summary (c1); a title side call in between (x1)."""
+    m1_out = [7, 8, 9]
+    m2_prompt = SYSTEM + [1, 2] + m1_out + [3, 3]  # + the Agent tool's result
+    return [
+        turn("m1", SYSTEM + [1, 2], m1_out, 10.0, completion(("toolu_agent", "Agent"))),
+        turn("x1", [2000, 2001], [2002], 10.5, tag="title"),
+        turn("a1", [3000, 3001, 3002], [31, 32], 11.0, completion(("toolu_bash", "Bash"))),
+        turn("a2", [3000, 3001, 3002, 31, 32, 40], [41], 12.0),
+        turn("m2", m2_prompt, [50, 51], 13.0),
+        turn("m3", m2_prompt + [50, 51, 60], SUMMARY, 14.0),
+        turn("c1", [4000, 4001] + SUMMARY[:-1] + [4002], [70], 15.0),
+    ]
+
+
+async def test_subagent_compaction_and_side_rows_are_linked_to_their_parents(tmp_path):
+    db = tmp_path / "s.sqlite"
+    await write(db, claude_code_like_session())
+    from polar_mitm.reconstruct.source import Selection
+
+    rows = {r.trajectory_id: r for r in iter_trajectories(db, selection=Selection(include_side_calls=True))}
+    assert {k: (r.role, r.parent_id) for k, r in rows.items()} == {
+        "m3": ("main", None),
+        "x1": ("side", None),
+        "a2": ("subagent", "m3"),  # spawned by m1's Agent call; m1 is trained in row m3
+        "c1": ("compaction", "m3"),  # carries the summary m3 sampled
+    }
+    assert rows["a2"].meta["spawned_by_tool_call"] == "toolu_agent"
+    assert rows["a2"].meta["spawned_by_tool"] == "Agent" and rows["a2"].meta["parent_turn_id"] == "m1"
+    assert rows["c1"].meta["parent_turn_id"] == "m3"
+    assert all(r.reward == 1.0 for r in rows.values())  # broadcast by default
+
+
+async def test_reward_to_main_and_the_parquet_columns(tmp_path):
+    db = tmp_path / "s.sqlite"
+    await write(db, claude_code_like_session())
+    out = tmp_path / "t.parquet"
+    export(db, out, reward_to="main", quiet=True)
+    table = pq.read_table(out).to_pylist()
+    by_id = {r["trajectory_id"]: r for r in table}
+    assert by_id["m3"]["role"] == "main" and by_id["m3"]["reward"] == 1.0 and by_id["m3"]["parent_id"] is None
+    assert (
+        by_id["a2"]["role"] == "subagent"
+        and by_id["a2"]["reward"] is None
+        and by_id["a2"]["parent_id"] == "m3"
+    )
+    assert by_id["c1"]["role"] == "compaction" and by_id["c1"]["reward"] is None
+    assert "x1" not in by_id  # side calls stay out unless asked for
+
+
+async def test_a_single_conversation_is_main_and_a_new_unrelated_one_is_main_too(tmp_path):
+    db = tmp_path / "s.sqlite"
+    await write(
+        db,
+        [
+            turn("m1", SYSTEM, [7], 1.0, completion(("c1", "Bash"))),
+            turn("m2", SYSTEM + [7, 1], [8], 2.0),  # the Bash call answered
+            turn("n1", [9000, 9001], [9], 3.0),  # no call open, no summary: another task
+        ],
+    )
+    rows = {r.trajectory_id: (r.role, r.parent_id) for r in iter_trajectories(db)}
+    assert rows == {"m2": ("main", None), "n1": ("main", None)}
+
+
+def facts(id, at, next_at=None, calls=(), output=None):
+    out = None if output is None else np.asarray(output, dtype="<i4")
+    return structure.TurnFacts(id, at, next_at, list(calls), out)
+
+
+def conv(root, at, turns, prompt=(), tag=None):
+    return structure.Conversation(root, at, tag, np.asarray(prompt, dtype="<i4"), turns)
+
+
+def test_an_agent_tool_wins_over_a_more_recent_open_call():
+    main = conv("m1", 0, [facts("m1", 0, None, [("c_agent", "Task")])])
+    sub = conv("s1", 1, [facts("s1", 1, None, [("c_bash", "Bash")])])
+    second = conv("s2", 2, [facts("s2", 2)])
+    links = structure.link([main, sub, second])
+    assert (links["s2"].role, links["s2"].parent_turn, links["s2"].tool_call_id) == (
+        "subagent",
+        "m1",
+        "c_agent",
+    )
+
+
+def test_a_call_answered_before_the_conversation_began_is_not_open():
+    main = conv("m1", 0, [facts("m1", 0, 1.0, [("c", "Agent")])])
+    later = conv("n1", 2, [facts("n1", 2)])
+    assert structure.link([main, later])["n1"].role == "main"
+
+
+def test_compaction_needs_a_whole_token_aligned_window():
+    summary = list(range(100, 140))
+    main = conv("m1", 0, [facts("m1", 0, output=summary)])
+    shifted = np.asarray(summary, dtype="<i4").tobytes()[1:] + b"\0"  # the same bytes, off by one byte
+    odd = conv("o1", 1, [facts("o1", 1)], prompt=np.frombuffer(shifted, dtype="<i4"))
+    assert structure.link([main, odd])["o1"].role == "main"
+    good = conv("g1", 1, [facts("g1", 1)], prompt=[1, 2, *summary[2:38], 3])
+    assert structure.link([main, good])["g1"].role == "compaction"
