@@ -1,0 +1,74 @@
+"""Real Claude Code with a subagent (its Agent tool): the export keeps the structure, a `main` row
+and a `subagent` row whose parent_id is the main row, linked through the Agent call's id."""
+
+import json
+import subprocess
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.e2e.harness import (
+    POLAR,
+    FakeBackend,
+    assert_turns_match_backend,
+    harness_env,
+    polar_run,
+    require_binary,
+)
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = [
+    # The main agent, once the subagent has reported back through the Agent tool's result.
+    {"match": "SUBAGENT-REPORT", "text": "Main agent done."},
+    # The subagent's own conversation: its first user message is the Agent call's prompt.
+    {"match": "SUBAGENT-TASK", "text": "SUBAGENT-REPORT: the check passed."},
+    {
+        "match": "[Bb]egin",
+        "tool_call": {
+            "name": "Agent",
+            "arguments": {
+                "description": "Run the check",
+                "prompt": "SUBAGENT-TASK: check the repository and report",
+                "subagent_type": "general-purpose",
+            },
+        },
+    },
+]
+
+
+def test_a_subagent_exports_as_a_subagent_row_linked_to_the_main_row(tmp_path, qwen_tokenizer_dir):
+    require_binary("claude")
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    backend = FakeBackend(qwen_tokenizer_dir, "--script", str(script))
+    try:
+        work, db = tmp_path / "work", tmp_path / "runs.sqlite"
+        work.mkdir()
+        r = polar_run(
+            ["--backend", backend.url, "--tokenizer", str(qwen_tokenizer_dir), "--db", str(db)],
+            ["claude", "-p", "Begin the check with a subagent", "--allowedTools", "Agent,Bash"],
+            cwd=work,
+            env=harness_env(tmp_path / "home"),
+        )
+        assert r.returncode == 0, r.stderr
+        assert "Main agent done." in r.stdout, r.stdout
+        assert_turns_match_backend(backend, db)
+    finally:
+        backend.stop()
+    out = tmp_path / "traj.parquet"
+    e = subprocess.run(
+        [*POLAR, "export", "--db", str(db), "--out", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert e.returncode == 0, e.stderr
+    rows = pq.read_table(out).to_pylist()
+    [main] = [r for r in rows if r["role"] == "main"]
+    [sub] = [r for r in rows if r["role"] == "subagent"]
+    assert main["parent_id"] is None and sub["parent_id"] == main["trajectory_id"]
+    meta = json.loads(sub["metadata"])
+    assert meta["spawned_by_tool"] == "Agent" and meta["spawned_by_tool_call"]
+    assert meta["parent_turn_id"] in main["turn_ids"]
+    assert main["num_turns"] == 2 and sub["num_turns"] >= 1
