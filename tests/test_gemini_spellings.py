@@ -243,6 +243,17 @@ def test_unknown_top_level_fields_in_every_style():
     assert anthropic.unknown_fields({"model": "m", "messages": [], "context_management": {}}) == [
         "context_management"
     ]
+    # What Claude Code sends every turn changes nothing the policy sees; other forms are said.
+    claude_code = {
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    }
+    assert anthropic.unknown_fields({"model": "m", **claude_code}) == []
+    changes_prompt = {
+        "output_config": {"format": {"type": "json_schema"}},
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+    }
+    assert anthropic.unknown_fields(changes_prompt) == ["output_config", "context_management"]
     assert openai_chat.unknown_fields({"model": "m", "messages": [], "user": "u", "audio": {}}) == ["audio"]
     assert openai_responses.unknown_fields({"model": "m", "input": [], "prompt": {"id": "p"}}) == ["prompt"]
 

@@ -50,7 +50,28 @@ KNOWN_FIELDS = frozenset(
 
 
 def unknown_fields(body: Any) -> list[str]:
-    return base.unknown_fields(body, KNOWN_FIELDS)
+    unknown = base.unknown_fields(body, KNOWN_FIELDS)
+    # Claude Code sends these every turn in forms that change nothing the policy sees: an effort
+    # hint, and clearing thinking from history (which the policy's template decides). Other
+    # forms (a structured output format, clearing tool results server-side) would: said.
+    if "output_config" in unknown and _keys_within(body.get("output_config"), {"effort"}):
+        unknown.remove("output_config")
+    if "context_management" in unknown and _only_clears_thinking(body.get("context_management")):
+        unknown.remove("context_management")
+    return unknown
+
+
+def _keys_within(value: Any, allowed: set[str]) -> bool:
+    return isinstance(value, dict) and set(value) <= allowed
+
+
+def _only_clears_thinking(value: Any) -> bool:
+    edits = value.get("edits") if isinstance(value, dict) else None
+    return (
+        _keys_within(value, {"edits"})
+        and isinstance(edits, list)
+        and all(isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking") for e in edits)
+    )
 
 
 _BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:.*$", re.MULTILINE)

@@ -18,7 +18,11 @@ Rules, over conversations in the order their first turns were created (`link`):
    `delegate`, …) wins, then the most recent. Its parent is the conversation of the spawning turn.
 4. **Compaction.** Otherwise, a later conversation whose first prompt contains a run of
    `COMPACTION_WINDOW` tokens an earlier turn sampled (the summary the harness pasted in) is
-   `compaction`, and its parent is the conversation of that turn.
+   `compaction`. Its parent is the conversation that was summarized: the one whose replies the
+   summary's own conversation repeats (Claude Code asks for the summary in a request that
+   re-renders the conversation without its tools and with another ending, so it extends nothing
+   token for token, but the replies it repeats are spliced in as sampled), else the summary's
+   conversation itself.
 5. Any other later conversation is `main` again (a new task in the same process, `/clear`).
 
 `link` is pure: the strategies give it what they know of each turn and map the parent turn it
@@ -66,11 +70,14 @@ class Link:
     parent_turn: str | None = None  # the turn (of another conversation) it came from
     tool_call_id: str | None = None
     tool_name: str | None = None
+    summary_turn: str | None = None  # compaction: the turn that sampled the summary it carries
 
     def meta(self) -> dict[str, str]:
         out: dict[str, str] = {}
         if self.parent_turn is not None:
             out["parent_turn_id"] = self.parent_turn
+        if self.summary_turn is not None:
+            out["summary_turn_id"] = self.summary_turn
         if self.tool_call_id is not None:
             out["spawned_by_tool_call"] = self.tool_call_id
         if self.tool_name is not None:
@@ -128,8 +135,30 @@ def _compacted(conv: Conversation, earlier: Sequence[Conversation]) -> Link | No
             mid = (len(turn.output) - COMPACTION_WINDOW) // 2
             window = np.ascontiguousarray(turn.output[mid : mid + COMPACTION_WINDOW], dtype="<i4").tobytes()
             if _contains_aligned(prompt, window):
-                return Link("compaction", turn.id)
+                source = _repeats(other, [c for c in earlier if c is not other])
+                return Link("compaction", source or turn.id, summary_turn=turn.id)
     return None
+
+
+# A reply shorter than this says too little to tell which conversation a prompt repeats.
+_REPEAT_MIN = 4
+
+
+def _repeats(conv: Conversation, earlier: Sequence[Conversation]) -> str | None:
+    """The newest earlier turn whose reply `conv`'s first prompt repeats whole (its stop token
+    aside, which a template may render differently), if any."""
+    prompt = np.ascontiguousarray(conv.prompt, dtype="<i4").tobytes()
+    best: TurnFacts | None = None
+    for other in earlier:
+        for turn in other.turns:
+            if turn.output is None or len(turn.output) <= _REPEAT_MIN or turn.created_at >= conv.created_at:
+                continue
+            if best is not None and turn.created_at <= best.created_at:
+                continue
+            reply = np.ascontiguousarray(turn.output[:-1], dtype="<i4").tobytes()
+            if _contains_aligned(prompt, reply):
+                best = turn
+    return best.id if best is not None else None
 
 
 def _contains_aligned(haystack: bytes, needle: bytes) -> bool:

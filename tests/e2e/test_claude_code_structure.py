@@ -72,3 +72,67 @@ def test_a_subagent_exports_as_a_subagent_row_linked_to_the_main_row(tmp_path, q
     assert meta["spawned_by_tool"] == "Agent" and meta["spawned_by_tool_call"]
     assert meta["parent_turn_id"] in main["turn_ids"]
     assert main["num_turns"] == 2 and sub["num_turns"] >= 1
+
+
+COMPACT_SCRIPT = [
+    {"match": "SUMMARY-MARKER", "in": "prompt", "text": "Carrying on after the compaction."},
+    {
+        "match": "[Ss]ummar",
+        "text": "SUMMARY-MARKER The user asked to begin the check. The assistant ran it and reported that "
+        "everything passed; nothing else is pending. The next step is to wait for new instructions "
+        "from the user about the repository and its tests.",
+    },
+    {"match": "step2-done", "text": "First answer."},
+    {"match": "step1-done", "shell": "echo step2-done"},
+    {"match": "[Bb]egin", "shell": "echo step1-done"},
+]
+
+
+def test_a_compacted_session_exports_a_compaction_row_linked_to_the_summarized_row(
+    tmp_path, qwen_tokenizer_dir
+):
+    """Claude Code's own /compact, driven headless (`-p --continue "/compact"`), then one more
+    prompt: the conversation that carries the summary is a `compaction` row whose parent is the
+    row of the conversation it summarized."""
+    require_binary("claude")
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(COMPACT_SCRIPT))
+    backend = FakeBackend(qwen_tokenizer_dir, "--script", str(script))
+    work, db = tmp_path / "work", tmp_path / "runs.sqlite"
+    work.mkdir()
+    env = harness_env(tmp_path / "home")
+    opts = [
+        "--backend",
+        backend.url,
+        "--tokenizer",
+        str(qwen_tokenizer_dir),
+        "--db",
+        str(db),
+        "--session",
+        "cc",
+    ]
+    try:
+        for args, says in (
+            (["-p", "Begin the check", "--allowedTools", "Bash"], "First answer."),
+            (["-p", "--continue", "/compact"], ""),
+            (["-p", "--continue", "What next?"], "Carrying on after the compaction."),
+        ):
+            r = polar_run(opts, ["claude", *args], cwd=work, env=env)
+            assert r.returncode == 0 and says in r.stdout, r.stdout + r.stderr
+        assert_turns_match_backend(backend, db)
+    finally:
+        backend.stop()
+    out = tmp_path / "traj.parquet"
+    e = subprocess.run(
+        [*POLAR, "export", "--db", str(db), "--out", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert e.returncode == 0, e.stderr
+    rows = {r["trajectory_id"]: r for r in pq.read_table(out).to_pylist()}
+    [compaction] = [r for r in rows.values() if r["role"] == "compaction"]
+    parent = rows[compaction["parent_id"]]
+    assert parent["role"] == "main" and parent["num_turns"] == 3  # the conversation that was summarized
+    meta = json.loads(compaction["metadata"])
+    assert meta["summary_turn_id"] in rows and meta["summary_turn_id"] != parent["trajectory_id"]
