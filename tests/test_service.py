@@ -90,8 +90,11 @@ class Service:
 
 
 @pytest.fixture
-async def service(tmp_path, certs_dir, qwen_tokenizer_dir):
+async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
     from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+
+    # The clients of every module using this fixture find the token as users give it.
+    monkeypatch.setenv("POLAR_MITM_SERVICE_TOKEN", TOKEN)
 
     started: list[tuple[Service, object]] = []
 
@@ -101,8 +104,14 @@ async def service(tmp_path, certs_dir, qwen_tokenizer_dir):
         runner, url = await start_fake_backend(
             FakeBackendConfig(tokenizer_path=str(qwen_tokenizer_dir), **(backend or {}))
         )
-        # Local runtime and loopback callbacks on: the tests' harnesses are shell lines on this host.
-        server_kw = {"allow_local_runtime": True, "callback_allow": ["127.0.0.1"], **server_kw}
+        # Local runtime, loopback callbacks and task paths under the test's directory on: the tests'
+        # harnesses are shell lines on this host.
+        server_kw = {
+            "allow_local_runtime": True,
+            "callback_allow": ["127.0.0.1"],
+            "task_root": tmp_path,
+            **server_kw,
+        }
         server = RolloutServer(tmp_path / "service.sqlite", token=token or TOKEN, **server_kw)
         await server.start()
         svc = Service(server, url)
