@@ -47,8 +47,10 @@ def tasks(n: int) -> list[Task]:
     ]
 
 
-async def through_service(url: str, n_tasks: int, samples: int, cmd: list[str], prefix: str) -> float:
-    async with AsyncRolloutClient(url) as client:
+async def through_service(
+    url: str, token: str, n_tasks: int, samples: int, cmd: list[str], prefix: str
+) -> float:
+    async with AsyncRolloutClient(url, token=token) as client:
         t0 = time.perf_counter()
         ids = [
             await client.submit(
@@ -96,10 +98,10 @@ async def main() -> None:
     workers = {"init_workers": 4, "run_workers": 2, "postrun_workers": 4}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        server = RolloutServer(work / "service.sqlite")
+        server = RolloutServer(work / "service.sqlite", allow_local_runtime=True)
         await server.start()
         node = spawn_node(
-            NodeConfig(server=server.url, node_id="bench", db=str(work / "node.sqlite"), certs_dir=work / "certs",
+            NodeConfig(server=server.url, node_token=server.node_token, node_id="bench", db=str(work / "node.sqlite"), certs_dir=work / "certs",
                        policy=PolicyConfig(backend_url=backend, tokenizer=str(tok)), poll_interval=0.02,
                        heartbeat_interval=0.5, **workers),
             log=work / "node.log",
@@ -108,10 +110,12 @@ async def main() -> None:
             while not server._healthy_nodes():
                 await asyncio.sleep(0.05)
             trivial = ["true", "{instruction}"]
-            await through_service(server.url, 1, 2, trivial, "warm-")
-            svc_trivial = await through_service(server.url, a.tasks, per_task, trivial, "trivial-")
+            await through_service(server.url, server.token, 1, 2, trivial, "warm-")
+            svc_trivial = await through_service(
+                server.url, server.token, a.tasks, per_task, trivial, "trivial-"
+            )
             call = ["sh", "-c", MODEL_CALL + "true", "h", "{instruction}"]
-            svc_call = await through_service(server.url, a.tasks, per_task, call, "call-")
+            svc_call = await through_service(server.url, server.token, a.tasks, per_task, call, "call-")
             pipe_trivial = await through_pipeline(
                 work / "p1", backend, tok, a.tasks, per_task, trivial, workers
             )

@@ -10,7 +10,7 @@ slime's data source hands out groups of Samples; put a task in each sample's met
 prompt be the instruction. This script runs the same function without slime, with a two-group
 stand-in data source, against a running service:
 
-    polar-mitm serve --backend http://127.0.0.1:30000 &
+    polar-mitm serve --backend http://127.0.0.1:30000 --task-root tasks/ &
     python examples/slime_rollout.py tasks/answer-right tasks/answer-wrong --samples 4
 """
 

@@ -9,7 +9,7 @@ or per row with `agent_name: polar`), with the service's address in the environm
 Each dataset row names its task in `extra_info["polar_task"]` (a Task dict, or a path the service
 can read). This script runs the loop without verl, against a running service:
 
-    polar-mitm serve --backend http://127.0.0.1:30000 &
+    polar-mitm serve --backend http://127.0.0.1:30000 --task-root tasks/ &
     python examples/verl_agent_loop.py tasks/answer-right
 """
 

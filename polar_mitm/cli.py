@@ -234,7 +234,15 @@ def run(
     "--token",
     envvar="POLAR_MITM_PROXY_TOKEN",
     default=None,
-    help="Require this token as the proxy password (HTTPS_PROXY=http://SESSION:TOKEN@…); others get 407.",
+    help="Require this token as the proxy password (HTTPS_PROXY=http://SESSION:TOKEN@…); others get 407 "
+    "[env POLAR_MITM_PROXY_TOKEN]. On the command line it is visible to other users in `ps`: prefer "
+    "the env or --token-file.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Read the proxy token from this file (its first line) instead of --token.",
 )
 @PROVIDER_HOST
 @click.option(
@@ -248,6 +256,7 @@ def proxy(
     listen,
     session,
     token,
+    token_file,
     workers,
     db,
     certs,
@@ -271,6 +280,13 @@ def proxy(
     from polar_mitm.runtime.proxy import ListenError, PolarProxy, ProxyConfig, ProxyStartError
     from polar_mitm.runtime.workers import WorkerPool
 
+    if token_file is not None:
+        from polar_mitm.service.auth import TokenFileError, read_token_file
+
+        try:
+            token = read_token_file(token_file)
+        except TokenFileError as e:
+            raise click.ClickException(str(e)) from None
     host, port = listen
     cfg = ProxyConfig(
         listen_host=host,

@@ -8,9 +8,14 @@ for group in client.rollout(tasks, samples=8, harness="claude-code"):   # groups
         s.tokens, s.loss_mask, s.rollout_logprobs, s.reward, s.status, s.weight_versions
 ```
 
-`tasks` are `Task` objects, task paths the server can read (Harbor directories, task files) or
-TaskRequest dicts. `RolloutClient` is synchronous, `AsyncRolloutClient` the same over asyncio.
-Both only speak HTTP (httpx): a trainer imports no proxy, no store and no PyTorch.
+`tasks` are `Task` objects, task paths the server can read (Harbor directories, task files:
+the server needs `--task-root` for them) or TaskRequest dicts. `RolloutClient` is synchronous,
+`AsyncRolloutClient` the same over asyncio. Both only speak HTTP (httpx): a trainer imports no
+proxy, no store and no PyTorch.
+
+The control token is found as `submit` finds it: `token=`, `POLAR_MITM_SERVICE_TOKEN`, or the
+file `serve` writes (`token_file=`, `POLAR_MITM_SERVICE_TOKEN_FILE`, or
+~/.config/polar-mitm/service-token).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import httpx
 
 from polar_mitm.outcomes import TRAINABLE
+from polar_mitm.service.auth import find_token
 from polar_mitm.service.models import SampleView, Submitted, TaskRequest, TaskView
 from polar_mitm.tasks.model import Task
 
@@ -140,6 +146,11 @@ def _group(data: dict[str, Any], index: int, view: TaskView) -> Group:
     )
 
 
+def _auth(token: str | None, token_file: str | Path | None) -> dict[str, str]:
+    token = find_token(token, token_file)
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 def _raise(r: httpx.Response) -> None:
     if r.status_code >= 400:
         try:
@@ -151,9 +162,14 @@ def _raise(r: httpx.Response) -> None:
 
 class RolloutClient:
     def __init__(
-        self, url: str = "http://127.0.0.1:8700", *, token: str | None = None, timeout: float = 60.0
+        self,
+        url: str = "http://127.0.0.1:8700",
+        *,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        timeout: float = 60.0,
     ):
-        headers = {"authorization": f"Bearer {token}"} if token else {}
+        headers = _auth(token, token_file)
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
 
     def close(self) -> None:
@@ -251,9 +267,14 @@ class RolloutClient:
 
 class AsyncRolloutClient:
     def __init__(
-        self, url: str = "http://127.0.0.1:8700", *, token: str | None = None, timeout: float = 60.0
+        self,
+        url: str = "http://127.0.0.1:8700",
+        *,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        timeout: float = 60.0,
     ):
-        headers = {"authorization": f"Bearer {token}"} if token else {}
+        headers = _auth(token, token_file)
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
 
     async def aclose(self) -> None:

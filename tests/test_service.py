@@ -31,6 +31,18 @@ from tests.e2e.harness import POLAR, FakeBackend, free_port
 from tests.test_rollout import MODEL_CALL
 
 ANSWER = "grep -q pass out.txt"
+# Every server here requires a token: the operator's, given the way users give it (the env), so
+# `serve` processes, their nodes, `submit` and the client all find it. A config dir of the test's
+# own keeps any token file out of the real one.
+TOKEN = "test-control-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(autouse=True)
+def control_token(monkeypatch, tmp_path):
+    monkeypatch.setenv("POLAR_MITM_SERVICE_TOKEN", TOKEN)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return TOKEN
 
 
 def task(task_id: str, word: str, **kw) -> Task:
@@ -78,8 +90,11 @@ class Service:
 
 
 @pytest.fixture
-async def service(tmp_path, certs_dir, qwen_tokenizer_dir):
+async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
     from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+
+    # The clients of every module using this fixture find the token as users give it.
+    monkeypatch.setenv("POLAR_MITM_SERVICE_TOKEN", TOKEN)
 
     started: list[tuple[Service, object]] = []
 
@@ -89,7 +104,15 @@ async def service(tmp_path, certs_dir, qwen_tokenizer_dir):
         runner, url = await start_fake_backend(
             FakeBackendConfig(tokenizer_path=str(qwen_tokenizer_dir), **(backend or {}))
         )
-        server = RolloutServer(tmp_path / "service.sqlite", token=token, **server_kw)
+        # Local runtime, loopback callbacks and task paths under the test's directory on: the tests'
+        # harnesses are shell lines on this host.
+        server_kw = {
+            "allow_local_runtime": True,
+            "callback_allow": ["127.0.0.1"],
+            "task_root": tmp_path,
+            **server_kw,
+        }
+        server = RolloutServer(tmp_path / "service.sqlite", token=token or TOKEN, **server_kw)
         await server.start()
         svc = Service(server, url)
         started.append((svc, runner))
@@ -157,7 +180,7 @@ async def test_results_as_parquet_and_the_api_documents_itself(service):
 
     g, table = await asyncio.to_thread(sync_client)
     assert [s.reward for s in g.samples] == [1.0, 1.0]
-    async with httpx.AsyncClient(base_url=svc.url) as h:
+    async with httpx.AsyncClient(base_url=svc.url, headers=AUTH) as h:
         spec = (await h.get("/openapi.json")).json()
         metrics = (await h.get("/metrics")).text
         health = (await h.get("/health")).json()
@@ -319,7 +342,7 @@ async def test_pause_drains_generations_and_resume_brings_the_new_weight_version
         "h",
         "{instruction}",
     ]
-    async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient() as h:
+    async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient(headers=AUTH) as h:
         tid = await client.submit(
             task("p", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=two_calls
         )
@@ -351,7 +374,7 @@ async def test_max_staleness_masks_samples_that_span_too_many_versions(service):
         "h",
         "{instruction}",
     ]
-    async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient() as h:
+    async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient(headers=AUTH) as h:
         tid = await client.submit(
             task("s", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=two_calls,
             max_staleness=0, stale_action="mask",
@@ -424,6 +447,7 @@ def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backe
             "0",
             "--node-timeout",
             "2",
+            "--allow-local-runtime",
             "--db",
             str(tmp_path / "s.sqlite"),
         ],
@@ -469,7 +493,8 @@ def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_toke
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "log.txt"
-    serve = ["serve", "--listen", f"127.0.0.1:{port}", "--nodes", "0", "--db", str(tmp_path / "s.sqlite")]
+    serve = ["serve", "--listen", f"127.0.0.1:{port}", "--nodes", "0", "--allow-local-runtime",
+             "--db", str(tmp_path / "s.sqlite")]  # fmt: skip
     server = spawn(serve, log)
     procs = [server]
     try:
@@ -515,13 +540,13 @@ def test_ray_places_nodes_as_actors_and_completes_a_task(
     from polar_mitm.service.ray_nodes import start_ray_nodes, stop_ray_nodes
 
     async def main():
-        server = RolloutServer(tmp_path / "s.sqlite")
+        server = RolloutServer(tmp_path / "s.sqlite", allow_local_runtime=True)
         await server.start()
         ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
         actors = []
         try:
             cfg = dict(
-                server=server.url, db=str(tmp_path / "ray.sqlite"), certs_dir=str(certs_dir),
+                server=server.url, node_token=server.node_token, db=str(tmp_path / "ray.sqlite"), certs_dir=str(certs_dir),
                 policy=PolicyConfig(backend_url=backend_proc.url, tokenizer=str(qwen_tokenizer_dir)).model_dump(),
                 poll_interval=0.2, heartbeat_interval=0.5, work_dir=None,
             )  # fmt: skip
@@ -530,7 +555,7 @@ def test_ray_places_nodes_as_actors_and_completes_a_task(
             while time.time() < deadline and len(server._healthy_nodes()) < 2:
                 await asyncio.sleep(0.2)
             assert sorted(server._healthy_nodes()) == ["ray-0", "ray-1"]
-            async with AsyncRolloutClient(server.url) as client:
+            async with AsyncRolloutClient(server.url, token=server.token) as client:
                 tid = await client.submit(
                     task("r", "pass"),
                     samples=4,
@@ -573,6 +598,7 @@ def test_submit_command_waits_and_writes_parquet(tmp_path, backend_proc, qwen_to
             f"127.0.0.1:{port}",
             "--db",
             str(db),
+            "--allow-local-runtime",
             "--backend",
             backend_proc.url,
             "--tokenizer",
@@ -628,14 +654,17 @@ async def test_events_stream_and_a_drained_node_takes_no_new_samples(service):
     seen: list[dict] = []
 
     async def listen():
-        async with httpx.AsyncClient(base_url=svc.url, timeout=None) as h, h.stream("GET", "/v1/events") as r:
+        async with (
+            httpx.AsyncClient(base_url=svc.url, timeout=None, headers=AUTH) as h,
+            h.stream("GET", "/v1/events") as r,
+        ):
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     seen.append(json.loads(line[6:]))
 
     listener = asyncio.create_task(listen())
     await asyncio.sleep(0.2)
-    async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient(base_url=svc.url) as h:
+    async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient(base_url=svc.url, headers=AUTH) as h:
         tid = await client.submit(
             task("e", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=harness()
         )
@@ -659,7 +688,7 @@ async def test_events_stream_and_a_drained_node_takes_no_new_samples(service):
 async def test_priorities_order_the_queue_and_leases_are_checked(service):
     svc = await service(nodes=0)
     body = {"num_samples": 2, "harness": "claude-code", "runtime": "local"}
-    async with httpx.AsyncClient(base_url=svc.url) as h:
+    async with httpx.AsyncClient(base_url=svc.url, headers=AUTH) as h:
         for tid, prio in (("low", 0), ("high", 5), ("mid", 1)):
             t = task(tid, "x").model_dump(mode="json")
             assert (await h.post("/v1/tasks", json={**body, "task": t, "priority": prio})).status_code == 202

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import subprocess
 import time
@@ -14,7 +15,51 @@ from polar_mitm.cli_options import make_policy_config, policy_options
 from polar_mitm.rollout.commands import task_options, worker_options
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
-TOKEN_HELP = "The control token, sent as a bearer header [env POLAR_MITM_SERVICE_TOKEN]"
+TOKEN_HELP = (
+    "The control token [env POLAR_MITM_SERVICE_TOKEN; default: read from --token-file]. "
+    "A token on the command line is visible to other users in `ps`: prefer the env or a file."
+)
+TOKEN_FILE_HELP = (
+    "Read the control token from this file [env POLAR_MITM_SERVICE_TOKEN_FILE; default "
+    "~/.config/polar-mitm/service-token, which `serve` writes]."
+)
+
+
+def token_options(f):
+    """--token and --token-file: how `submit` and `node` find the operator's token."""
+    f = click.option(
+        "--token-file",
+        envvar="POLAR_MITM_SERVICE_TOKEN_FILE",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help=TOKEN_FILE_HELP,
+    )(f)
+    return click.option("--token", envvar="POLAR_MITM_SERVICE_TOKEN", default=None, help=TOKEN_HELP)(f)
+
+
+def client_token(token: str | None, token_file: Path | None) -> str:
+    """The operator's token for `submit` and `node`, or a one-line error saying where to put it."""
+    from polar_mitm.service import auth
+
+    try:
+        found = auth.find_token(token, token_file)
+    except auth.TokenFileError as e:
+        raise click.ClickException(str(e)) from None
+    if found is None:
+        raise click.ClickException(
+            f"no control token: {auth.token_file(token_file)} does not exist (`serve` writes it there); "
+            "set POLAR_MITM_SERVICE_TOKEN or pass --token-file"
+        )
+    return found
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _host_port(listen: str) -> tuple[str, int]:
@@ -44,7 +89,60 @@ def node_options(f):
 @click.command()
 @click.option("--listen", default="127.0.0.1:8700", show_default=True, help="HOST:PORT of the HTTP API.")
 @click.option(
-    "--token", envvar="POLAR_MITM_SERVICE_TOKEN", default=None, help="Require this control token (bearer)."
+    "--insecure-listen",
+    is_flag=True,
+    help="Allow a --listen address other machines reach: the API has no TLS, so its token crosses "
+    "the network in clear (prefer loopback and a tunnel).",
+)
+@click.option(
+    "--token",
+    envvar="POLAR_MITM_SERVICE_TOKEN",
+    default=None,
+    help="Require this control token [env POLAR_MITM_SERVICE_TOKEN]. On the command line it is "
+    "visible to other users in `ps`: prefer the env or --token-file.",
+)
+@click.option(
+    "--token-file",
+    envvar="POLAR_MITM_SERVICE_TOKEN_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The control token's file, created 0600 with a new token when missing (when no --token is "
+    "given) [env POLAR_MITM_SERVICE_TOKEN_FILE; default ~/.config/polar-mitm/service-token, where "
+    "submit, node and the client read it].",
+)
+@click.option(
+    "--allow-local-runtime",
+    is_flag=True,
+    help="Accept tasks with runtime 'local': their harness (and harness_cmd) runs on the nodes' "
+    "hosts as the node's user, unsandboxed.",
+)
+@click.option(
+    "--task-root",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Accept task_path requests for paths under DIR (resolved); inline tasks' Dockerfiles and "
+    "tests must lie under it too. Without it the server reads no path a client names.",
+)
+@click.option(
+    "--callback-allow",
+    "callback_allow",
+    multiple=True,
+    metavar="HOST",
+    help="Accept callback_url on this host (repeatable, or comma-separated); none without it.",
+)
+@click.option(
+    "--max-body-mb",
+    type=click.FloatRange(min=0.01),
+    default=4.0,
+    show_default=True,
+    help="Largest request body; larger ones are refused (413) before they are read.",
+)
+@click.option(
+    "--max-result-mb",
+    type=click.FloatRange(min=0.01),
+    default=256.0,
+    show_default=True,
+    help="Largest sample report from a registered node (its trajectories' rows).",
 )
 @click.option(
     "--nodes",
@@ -71,7 +169,14 @@ def node_options(f):
 @policy_options
 def serve(
     listen,
+    insecure_listen,
     token,
+    token_file,
+    allow_local_runtime,
+    task_root,
+    callback_allow,
+    max_body_mb,
+    max_result_mb,
     nodes,
     ray_address,
     node_timeout,
@@ -96,26 +201,50 @@ def serve(
     The nodes run the samples (sandbox, harness through their proxy, evaluator) with the policy
     options given here; more nodes join from anywhere with `polar-mitm node --server URL`.
     State is in --db: a restarted server loses no task and no finished sample.
+
+    Only the holder of the control token drives it. Without --token (or its env) the token is
+    read from --token-file, or generated there (0600) on first use; `submit`, `node` and
+    polar_mitm.client read the same file. Nodes get a narrower credential derived from it.
     """
+    from polar_mitm.service import auth
     from polar_mitm.service.node import NodeConfig, spawn_node, stop_node
     from polar_mitm.service.server import RolloutServer
 
     host, port = _host_port(listen)
+    if not _loopback(host) and not insecure_listen:
+        raise click.ClickException(
+            f"--listen {listen} is reachable from other machines and the API has no TLS (its token would "
+            "cross the network in clear): listen on 127.0.0.1 and tunnel, or pass --insecure-listen"
+        )
+    if token:
+        token_note = "control token given"
+    else:
+        path = auth.token_file(token_file)
+        try:
+            token, created = auth.ensure_token_file(path)
+        except auth.TokenFileError as e:
+            raise click.ClickException(str(e)) from None
+        token_note = f"control token {'written to' if created else 'read from'} {path}"
+    allow = [h.strip() for item in callback_allow for h in item.split(",") if h.strip()]
     policy_cfg = make_policy_config(**policy)
 
     async def main() -> None:
-        server = RolloutServer(db, token=token, node_timeout=node_timeout)
+        server = RolloutServer(
+            db, token=token, node_timeout=node_timeout, allow_local_runtime=allow_local_runtime,
+            task_root=task_root, callback_allow=allow, max_body_mb=max_body_mb, max_result_mb=max_result_mb,
+        )  # fmt: skip
         try:
             await server.start(host, port)
         except OSError as e:
             raise click.ClickException(f"cannot listen on {listen}: {e.strerror or e}") from None
         url = f"http://{host}:{server.port}"
         click.echo(
-            f"polar-mitm rollout server on {url} · db {db} · {nodes} {'Ray ' if ray_address else ''}nodes",
+            f"polar-mitm rollout server on {url} · db {db} · {nodes} {'Ray ' if ray_address else ''}nodes"
+            f" · {token_note}",
             err=True,
         )
         cfg = dict(
-            server=url, token=token, db=str(db), certs_dir=certs, policy=policy_cfg, init_workers=init_workers,
+            server=url, node_token=server.node_token, db=str(db), certs_dir=certs, policy=policy_cfg, init_workers=init_workers,
             run_workers=run_workers, postrun_workers=postrun_workers, ready_size=ready_size, capacity=capacity, retries=retries,
         )  # fmt: skip
         local: list[subprocess.Popen] = []
@@ -133,8 +262,12 @@ def serve(
                     local.append(spawn_node(config, log=Path(node_db(db, f"node{i}")).with_suffix(".log")))
             await asyncio.Event().wait()
         finally:
-            for proc in local:
+            for i, proc in enumerate(local):
                 stop_node(proc)
+                # It reported what it ran and is gone: its id is free for the next `serve`.
+                node = server.store.node(f"local-{i}")
+                if node is not None and node.state != "lost":
+                    server.lose_node(node.id)
             if actors:
                 from polar_mitm.service.ray_nodes import stop_ray_nodes
 
@@ -146,7 +279,19 @@ def serve(
 
 @click.command()
 @click.option("--server", envvar="POLAR_MITM_SERVER", default="http://127.0.0.1:8700", help=SERVER_HELP)
-@click.option("--token", envvar="POLAR_MITM_SERVICE_TOKEN", default=None, help=TOKEN_HELP)
+@token_options
+@click.option(
+    "--node-token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Join with the node credential in this file instead of the control token [env "
+    "POLAR_MITM_NODE_TOKEN: the credential itself]; `node --print-credential` prints it.",
+)
+@click.option(
+    "--print-credential",
+    is_flag=True,
+    help="Print the node credential of the control token (it can only register nodes) and exit.",
+)
 @click.option("--node-id", default=None, help="This node's id [default: host name + random suffix].")
 @click.option(
     "--config",
@@ -160,6 +305,9 @@ def serve(
 def node(
     server,
     token,
+    token_file,
+    node_token_file,
+    print_credential,
     node_id,
     config_file,
     init_workers,
@@ -179,7 +327,12 @@ def node(
 
     It registers, takes samples when it has room, runs them (sandbox, harness through its own
     proxy, evaluator), and reports each sample's rows; its turns are in --db on this machine.
+    It sends only the node credential (derived from the control token, or given alone), which
+    registers and nothing else, then the key the server issued to this node.
     """
+    import os
+
+    from polar_mitm.service import auth
     from polar_mitm.service.node import GatewayNode, NodeConfig
 
     if config_file is not None:
@@ -187,8 +340,16 @@ def node(
         config_file.unlink(missing_ok=True)  # written for this process alone
         _run_until_signal(gw.run())
         return
+    credential = os.environ.get(auth.NODE_TOKEN_ENV)
+    if node_token_file is not None:
+        credential = auth.read_token_file(node_token_file)
+    if credential is None or print_credential:
+        credential = auth.node_token(client_token(token, token_file))
+    if print_credential:
+        click.echo(credential)
+        return
     fields = dict(
-        server=server, token=token, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
+        server=server, node_token=credential, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
         init_workers=init_workers, run_workers=run_workers, postrun_workers=postrun_workers, ready_size=ready_size, capacity=capacity, retries=retries,
     )  # fmt: skip
     if node_id:
@@ -230,7 +391,7 @@ def _run_until_signal(coro) -> None:
 @click.command()
 @task_options
 @click.option("--server", envvar="POLAR_MITM_SERVER", default="http://127.0.0.1:8700", help=SERVER_HELP)
-@click.option("--token", envvar="POLAR_MITM_SERVICE_TOKEN", default=None, help=TOKEN_HELP)
+@token_options
 @click.option("--priority", type=int, default=0, show_default=True)
 @click.option(
     "--builder", type=click.Choice(["prefix-merge", "per-request"]), default="prefix-merge", show_default=True
@@ -251,6 +412,7 @@ def submit(
     samples,
     server,
     token,
+    token_file,
     priority,
     early_stop,
     agent_timeout,
@@ -290,7 +452,7 @@ def submit(
         timeout_seconds=total_timeout, builder=builder, callback_url=callback_url,
         harness_cmd=shlex.split(harness_cmd) if harness_cmd else None,
     )  # fmt: skip
-    client = RolloutClient(server, token=token)
+    client = RolloutClient(server, token=client_token(token, token_file))
     ids = []
     try:
         for t in loaded:

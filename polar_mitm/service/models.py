@@ -1,24 +1,73 @@
 """The rollout service's HTTP contract: every body that crosses it, as pydantic models.
 
 `/openapi.json` is built from these (`service/openapi.py`), and the client, the nodes and the
-server all import them, so the three cannot disagree.
+server all import them, so the three cannot disagree. Every field a client sends is bounded here
+(numbers, lengths, ids), so a hostile body is a 422 naming its field, never a 500 or a value that
+breaks a loop later; the body's size and depth are bounded before parsing (`server.py`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
+from polar_mitm.outcomes import FINAL
 from polar_mitm.runtime import RUNTIMES
 from polar_mitm.runtime.recipes import all_recipes
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}")
+
+
+def _safe_id(v: str) -> str:
+    if not TASK_ID.fullmatch(v):
+        raise ValueError(
+            f"ids are letters, digits and . _ : @ + - (they appear in URLs), at most 200; got {v[:80]!r}"
+        )
+    return v
+
+
+# Task, node, session ids and leases: safe in a URL path and a file name (no `/`).
+Id = Annotated[str, AfterValidator(_safe_id)]
+WEEK = 7 * 24 * 3600.0
+Seconds = Annotated[float, Field(gt=0, le=WEEK, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0, le=1_000_000_000)]
+Text = Annotated[str, StringConstraints(max_length=10_000)]
+Short = Annotated[str, StringConstraints(max_length=200)]
 Builder = Literal["prefix-merge", "per-request"]
 SampleState = Literal["queued", "dispatched", "cancelling", "finished"]
 TaskState = Literal["queued", "running", "done", "cancelled"]
+
+
+class BoundedEvaluator(EvaluatorSpec):
+    """The evaluator as a client may send it: its numbers bounded."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    timeout_sec: Seconds = 600.0
+
+
+class BoundedTask(Task):
+    """A task as a client may send it: its numbers bounded (the loaders' own `Task` is the
+    operator's, and unbounded)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    cpus: float | None = Field(None, gt=0, le=4096)
+    memory_mb: int | None = Field(None, ge=1, le=1 << 30)
+    agent_timeout_sec: Seconds = 600.0
+    total_timeout_sec: Seconds | None = None
+    evaluator: BoundedEvaluator = Field(default_factory=BoundedEvaluator)
 
 
 class TaskRequest(BaseModel):
@@ -26,33 +75,45 @@ class TaskRequest(BaseModel):
     the server and its nodes can read (`task_path`: a Harbor directory, or a task file with
     `task_id` choosing one of its tasks)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     task_id: str | None = Field(None, description="The id for this request [default: the task's id]")
-    task: Task | None = None
-    task_path: str | None = None
+    task: BoundedTask | None = None
+    task_path: str | None = Field(None, max_length=4096)
     num_samples: int = Field(1, ge=1, le=1024)
     harness: str = Field(description="A recipe name: claude-code, codex, gemini-cli, qwen-code, pi, opencode")
-    harness_cmd: list[str] | None = None
+    harness_cmd: list[Text] | None = Field(None, max_length=1000)
     runtime: str = "docker"
-    evaluator: EvaluatorSpec | None = Field(None, description="Replaces the task's evaluator")
+    evaluator: BoundedEvaluator | None = Field(None, description="Replaces the task's evaluator")
     builder: Builder = "prefix-merge"
-    priority: int = Field(0, description="Higher runs first")
-    early_stop_min_usable: int | None = Field(None, ge=1)
-    timeout_seconds: float | None = Field(None, gt=0, description="Per sample: sandbox start to score")
-    agent_timeout_seconds: float | None = Field(None, gt=0)
+    priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="Higher runs first")
+    early_stop_min_usable: int | None = Field(None, ge=1, le=1024)
+    timeout_seconds: Seconds | None = Field(None, description="Per sample: sandbox start to score")
+    agent_timeout_seconds: Seconds | None = None
     max_staleness: int | None = Field(
-        None, ge=0, description="Most weight-version changes a sample's turns may span"
+        None, ge=0, le=1_000_000, description="Most weight-version changes a sample's turns may span"
     )
     stale_action: Literal["flag", "mask"] = "flag"
-    callback_url: str | None = None
+    callback_url: str | None = Field(None, max_length=2048)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("task", "evaluator", mode="before")
+    @classmethod
+    def _bound(cls, v: Any) -> Any:
+        # A loader's Task (or EvaluatorSpec) is checked against the bounds like any dict.
+        return (
+            v.model_dump()
+            if isinstance(v, Task | EvaluatorSpec) and not isinstance(v, BoundedTask | BoundedEvaluator)
+            else v
+        )
 
     @field_validator("task_id")
     @classmethod
     def _path_safe(cls, v: str | None) -> str | None:
         if v is not None and not TASK_ID.fullmatch(v):
-            raise ValueError(f"task ids are letters, digits and . _ : - (they appear in URLs); got {v!r}")
+            raise ValueError(
+                f"task ids are letters, digits and . _ : - (they appear in URLs); got {v[:80]!r}"
+            )
         return v
 
     @field_validator("harness")
@@ -142,17 +203,26 @@ class Control(BaseModel):
     draining: bool = False
 
 
+class Registered(Control):
+    """The reply to a registration: the server's switches, and this node's own key (its bearer
+    token for heartbeats, leases and results from now on)."""
+
+    node_key: str
+
+
 class NodeRegistration(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    node_id: str
-    url: str | None = None
-    workers: dict[str, int] = Field(default_factory=dict)  # init / run / postrun / ready
+    node_id: Id
+    url: str | None = Field(None, max_length=2048)
+    workers: dict[Short, Count] = Field(default_factory=dict, max_length=32)  # init / run / postrun / ready
 
 
 class StageLoad(BaseModel):
-    queued: int = 0
-    in_flight: int = 0
+    model_config = ConfigDict(extra="forbid")
+
+    queued: Count = 0
+    in_flight: Count = 0
 
 
 class Heartbeat(BaseModel):
@@ -160,17 +230,20 @@ class Heartbeat(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stages: dict[str, StageLoad] = Field(default_factory=dict)
-    generating: int = 0  # generations under way in the node's proxy
+    stages: dict[Short, StageLoad] = Field(default_factory=dict, max_length=32)
+    generating: Count = 0  # generations under way in the node's proxy
     paused: bool = False  # the node's proxy gate is closed
-    turns: int = 0  # turns served since the node started
-    samples: list[tuple[str, int, str]] = Field(default_factory=list)  # in flight: (task, index, stage)
+    turns: Count = 0  # turns served since the node started
+    # In flight: (task, index, stage).
+    samples: list[tuple[Id, Annotated[int, Field(ge=0, le=1024)], Short]] = Field(
+        default_factory=list, max_length=100_000
+    )
 
 
 class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    capacity: int = Field(ge=0)
+    capacity: int = Field(ge=0, le=4096)
 
 
 class LeaseReply(BaseModel):
@@ -181,18 +254,27 @@ class LeaseReply(BaseModel):
 class SampleResult(BaseModel):
     """A node's report of one finished sample (its rows built by the request's builder)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    task_id: str
-    index: int
-    lease: str
+    task_id: Id
+    index: int = Field(ge=0, le=1024)
+    lease: Id
     status: str
-    cause: str | None = None
-    reward: float | None = None
+    cause: Text | None = None
+    reward: float | None = Field(None, ge=-1e9, le=1e9)
     detail: dict[str, Any] | None = None
-    timings: dict[str, float] = Field(default_factory=dict)
-    session_id: str | None = None
-    rows: list[dict[str, Any]] = Field(default_factory=list)
+    timings: dict[Short, Annotated[float, Field(ge=0, le=10 * WEEK)]] = Field(
+        default_factory=dict, max_length=64
+    )
+    session_id: Id | None = None
+    rows: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
+
+    @field_validator("status")
+    @classmethod
+    def _an_outcome(cls, v: str) -> str:
+        if v not in FINAL:
+            raise ValueError(f"status is one of {', '.join(sorted(FINAL))}; got {v[:80]!r}")
+        return v
 
 
 class NodeView(BaseModel):
@@ -207,9 +289,9 @@ class NodeView(BaseModel):
 
 
 class PauseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    timeout_seconds: float = Field(60.0, ge=0)
+    timeout_seconds: float = Field(60.0, ge=0, le=24 * 3600)
 
 
 class PauseReply(BaseModel):
@@ -222,7 +304,7 @@ class PauseReply(BaseModel):
 class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    weight_version: str | None = None
+    weight_version: Short | None = None
 
 
 class Event(BaseModel):

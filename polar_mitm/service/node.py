@@ -8,6 +8,9 @@ carry its switches: pause or resume generation (the proxy's gate), samples to ca
 
 The same code runs in-process beside `serve`, as `polar-mitm node` on another machine, and as a
 Ray actor (`ray_nodes.py`).
+
+A node holds the node credential (derived from the service token, or given as such), which only
+registers; registering returns this node's own key, and every later call carries that key alone.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from polar_mitm.reconstruct.source import Selection
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
 from polar_mitm.runtime import make_runtime
 from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+from polar_mitm.service import auth
 from polar_mitm.service import models as m
 
 log = logging.getLogger("polar_mitm.node")
@@ -41,7 +45,9 @@ log = logging.getLogger("polar_mitm.node")
 
 class NodeConfig(BaseModel):
     server: str
-    token: str | None = None  # the server's control token
+    # The node credential (it registers, nothing more), or the service token to derive it from.
+    node_token: str | None = None
+    token: str | None = None
     node_id: str = Field(default_factory=lambda: f"node-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     db: str = "polar-mitm-node.sqlite"
     certs_dir: Path | None = None
@@ -81,6 +87,11 @@ class GatewayNode:
         self._http: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="polar-node-"))
+        if config.node_token is None and config.token is None:
+            raise ValueError("a node needs the node credential (node_token) or the service token")
+        self._enroll = config.node_token or auth.node_token(config.token)  # type: ignore[arg-type]
+        self._key: str | None = None  # issued at registration
+        self._workers: dict[str, int] = {}
         defaults = RolloutOptions(harness="claude-code")
         self.capacity = config.capacity or (config.init_workers or defaults.init_workers) + (
             config.run_workers or defaults.run_workers
@@ -92,13 +103,13 @@ class GatewayNode:
 
     # -- HTTP to the server ---------------------------------------------------------------------
 
-    async def _post(self, path: str, body: BaseModel) -> Any:
+    async def _post(self, path: str, body: BaseModel, credential: str | None = None) -> Any:
         assert self._http is not None
-        headers = {"authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        bearer = credential or self._key or self._enroll
         async with self._http.post(
             self.config.server.rstrip("/") + path,
             data=body.model_dump_json(),
-            headers={**headers, "content-type": "application/json"},
+            headers={"authorization": f"Bearer {bearer}", "content-type": "application/json"},
         ) as r:
             data = await r.json(content_type=None)
             if r.status >= 400:
@@ -121,12 +132,30 @@ class GatewayNode:
             }.items()
             if v is not None
         }
-        reply = await self._post(
-            "/v1/nodes/register",
-            m.NodeRegistration(node_id=self.node_id, url=self.proxy.url, workers=workers),
-        )
-        self._apply(m.Control.model_validate(reply))
+        self._workers = workers
+        await self._register(wait=120.0)
         log.info("node %s registered with %s (proxy %s)", self.node_id, self.config.server, self.proxy.url)
+
+    async def _register(self, wait: float = 0.0) -> None:
+        """Join with the node credential and keep the key the server issues. An id still held by
+        a live node (this node's earlier process, say) is waited for up to `wait` seconds."""
+        deadline = asyncio.get_running_loop().time() + wait
+        while True:
+            try:
+                reply = await self._post(
+                    "/v1/nodes/register",
+                    m.NodeRegistration(node_id=self.node_id, url=self.proxy.url, workers=self._workers),
+                    credential=self._enroll,
+                )
+                break
+            except NodeRefused as e:
+                if e.status != 409 or asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.warning("node id %s is still held (%s); registering again", self.node_id, e)
+                await asyncio.sleep(1.0)
+        got = m.Registered.model_validate(reply)
+        self._key = got.node_key
+        self._apply(got)
 
     async def serve(self) -> None:
         """Heartbeats and leases until `stop()` (or cancellation)."""
@@ -327,9 +356,7 @@ class GatewayNode:
                 self._apply(m.Control.model_validate(reply))
             except NodeRefused as e:
                 if e.status == 404:  # the server forgot us (a new database): register again
-                    await self._post(
-                        "/v1/nodes/register", m.NodeRegistration(node_id=self.node_id, url=self.proxy.url)
-                    )
+                    await self._register()
                 else:
                     log.warning("heartbeat refused: %s", e)
             except (aiohttp.ClientError, TimeoutError) as e:

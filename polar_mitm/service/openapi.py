@@ -20,7 +20,7 @@ def _schema(tp: Any, defs: dict[str, Any]) -> dict[str, Any]:
 def openapi(routes: list[tuple]) -> dict[str, Any]:
     defs: dict[str, Any] = {}
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, handler, req_model, resp_model, summary in routes:
+    for method, path, handler, req_model, resp_model, summary, *_ in routes:
         op: dict[str, Any] = {"summary": summary, "operationId": handler.__name__}
         params = re.findall(r"{(\w+)}", path)
         if params:
@@ -46,6 +46,8 @@ def openapi(routes: list[tuple]) -> dict[str, Any]:
         op["responses"] = {
             ok: response,
             "401": {"description": "control token missing or wrong"},
+            "403": {"description": "this credential may not do this (a node's), or the server has it off"},
+            "413": {"description": "the body is larger than the server's cap"},
             "422": {"description": "invalid request: the fields named"},
         }
         paths.setdefault(path, {})[method.lower()] = op

@@ -46,6 +46,8 @@ _SAMPLE_COLS = (
     "task_id, idx, state, stage, status, cause, node_id, lease, dispatches, reward, detail, timings,"
     " weight_versions, session_id, rows, updated_at"
 )
+# The same without the rows (a sample's trajectories, the bulk of the table): for views.
+_SAMPLE_VIEW_COLS = _SAMPLE_COLS.replace(" rows,", " NULL,")
 
 
 @dataclass
@@ -61,6 +63,27 @@ class TaskRow:
     callback_state: str | None
     callback_attempts: int
     callback_error: str | None
+
+
+@dataclass
+class TaskSummary:
+    """What a task's view shows, read from its columns (its request is not parsed)."""
+
+    id: str
+    state: str
+    priority: int
+    num_samples: int
+    created_at: float
+    updated_at: float
+    callback_state: str | None
+    harness: str
+    runtime: str
+
+
+_SUMMARY_COLS = (
+    "id, state, priority, num_samples, created_at, updated_at, callback_state,"
+    " json_extract(request, '$.harness'), coalesce(json_extract(request, '$.runtime'), 'docker')"
+)
 
 
 @dataclass
@@ -115,6 +138,12 @@ class ServiceStore:
             args = states
         return [TaskRow(*r) for r in self.db.execute(sql + " ORDER BY created_at", args)]
 
+    def summaries(self, task_id: str | None = None) -> list[TaskSummary]:
+        sql, args = f"SELECT {_SUMMARY_COLS} FROM service_tasks", ()
+        if task_id is not None:
+            sql, args = sql + " WHERE id = ?", (task_id,)
+        return [TaskSummary(*r) for r in self.db.execute(sql + " ORDER BY created_at", args)]
+
     def set_task_state(self, task_id: str, state: str) -> None:
         with self.db:
             self.db.execute(
@@ -140,13 +169,22 @@ class ServiceStore:
 
     # -- samples --------------------------------------------------------------------------------
 
-    def samples(self, task_id: str) -> list[SampleRow]:
+    def samples(self, task_id: str, *, rows: bool = True) -> list[SampleRow]:
+        """A task's samples in index order; with rows=False their `rows` are None (views)."""
+        cols = _SAMPLE_COLS if rows else _SAMPLE_VIEW_COLS
         return [
             SampleRow(*r)
             for r in self.db.execute(
-                f"SELECT {_SAMPLE_COLS} FROM service_samples WHERE task_id = ? ORDER BY idx", (task_id,)
+                f"SELECT {cols} FROM service_samples WHERE task_id = ? ORDER BY idx", (task_id,)
             )
         ]
+
+    def all_samples(self) -> dict[str, list[SampleRow]]:
+        """Every task's samples, without their rows, in one query (the task list)."""
+        out: dict[str, list[SampleRow]] = {}
+        for r in self.db.execute(f"SELECT {_SAMPLE_VIEW_COLS} FROM service_samples ORDER BY task_id, idx"):
+            out.setdefault(r[0], []).append(SampleRow(*r))
+        return out
 
     def sample(self, task_id: str, idx: int) -> SampleRow | None:
         row = self.db.execute(
@@ -198,12 +236,18 @@ class ServiceStore:
         weight_versions: list[str] | None = None,
         session_id: str | None = None,
         rows: list[dict[str, Any]] | None = None,
+        node_id: str | None = None,
     ) -> bool:
-        """Record a sample's outcome, only under its current lease (or, with lease None, a sample
-        that is not dispatched: cancelled or failed by the server). False when refused."""
+        """Record a sample's outcome, only under its current lease and from the node holding it
+        (or, with lease None, a sample that is not dispatched: cancelled or failed by the
+        server). False when refused."""
         now = time.time()
-        cond = "lease = ? AND state IN ('dispatched', 'cancelling')" if lease else "state != 'finished'"
-        args: tuple[Any, ...] = (lease,) if lease else ()
+        cond = (
+            "lease = ? AND node_id IS ? AND state IN ('dispatched', 'cancelling')"
+            if lease
+            else "state != 'finished'"
+        )
+        args: tuple[Any, ...] = (lease, node_id) if lease else ()
         with self.db:
             cur = self.db.execute(
                 # A sample we asked to stop keeps our reason (early stop, a cancelled task).
@@ -228,15 +272,15 @@ class ServiceStore:
             )
         return cur.rowcount == 1
 
-    def requeue_sample(self, task_id: str, idx: int, lease: str, max_dispatches: int) -> bool:
+    def requeue_sample(self, task_id: str, idx: int, lease: str, max_dispatches: int, node_id: str) -> bool:
         """A node gave a sample back unfinished (it is shutting down): queue it again while it
-        has dispatches left. False when the lease is stale or none are left."""
+        has dispatches left. False when the lease is stale, not this node's, or none are left."""
         with self.db:
             cur = self.db.execute(
                 "UPDATE service_samples SET state = 'queued', stage = NULL, node_id = NULL, lease = NULL,"
-                " updated_at = ? WHERE task_id = ? AND idx = ? AND lease = ? AND state = 'dispatched'"
-                " AND dispatches < ?",
-                (time.time(), task_id, idx, lease, max_dispatches),
+                " updated_at = ? WHERE task_id = ? AND idx = ? AND lease = ? AND node_id = ?"
+                " AND state = 'dispatched' AND dispatches < ?",
+                (time.time(), task_id, idx, lease, node_id, max_dispatches),
             )
         return cur.rowcount == 1
 
@@ -362,6 +406,17 @@ class ServiceStore:
                 self.db.execute("UPDATE service_nodes SET state = ? WHERE id = ?", (state, node_id)).rowcount
                 == 1
             )
+
+    def set_node_key(self, node_id: str, key_digest: str) -> None:
+        """The digest of the key a node was issued at registration (never the key itself)."""
+        self.put(f"node_key:{node_id}", key_digest)
+
+    def node_for_key(self, key_digest: str) -> str | None:
+        row = self.db.execute(
+            "SELECT key FROM service_state WHERE key LIKE 'node\\_key:%' ESCAPE '\\' AND value = ?",
+            (key_digest,),
+        ).fetchone()
+        return row[0].removeprefix("node_key:") if row else None
 
     def dispatched_count(self, node_id: str) -> int:
         return self.db.execute(

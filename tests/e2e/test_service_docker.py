@@ -45,8 +45,11 @@ class Receiver:
 
 
 def test_service_runs_claude_code_and_codex_groups_in_docker(
-    tmp_path, backend, qwen_tokenizer_dir, docker_client
+    tmp_path, backend, qwen_tokenizer_dir, docker_client, monkeypatch
 ):
+    # `serve` writes its token to a config dir of the test's own; the client reads it there.
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv("POLAR_MITM_SERVICE_TOKEN", raising=False)
     require_binary("claude")
     require_binary("codex")
     tasks = tmp_path / "tasks"
@@ -58,7 +61,8 @@ def test_service_runs_claude_code_and_codex_groups_in_docker(
     db = tmp_path / "service.sqlite"
     proc = spawn(
         ["serve", "--listen", f"127.0.0.1:{port}", "--nodes", "2", "--db", str(db), "--backend", backend.url,
-         "--tokenizer", str(qwen_tokenizer_dir), "--tool-parser", "qwen25", "--run-workers", "2"],
+         "--tokenizer", str(qwen_tokenizer_dir), "--tool-parser", "qwen25", "--run-workers", "2",
+         "--task-root", str(tasks), "--callback-allow", "127.0.0.1"],
         tmp_path / "serve.log",
     )  # fmt: skip
     receiver = Receiver()
