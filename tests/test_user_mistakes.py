@@ -118,6 +118,8 @@ def test_the_harness_flags_pass_through_with_or_without_double_dash(tmp_path, ba
 
 
 def test_proxy_prints_the_lines_each_harness_needs_and_they_work(tmp_path, backend_process, certs_dir):
+    from polar_mitm.runtime import node_proxy
+
     port, db = free_port(), tmp_path / "shared.sqlite"
     args = ["proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend_process.url, "--db", str(db)]
     proc = subprocess.Popen(
@@ -134,6 +136,8 @@ def test_proxy_prints_the_lines_each_harness_needs_and_they_work(tmp_path, backe
             "export",
             f"HTTPS_PROXY={proxy_url}",
             "NODE_USE_ENV_PROXY=1",
+            # Node 18-22's fetch through the proxy too (runtime/node_proxy.cjs), where undici is installed.
+            *(f"{k}={v}" for k, v in node_proxy.env({}).items()),
             f"NODE_EXTRA_CA_CERTS={certs_dir / 'mitmproxy-ca-cert.pem'}",
             f"SSL_CERT_FILE={certs_dir / 'polar-mitm-bundle.pem'}",
             f"REQUESTS_CA_BUNDLE={certs_dir / 'polar-mitm-bundle.pem'}",
