@@ -23,8 +23,13 @@
   `tokenizer_path`, `is_generation`, `preferred_sampling_params`, `weight_version`,
   `reasoning_parser`, `tool_call_parser`, …; `POST /update_weight_version` takes
   `{"new_version", "abort_all_requests": true}` and answers `{"success", "message", "new_version"}`;
-  `GET /health` and `/health_generate` are 200 with an empty body; `GET /v1/models` is OpenAI's list
-  with `owned_by: "sglang"` and `max_model_len`; `POST /abort_request` takes `{"rid", "abort_all"}`.
+  `GET /health` and `/health_generate` are 200 with an empty body (`/health_generate` runs a token
+  through the scheduler in SGLang, so it waits while a `hang` fault holds one: a stuck scheduler;
+  `/health` answers anyway); `GET /v1/models` is OpenAI's list with `owned_by: "sglang"` and
+  `max_model_len`; `POST /abort_request` takes `{"rid", "abort_all"}`.
+- With `api_key` set (SGLang's `--api-key`), every path but `/health*`, `/metrics` and the
+  `/_fake/` admin needs `Authorization: Bearer KEY`; others get 401 `{"error": "Unauthorized"}`
+  (SGLang's `add_api_key_middleware`).
 """
 
 from __future__ import annotations
@@ -204,6 +209,13 @@ class _Server(_Handlers):
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang runs one token through the scheduler: a stuck one (a `hang` fault holding a
+        request) answers nothing until it frees."""
+        while self.s.hanging and not self.s.shutting_down.is_set():
+            await asyncio.sleep(0.05)
+        return web.Response(status=200)
+
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.s.config
         return _json(
@@ -346,6 +358,24 @@ class _Server(_Handlers):
 # --------------------------------------------------------------------------------------------
 
 
+def _api_key_middleware(api_key: str | None):
+    """SGLang's `--api-key` check: a bearer token on every path but health, metrics (and ours)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        path = request.path
+        if (
+            api_key is None
+            or request.method == "OPTIONS"
+            or path.startswith(("/health", "/metrics", "/_fake/"))
+            or request.headers.get("Authorization") == f"Bearer {api_key}"
+        ):
+            return await handler(request)
+        return _json({"error": "Unauthorized"}, 401)
+
+    return check
+
+
 def create_app(config: FakeBackendConfig) -> web.Application:
     """The fake server as an aiohttp application (state at `app[STATE]`)."""
     tokenizer = Tokenizer.load(config.tokenizer_path)
@@ -358,14 +388,14 @@ def create_app(config: FakeBackendConfig) -> web.Application:
     if config.fail_next > 0:
         state.faults.append(Fault(mode="http500", count=config.fail_next))
     server, chat = _Server(state), _ChatCompletions(state)
-    app = web.Application(client_max_size=1024**3)
+    app = web.Application(client_max_size=1024**3, middlewares=[_api_key_middleware(config.api_key)])
     app[STATE] = state
     r = app.router
     r.add_post("/generate", server.generate)
     r.add_put("/generate", server.generate)
     r.add_post("/v1/chat/completions", chat.chat)
     r.add_get("/health", server.health)
-    r.add_get("/health_generate", server.health)
+    r.add_get("/health_generate", server.health_generate)
     r.add_get("/model_info", server.model_info)
     r.add_get("/get_model_info", server.model_info)
     r.add_get("/server_info", server.server_info)
