@@ -77,6 +77,10 @@ FLAGS: dict[str, Flag] = {
         envvar="POLAR_MITM_BACKEND_API_KEY",
         default="none",
     ),
+    "backend_kind": Flag(
+        "Which engine's API: sglang (/generate), vllm (/v1/completions with token-id prompts, "
+        "return_token_ids; vLLM >= 0.10.2), auto (SGLang's /model_info, else vLLM's /v1/models)."
+    ),
     "context_length": Flag(
         "The model's context length, when the backend reports none (given, it wins over the backend's).",
         default="the backend's /get_server_info or /v1/models",

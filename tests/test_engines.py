@@ -350,3 +350,96 @@ async def test_several_backends_pin_conversations_and_a_dead_engines_conversatio
     finally:
         for runner, _ in engines[1:]:
             await runner.cleanup()
+
+
+# --- vLLM in render mode -----------------------------------------------------------------------------------------
+
+BASH = {
+    "name": "Bash",
+    "description": "Run a shell command",
+    "input_schema": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+    },
+}
+
+
+async def vllm_replay(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """The vLLM fake's own answer for `prompt`, asked directly (not streamed)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True}
+    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        return (await r.json())["choices"][0]
+
+
+@pytest.mark.parametrize("stream", ["auto", "whole"])
+async def test_vllm_render_mode_is_token_exact_against_the_vllm_fake(tmp_path, qwen_tokenizer_dir, stream):
+    from polar_mitm.store.db import read_turns
+
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm", context_length=20000)
+    said: list[str] = []
+    try:
+        info = await check_policy(PolicyConfig(backend_url=url), progress=said.append)  # found by auto
+        assert (info.front, info.context_length, info.tokenizer_path) == (
+            "vllm",
+            20000,
+            str(qwen_tokenizer_dir),
+        )
+        assert said == [f"{url} is a vLLM engine"]
+        async with aiohttp.ClientSession() as http, http.get(url + "/model_info") as r:
+            assert r.status == 404  # no SGLang endpoint in vLLM's mode
+        async with Rig(tmp_path, qwen_tokenizer_dir, url, backend_stream=stream) as rig:
+            messages = [user("Create out.txt containing hi")]
+            body = {"model": MODEL, "max_tokens": 200, "messages": messages, "tools": [BASH]}
+            status, _, raw = await rig.gw.post("anthropic", body)
+            first = json.loads(raw)
+            assert status == 200 and first["stop_reason"] == "tool_use", first
+            call = next(b for b in first["content"] if b["type"] == "tool_use")
+            assert call["name"] == "Bash" and "out.txt" in call["input"]["command"]
+            body["messages"] = [
+                *messages,
+                {"role": "assistant", "content": first["content"]},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": ""}],
+                },
+            ]
+            status, _, raw = await rig.gw.post("anthropic", body)
+            second = json.loads(raw)
+            assert status == 200 and second["stop_reason"] == "end_turn"
+            assert "Done. The command finished." in second["content"][0]["text"]
+            db = rig.store.path
+        t1, t2 = list(read_turns(db))
+        assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+        for t in (t1, t2):  # what vLLM sampled, id for id and logprob for logprob
+            again = await vllm_replay(url, t.prompt_ids, 200)
+            assert again["token_ids"] == t.output_ids
+            assert again["logprobs"]["token_logprobs"] == t.output_logprobs
+            assert t.weight_version is None  # vLLM reports none
+        sent = [q["body"] for q in await requests_of_path(url, "/v1/completions")][:2]
+        assert all(b["return_token_ids"] is True and b["logprobs"] == 0 for b in sent)
+        assert [b["stream"] for b in sent] == [stream == "auto"] * 2  # vLLM streams deltas: auto streams
+    finally:
+        await runner.cleanup()
+
+
+async def test_vllm_finish_reasons_and_abort(tmp_path, qwen_tokenizer_dir):
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm")
+    try:
+        async with Rig(tmp_path, qwen_tokenizer_dir, url, backend_kind="vllm") as rig:
+            body = {"model": MODEL, "max_tokens": 3, "messages": [user("say something long")]}
+            status, _, raw = await rig.gw.post("anthropic", body)
+            assert status == 200 and json.loads(raw)["stop_reason"] == "max_tokens"
+            runner.app[STATE].faults.append(Fault(mode="abort", path="/v1/completions"))
+            status, reply = await rig.turn([user("say hi")])
+            assert status == 529 and "aborted the generation" in json.dumps(reply)
+            rows = await rig.store.query("SELECT status, finish_reason FROM turns ORDER BY id")
+            assert rows[-1] == ("aborted", "abort")
+    finally:
+        await runner.cleanup()
+
+
+async def requests_of_path(url: str, path: str) -> list[dict]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/_fake/requests") as r:
+        return [q for q in (await r.json())["requests"] if q["path"] == path]

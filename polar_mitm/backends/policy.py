@@ -47,6 +47,7 @@ from polar_mitm.backends.sglang import (
     SGLangClient,
     ids_json,
     sampling_params,
+    vllm_params,
 )
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import (
@@ -73,6 +74,9 @@ class PolicyConfig(BaseModel):
     backend_url: str = "http://127.0.0.1:30000"
     # Sent as `Authorization: Bearer` on every call to the engines (their --api-key).
     backend_api_key: str | None = None
+    # Which engine's API: sglang (/generate), vllm (/v1/completions with token ids), or auto
+    # (SGLang's info endpoints, else vLLM's model card).
+    backend_kind: Literal["auto", "sglang", "vllm"] = "auto"
     tokenizer: str | None = None  # None: the server's /model_info tokenizer_path
     tool_parser: str | None = None  # None: the server's, else qwen25
     reasoning_parser: str | None = None  # None: the server's, else qwen3
@@ -249,8 +253,15 @@ class Policy:
         self.store = store
         # Info requests (/model_info …) are small: the idle limit bounds them too.
         urls = config.backend_urls or [config.backend_url]
-        self.client = SGLangClient(urls[0], timeout=config.idle_timeout, api_key=config.backend_api_key)
-        self.engines = EnginePool(urls, self.client.alive, interval=config.engine_probe_interval or 5.0)
+        self.client = SGLangClient(
+            urls[0], timeout=config.idle_timeout, api_key=config.backend_api_key, kind=config.backend_kind
+        )
+        self.engines = EnginePool(
+            urls,
+            self.client.alive,
+            kind="vllm" if config.backend_kind == "vllm" else "sglang",
+            interval=config.engine_probe_interval or 5.0,
+        )
         # Routing keys of recent turns, so a turn that echoes one keeps its conversation's key
         # even when its first messages were rewritten (a tool set changed, a prompt compacted).
         self._keys: OrderedDict[str, str] = OrderedDict()
@@ -302,7 +313,17 @@ class Policy:
             if self._info is None:
                 assert err is not None
                 raise err
+            self.engines.kind = "vllm" if self._info.front == "vllm" else "sglang"
         return self._info
+
+    async def engine_kind(self) -> str:
+        """ "vllm" or "sglang" (a router in front of SGLang engines speaks SGLang's API)."""
+        if self.config.backend_kind != "auto":
+            return self.config.backend_kind
+        try:
+            return "vllm" if (await self.model_info()).front == "vllm" else "sglang"
+        except ProviderError:
+            return "sglang"
 
     async def context_length(self) -> int | None:
         if self.config.context_length:
@@ -520,7 +541,8 @@ class Policy:
                 )
             # Harnesses ask for their provider's limits (Claude Code: 32k-64k); fit the policy's.
             max_tokens = min(max_tokens, context - len(prompt_ids))
-        params = sampling_params(
+        vllm = await self.engine_kind() == "vllm"
+        params = (vllm_params if vllm else sampling_params)(
             req.sampling.model_copy(update={"max_tokens": max_tokens}),
             default_max_tokens=self.config.default_max_tokens,
         )
@@ -533,9 +555,12 @@ class Policy:
             prompt_ids = prompt_ids[:]  # a plain list: array() and others take their fast path
         key = self.routing_key(req, ctx.session_id, hashes, ref)
         engine = self.engines.pick(key)
-        gen = self.client.generate(
-            sent_ids, params, stream=streamed, cumulative=cumulative, url=engine.url, routing_key=key
-        )
+        if vllm:
+            gen = self.client.complete_ids(sent_ids, params, stream=streamed, url=engine.url, routing_key=key)
+        else:
+            gen = self.client.generate(
+                sent_ids, params, stream=streamed, cumulative=cumulative, url=engine.url, routing_key=key
+            )
         state = gen.state
 
         def record(status: str, completion: Completion | None, finish_reason: str | None = None) -> Turn:

@@ -9,13 +9,21 @@ Every call carries the engine's API key (`Authorization: Bearer`, SGLang's and v
 `--api-key`) when one is configured, and a generation carries its conversation's routing key
 (`X-SMG-Routing-Key`, which the router's `manual` policy hashes to a worker), so every turn of a
 conversation lands on the engine that holds its prefix cache.
+
+vLLM is spoken in its own names (render mode on vLLM): `POST /v1/completions` with the prompt as
+token ids, `return_token_ids` (vLLM >= 0.10.2: `choices[].token_ids`, `prompt_token_ids`),
+`logprobs` (`choices[].logprobs.token_logprobs`, the sampled tokens' logprobs), delta streaming;
+its `finish_reason` / `stop_reason` are read into SGLang's finish-reason shape, so the policy
+handles both engines alike. vLLM reports no weight version.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, Literal
 
 import aiohttp
 from pydantic import BaseModel
@@ -67,6 +75,8 @@ class ModelInfo(BaseModel):
 
     def describe(self) -> str:
         """One line naming the front, for the preflight."""
+        if self.front == "vllm":
+            return "a vLLM engine"
         if self.front == "router":
             where = f"; server info from worker {self.server_info_from}" if self.server_info_from else ""
             return f"an SGLang router with {len(self.workers)} worker(s){where}"
@@ -128,13 +138,21 @@ def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
 
 
 class SGLangClient:
-    def __init__(self, base_url: str, *, timeout: float | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        kind: Literal["auto", "sglang", "vllm"] = "auto",
+    ):
         """`timeout`: seconds an info request (/model_info, /get_server_info, /v1/models) may take.
         Generations are timed by their caller, which knows whether it awaits a first token (that
         can take minutes on a busy engine) or the next one. `api_key`: sent as a bearer token on
         every call (the engine's or the router's `--api-key`)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.kind = kind  # auto: SGLang's endpoints first, then vLLM's /v1/models
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -169,6 +187,8 @@ class SGLangClient:
         base = (url or self.base_url).rstrip("/")
         http = await self._http()
         try:
+            if self.kind == "vllm":
+                return await self._vllm_info(http, base)
             server = await self._get_json(http, base, "/get_server_info")
             info_from = "engine"
             workers: list[str] = []
@@ -206,7 +226,8 @@ class SGLangClient:
             raise EngineUnreachable(base, e) from e
 
     async def _model_info(self, http: aiohttp.ClientSession, base: str) -> ModelInfo:
-        """/model_info, else /get_model_info (SGLang's older name, and the router's only one)."""
+        """/model_info, else /get_model_info (SGLang's older name, and the router's only one);
+        with neither, vLLM's model card when `kind` allows it."""
         for path in ("/model_info", "/get_model_info"):
             async with http.get(f"{base}{path}", headers=self._auth, timeout=self._info_timeout()) as r:
                 if r.status == 404:
@@ -222,11 +243,36 @@ class SGLangClient:
                     raise ProviderError(
                         "api_error", f"policy backend {base} sent an unreadable {path}: {e}", 502
                     ) from None
+        if self.kind == "auto":
+            models = await self._get_json(http, base, "/v1/models")
+            cards = models.get("data") if isinstance(models.get("data"), list) else []
+            if cards and isinstance(cards[0], dict) and cards[0].get("owned_by") == "vllm":
+                return await self._vllm_info(http, base)
         raise ProviderError(
             "api_error",
             f"policy backend {base} answered 404 for /model_info and /get_model_info: is --backend an "
             "SGLang server's (or router's) root URL?",
             502,
+        )
+
+    async def _vllm_info(self, http: aiohttp.ClientSession, base: str) -> ModelInfo:
+        """vLLM's model card (`/v1/models`): the model's path (`root`, a tokenizer directory when
+        it is a local one) and `max_model_len`; vLLM streams deltas."""
+        models = await self._get_json(http, base, "/v1/models")
+        try:
+            card = models["data"][0]
+            root = card.get("root") or card["id"]
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise ProviderError(
+                "api_error", f"policy backend {base} answered no model card at /v1/models: is it vLLM?", 502
+            ) from None
+        return ModelInfo(
+            model_path=str(card.get("id") or root),
+            tokenizer_path=root if isinstance(root, str) and os.path.isdir(root) else None,
+            context_length=_positive(card.get("max_model_len")),
+            incremental_streaming_output=True,
+            front="vllm",
+            server_info_from="engine",
         )
 
     async def _get_json(self, http: aiohttp.ClientSession, base: str, path: str) -> dict[str, Any]:
@@ -297,10 +343,59 @@ class SGLangClient:
             self, generate_body(ids, params, stream), stream, cumulative, url or self.base_url, headers
         )
 
+    def complete_ids(
+        self,
+        input_ids: list[int] | bytes,
+        params: dict[str, Any],
+        *,
+        stream: bool = True,
+        url: str | None = None,
+        routing_key: str | None = None,
+    ) -> GenerateStream:
+        """One generation on vLLM (`/v1/completions` with a token-id prompt), read into the same
+        state as SGLang's: `params` from `vllm_params`."""
+        ids = input_ids if isinstance(input_ids, bytes) else ids_json(input_ids)
+        headers = {"Content-Type": "application/json", **self.headers(routing_key)}
+        body = vllm_body(ids, params, stream)
+        return GenerateStream(
+            self, body, stream, False, url or self.base_url, headers, "/v1/completions", _apply_vllm_chunk
+        )
+
 
 def ids_json(ids: list[int]) -> bytes:
     """Token ids as the inside of a JSON list ("1,2,3"); two of these join with a comma."""
     return json.dumps(ids, separators=(",", ":"))[1:-1].encode()
+
+
+def vllm_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
+    """Neutral sampling settings in vLLM's completion-request names (with the token capture:
+    `return_token_ids`, the sampled tokens' `logprobs`)."""
+    out: dict[str, Any] = {
+        "max_tokens": s.max_tokens if s.max_tokens is not None else default_max_tokens,
+        "logprobs": 0,  # the sampled token's logprob, no alternatives
+        "return_token_ids": True,
+        "skip_special_tokens": False,  # special tokens such as <tool_call> stay in the text
+    }
+    if s.temperature is not None:
+        out["temperature"] = s.temperature
+    if s.top_p is not None:
+        out["top_p"] = s.top_p
+    if s.top_k is not None:
+        out["top_k"] = s.top_k
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.json_schema is not None:
+        out["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "reply", "schema": s.json_schema},
+        }
+    return out
+
+
+def vllm_body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
+    """The /v1/completions request body around already serialized prompt ids."""
+    extra = json.dumps({**params, "stream": stream}).encode()
+    return b'{"prompt":[' + ids + b"]," + extra[1:]
 
 
 def generate_body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
@@ -331,10 +426,14 @@ class GenerateStream:
         cumulative: bool | None,
         url: str,
         headers: dict[str, str],
+        path: str = "/generate",
+        apply: Callable[[GenerateState, bytes], str] | None = None,
     ):
         self.client = client
         self.url = url
         self.headers = headers
+        self.path = path
+        self._apply = apply or _apply_chunk
         self.body = body
         self.streamed = stream
         self.state = GenerateState(cumulative)
@@ -389,7 +488,7 @@ class GenerateStream:
         try:
             http = await self.client._http()
             try:
-                resp = await http.post(f"{self.url}/generate", data=self.body, headers=self.headers)
+                resp = await http.post(f"{self.url}{self.path}", data=self.body, headers=self.headers)
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 raise EngineUnreachable(self.url, e) from e
             async with resp:
@@ -431,7 +530,7 @@ class GenerateStream:
                 self._news.set()
 
     def _fold(self, payload: bytes) -> None:
-        text = _apply_chunk(self.state, payload)
+        text = self._apply(self.state, payload)
         if text:
             self._text.append(text)
         if self.state.finish_reason is not None:
@@ -512,3 +611,66 @@ def _apply_chunk(state: GenerateState, payload: bytes) -> str:
     state.cached_tokens = meta.get("cached_tokens", state.cached_tokens)
     state.chunks += 1
     return added
+
+
+# vLLM's finish reasons in SGLang's shape (`stop_reason`: the stop string or token id; None for EOS).
+def _vllm_finish(choice: dict[str, Any]) -> dict[str, Any] | None:
+    fr = choice.get("finish_reason")
+    if fr is None:
+        return None
+    if fr == "stop":
+        return {"type": "stop", "matched": choice.get("stop_reason")}
+    if fr == "abort":
+        return {"type": "abort", "message": "aborted by the engine"}
+    return {"type": str(fr)}
+
+
+def _apply_vllm_chunk(state: GenerateState, payload: bytes) -> str:
+    """Fold one vLLM /v1/completions output (a delta chunk, or the whole reply) into `state`;
+    returns the text it adds. A chunk with no choices (the usage one) adds only the usage."""
+    try:
+        obj = json.loads(payload)
+        if "error" in obj or obj.get("object") == "error":
+            err = obj.get("error", obj)
+            message = err.get("message", err) if isinstance(err, dict) else err
+            code = err.get("code") if isinstance(err, dict) else None
+            if code in (400, 422):
+                raise ProviderError("invalid_request", f"policy backend rejected the request: {message}", 400)
+            raise ProviderError("api_error", f"policy backend error: {message}", 500)
+        usage = obj.get("usage") or {}
+        choices = obj.get("choices") or []
+        choice = choices[0] if choices else None
+        if choice is not None:
+            text = choice.get("text") or ""
+            ids = choice.get("token_ids")
+            lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+            if not isinstance(ids, list) or not isinstance(text, str):
+                raise ProviderError(
+                    "api_error",
+                    "the vLLM backend returned no token_ids: it needs return_token_ids (vLLM >= 0.10.2)",
+                    502,
+                )
+    except ProviderError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ProviderError(
+            "api_error", f"policy backend returned an unreadable chunk: {payload[:200]!r}", 502
+        ) from e
+    if isinstance(usage, dict) and usage:
+        state.prompt_tokens = usage.get("prompt_tokens", state.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        state.cached_tokens = details.get("cached_tokens", state.cached_tokens)
+    if choice is None:
+        return ""
+    if len(lps) != len(ids):
+        raise ProviderError(
+            "api_error",
+            f"policy backend returned {len(ids)} token ids but {len(lps)} logprobs; is logprobs supported?",
+            502,
+        )
+    state.output_ids.extend(int(i) for i in ids)
+    state.output_logprobs.extend(lps)
+    state._text.append(text)
+    state.finish_reason = _vllm_finish(choice)
+    state.chunks += 1
+    return text

@@ -33,6 +33,13 @@ import click
     help="Refuse calls without 'Authorization: Bearer KEY' (401), as SGLang's --api-key does "
     "(health endpoints exempt) [env POLAR_MITM_FAKE_API_KEY].",
 )
+@click.option(
+    "--api",
+    type=click.Choice(["sglang", "vllm"]),
+    default="sglang",
+    show_default=True,
+    help="Whose HTTP API to speak: SGLang's native one, or vLLM's (/v1/completions with token ids).",
+)
 def fake_backend(
     host,
     port,
@@ -45,6 +52,7 @@ def fake_backend(
     first_token_delay,
     model_path,
     api_key,
+    api,
 ):
     """An SGLang-compatible policy server for demos and CI (no GPU, no model).
 
@@ -72,6 +80,7 @@ def fake_backend(
         first_token_delay=first_token_delay,
         model_path=model_path,
         api_key=api_key,
+        api=api,
     )
     try:
         serve(cfg, host, port)

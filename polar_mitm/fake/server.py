@@ -59,6 +59,7 @@ from polar_mitm.fake.contract import (
 from polar_mitm.fake.engine import Engine
 from polar_mitm.fake.serving import _drop, _Handlers, _Item
 from polar_mitm.fake.state import STATE, FakeBackendState, Fault, FaultMode
+from polar_mitm.fake.vllm import _Completions
 
 SGLANG_VERSION_EMULATED = "0.5.x"
 
@@ -391,6 +392,16 @@ def create_app(config: FakeBackendConfig) -> web.Application:
     app = web.Application(client_max_size=1024**3, middlewares=[_api_key_middleware(config.api_key)])
     app[STATE] = state
     r = app.router
+    if config.api == "vllm":  # vLLM's own endpoints only (`vllm.py`)
+        completions = _Completions(state)
+        r.add_post("/v1/completions", completions.completions)
+        r.add_post("/v1/chat/completions", chat.chat)
+        r.add_get("/v1/models", completions.models)
+        r.add_get("/version", completions.version)
+        r.add_get("/health", server.health)
+        _admin(r, server)
+        app.on_shutdown.append(_on_shutdown)
+        return app
     r.add_post("/generate", server.generate)
     r.add_put("/generate", server.generate)
     r.add_post("/v1/chat/completions", chat.chat)
@@ -404,16 +415,20 @@ def create_app(config: FakeBackendConfig) -> web.Application:
     r.add_post("/update_weight_version", server.update_weight_version)
     r.add_post("/abort_request", server.abort_request)
     r.add_route("*", "/flush_cache", server.flush_cache)
+    _admin(r, server)
+    app.on_shutdown.append(_on_shutdown)
+    return app
+
+
+def _admin(r: web.UrlDispatcher, server: _Server) -> None:
     r.add_post("/_fake/fault", server.fake_fault)
     r.add_get("/_fake/requests", server.fake_requests)
     r.add_post("/_fake/reset", server.fake_reset)
     r.add_get("/_fake/state", server.fake_state)
 
-    async def on_shutdown(app: web.Application) -> None:
-        app[STATE].shutting_down.set()
 
-    app.on_shutdown.append(on_shutdown)
-    return app
+async def _on_shutdown(app: web.Application) -> None:
+    app[STATE].shutting_down.set()
 
 
 async def start_fake_backend(
@@ -435,7 +450,7 @@ def serve(config: FakeBackendConfig, host: str = "127.0.0.1", port: int = 30000)
 
     async def main() -> None:
         runner, url = await start_fake_backend(config, host, port)
-        print(f"polar-mitm fake backend ({config.mode}) listening on {url}", flush=True)
+        print(f"polar-mitm fake backend ({config.mode}, {config.api} API) listening on {url}", flush=True)
         try:
             await asyncio.Event().wait()
         finally:

@@ -128,7 +128,7 @@ async def discover(
     """The model info of the front at `urls[0]` (`SGLangClient.model_info`: an engine, or a
     router and one of its workers), waiting up to `config.backend_wait` seconds, with one line
     of progress, while a router has no worker yet."""
-    client = SGLangClient(urls[0], timeout=timeout, api_key=config.backend_api_key)
+    client = SGLangClient(urls[0], timeout=timeout, api_key=config.backend_api_key, kind=config.backend_kind)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.backend_wait
     told = False
@@ -177,7 +177,7 @@ async def check_policy(
     info = await discover(config, urls, timeout=timeout, progress=progress)
     if len(urls) > 1:
         progress(f"{len(urls)} engines (--backend given {len(urls)} times); {info.describe()} at {urls[0]}")
-    elif info.front != "sglang":
+    elif info.front != "sglang":  # a router, or vLLM
         progress(f"{urls[0]} is {info.describe()}")
     if info.context_length is None and config.context_length is None and config.backend_mode != "chat":
         progress("the backend reports no context length; pass --context-length to bound the prompts")
