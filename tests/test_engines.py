@@ -443,3 +443,53 @@ async def test_vllm_finish_reasons_and_abort(tmp_path, qwen_tokenizer_dir):
 async def requests_of_path(url: str, path: str) -> list[dict]:
     async with aiohttp.ClientSession() as http, http.get(url + "/_fake/requests") as r:
         return [q for q in (await r.json())["requests"] if q["path"] == path]
+
+
+@pytest.mark.slow
+async def test_an_engine_killed_mid_turn_behind_the_router_moves_its_conversation(
+    tmp_path, qwen_tokenizer_dir
+):
+    """Behind the real router (`manual`, its own retries off: with them it sometimes serves the
+    turn elsewhere itself), an engine SIGKILLed while a turn waits on it: that turn gets the
+    style's retryable error, the harness's retry and the conversation's next turns land on the
+    other engine with the same key, and nothing half-written is stored as a turn."""
+    from tests.e2e.harness import FakeBackend
+
+    require_router()
+    router = Router(
+        "manual", "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--disable-retries"
+    )
+    engines = [
+        FakeBackend(qwen_tokenizer_dir, "--model-path", str(qwen_tokenizer_dir), "--first-token-delay", "0.6")
+        for _ in range(2)
+    ]
+    try:
+        for e in engines:
+            await asyncio.to_thread(router.add, e.url)
+        async with Rig(tmp_path, qwen_tokenizer_dir, router.url) as rig:
+            messages = await converse(rig, "the long task: say hi", 1)
+            (key,) = {q["routing_key"] for e in engines for q in await requests_of(e.url)}
+            (victim,) = [e for e in engines if await requests_of(e.url)]
+            survivor = next(e for e in engines if e is not victim)
+            turn = asyncio.ensure_future(rig.turn(messages))
+            await asyncio.sleep(0.3)  # the turn is waiting for its first token on the victim
+            victim.proc.kill()
+            status, reply = await turn
+            assert status in (500, 529), reply  # both retryable for Anthropic's clients
+            retries = 0
+            while status != 200 and retries < 10:  # the harness retries until the router drops the worker
+                retries += 1
+                await asyncio.sleep(0.5)
+                status, reply = await rig.turn(messages)
+            assert status == 200, reply
+            messages += [{"role": "assistant", "content": reply["content"]}, user("and the last step")]
+            status, _ = await rig.turn(messages)
+            assert status == 200
+            later = [q["routing_key"] for q in await requests_of(survivor.url)]
+            assert len(later) >= 2 and set(later) == {key}  # the conversation moved, with its key
+            rows = dict(await rig.store.query("SELECT status, count(*) FROM turns GROUP BY status"))
+            assert rows.get("ok") == 3 and set(rows) <= {"ok", "error"}, rows
+    finally:
+        router.stop()
+        for e in engines:
+            e.stop()
