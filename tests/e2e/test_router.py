@@ -2,8 +2,8 @@
 (`sglang-router` from PyPI) in front of two fake engines, all on 127.0.0.1.
 
 Under the router's `manual` policy every turn of a conversation is served by one engine (read
-from the engines' own request logs, by the routing key polar-mitm sends); under `cache_aware` a
-session completes; `run` started while the router has no worker waits, says so once, and works
+from the engines' own request logs, by the routing key polar-mitm sends); under `cache_aware`
+sessions complete (Claude Code and Codex both, under both policies); `run` started while the router has no worker waits, says so once, and works
 when one registers.
 """
 
@@ -129,5 +129,26 @@ def test_run_started_before_the_router_has_workers_waits_then_works(tmp_path, en
         assert err.count("has no worker yet") == 1  # one line of progress
         assert (work / "out.txt").read_text() == "hi\n"
         assert len(main_turns(db)) == 2
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("policy", ["manual", "cache_aware"])
+def test_codex_through_the_router_completes(tmp_path, engines, qwen_tokenizer_dir, policy):
+    from tests.e2e.test_codex import run_codex
+
+    require_binary("codex")
+    require_router()
+    router = Router(policy)
+    try:
+        for e in engines:
+            router.add(e.url)
+        db = run_codex(tmp_path, router, qwen_tokenizer_dir, f"codex-{policy}")
+        t1, t2 = main_turns(db)
+        assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+        where, count = served_by(engines)
+        assert None not in where and sum(count.values()) >= 2
+        if policy == "manual":
+            assert all(len(urls) == 1 for urls in where.values()), where
     finally:
         router.stop()
