@@ -493,3 +493,33 @@ async def test_an_engine_killed_mid_turn_behind_the_router_moves_its_conversatio
         router.stop()
         for e in engines:
             e.stop()
+
+
+async def test_turns_waiting_on_one_engine_share_its_prober(tmp_path, qwen_tokenizer_dir):
+    """Probing costs the engine a token per probe (SGLang's /health_generate): 20 turns waiting on
+    one engine make one probe an interval, not twenty."""
+    from polar_mitm.backends.engines import EnginePool
+    from polar_mitm.backends.sglang import SGLangClient
+
+    runner, url = await fake(qwen_tokenizer_dir)
+    client = SGLangClient(url)
+    sent: list[str] = []
+
+    async def counted(base: str, path: str, timeout: float) -> bool:
+        sent.append(path)
+        return await client.alive(base, path, timeout)
+
+    pool = EnginePool([url], counted, interval=0.2)
+    try:
+        watches = [asyncio.ensure_future(pool.watch(pool.engines[0], 0.5)) for _ in range(20)]
+        await asyncio.sleep(1.3)
+        assert not any(w.done() for w in watches)  # a live engine: nobody gives up
+        assert 4 <= len(sent) <= 8 and set(sent) == {"/health_generate"}, sent
+        runner.app[STATE].hanging += 1  # a stuck scheduler from now on
+        done, _ = await asyncio.wait(watches, timeout=3)
+        assert len(done) == 20  # every waiting turn hears of it
+    finally:
+        runner.app[STATE].hanging = 0
+        await pool.close()
+        await client.close()
+        await runner.cleanup()

@@ -9,11 +9,12 @@ stays on one engine while that engine lives, and when it dies only its conversat
 its next-highest engine: their prefix cache is lost, nothing else).
 
 Liveness is the engine's own: SGLang's `/health_generate` runs one token through the scheduler
-(`/health` only says the HTTP process is up), vLLM's `/health`. While a turn waits for its first
-token, `watch` probes it every `interval` seconds; an engine that has not passed a probe for
-`dead_after` seconds fails the turn with a retryable error (a slow but live engine passes its
-probes and keeps the whole first-token timeout). A dead engine is left out of the choice until a
-probe passes again.
+(`/health` only says the HTTP process is up), vLLM's `/health`. While turns wait for their first
+token on an engine, one prober per engine (however many turns wait) probes it every `interval`
+seconds; a turn whose engine has passed no probe for `dead_after` seconds (counted from the
+turn's start) fails with a retryable error, while a slow but live engine passes its probes and
+keeps the whole first-token timeout. A dead engine is left out of the choice until a probe passes
+again.
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ def rendezvous_score(key: str, url: str) -> int:
 class Engine:
     """One `--backend` URL and what we know of its health."""
 
-    __slots__ = ("url", "dead", "_reviving")
+    __slots__ = ("url", "dead", "last_ok", "watchers", "_reviving", "_probing")
 
     def __init__(self, url: str):
         self.url = url
         self.dead = False
+        self.last_ok = float("-inf")  # loop time a passing probe was sent
+        self.watchers = 0  # turns waiting on it for a first token
         self._reviving: asyncio.Task | None = None
+        self._probing: asyncio.Task | None = None
 
 
 Probe = Callable[[str, str, float], Awaitable[bool]]
@@ -87,20 +91,35 @@ class EnginePool:
 
     async def watch(self, engine: Engine, dead_after: float) -> None:
         """Return once `engine` has passed no health probe for `dead_after` seconds (counted from
-        the call, the turn's start); probes every `interval` seconds, the first after one. Meant
-        to run beside a turn that waits for its first token, and be cancelled when it comes."""
+        the call, the turn's start). Meant to run beside a turn that waits for its first token,
+        and be cancelled when it comes; the turns waiting on one engine share its prober."""
         loop = asyncio.get_running_loop()
-        alive_at = loop.time()
-        while True:
-            await asyncio.sleep(max(0.0, min(self.interval, alive_at + dead_after - loop.time())))
+        start = loop.time()
+        engine.watchers += 1
+        if engine._probing is None or engine._probing.done():
+            engine._probing = asyncio.ensure_future(self._probe_while_watched(engine))
+        try:
+            while True:
+                alive_at = max(start, engine.last_ok)
+                left = alive_at + dead_after - loop.time()
+                if left <= 0:
+                    return
+                await asyncio.sleep(min(left, self.interval))
+        finally:
+            engine.watchers -= 1
+
+    async def _probe_while_watched(self, engine: Engine) -> None:
+        """One probe every `interval` seconds (the first after one) while any turn watches."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(self.interval)
+        while engine.watchers > 0:
             sent = loop.time()
             if await self.probe(engine.url, self.health_path, max(self.interval, 0.5)):
-                alive_at = sent
-            elif loop.time() - alive_at >= dead_after:
-                return
+                engine.last_ok = max(engine.last_ok, sent)
+            await asyncio.sleep(max(0.0, sent + self.interval - loop.time()))
 
     async def close(self) -> None:
-        tasks = [e._reviving for e in self.engines if e._reviving is not None and not e._reviving.done()]
+        tasks = [t for e in self.engines for t in (e._reviving, e._probing) if t is not None and not t.done()]
         for t in tasks:
             t.cancel()
         if tasks:
