@@ -52,10 +52,48 @@ class Flag:
     envvar: str | None = None
     default: str | None = None  # how the default reads in --help, when not the field's value
     callback: Callable[..., Any] | None = None
+    multiple: bool = False  # given several times (the callback joins the values into the field)
+
+
+def _join_urls(ctx, param, value):
+    """`--backend` given several times (or POLAR_MITM_BACKEND with several URLs): one field,
+    the URLs separated by commas; None when not given."""
+    urls = [u for v in value or () for u in v.replace(",", " ").split()]
+    return ",".join(urls) if urls else None
 
 
 FLAGS: dict[str, Flag] = {
-    "backend_url": Flag("SGLang server URL", name="--backend", envvar="POLAR_MITM_BACKEND"),
+    "backend_url": Flag(
+        "SGLang server or router URL; give it several times for several engines without a router "
+        "(each conversation pinned to one by its routing key; a dead engine's conversations move)",
+        name="--backend",
+        envvar="POLAR_MITM_BACKEND",
+        callback=_join_urls,
+        multiple=True,
+    ),
+    "backend_api_key": Flag(
+        "API key of the engines (their --api-key), sent as 'Authorization: Bearer' on every call; "
+        "prefer the environment variable: a value on the command line is visible to other users in ps",
+        envvar="POLAR_MITM_BACKEND_API_KEY",
+        default="none",
+    ),
+    "backend_kind": Flag(
+        "Which engine's API: sglang (/generate), vllm (/v1/completions with token-id prompts, "
+        "return_token_ids; vLLM >= 0.10.2), auto (SGLang's /model_info, else vLLM's /v1/models)."
+    ),
+    "context_length": Flag(
+        "The model's context length, when the backend reports none (given, it wins over the backend's).",
+        default="the backend's /get_server_info or /v1/models",
+    ),
+    "backend_wait": Flag(
+        "Seconds to wait at start-up for a router to have a worker (503 no_workers) before giving up."
+    ),
+    "engine_dead_after": Flag(
+        "While a turn waits for its first token, the engine's liveness is probed (SGLang: "
+        "/health_generate); failing it this many seconds fails the turn with a retryable error "
+        "(and with several --backend URLs moves the conversation); 0: no probing."
+    ),
+    "engine_probe_interval": Flag("Seconds between those liveness probes."),
     "tokenizer": Flag(
         "Hugging Face tokenizer directory",
         envvar="POLAR_MITM_TOKENIZER",
@@ -138,6 +176,7 @@ def _option(field: str, info: FieldInfo) -> Callable[[Any], Any]:
         default=None,  # not given: the field's own default
         envvar=flag.envvar,
         callback=flag.callback,
+        multiple=flag.multiple,
         help=f"{flag.help} [{env}default: {default}]",
     )
 

@@ -9,6 +9,7 @@ never see the end of a reply that is not on disk.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
+from polar_mitm.backends.engines import Engine, EnginePool
 from polar_mitm.backends.large_inputs import pooled
 from polar_mitm.backends.parsers import (
     OutputParser,
@@ -38,7 +40,15 @@ from polar_mitm.backends.render import (
     render_continuation,
     render_full,
 )
-from polar_mitm.backends.sglang import GenerateState, ModelInfo, SGLangClient, ids_json, sampling_params
+from polar_mitm.backends.sglang import (
+    EngineUnreachable,
+    GenerateState,
+    ModelInfo,
+    SGLangClient,
+    ids_json,
+    sampling_params,
+    vllm_params,
+)
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import (
     ChatRequest,
@@ -59,7 +69,14 @@ log = logging.getLogger("polar_mitm.policy")
 
 
 class PolicyConfig(BaseModel):
+    # One front (an SGLang engine, or SGLang's router), or several engines separated by commas
+    # (`--backend` given several times), balanced by rendezvous hashing of the conversation.
     backend_url: str = "http://127.0.0.1:30000"
+    # Sent as `Authorization: Bearer` on every call to the engines (their --api-key).
+    backend_api_key: str | None = None
+    # Which engine's API: sglang (/generate), vllm (/v1/completions with token ids), or auto
+    # (SGLang's info endpoints, else vLLM's model card).
+    backend_kind: Literal["auto", "sglang", "vllm"] = "auto"
     tokenizer: str | None = None  # None: the server's /model_info tokenizer_path
     tool_parser: str | None = None  # None: the server's, else qwen25
     reasoning_parser: str | None = None  # None: the server's, else qwen3
@@ -91,6 +108,21 @@ class PolicyConfig(BaseModel):
     # Tokens of rendered first blocks (system prompt + tools) kept across sessions, so a prompt
     # many sessions share is tokenized once; 0 turns the cache off.
     prefix_cache_tokens: int = 4_000_000
+    # The model's context length when no engine reports it (an explicit value wins over theirs).
+    context_length: int | None = None
+    # Seconds the preflight waits for a router's first worker (503 no_workers) before giving up.
+    backend_wait: float = 300.0
+    # While a turn waits for its first token the engine's liveness is probed every
+    # `engine_probe_interval` seconds (SGLang: /health_generate); failing for `engine_dead_after`
+    # seconds fails the turn with a retryable error (and with several engines moves the
+    # conversation). 0 turns the probing off.
+    engine_dead_after: float = 30.0
+    engine_probe_interval: float = 5.0
+
+    @property
+    def backend_urls(self) -> list[str]:
+        """The engines' URLs (one unless several were given)."""
+        return [u.strip().rstrip("/") for u in self.backend_url.split(",") if u.strip()]
 
 
 class TurnContext(BaseModel):
@@ -220,7 +252,19 @@ class Policy:
         self.config = config
         self.store = store
         # Info requests (/model_info …) are small: the idle limit bounds them too.
-        self.client = SGLangClient(config.backend_url, timeout=config.idle_timeout)
+        urls = config.backend_urls or [config.backend_url]
+        self.client = SGLangClient(
+            urls[0], timeout=config.idle_timeout, api_key=config.backend_api_key, kind=config.backend_kind
+        )
+        self.engines = EnginePool(
+            urls,
+            self.client.alive,
+            kind="vllm" if config.backend_kind == "vllm" else "sglang",
+            interval=config.engine_probe_interval or 5.0,
+        )
+        # Routing keys of recent turns, so a turn that echoes one keeps its conversation's key
+        # even when its first messages were rewritten (a tool set changed, a prompt compacted).
+        self._keys: OrderedDict[str, str] = OrderedDict()
         self._tok: Tokenizer | None = None
         self._info: ModelInfo | None = None
         self._reasoning_open: dict[str, bool] = {}
@@ -254,18 +298,79 @@ class Policy:
                 yield Ping()
 
     async def close(self) -> None:
+        await self.engines.close()
         await self.client.close()
 
     async def model_info(self) -> ModelInfo:
         if self._info is None:
-            self._info = await self.client.model_info()
+            err: ProviderError | None = None
+            for engine in sorted(self.engines.engines, key=lambda e: e.dead):
+                try:
+                    self._info = await self.client.model_info(engine.url)
+                    break
+                except ProviderError as e:  # with several engines, the first that answers
+                    err = e
+            if self._info is None:
+                assert err is not None
+                raise err
+            self.engines.kind = "vllm" if self._info.front == "vllm" else "sglang"
         return self._info
 
+    async def engine_kind(self) -> str:
+        """ "vllm" or "sglang" (a router in front of SGLang engines speaks SGLang's API)."""
+        if self.config.backend_kind != "auto":
+            return self.config.backend_kind
+        try:
+            return "vllm" if (await self.model_info()).front == "vllm" else "sglang"
+        except ProviderError:
+            return "sglang"
+
     async def context_length(self) -> int | None:
+        if self.config.context_length:
+            return self.config.context_length
         try:
             return (await self.model_info()).context_length
         except ProviderError:
             return None
+
+    # Routing keys kept for turns that echo them (a few hundred bytes each).
+    ROUTING_KEYS_MAX = 100_000
+
+    def routing_key(self, req: ChatRequest, session_id: str, hashes: list[str], ref: str | None) -> str:
+        """The conversation's routing key: the same for every turn of one conversation and for
+        the retries of a turn, different across sessions (the samples of a group spread over the
+        engines) and for a subagent or side call (its own first messages).
+
+        A turn that echoes an earlier one (`ref`) keeps that turn's key; otherwise the key is the
+        hash of the session and the conversation up to its first user message (system prompt,
+        tools, task), which every later turn of it repeats."""
+        if ref is not None and (kept := self._keys.get(ref)) is not None:
+            return kept
+        first = next((i for i, m in enumerate(req.messages) if m.role != "system"), len(req.messages))
+        anchor = hashes[min(first + 1, len(hashes) - 1)]
+        return hashlib.sha256(f"{session_id}\0{anchor}".encode()).hexdigest()[:32]
+
+    def _keep_key(self, turn_id: str, key: str) -> None:
+        self._keys[turn_id] = key
+        while len(self._keys) > self.ROUTING_KEYS_MAX:
+            self._keys.popitem(last=False)
+
+    async def _first_token_watch(self, engine: Engine) -> asyncio.Task | None:
+        """A task that ends when `engine` has failed its liveness probes for engine_dead_after
+        seconds (None when probing is off)."""
+        if not self.config.engine_dead_after or not self.config.engine_probe_interval:
+            return None
+        return asyncio.ensure_future(self.engines.watch(engine, self.config.engine_dead_after))
+
+    def engine_dead(self, engine: Engine) -> ProviderError:
+        """The retryable error for a turn whose engine stopped passing its liveness check."""
+        self.engines.mark_dead(engine, "failed its health check")
+        return ProviderError(
+            "overloaded",
+            f"policy backend {engine.url} failed its health check ({self.engines.health_path}) for "
+            f"{self.config.engine_dead_after:g} s (--engine-dead-after); retry the request",
+            529,
+        )
 
     async def backend_streaming(self) -> tuple[bool, bool | None]:
         """(whether to stream from the backend, whether its chunks are cumulative; None: unknown),
@@ -334,7 +439,7 @@ class Policy:
                 "api_error", f"policy output parsing: {e}; pass --tool-parser / --reasoning-parser", 500
             ) from None
 
-    def silence(self, first_token: bool) -> ProviderError:
+    def silence(self, first_token: bool, url: str | None = None) -> ProviderError:
         """The retryable error for a backend that went quiet for longer than it may."""
         if first_token:
             what, limit, option = "sent no token", self.config.first_token_timeout, "--first-token-timeout"
@@ -342,7 +447,8 @@ class Policy:
             what, limit, option = "stopped sending tokens", self.config.idle_timeout, "--idle-timeout"
         return ProviderError(
             "overloaded",
-            f"policy backend {self.config.backend_url} {what} for {limit:g} s ({option}); retry the request",
+            f"policy backend {url or self.config.backend_url} {what} for {limit:g} s ({option}); "
+            "retry the request",
             529,
         )
 
@@ -435,7 +541,8 @@ class Policy:
                 )
             # Harnesses ask for their provider's limits (Claude Code: 32k-64k); fit the policy's.
             max_tokens = min(max_tokens, context - len(prompt_ids))
-        params = sampling_params(
+        vllm = await self.engine_kind() == "vllm"
+        params = (vllm_params if vllm else sampling_params)(
             req.sampling.model_copy(update={"max_tokens": max_tokens}),
             default_max_tokens=self.config.default_max_tokens,
         )
@@ -446,7 +553,14 @@ class Policy:
         sent_ids = self.serialized_prompt(prompt_ids, ref, ref_len)
         if isinstance(prompt_ids, PromptIds):
             prompt_ids = prompt_ids[:]  # a plain list: array() and others take their fast path
-        gen = self.client.generate(sent_ids, params, stream=streamed, cumulative=cumulative)
+        key = self.routing_key(req, ctx.session_id, hashes, ref)
+        engine = self.engines.pick(key)
+        if vllm:
+            gen = self.client.complete_ids(sent_ids, params, stream=streamed, url=engine.url, routing_key=key)
+        else:
+            gen = self.client.generate(
+                sent_ids, params, stream=streamed, cumulative=cumulative, url=engine.url, routing_key=key
+            )
         state = gen.state
 
         def record(status: str, completion: Completion | None, finish_reason: str | None = None) -> Turn:
@@ -471,6 +585,7 @@ class Policy:
         loop = asyncio.get_running_loop()
         started = False
         counted = False
+        watch: asyncio.Task | None = None
         try:
             async for ev in self._through_gate(turn_id, len(prompt_ids)):
                 started = True
@@ -478,6 +593,7 @@ class Policy:
             self.generating += 1
             counted = True
             heard = loop.time()  # when the request went out, then when the last chunk came
+            watch = await self._first_token_watch(engine)
             while True:
                 # Until a first chunk (in whole mode: until the reply), the first-token limit.
                 limit = self.config.first_token_timeout if not state.chunks else self.config.idle_timeout
@@ -488,13 +604,18 @@ class Policy:
                 )
                 if delta is None:
                     if last_wait:
-                        raise self.silence(first_token=not state.chunks)
+                        raise self.silence(first_token=not state.chunks, url=engine.url)
+                    if watch is not None and watch.done() and not state.chunks:
+                        raise self.engine_dead(engine)
                     if not started:
                         started = True
                         yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
                     yield Ping()
                     continue
                 heard = loop.time()
+                if watch is not None:
+                    watch.cancel()
+                    watch = None
                 if not state.chunks:
                     break  # the stream ended without a chunk
                 if _aborted(state.finish_reason):
@@ -507,7 +628,7 @@ class Policy:
                 if state.finish_reason is not None or gen.finished:
                     break
             if _aborted(state.finish_reason):
-                aborted = abort_error(state.finish_reason, self.config.backend_url)
+                aborted = abort_error(state.finish_reason, engine.url)
                 error = aborted.message
                 # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
                 await asyncio.shield(self.store.insert_turn(record("aborted", None, finish_reason="abort")))
@@ -533,6 +654,7 @@ class Policy:
             )
             await asyncio.shield(self.store.insert_turn(record("ok", completion)))
             committed = True
+            self._keep_key(turn_id, key)
             self._keep_sent(
                 turn_id,
                 ref,
@@ -542,8 +664,12 @@ class Policy:
             yield Done(completion=completion)
         except ProviderError as e:
             error = e.message
+            if isinstance(e, EngineUnreachable):
+                self.engines.mark_dead(engine, e.message)
             raise
         finally:
+            if watch is not None:
+                watch.cancel()
             if counted:
                 self.generating -= 1
             await gen.aclose()
@@ -564,7 +690,13 @@ class Policy:
         async for ev in self._through_gate(turn_id, 0):
             gated = True
             yield ev
-        task = asyncio.ensure_future(self.client.chat(chat_body(req, max_tokens)))
+        hashes, echo = await self.echoed_turn(req, ctx.session_id)
+        key = self.routing_key(req, ctx.session_id, hashes, echo[0] if echo is not None else None)
+        engine = self.engines.pick(key)
+        task = asyncio.ensure_future(
+            self.client.chat(chat_body(req, max_tokens), url=engine.url, routing_key=key)
+        )
+        watch = await self._first_token_watch(engine)  # the reply comes whole: watched throughout
         self.generating += 1
         task.add_done_callback(lambda _: setattr(self, "generating", self.generating - 1))
         loop = asyncio.get_running_loop()
@@ -581,17 +713,24 @@ class Policy:
                 )
                 if not done:
                     if last_wait:
-                        raise self.silence(first_token=True)
+                        raise self.silence(first_token=True, url=engine.url)
+                    if watch is not None and watch.done():
+                        raise self.engine_dead(engine)
                     yield Ping()
-            data = task.result()
+            try:
+                data = task.result()
+            except EngineUnreachable as e:
+                self.engines.mark_dead(engine, e.message)
+                raise
             result = parse_chat_result(data)
         finally:
+            if watch is not None:
+                watch.cancel()
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task})
         abort = _chat_abort(data)
-        aborted = abort_error(abort, self.config.backend_url) if abort is not None else None
-        hashes, echo = await self.echoed_turn(req, ctx.session_id)
+        aborted = abort_error(abort, engine.url) if abort is not None else None
         ref, ref_len = await self.extends(result.prompt_ids, echo[0]) if echo is not None else (None, 0)
         calls = [c.model_copy(update={"id": new_call_id(ctx.id_prefix)}) for c in result.tool_calls]
         completion = Completion(
@@ -627,7 +766,8 @@ class Policy:
         )
         await asyncio.shield(self.store.insert_turn(rec))
         if aborted is not None:
-            raise aborted  # an incomplete reply: the harness retries, the sampled tokens are kept
+            raise aborted
+        self._keep_key(turn_id, key)  # an incomplete reply: the harness retries, the sampled tokens are kept
         if completion.reasoning:
             yield ReasoningDelta(text=completion.reasoning)
         if completion.text:

@@ -1,20 +1,59 @@
-"""Client for an SGLang policy server's native API (`/generate`, `/model_info`).
+"""Client for an SGLang policy server's native API (`/generate`, `/model_info`), directly or
+behind SGLang's router (`sglang-router`).
 
 Only SGLang's own names go over the wire: `input_ids`, `sampling_params` with SGLang keys,
 `return_logprob`; we read `output_ids`, `meta_info.output_token_logprobs`,
 `meta_info.finish_reason` and `meta_info.weight_version`, and keep them exactly.
+
+Every call carries the engine's API key (`Authorization: Bearer`, SGLang's and vLLM's
+`--api-key`) when one is configured, and a generation carries its conversation's routing key
+(`X-SMG-Routing-Key`, which the router's `manual` policy hashes to a worker), so every turn of a
+conversation lands on the engine that holds its prefix cache.
+
+vLLM is spoken in its own names (render mode on vLLM): `POST /v1/completions` with the prompt as
+token ids, `return_token_ids` (vLLM >= 0.10.2: `choices[].token_ids`, `prompt_token_ids`),
+`logprobs` (`choices[].logprobs.token_logprobs`, the sampled tokens' logprobs), delta streaming;
+its `finish_reason` / `stop_reason` are read into SGLang's finish-reason shape, so the policy
+handles both engines alike. vLLM reports no weight version.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, Literal
 
 import aiohttp
 from pydantic import BaseModel
 
 from polar_mitm.neutral import ProviderError, Sampling
+
+# The header SGLang's router (0.3.x, "SMG") reads for sticky routing under `--policy manual`.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+class EngineUnreachable(ProviderError):
+    """The engine did not answer at the HTTP level (refused, reset, timed out): a retryable
+    error for the harness, and for several engines a reason to move the conversation."""
+
+    def __init__(self, url: str, e: BaseException):
+        super().__init__(
+            "overloaded", f"policy backend {url} is unreachable ({e.__class__.__name__}: {e})", 529
+        )
+        self.url = url
+
+
+class NoWorkers(ProviderError):
+    """A router that has no (healthy) worker registered yet: SGLang's router answers 503
+    `no_workers` until one has."""
+
+    def __init__(self, url: str):
+        super().__init__(
+            "overloaded", f"the router at {url} has no healthy worker yet (503 no_workers); retry later", 529
+        )
+        self.url = url
 
 
 class ModelInfo(BaseModel):
@@ -27,6 +66,21 @@ class ModelInfo(BaseModel):
     # From /get_server_info: whether streamed chunks hold only what is new (True) or everything
     # so far (False, SGLang's default); None when the server does not say.
     incremental_streaming_output: bool | None = None
+    # What answered: "sglang" (an engine), "router" (sglang-router in front of `workers`).
+    front: str = "sglang"
+    workers: list[str] = []
+    # Where the server info (context length, streaming mode) came from: "engine", "worker URL",
+    # or "" when no engine said (then only the options say).
+    server_info_from: str = ""
+
+    def describe(self) -> str:
+        """One line naming the front, for the preflight."""
+        if self.front == "vllm":
+            return "a vLLM engine"
+        if self.front == "router":
+            where = f"; server info from worker {self.server_info_from}" if self.server_info_from else ""
+            return f"an SGLang router with {len(self.workers)} worker(s){where}"
+        return "an SGLang engine"
 
 
 class GenerateState:
@@ -84,13 +138,29 @@ def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
 
 
 class SGLangClient:
-    def __init__(self, base_url: str, *, timeout: float | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        kind: Literal["auto", "sglang", "vllm"] = "auto",
+    ):
         """`timeout`: seconds an info request (/model_info, /get_server_info, /v1/models) may take.
         Generations are timed by their caller, which knows whether it awaits a first token (that
-        can take minutes on a busy engine) or the next one."""
+        can take minutes on a busy engine) or the next one. `api_key`: sent as a bearer token on
+        every call (the engine's or the router's `--api-key`)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.kind = kind  # auto: SGLang's endpoints first, then vLLM's /v1/models
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
+
+    def headers(self, routing_key: str | None = None) -> dict[str, str]:
+        """The headers of every call: the API key, and for a generation its routing key."""
+        if routing_key is None:
+            return self._auth
+        return {**self._auth, ROUTING_KEY_HEADER: routing_key}
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -107,32 +177,109 @@ class SGLangClient:
         if self._session is not None:
             await self._session.close()
 
-    async def model_info(self) -> ModelInfo:
+    async def model_info(self, url: str | None = None) -> ModelInfo:
+        """What the front at `url` (default: ours) serves, read the way each front offers it.
+
+        An engine answers /model_info (older SGLang only /get_model_info) and /get_server_info.
+        SGLang's router answers /get_model_info from a worker, but /get_server_info is its own
+        (`router_manager`, `workers_count`): the context length and the streaming mode come from a
+        worker it lists at /workers. Raises NoWorkers while the router has none."""
+        base = (url or self.base_url).rstrip("/")
         http = await self._http()
         try:
-            async with http.get(f"{self.base_url}/model_info", timeout=self._info_timeout()) as r:
-                r.raise_for_status()
-                info = ModelInfo.model_validate(await r.json(content_type=None))
-            server = await self._get_json(http, "/get_server_info")
+            if self.kind == "vllm":
+                return await self._vllm_info(http, base)
+            server = await self._get_json(http, base, "/get_server_info")
+            info_from = "engine"
+            workers: list[str] = []
+            if server.get("router_manager"):
+                listed = await self._get_json(http, base, "/workers")
+                workers = [
+                    w["url"]
+                    for w in listed.get("workers") or []
+                    if isinstance(w, dict) and isinstance(w.get("url"), str) and w.get("is_healthy", True)
+                ]
+                if not workers:
+                    raise NoWorkers(base)
+                server, info_from = {}, ""
+                for worker in workers:  # the first that tells (a worker may sit behind its own key)
+                    server = await self._get_json(http, worker.rstrip("/"), "/get_server_info")
+                    if server and not server.get("router_manager"):
+                        info_from = worker
+                        break
+            info = await self._model_info(http, base)
+            if workers:
+                info.front, info.workers = "router", workers
+            info.server_info_from = info_from if server else ""
             if isinstance(server.get("incremental_streaming_output"), bool):
                 info.incremental_streaming_output = server["incremental_streaming_output"]
             if info.context_length is None:
                 info.context_length = _positive(server.get("context_length"))
             if info.context_length is None:
-                models = await self._get_json(http, "/v1/models")
+                models = await self._get_json(http, base, "/v1/models")
                 try:
                     info.context_length = _positive(models["data"][0].get("max_model_len"))
                 except (KeyError, IndexError, TypeError, AttributeError):
                     pass
             return info
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            raise self._unreachable(e) from e
+            raise EngineUnreachable(base, e) from e
 
-    async def _get_json(self, http: aiohttp.ClientSession, path: str) -> dict[str, Any]:
+    async def _model_info(self, http: aiohttp.ClientSession, base: str) -> ModelInfo:
+        """/model_info, else /get_model_info (SGLang's older name, and the router's only one);
+        with neither, vLLM's model card when `kind` allows it."""
+        for path in ("/model_info", "/get_model_info"):
+            async with http.get(f"{base}{path}", headers=self._auth, timeout=self._info_timeout()) as r:
+                if r.status == 404:
+                    continue
+                text = await r.text()
+                if r.status == 503 and "no_workers" in text:
+                    raise NoWorkers(base)
+                if r.status != 200:
+                    raise status_error(r.status, text)
+                try:
+                    return ModelInfo.model_validate_json(text)
+                except ValueError as e:
+                    raise ProviderError(
+                        "api_error", f"policy backend {base} sent an unreadable {path}: {e}", 502
+                    ) from None
+        if self.kind == "auto":
+            models = await self._get_json(http, base, "/v1/models")
+            cards = models.get("data") if isinstance(models.get("data"), list) else []
+            if cards and isinstance(cards[0], dict) and cards[0].get("owned_by") == "vllm":
+                return await self._vllm_info(http, base)
+        raise ProviderError(
+            "api_error",
+            f"policy backend {base} answered 404 for /model_info and /get_model_info: is --backend an "
+            "SGLang server's (or router's) root URL?",
+            502,
+        )
+
+    async def _vllm_info(self, http: aiohttp.ClientSession, base: str) -> ModelInfo:
+        """vLLM's model card (`/v1/models`): the model's path (`root`, a tokenizer directory when
+        it is a local one) and `max_model_len`; vLLM streams deltas."""
+        models = await self._get_json(http, base, "/v1/models")
+        try:
+            card = models["data"][0]
+            root = card.get("root") or card["id"]
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise ProviderError(
+                "api_error", f"policy backend {base} answered no model card at /v1/models: is it vLLM?", 502
+            ) from None
+        return ModelInfo(
+            model_path=str(card.get("id") or root),
+            tokenizer_path=root if isinstance(root, str) and os.path.isdir(root) else None,
+            context_length=_positive(card.get("max_model_len")),
+            incremental_streaming_output=True,
+            front="vllm",
+            server_info_from="engine",
+        )
+
+    async def _get_json(self, http: aiohttp.ClientSession, base: str, path: str) -> dict[str, Any]:
         """An optional info endpoint's JSON object; {} when the server lacks it or answers oddly.
         SGLang reports server args in /get_server_info and max_model_len in /v1/models."""
         try:
-            async with http.get(f"{self.base_url}{path}", timeout=self._info_timeout()) as r:
+            async with http.get(f"{base}{path}", headers=self._auth, timeout=self._info_timeout()) as r:
                 if r.status == 200:
                     value = await r.json(content_type=None)
                     return value if isinstance(value, dict) else {}
@@ -140,21 +287,34 @@ class SGLangClient:
             pass
         return {}
 
-    def _unreachable(self, e: BaseException) -> ProviderError:
-        return ProviderError(
-            "overloaded", f"policy backend {self.base_url} is unreachable ({e.__class__.__name__}: {e})", 529
-        )
-
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /v1/chat/completions (chat backend mode), errors mapped like /generate."""
+    async def alive(self, url: str, path: str, timeout: float) -> bool:
+        """Whether the engine at `url` answers `path` (its liveness check: SGLang's
+        /health_generate runs a token through the scheduler, vLLM's /health) with 200 in time."""
         http = await self._http()
         try:
-            async with http.post(f"{self.base_url}/v1/chat/completions", json=body) as resp:
+            async with http.get(
+                f"{url}{path}", headers=self._auth, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    async def chat(
+        self, body: dict[str, Any], *, url: str | None = None, routing_key: str | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/chat/completions (chat backend mode), errors mapped like /generate."""
+        http = await self._http()
+        base = url or self.base_url
+        try:
+            async with http.post(
+                f"{base}/v1/chat/completions", json=body, headers=self.headers(routing_key)
+            ) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise status_error(resp.status, text)
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise self._unreachable(e) from e
+            raise EngineUnreachable(base, e) from e
         try:
             return json.loads(text)
         except ValueError as e:
@@ -169,18 +329,73 @@ class SGLangClient:
         *,
         stream: bool = True,
         cumulative: bool | None = None,
+        url: str | None = None,
+        routing_key: str | None = None,
     ) -> GenerateStream:
         """One generation, not yet sent (`GenerateStream.next` sends it). `input_ids` may come
         already serialized (`ids_json`), so a long conversation is not re-serialized every turn.
         `stream=False` asks for the whole reply at once; `cumulative` says how the server streams
-        (None: decided from its second chunk)."""
+        (None: decided from its second chunk). `url`: the engine (default: ours); `routing_key`:
+        the conversation's, for a router."""
         ids = input_ids if isinstance(input_ids, bytes) else ids_json(input_ids)
-        return GenerateStream(self, generate_body(ids, params, stream), stream, cumulative)
+        headers = {"Content-Type": "application/json", **self.headers(routing_key)}
+        return GenerateStream(
+            self, generate_body(ids, params, stream), stream, cumulative, url or self.base_url, headers
+        )
+
+    def complete_ids(
+        self,
+        input_ids: list[int] | bytes,
+        params: dict[str, Any],
+        *,
+        stream: bool = True,
+        url: str | None = None,
+        routing_key: str | None = None,
+    ) -> GenerateStream:
+        """One generation on vLLM (`/v1/completions` with a token-id prompt), read into the same
+        state as SGLang's: `params` from `vllm_params`."""
+        ids = input_ids if isinstance(input_ids, bytes) else ids_json(input_ids)
+        headers = {"Content-Type": "application/json", **self.headers(routing_key)}
+        body = vllm_body(ids, params, stream)
+        return GenerateStream(
+            self, body, stream, False, url or self.base_url, headers, "/v1/completions", _apply_vllm_chunk
+        )
 
 
 def ids_json(ids: list[int]) -> bytes:
     """Token ids as the inside of a JSON list ("1,2,3"); two of these join with a comma."""
     return json.dumps(ids, separators=(",", ":"))[1:-1].encode()
+
+
+def vllm_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
+    """Neutral sampling settings in vLLM's completion-request names (with the token capture:
+    `return_token_ids`, the sampled tokens' `logprobs`)."""
+    out: dict[str, Any] = {
+        "max_tokens": s.max_tokens if s.max_tokens is not None else default_max_tokens,
+        "logprobs": 0,  # the sampled token's logprob, no alternatives
+        "return_token_ids": True,
+        "skip_special_tokens": False,  # special tokens such as <tool_call> stay in the text
+    }
+    if s.temperature is not None:
+        out["temperature"] = s.temperature
+    if s.top_p is not None:
+        out["top_p"] = s.top_p
+    if s.top_k is not None:
+        out["top_k"] = s.top_k
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.json_schema is not None:
+        out["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "reply", "schema": s.json_schema},
+        }
+    return out
+
+
+def vllm_body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
+    """The /v1/completions request body around already serialized prompt ids."""
+    extra = json.dumps({**params, "stream": stream}).encode()
+    return b'{"prompt":[' + ids + b"]," + extra[1:]
 
 
 def generate_body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
@@ -203,8 +418,22 @@ class GenerateStream:
     piece of news, and of cumulative chunks that arrive together only the last is parsed: it
     repeats the others."""
 
-    def __init__(self, client: SGLangClient, body: bytes, stream: bool, cumulative: bool | None):
+    def __init__(
+        self,
+        client: SGLangClient,
+        body: bytes,
+        stream: bool,
+        cumulative: bool | None,
+        url: str,
+        headers: dict[str, str],
+        path: str = "/generate",
+        apply: Callable[[GenerateState, bytes], str] | None = None,
+    ):
         self.client = client
+        self.url = url
+        self.headers = headers
+        self.path = path
+        self._apply = apply or _apply_chunk
         self.body = body
         self.streamed = stream
         self.state = GenerateState(cumulative)
@@ -258,11 +487,10 @@ class GenerateStream:
     async def _read(self) -> None:
         try:
             http = await self.client._http()
-            url = f"{self.client.base_url}/generate"
             try:
-                resp = await http.post(url, data=self.body, headers={"Content-Type": "application/json"})
+                resp = await http.post(f"{self.url}{self.path}", data=self.body, headers=self.headers)
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                raise self.client._unreachable(e) from e
+                raise EngineUnreachable(self.url, e) from e
             async with resp:
                 if resp.status != 200:
                     raise status_error(resp.status, await resp.text())
@@ -302,7 +530,7 @@ class GenerateStream:
                 self._news.set()
 
     def _fold(self, payload: bytes) -> None:
-        text = _apply_chunk(self.state, payload)
+        text = self._apply(self.state, payload)
         if text:
             self._text.append(text)
         if self.state.finish_reason is not None:
@@ -321,6 +549,13 @@ def status_error(status: int, body: str) -> ProviderError:
         return ProviderError("invalid_request", f"policy backend rejected the request: {detail}", 400)
     if status in (429, 503):
         return ProviderError("overloaded", f"policy backend answered HTTP {status}: {detail}", 529)
+    if status in (401, 403):
+        return ProviderError(
+            "api_error",
+            f"policy backend refused our credentials (HTTP {status}): set --backend-api-key "
+            f"(POLAR_MITM_BACKEND_API_KEY) to the engine's --api-key: {detail}",
+            500,
+        )
     return ProviderError("api_error", f"policy backend answered HTTP {status}: {detail}", 500)
 
 
@@ -376,3 +611,66 @@ def _apply_chunk(state: GenerateState, payload: bytes) -> str:
     state.cached_tokens = meta.get("cached_tokens", state.cached_tokens)
     state.chunks += 1
     return added
+
+
+# vLLM's finish reasons in SGLang's shape (`stop_reason`: the stop string or token id; None for EOS).
+def _vllm_finish(choice: dict[str, Any]) -> dict[str, Any] | None:
+    fr = choice.get("finish_reason")
+    if fr is None:
+        return None
+    if fr == "stop":
+        return {"type": "stop", "matched": choice.get("stop_reason")}
+    if fr == "abort":
+        return {"type": "abort", "message": "aborted by the engine"}
+    return {"type": str(fr)}
+
+
+def _apply_vllm_chunk(state: GenerateState, payload: bytes) -> str:
+    """Fold one vLLM /v1/completions output (a delta chunk, or the whole reply) into `state`;
+    returns the text it adds. A chunk with no choices (the usage one) adds only the usage."""
+    try:
+        obj = json.loads(payload)
+        if "error" in obj or obj.get("object") == "error":
+            err = obj.get("error", obj)
+            message = err.get("message", err) if isinstance(err, dict) else err
+            code = err.get("code") if isinstance(err, dict) else None
+            if code in (400, 422):
+                raise ProviderError("invalid_request", f"policy backend rejected the request: {message}", 400)
+            raise ProviderError("api_error", f"policy backend error: {message}", 500)
+        usage = obj.get("usage") or {}
+        choices = obj.get("choices") or []
+        choice = choices[0] if choices else None
+        if choice is not None:
+            text = choice.get("text") or ""
+            ids = choice.get("token_ids")
+            lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+            if not isinstance(ids, list) or not isinstance(text, str):
+                raise ProviderError(
+                    "api_error",
+                    "the vLLM backend returned no token_ids: it needs return_token_ids (vLLM >= 0.10.2)",
+                    502,
+                )
+    except ProviderError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ProviderError(
+            "api_error", f"policy backend returned an unreadable chunk: {payload[:200]!r}", 502
+        ) from e
+    if isinstance(usage, dict) and usage:
+        state.prompt_tokens = usage.get("prompt_tokens", state.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        state.cached_tokens = details.get("cached_tokens", state.cached_tokens)
+    if choice is None:
+        return ""
+    if len(lps) != len(ids):
+        raise ProviderError(
+            "api_error",
+            f"policy backend returned {len(ids)} token ids but {len(lps)} logprobs; is logprobs supported?",
+            502,
+        )
+    state.output_ids.extend(int(i) for i in ids)
+    state.output_logprobs.extend(lps)
+    state._text.append(text)
+    state.finish_reason = _vllm_finish(choice)
+    state.chunks += 1
+    return text

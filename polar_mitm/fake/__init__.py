@@ -12,6 +12,9 @@ Each module documents the part of that API it serves:
   and control endpoints, the `/_fake/` admin endpoints, and the entry points (`create_app`,
   `start_fake_backend`, `serve`).
 - `chat.py`: `POST /v1/chat/completions` and its output parsing (qwen3 reasoning, qwen25 tools).
+- `vllm.py`: vLLM's own mode (`api="vllm"`): `POST /v1/completions` with token-id prompts,
+  `return_token_ids` and `logprobs`, delta streaming, and vLLM's model card (checked against vLLM's
+  `entrypoints/openai/completion/protocol.py`).
 - `contract.py`: what SGLang accepts (its JSON contract gate, `SamplingParams` verification as
   `GenParams`) and the shapes of its error bodies.
 - `serving.py`: what both generation endpoints share: a generation released over time, faults,

@@ -26,8 +26,33 @@ import click
 @click.option("--token-delay", type=float, default=0.0, show_default=True, help="Seconds between tokens.")
 @click.option("--first-token-delay", type=float, default=0.0, show_default=True)
 @click.option("--model-path", default="polar-mitm/fake", show_default=True)
+@click.option(
+    "--api-key",
+    envvar="POLAR_MITM_FAKE_API_KEY",
+    default=None,
+    help="Refuse calls without 'Authorization: Bearer KEY' (401), as SGLang's --api-key does "
+    "(health endpoints exempt) [env POLAR_MITM_FAKE_API_KEY].",
+)
+@click.option(
+    "--api",
+    type=click.Choice(["sglang", "vllm"]),
+    default="sglang",
+    show_default=True,
+    help="Whose HTTP API to speak: SGLang's native one, or vLLM's (/v1/completions with token ids).",
+)
 def fake_backend(
-    host, port, tokenizer, mode, script, seed, weight_version, token_delay, first_token_delay, model_path
+    host,
+    port,
+    tokenizer,
+    mode,
+    script,
+    seed,
+    weight_version,
+    token_delay,
+    first_token_delay,
+    model_path,
+    api_key,
+    api,
 ):
     """An SGLang-compatible policy server for demos and CI (no GPU, no model).
 
@@ -54,6 +79,8 @@ def fake_backend(
         token_delay=token_delay,
         first_token_delay=first_token_delay,
         model_path=model_path,
+        api_key=api_key,
+        api=api,
     )
     try:
         serve(cfg, host, port)

@@ -33,6 +33,8 @@ class FakeBackendConfig(BaseModel):
     fail_next: int = 0  # the first N generation requests answer HTTP 500
     request_log_size: int = 100
     hang_seconds: float = 3600.0  # how long a "hang" fault holds a request open
+    api_key: str | None = None  # SGLang's --api-key: calls without the bearer token get 401
+    api: Literal["sglang", "vllm"] = "sglang"  # vllm: vLLM's /v1/completions and model card only
 
     def rules(self) -> list[Rule]:
         return list(self.script) if self.script is not None else list(DEFAULT_SCRIPT)

@@ -23,8 +23,13 @@
   `tokenizer_path`, `is_generation`, `preferred_sampling_params`, `weight_version`,
   `reasoning_parser`, `tool_call_parser`, …; `POST /update_weight_version` takes
   `{"new_version", "abort_all_requests": true}` and answers `{"success", "message", "new_version"}`;
-  `GET /health` and `/health_generate` are 200 with an empty body; `GET /v1/models` is OpenAI's list
-  with `owned_by: "sglang"` and `max_model_len`; `POST /abort_request` takes `{"rid", "abort_all"}`.
+  `GET /health` and `/health_generate` are 200 with an empty body (`/health_generate` runs a token
+  through the scheduler in SGLang, so it waits while a `hang` fault holds one: a stuck scheduler;
+  `/health` answers anyway); `GET /v1/models` is OpenAI's list with `owned_by: "sglang"` and
+  `max_model_len`; `POST /abort_request` takes `{"rid", "abort_all"}`.
+- With `api_key` set (SGLang's `--api-key`), every path but `/health*`, `/metrics` and the
+  `/_fake/` admin needs `Authorization: Bearer KEY`; others get 401 `{"error": "Unauthorized"}`
+  (SGLang's `add_api_key_middleware`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from polar_mitm.fake.contract import (
 from polar_mitm.fake.engine import Engine
 from polar_mitm.fake.serving import _drop, _Handlers, _Item
 from polar_mitm.fake.state import STATE, FakeBackendState, Fault, FaultMode
+from polar_mitm.fake.vllm import _Completions
 
 SGLANG_VERSION_EMULATED = "0.5.x"
 
@@ -204,6 +210,13 @@ class _Server(_Handlers):
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang runs one token through the scheduler: a stuck one (a `hang` fault holding a
+        request) answers nothing until it frees."""
+        while self.s.hanging and not self.s.shutting_down.is_set():
+            await asyncio.sleep(0.05)
+        return web.Response(status=200)
+
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.s.config
         return _json(
@@ -346,6 +359,24 @@ class _Server(_Handlers):
 # --------------------------------------------------------------------------------------------
 
 
+def _api_key_middleware(api_key: str | None):
+    """SGLang's `--api-key` check: a bearer token on every path but health, metrics (and ours)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        path = request.path
+        if (
+            api_key is None
+            or request.method == "OPTIONS"
+            or path.startswith(("/health", "/metrics", "/_fake/"))
+            or request.headers.get("Authorization") == f"Bearer {api_key}"
+        ):
+            return await handler(request)
+        return _json({"error": "Unauthorized"}, 401)
+
+    return check
+
+
 def create_app(config: FakeBackendConfig) -> web.Application:
     """The fake server as an aiohttp application (state at `app[STATE]`)."""
     tokenizer = Tokenizer.load(config.tokenizer_path)
@@ -358,14 +389,24 @@ def create_app(config: FakeBackendConfig) -> web.Application:
     if config.fail_next > 0:
         state.faults.append(Fault(mode="http500", count=config.fail_next))
     server, chat = _Server(state), _ChatCompletions(state)
-    app = web.Application(client_max_size=1024**3)
+    app = web.Application(client_max_size=1024**3, middlewares=[_api_key_middleware(config.api_key)])
     app[STATE] = state
     r = app.router
+    if config.api == "vllm":  # vLLM's own endpoints only (`vllm.py`)
+        completions = _Completions(state)
+        r.add_post("/v1/completions", completions.completions)
+        r.add_post("/v1/chat/completions", chat.chat)
+        r.add_get("/v1/models", completions.models)
+        r.add_get("/version", completions.version)
+        r.add_get("/health", server.health)
+        _admin(r, server)
+        app.on_shutdown.append(_on_shutdown)
+        return app
     r.add_post("/generate", server.generate)
     r.add_put("/generate", server.generate)
     r.add_post("/v1/chat/completions", chat.chat)
     r.add_get("/health", server.health)
-    r.add_get("/health_generate", server.health)
+    r.add_get("/health_generate", server.health_generate)
     r.add_get("/model_info", server.model_info)
     r.add_get("/get_model_info", server.model_info)
     r.add_get("/server_info", server.server_info)
@@ -374,16 +415,20 @@ def create_app(config: FakeBackendConfig) -> web.Application:
     r.add_post("/update_weight_version", server.update_weight_version)
     r.add_post("/abort_request", server.abort_request)
     r.add_route("*", "/flush_cache", server.flush_cache)
+    _admin(r, server)
+    app.on_shutdown.append(_on_shutdown)
+    return app
+
+
+def _admin(r: web.UrlDispatcher, server: _Server) -> None:
     r.add_post("/_fake/fault", server.fake_fault)
     r.add_get("/_fake/requests", server.fake_requests)
     r.add_post("/_fake/reset", server.fake_reset)
     r.add_get("/_fake/state", server.fake_state)
 
-    async def on_shutdown(app: web.Application) -> None:
-        app[STATE].shutting_down.set()
 
-    app.on_shutdown.append(on_shutdown)
-    return app
+async def _on_shutdown(app: web.Application) -> None:
+    app[STATE].shutting_down.set()
 
 
 async def start_fake_backend(
@@ -405,7 +450,7 @@ def serve(config: FakeBackendConfig, host: str = "127.0.0.1", port: int = 30000)
 
     async def main() -> None:
         runner, url = await start_fake_backend(config, host, port)
-        print(f"polar-mitm fake backend ({config.mode}) listening on {url}", flush=True)
+        print(f"polar-mitm fake backend ({config.mode}, {config.api} API) listening on {url}", flush=True)
         try:
             await asyncio.Event().wait()
         finally:

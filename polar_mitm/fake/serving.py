@@ -64,6 +64,8 @@ class _Handlers:
                 "path": request.path,
                 "body": raw.decode("utf-8", errors="replace"),
                 "time": time.time(),
+                # The router's sticky-session key, as this engine received it (None: none sent).
+                "routing_key": request.headers.get("X-SMG-Routing-Key"),
             }
         )
         while len(s.requests) > s.config.request_log_size:
@@ -79,21 +81,25 @@ class _Handlers:
             if stream:
                 return web.Response(body=b"data: {garbage\n\n", content_type="text/event-stream")
             return web.Response(body=b"\x00{not json at all\xff", content_type="application/json")
-        if fault == "hang":
+        if fault == "hang":  # a stuck scheduler: /health_generate waits while this holds
+            self.s.hanging += 1
             try:
                 await asyncio.wait_for(self.s.shutting_down.wait(), timeout=self.s.config.hang_seconds)
             except TimeoutError:
                 pass
+            finally:
+                self.s.hanging -= 1
             return _json({"error": {"message": "hang fault released"}}, 503)
         return None
 
     # --- generation over time -----------------------------------------------------------------
 
     def _start(self, item: _Item) -> Generation:
-        item.cached_tokens = self.s.cached_tokens(item.prompt_ids)
         self.s.in_flight[item.rid] = _InFlight(item.rid)
         draw = self.s.next_draw(item.prompt_ids, item.params, item.sample_index)
-        return self.s.engine.generate(item.prompt_ids, item.params, top_n=item.top_logprobs_num, draw=draw)
+        gen = self.s.engine.generate(item.prompt_ids, item.params, top_n=item.top_logprobs_num, draw=draw)
+        item.cached_tokens = self.s.cached_tokens(item.prompt_ids, gen.output_ids)
+        return gen
 
     async def _steps(
         self, item: _Item, gen: Generation, fault: FaultMode | None

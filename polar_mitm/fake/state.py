@@ -2,8 +2,10 @@
 
 The request log behind `GET /_fake/requests`, pending faults (`Fault`, from `POST /_fake/fault`
 or `fail_next`), the in-flight requests that `/abort_request` and `/update_weight_version` abort,
-the recent prompts behind `meta_info.cached_tokens` (a radix cache's hit), and how many samples
-each prompt has drawn (which sampling stream the random model uses next).
+the engine's prefix cache behind `meta_info.cached_tokens` (`PrefixCacheSim`: the sequences it
+has seen, prompt and generated tokens, as SGLang's radix cache keeps them), how many samples
+each prompt has drawn (which sampling stream the random model uses next), and how many requests a
+`hang` fault holds (a stuck scheduler: `/health_generate` waits while any is held).
 """
 
 from __future__ import annotations
@@ -42,6 +44,56 @@ class Fault(BaseModel):
     path: str | None = None
 
 
+class PrefixCacheSim:
+    """One engine's prefix cache, as a radix cache behaves from outside: a prompt's hit is the
+    longest prefix it shares with a sequence this engine has seen (a prompt with the tokens
+    generated after it), least recently used sequences evicted past `max_tokens`.
+
+    Kept as whole sequences (a sequence that extends another replaces it), compared with numpy:
+    enough for tests and benches of a few hundred conversations per engine."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.seqs: list[np.ndarray] = []  # least recently used first
+        self.tokens = 0
+
+    def clear(self) -> None:
+        self.seqs.clear()
+        self.tokens = 0
+
+    def hit(self, ids: Sequence[int]) -> int:
+        """The longest cached prefix of `ids` (at most len - 1: one token is always computed);
+        the sequence it came from becomes the most recently used."""
+        a = np.asarray(ids, dtype=np.int64)
+        best, where = 0, -1
+        for i, old in enumerate(self.seqs):
+            n = min(len(old), len(a))
+            if n <= best:
+                continue
+            diff = np.nonzero(old[:n] != a[:n])[0]
+            got = int(diff[0]) if len(diff) else n
+            if got > best:
+                best, where = got, i
+        if where >= 0:
+            self.seqs.append(self.seqs.pop(where))
+        return min(best, max(0, len(a) - 1))
+
+    def add(self, ids: Sequence[int]) -> None:
+        """Remember a sequence (dropping those it extends), then evict past the budget."""
+        a = np.asarray(ids, dtype=np.int64)
+        keep = []
+        for old in self.seqs:
+            if len(old) <= len(a) and np.array_equal(old, a[: len(old)]):
+                self.tokens -= len(old)
+            else:
+                keep.append(old)
+        keep.append(a)
+        self.seqs = keep
+        self.tokens += len(a)
+        while self.tokens > self.max_tokens and len(self.seqs) > 1:
+            self.tokens -= len(self.seqs.pop(0))
+
+
 @dataclass
 class _InFlight:
     rid: str
@@ -61,7 +113,8 @@ class FakeBackendState:
     requests: deque[dict[str, Any]] = field(default_factory=deque)
     faults: list[Fault] = field(default_factory=list)
     in_flight: dict[str, _InFlight] = field(default_factory=dict)
-    prompt_cache: deque[np.ndarray] = field(default_factory=lambda: deque(maxlen=64))
+    prompt_cache: PrefixCacheSim = field(default_factory=lambda: PrefixCacheSim(2_000_000))
+    hanging: int = 0  # requests a `hang` fault holds now
     draws: Counter[int] = field(default_factory=Counter)  # samples drawn so far, per prompt
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
     started_at: float = field(default_factory=time.time)
@@ -84,18 +137,13 @@ class FakeBackendState:
         self.draws[key] += 1
         return self.draws[key] - 1
 
-    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
-        """A radix cache's hit: the longest prefix shared with a recent prompt (at most len - 1)."""
-        ids = np.asarray(prompt_ids, dtype=np.int64)
-        best = 0
-        for old in self.prompt_cache:
-            n = min(len(old), len(ids))
-            if n <= best:
-                continue
-            diff = np.nonzero(old[:n] != ids[:n])[0]
-            best = max(best, int(diff[0]) if len(diff) else n)
-        self.prompt_cache.append(ids)
-        return min(best, max(0, len(ids) - 1))
+    def cached_tokens(self, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> int:
+        """A radix cache's hit for this prompt (the longest prefix this engine has seen, at most
+        len - 1); the prompt and the tokens generated after it are cached from now on (the fake
+        decides a generation whole, so they are cached at its start)."""
+        hit = self.prompt_cache.hit(prompt_ids)
+        self.prompt_cache.add([*prompt_ids, *output_ids])
+        return hit
 
 
 STATE = web.AppKey("polar_mitm_fake_state", FakeBackendState)

@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from polar_mitm.backends.policy import PolicyConfig
-from polar_mitm.backends.sglang import ModelInfo
+from polar_mitm.backends.sglang import ModelInfo, NoWorkers, SGLangClient
 from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.neutral import ProviderError
 
 EXIT_CONFIG = 78  # EX_CONFIG: the backend or the tokenizer is not usable; nothing was started
 BUILD_HINT = "build one with `polar-mitm tokenizer build --kind qwen --out {dir}`"
@@ -111,30 +114,73 @@ async def _get_json(http: aiohttp.ClientSession, base: str, path: str, timeout: 
         ) from None
 
 
-async def check_policy(config: PolicyConfig, *, timeout: float = 5.0) -> ModelInfo:
-    """Raise PreflightError unless the backend answers /health and /model_info and the tokenizer
-    (`config.tokenizer`, else the backend's `tokenizer_path`) loads; return the model info.
+def _say(line: str) -> None:
+    print(f"polar-mitm: {line}", file=sys.stderr, flush=True)
+
+
+async def discover(
+    config: PolicyConfig,
+    urls: list[str],
+    *,
+    timeout: float,
+    progress: Callable[[str], None] = _say,
+) -> ModelInfo:
+    """The model info of the front at `urls[0]` (`SGLangClient.model_info`: an engine, or a
+    router and one of its workers), waiting up to `config.backend_wait` seconds, with one line
+    of progress, while a router has no worker yet."""
+    client = SGLangClient(urls[0], timeout=timeout, api_key=config.backend_api_key, kind=config.backend_kind)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.backend_wait
+    told = False
+    try:
+        while True:
+            try:
+                return await client.model_info()
+            except NoWorkers:
+                if loop.time() >= deadline:
+                    raise PreflightError(
+                        f"the router at {urls[0]} has no worker after {config.backend_wait:g} s "
+                        "(--backend-wait): start its engines or add them (POST /workers)"
+                    ) from None
+                if not told:
+                    progress(
+                        f"the router at {urls[0]} has no worker yet; waiting up to "
+                        f"{config.backend_wait:g} s (--backend-wait) for one to register"
+                    )
+                    told = True
+                await asyncio.sleep(min(1.0, max(0.0, deadline - loop.time())))
+            except ProviderError as e:
+                if config.backend_mode == "chat":  # a server without /model_info (vLLM) serves chat
+                    return ModelInfo()
+                raise PreflightError(e.message) from None
+    finally:
+        await client.close()
+
+
+async def check_policy(
+    config: PolicyConfig, *, timeout: float = 5.0, progress: Callable[[str], None] = _say
+) -> ModelInfo:
+    """Raise PreflightError unless every backend answers /health, the front serves model info
+    (`discover`) and the tokenizer (`config.tokenizer`, else the backend's `tokenizer_path`)
+    loads; return the model info. A router, or several engines, is named in one line.
 
     Checks the local things first (the URL's shape, the tokenizer directory), so a typo costs no
     network wait. In chat backend mode a server without /model_info (vLLM) is accepted.
     """
-    base = check_backend_url(config.backend_url)
+    urls = [check_backend_url(u) for u in config.backend_urls] or [check_backend_url(config.backend_url)]
     if config.tokenizer:
         check_tokenizer_dir(config.tokenizer)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
-        await _get_json(http, base, "/health", timeout)
-        try:
-            data = await _get_json(http, base, "/model_info", timeout)
-        except PreflightError:
-            if config.backend_mode != "chat":
-                raise
-            data = {}
-    if data is None:
-        raise PreflightError(f"the policy backend at {base} answered /model_info with no JSON object")
-    try:
-        info = ModelInfo.model_validate(data)
-    except ValueError as e:
-        raise PreflightError(f"the policy backend at {base} sent an unreadable /model_info: {e}") from None
+    auth = {"Authorization": f"Bearer {config.backend_api_key}"} if config.backend_api_key else {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout), headers=auth) as http:
+        for base in urls:
+            await _get_json(http, base, "/health", timeout)
+    info = await discover(config, urls, timeout=timeout, progress=progress)
+    if len(urls) > 1:
+        progress(f"{len(urls)} engines (--backend given {len(urls)} times); {info.describe()} at {urls[0]}")
+    elif info.front != "sglang":  # a router, or vLLM
+        progress(f"{urls[0]} is {info.describe()}")
+    if info.context_length is None and config.context_length is None and config.backend_mode != "chat":
+        progress("the backend reports no context length; pass --context-length to bound the prompts")
     if config.tokenizer:
         await load_tokenizer(config.tokenizer)
     elif config.backend_mode != "chat":

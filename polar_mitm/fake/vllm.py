@@ -1,0 +1,222 @@
+"""The fake in vLLM's own mode (`FakeBackendConfig.api = "vllm"`): vLLM's OpenAI-compatible
+completions endpoint as a token-in, token-out client (polar-mitm's render mode on vLLM) uses it.
+
+Checked against vLLM's `entrypoints/openai/completion/protocol.py` (`CompletionRequest`,
+`CompletionResponse`, `CompletionStreamResponse`, `CompletionLogProbs`):
+
+- `POST /v1/completions` takes `prompt` as a list of token ids (or a string), `max_tokens`
+  (default 16), `temperature`, `top_p`, `top_k` (0 or -1: off), `stop`, `stop_token_ids`,
+  `logprobs` (an int: alternatives per token; 0 gives the sampled token's alone),
+  `return_token_ids`, `skip_special_tokens`, `stream`, `stream_options.include_usage`.
+- Its answer: `choices[0]` with `text`, `logprobs` (`tokens`, `token_logprobs`, `top_logprobs`,
+  `text_offset`), `finish_reason` (`stop`, `length`, `abort`), `stop_reason` (the stop string or
+  stop token id; None for EOS), and with `return_token_ids` `token_ids` (the sampled ids, the EOS
+  included) and `prompt_token_ids`; `usage` with `prompt_tokens_details.cached_tokens` (as with
+  vLLM's `--enable-prompt-tokens-details`).
+- Streaming is SSE of delta chunks (vLLM's `RequestOutputKind.DELTA`): each chunk's `text`,
+  `token_ids` and `logprobs` hold only what is new, `prompt_token_ids` only in the first; then a
+  usage chunk with no choices when `include_usage`, then `data: [DONE]`.
+- Errors are vLLM's `ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`.
+- `GET /v1/models` has `owned_by: "vllm"`, `root` and `max_model_len`; `GET /health` is 200 and
+  empty; `GET /version`. No SGLang endpoint answers in this mode. vLLM reports no weight version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from polar_mitm.fake.contract import GenParams, _json, _read_json, _sse
+from polar_mitm.fake.serving import _drop, _Handlers, _Item
+
+VLLM_VERSION_EMULATED = "0.11.x"
+
+
+def _error(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
+    return _json({"error": {"message": message, "type": err_type, "param": None, "code": status}}, status)
+
+
+class _Completions(_Handlers):
+    """vLLM's /v1/completions over the fake's engine."""
+
+    def _item(self, body: dict[str, Any]) -> _Item:
+        tok = self.s.tokenizer
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        self._check_prompt(ids)
+        top_k = body.get("top_k")
+        sp = {
+            "max_new_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"],
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "top_k": -1 if top_k in (None, 0, -1) else top_k,
+            "stop": body.get("stop"),
+            "stop_token_ids": body.get("stop_token_ids"),
+            "skip_special_tokens": body.get("skip_special_tokens", True),
+            "sampling_seed": body.get("seed"),
+        }
+        params = GenParams.from_sglang(sp, tok.vocab_size)
+        if (
+            params.max_new_tokens is not None
+            and params.max_new_tokens + len(ids) > self.s.config.context_length
+        ):
+            raise ValueError(
+                f"This model's maximum context length is {self.s.config.context_length} tokens. However, you "
+                f"requested {params.max_new_tokens + len(ids)} tokens ({len(ids)} in the messages, "
+                f"{params.max_new_tokens} in the completion). Please reduce the length of the messages or "
+                "completion."
+            )
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (not isinstance(logprobs, int) or (logprobs < 0 and logprobs != -1)):
+            raise ValueError("`logprobs` must be a positive value or -1.")
+        return _Item(
+            rid=str(body.get("request_id") or uuid.uuid4().hex),
+            prompt_ids=ids,
+            params=params,
+            return_logprob=logprobs is not None,
+            top_logprobs_num=max(0, logprobs or 0),
+        )
+
+    def _choice(
+        self, item: _Item, gen, start: int, k: int, finish: dict[str, Any] | None, text: str, body: dict
+    ) -> dict[str, Any]:
+        """The choice for tokens start..k (the whole reply, or one delta)."""
+        tok = self.s.tokenizer
+        ids = gen.output_ids[start:k]
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None}
+        if item.return_logprob:
+            choice["logprobs"] = {
+                "text_offset": [],
+                "token_logprobs": [gen.logprobs[i] for i in range(start, k)],
+                "tokens": [tok.decode([t], skip_special_tokens=False) for t in ids],
+                "top_logprobs": [
+                    {tok.decode([t], skip_special_tokens=False): lp for lp, t in gen.top_logprobs[i]}
+                    for i in range(start, k)
+                ]
+                if item.top_logprobs_num
+                else None,
+            }
+        choice["finish_reason"] = None if finish is None else _finish_reason(finish)
+        choice["stop_reason"] = None if finish is None else self._stop_reason(finish)
+        if body.get("return_token_ids"):
+            choice["token_ids"] = list(ids)
+            if start == 0:
+                choice["prompt_token_ids"] = list(item.prompt_ids)
+        return choice
+
+    def _stop_reason(self, finish: dict[str, Any]) -> int | str | None:
+        matched = finish.get("matched")
+        if finish.get("type") != "stop" or (isinstance(matched, int) and matched in self.s.engine.eos_ids):
+            return None
+        return matched
+
+    def _usage(self, item: _Item, completion: int) -> dict[str, Any]:
+        prompt = len(item.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": item.cached_tokens},
+        }
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, raw, err = await _read_json(request)
+        self._log(request, raw)
+        if err is not None:
+            return err
+        if not isinstance(body, dict):
+            return _error("the request body is not a JSON object")
+        try:
+            item = self._item(body)
+        except ValueError as e:
+            return _error(str(e))
+        stream = bool(body.get("stream"))
+        fault = self.s.take_fault(request.path)
+        if fault is not None and (replaced := await self._fault_response(fault, stream)) is not None:
+            return replaced
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.s.config.served_model_name or self.s.config.model_path,
+        }
+        gen = self._start(item)
+        engine = self.s.engine
+        if not stream:
+            if fault == "drop_midstream":
+                self.s.in_flight.pop(item.rid, None)
+                return await self._drop_body(request, item)
+            try:
+                k, finish = 0, None
+                async for step in self._steps(item, gen, fault):
+                    k, finish = step  # the last step: the whole reply
+            finally:
+                self.s.in_flight.pop(item.rid, None)
+            assert finish is not None
+            text = self._final_text(item, gen, k, finish)
+            out = {**head, "choices": [self._choice(item, gen, 0, k, finish, text, body)]}
+            return _json({**out, "usage": self._usage(item, k)})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        sent_ids, sent_text = 0, ""
+        try:
+            try:
+                async with contextlib.aclosing(self._steps(item, gen, fault)) as steps:
+                    async for k, finish in steps:
+                        if finish is None:
+                            text = engine.partial_text(gen.output_ids[:k], item.params)
+                            if text is None:
+                                continue
+                        else:
+                            text = self._final_text(item, gen, k, finish)
+                        delta = text[len(sent_text) :] if text.startswith(sent_text) else text
+                        choice = self._choice(item, gen, sent_ids, k, finish, delta, body)
+                        await resp.write(_sse({**head, "choices": [choice], "usage": None}))
+                        sent_ids, sent_text = k, text
+            finally:
+                self.s.in_flight.pop(item.rid, None)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await resp.write(_sse({**head, "choices": [], "usage": self._usage(item, sent_ids)}))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            _drop(request)
+        return resp
+
+    def _final_text(self, item: _Item, gen, k: int, finish: dict[str, Any]) -> str:
+        if finish.get("type") == "abort":
+            return self.s.tokenizer.decode(
+                gen.output_ids[:k], skip_special_tokens=item.params.skip_special_tokens
+            )
+        return self.s.engine.output_text(gen, item.params)
+
+    async def models(self, request: web.Request) -> web.Response:
+        cfg = self.s.config
+        card = {
+            "id": cfg.served_model_name or cfg.model_path,
+            "object": "model",
+            "created": int(self.s.started_at),
+            "owned_by": "vllm",
+            "root": cfg.model_path,
+            "parent": None,
+            "max_model_len": cfg.context_length,
+            "permission": [],
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": f"polar-mitm-fake (emulating vllm {VLLM_VERSION_EMULATED})"})
+
+
+def _finish_reason(finish: dict[str, Any]) -> str:
+    kind = finish.get("type")
+    return "abort" if kind == "abort" else "length" if kind == "length" else "stop"

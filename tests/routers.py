@@ -1,0 +1,94 @@
+"""SGLang's real router (`sglang-router` from PyPI, a Rust binary in a wheel) on loopback, for the
+tests and benches that put polar-mitm behind it.
+
+Its workers are fake engines started with `--model-path` set to their local tokenizer
+directory: the router loads a worker's tokenizer from its model path, and a hub name would make
+it reach out to huggingface.co.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.e2e.harness import free_port
+
+
+def require_router() -> None:
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install sglang-router)")
+
+
+class Router:
+    """`python -m sglang_router.launch_router` on a free loopback port, with no worker at first
+    (`add` registers one, as `POST /workers` does)."""
+
+    def __init__(self, policy: str = "manual", *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--policy",
+                policy,
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"router exited: {self.proc.stderr.read().decode()[-2000:]}") from None
+                time.sleep(0.1)
+        raise RuntimeError("router did not start")
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def add(self, worker_url: str, wait: bool = True) -> None:
+        req = urllib.request.Request(
+            self.url + "/workers",
+            data=json.dumps({"url": worker_url}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10):
+            pass
+        if wait:
+            deadline = time.time() + 20
+            while time.time() < deadline:
+                urls = [w["url"] for w in self.get("/workers")["workers"] if w.get("is_healthy")]
+                if worker_url in urls:
+                    return
+                time.sleep(0.1)
+            raise RuntimeError(f"router did not take worker {worker_url}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
