@@ -200,5 +200,6 @@ async def test_swebench_conftest_cheat_gets_nothing_and_a_fix_full_reward(
         "honest-fix": ("completed", 1.0),
     }, {t: d for t, (_, _, d) in got.items()}
     assert got["cheat-conftest"][2]["FAIL_TO_PASS"] == {"tests/test_calc.py::test_add": "FAILED"}
+    assert "conftest.py" in got["cheat-conftest"][2]["verifier"]["copied"]["dropped"]
     assert_fresh_verifier(got["honest-fix"][2], swebench_image)
     assert docker_client.containers.list(all=True, filters={"label": LABEL}) == []

@@ -195,8 +195,9 @@ MODEL_CALL = (
 
 async def test_export_carries_groups_masks_failed_samples_and_normalizes(make_stack, tmp_path):
     """Each 'harness' makes one real model call through the proxy (so its sample has a row), then
-    the first sample of a group writes 'pass' and the others 'fail'. Samples of 'broken' leave a
-    reward file the evaluator cannot read: an evaluator failure, whose rows stay, masked."""
+    the first sample of a group writes 'pass' and the others 'fail'. The command of 'broken' writes a
+    reward file the evaluator cannot read: an evaluator failure, whose rows stay, masked. (The
+    harness's own reward.txt is removed before the command runs: only the command's counts.)"""
     stack = await make_stack()
     cmd = sh(
         MODEL_CALL
@@ -208,7 +209,9 @@ async def test_export_carries_groups_masks_failed_samples_and_normalizes(make_st
         Task(
             id="broken",
             instruction="broken",
-            evaluator=EvaluatorSpec(kind="command", command="true", reward_file="reward.txt"),
+            evaluator=EvaluatorSpec(
+                kind="command", command="echo garbage > reward.txt", reward_file="reward.txt"
+            ),
         ),
     ]
     (tmp_path / "work").mkdir()
