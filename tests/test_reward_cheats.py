@@ -99,7 +99,9 @@ def samples(db: str) -> dict[str, tuple[str, float, dict]]:
     return {t: (st, r, json.loads(d) if d else {"cause": c}) for t, st, r, d, c in rows}
 
 
-async def rollout(stack, tasks: list[Task], tmp_path: Path) -> dict[str, tuple[str, float, dict]]:
+async def rollout(
+    stack, tasks: list[Task], tmp_path: Path, docker_client
+) -> dict[str, tuple[str, float, dict]]:
     options = RolloutOptions(
         harness="claude-code",
         harness_cmd=["sh", "-c", HARNESS, "harness", "{instruction}"],
@@ -111,6 +113,8 @@ async def rollout(stack, tasks: list[Task], tmp_path: Path) -> dict[str, tuple[s
     )
     p = Pipeline(options, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
     await p.run(tasks)
+    left = docker_client.containers.list(all=True, filters={"label": f"{LABEL}={p.rollout_id}"})
+    assert [c.name for c in left] == []  # neither the agents' containers nor the verifiers'
     return samples(stack.db)
 
 
@@ -138,7 +142,7 @@ async def test_harbor_and_command_cheats_get_nothing_and_an_honest_solution_full
         command_task("command-honest", "solve", "reward.txt"),  # in the workdir
     ]
     stack = await make_stack()
-    got = await rollout(stack, tasks, tmp_path)
+    got = await rollout(stack, tasks, tmp_path, docker_client)
     rewards = {t: (status, reward) for t, (status, reward, _) in got.items()}
     assert rewards == {
         "cheat-loop": ("completed", 0.0),
@@ -153,7 +157,6 @@ async def test_harbor_and_command_cheats_get_nothing_and_an_honest_solution_full
     for task in ("honest", "honest-json", "command-honest", "cheat-loop"):
         assert_fresh_verifier(got[task][2], TEST_IMAGE)
     assert got["honest-json"][2]["reward_file"] == '{"reward": 1}\n'
-    assert docker_client.containers.list(all=True, filters={"label": LABEL}) == []
 
 
 REPO_FILES = {
@@ -194,7 +197,7 @@ async def test_swebench_conftest_cheat_gets_nothing_and_a_fix_full_reward(
     jsonl = tmp_path / "swe.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     stack = await make_stack()
-    got = await rollout(stack, load_tasks([jsonl]), tmp_path)
+    got = await rollout(stack, load_tasks([jsonl]), tmp_path, docker_client)
     assert {t: (st, r) for t, (st, r, _) in got.items()} == {
         "cheat-conftest": ("completed", 0.0),
         "honest-fix": ("completed", 1.0),
@@ -202,4 +205,3 @@ async def test_swebench_conftest_cheat_gets_nothing_and_a_fix_full_reward(
     assert got["cheat-conftest"][2]["FAIL_TO_PASS"] == {"tests/test_calc.py::test_add": "FAILED"}
     assert "conftest.py" in got["cheat-conftest"][2]["verifier"]["copied"]["dropped"]
     assert_fresh_verifier(got["honest-fix"][2], swebench_image)
-    assert docker_client.containers.list(all=True, filters={"label": LABEL}) == []

@@ -19,6 +19,7 @@ and say so in the detail; `session_completed` runs nothing.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import posixpath
@@ -34,6 +35,7 @@ from polar_mitm.tasks.evaluators import (
     Score,
     evaluate,
     from_image,
+    reset_conftests,
 )
 from polar_mitm.tasks.model import Task
 
@@ -55,6 +57,8 @@ async def score(
         s.detail["verifier"] = {"sandbox": "none", "note": "session_completed rewards the exit status"}
         return s
     if not runtime.fresh_verifier:
+        if task.evaluator.kind == "swebench":
+            await reset_conftests(task, agent)
         s = await evaluate(task, agent, outcome)
         s.detail["verifier"] = {
             "sandbox": "agent",
@@ -75,15 +79,37 @@ async def _fresh(
     if not base:
         raise EvaluatorError(f"task {task.id}: workdir {task.workdir!r} cannot be replaced by artefacts")
     agent_name = agent.describe().get("container") or agent.name
-    await agent.halt()
     try:
+        await agent.halt()
         data: bytes | None = await agent.export(workdir, ARTEFACT_LIMIT)
     except FileNotFoundError:
         data = None  # the agent removed its workdir: the verifier gets an empty one
     except ExportTooLarge as e:
-        raise EvaluatorError(f"task {task.id}: the agent's artefacts are not scored: {e}") from None
-    finally:
         await agent.stop()
+        raise EvaluatorError(f"task {task.id}: the agent's artefacts are not scored: {e}") from None
+    except SandboxError as e:
+        await agent.stop()
+        raise VerifierUnavailable(f"copying the artefacts out of {agent_name}: {e}") from e
+    except BaseException:  # cancelled (early stop, Ctrl-C): nothing left running
+        await asyncio.shield(agent.stop())
+        raise
+    removing = asyncio.ensure_future(agent.stop())  # while the verifier's sandbox starts
+    try:
+        return await _score_artefacts(runtime, task, spec, outcome, data, agent_name)
+    finally:
+        await asyncio.shield(removing)
+
+
+async def _score_artefacts(
+    runtime: Runtime,
+    task: Task,
+    spec: SandboxSpec,
+    outcome: HarnessOutcome,
+    data: bytes | None,
+    agent_name: str,
+) -> Score:
+    workdir = posixpath.normpath(task.workdir)
+    parent = posixpath.dirname(workdir)
     keep = from_image(task.evaluator)
     copied: dict[str, Any] = {"from": workdir, "bytes": len(data or b"")}
     if data is not None and (keep.paths or keep.names):
@@ -139,6 +165,12 @@ async def _place(verifier: Sandbox, workdir: str, parent: str, data: bytes | Non
 
     Everything runs with the image's own tools in a sandbox no agent process ever ran in."""
     q = shlex.quote
+    if not (keep.paths or keep.names):  # the whole workdir is the agent's
+        made = f" && mkdir -p {q(workdir)}" if data is None else ""
+        await _sh(verifier, f"rm -rf {q(workdir)} && mkdir -p {q(parent)}{made}", "clearing the workdir")
+        if data is not None:
+            await verifier.put_tar(parent, data)
+        return
     aside = [
         "set -e",
         f"rm -rf {KEEP_DIR}",

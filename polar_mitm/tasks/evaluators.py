@@ -130,7 +130,7 @@ def harbor_reward_names(tests: Path) -> list[str]:
     file under its tests/ directory (test.sh, or a script it runs)."""
     named: set[str] = set()
     for p in sorted(tests.rglob("*")):
-        if p.is_file() and not p.is_symlink():
+        if p.is_file() and not p.is_symlink() and p.stat().st_size <= 1 << 20:  # scripts, not data
             data = p.read_bytes()
             named.update(n for n in HARBOR_REWARD_FILES if n.encode() in data)
     return [n for n in HARBOR_REWARD_FILES if n in named]
@@ -235,21 +235,24 @@ def from_image(spec: EvaluatorSpec) -> FromImage:
     return FromImage(paths=(".git", "pytest.ini", *safe), names=("conftest.py",))
 
 
+async def reset_conftests(task: Task, sandbox: Sandbox) -> None:
+    """In the agent's own sandbox (no fresh one): conftest.py files as the repository's HEAD holds
+    them, one the agent added removed. A fresh verifier has the image's already (`from_image`)."""
+    await _shell(
+        sandbox,
+        "git ls-files -z --others -- '*conftest.py' | xargs -0 rm -f; "
+        "git checkout -q HEAD -- '*conftest.py' 2>/dev/null; true",
+        task.evaluator,
+        task,
+    )
+
+
 async def swebench(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score:
     """SWE-bench's rule: the test files are reset and `test_patch` applied, the tests run; the
     sample is resolved when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still does."""
     spec = task.evaluator
     assert spec.test_command is not None
     detail: dict[str, Any] = {}
-    # conftest.py files as the repository holds them: one the agent added is removed, one it
-    # changed restored (a fresh verifier's workdir has the image's already: `from_image`).
-    await _shell(
-        sandbox,
-        "git ls-files -z --others -- '*conftest.py' | xargs -0 rm -f; "
-        "git checkout -q -- '*conftest.py' 2>/dev/null; true",
-        spec,
-        task,
-    )
     if spec.test_patch:
         files = patched_files(spec.test_patch)
         if files:  # undo what the agent did to the test files (new files simply vanish)
