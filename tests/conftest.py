@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -477,3 +478,24 @@ def fake_provider(tmp_path):
 
 
 # --- end harvest ---------------------------------------------------------------------------------
+
+
+# --- docker (tests marked `docker`: real containers from the test image) ----------------------------
+
+TEST_IMAGE = os.environ.get("POLAR_MITM_TEST_IMAGE", "polar-mitm/rollout-base:bookworm")
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """The Docker daemon, with the base image tests run tasks in (`bash scripts/docker.sh`)."""
+    docker = pytest.importorskip("docker")
+    try:
+        client = docker.from_env()
+        client.ping()
+        client.images.get(TEST_IMAGE)
+    except Exception as e:
+        pytest.fail(f"Docker with the test image {TEST_IMAGE} is needed: run `bash scripts/docker.sh` ({e})")
+    return client
+
+
+# --- end docker ------------------------------------------------------------------------------------

@@ -195,8 +195,9 @@ MODEL_CALL = (
 
 async def test_export_carries_groups_masks_failed_samples_and_normalizes(make_stack, tmp_path):
     """Each 'harness' makes one real model call through the proxy (so its sample has a row), then
-    the first sample of a group writes 'pass' and the others 'fail'. Samples of 'broken' leave a
-    reward file the evaluator cannot read: an evaluator failure, whose rows stay, masked."""
+    the first sample of a group writes 'pass' and the others 'fail'. The command of 'broken' writes a
+    reward file the evaluator cannot read: an evaluator failure, whose rows stay, masked. (The
+    harness's own reward.txt is removed before the command runs: only the command's counts.)"""
     stack = await make_stack()
     cmd = sh(
         MODEL_CALL
@@ -208,7 +209,9 @@ async def test_export_carries_groups_masks_failed_samples_and_normalizes(make_st
         Task(
             id="broken",
             instruction="broken",
-            evaluator=EvaluatorSpec(kind="command", command="true", reward_file="reward.txt"),
+            evaluator=EvaluatorSpec(
+                kind="command", command="echo garbage > reward.txt", reward_file="reward.txt"
+            ),
         ),
     ]
     (tmp_path / "work").mkdir()
@@ -371,6 +374,75 @@ def test_reward_files_and_pytest_summaries_are_read_as_their_tools_write_them():
         "tests/test_calc.py::test_sub": "FAILED",
     }
     assert patched_files("--- a/x.py\n+++ b/x.py\n@@\n+++ b/y/z.py\n") == ["x.py", "y/z.py"]
+
+
+async def test_a_reward_file_the_agent_leaves_does_not_count_and_the_detail_says_where_it_ran(
+    make_stack, tmp_path
+):
+    """The command writes the reward file only when the task is solved; the agent writes it
+    itself without solving. On the local runtime scoring stays in the agent's directory, as the
+    detail records."""
+    stack = await make_stack()
+    check = "if grep -q solved out.txt 2>/dev/null; then echo 1 > reward.txt; fi"
+    task = Task(
+        id="forged",
+        instruction="x",
+        evaluator=EvaluatorSpec(kind="command", command=check, reward_file="reward.txt"),
+    )
+    await run_pipeline(stack, [task], tmp_path, harness_cmd=sh("echo 1 > reward.txt"))
+    [(_t, _i, _a, status, reward, _c)] = samples_of(stack.db)
+    assert (status, reward) == ("completed", 0.0)
+    [detail] = sqlite3.connect(stack.db).execute("SELECT reward_detail FROM samples").fetchone()
+    verifier = json.loads(detail)["verifier"]
+    assert verifier["sandbox"] == "agent" and verifier["runtime"] == "local" and not verifier["isolated"]
+
+
+def test_harbor_reward_file_is_the_one_the_tests_name_else_the_one_the_verifier_wrote(tmp_path):
+    from polar_mitm.tasks.evaluators import harbor_reward_file, harbor_reward_names
+
+    (tmp_path / "test.sh").write_text("python3 /tests/grade.py\n")
+    assert harbor_reward_names(tmp_path) == []
+    (tmp_path / "grade.py").write_text("open('/logs/verifier/reward.json', 'w').write('1')\n")
+    assert harbor_reward_names(tmp_path) == ["reward.json"]
+    # Named: only that file counts, even when the other one is there too.
+    assert harbor_reward_file(["reward.json"], ["reward.txt", "reward.json"])[0] == "reward.json"
+    assert harbor_reward_file(["reward.json"], ["reward.txt"])[0] == "reward.json"
+    # Not named (or both): what the verifier wrote into the empty directory.
+    assert harbor_reward_file([], ["reward.json"])[0] == "reward.json"
+    assert harbor_reward_file(["reward.txt", "reward.json"], ["reward.txt", "reward.json"])[0] == "reward.txt"
+    assert harbor_reward_file([], []) == (None, "the verifier wrote no reward file")
+
+
+def test_swebench_artefacts_leave_out_what_comes_from_the_image():
+    import io
+    import tarfile
+
+    from polar_mitm.rollout.verify import without
+    from polar_mitm.tasks.evaluators import from_image
+
+    spec = EvaluatorSpec(
+        kind="swebench",
+        test_command="pytest",
+        test_patch="--- a/tests/test_new.py\n+++ b/tests/test_new.py\n",
+        fail_to_pass=["tests/test_calc.py::test_add", "../escape.py::t"],
+    )
+    keep = from_image(spec)
+    assert keep.paths == (".git", "pytest.ini", "tests/test_calc.py", "tests/test_new.py")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, kind in [("testbed", tarfile.DIRTYPE), ("testbed/.git", tarfile.DIRTYPE),
+                           ("testbed/.git/HEAD", tarfile.REGTYPE), ("testbed/calc.py", tarfile.REGTYPE),
+                           ("testbed/conftest.py", tarfile.REGTYPE), ("testbed/sub/conftest.py", tarfile.REGTYPE),
+                           ("testbed/tests", tarfile.SYMTYPE), ("testbed/pytest.ini", tarfile.REGTYPE)]:  # fmt: skip
+            member = tarfile.TarInfo(name)
+            member.type = kind
+            if kind == tarfile.SYMTYPE:
+                member.linkname = "/usr/lib"
+            tar.addfile(member, io.BytesIO(b"") if kind == tarfile.REGTYPE else None)
+    data, dropped = without(buf.getvalue(), keep)
+    assert dropped == [".git", "conftest.py", "sub/conftest.py", "tests", "pytest.ini"]
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert tar.getnames() == ["testbed", "testbed/calc.py"]
 
 
 def test_the_example_tasks_load_as_harbor_tasks():

@@ -4,7 +4,7 @@
 queue ──▶ INIT workers: start a sandbox, run the task's setup      (init_workers at once)
           READY: a bounded buffer of warm sandboxes                 (ready_size, default run_workers)
           RUN workers: the harness in its sandbox, through the proxy (run_workers at once)
-          POSTRUN workers: evaluate, stop the sandbox, record        (postrun_workers at once)
+          POSTRUN workers: halt it, score in a fresh one, record     (postrun_workers at once)
 ```
 
 Sandboxes start ahead of time, so a RUN worker never waits for one while the buffer holds any.
@@ -41,13 +41,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from polar_mitm.outcomes import TRAINABLE
+from polar_mitm.rollout import verify
+from polar_mitm.rollout.verify import VerifierUnavailable
 from polar_mitm.runtime import recipes
 from polar_mitm.runtime.harness import HarnessNotInstalled, harness_mount
 from polar_mitm.runtime.local import child_env
 from polar_mitm.runtime.proxy import PolarProxy
 from polar_mitm.runtime.sandbox import HarnessMount, Runtime, Sandbox, SandboxError, SandboxSpec
 from polar_mitm.store.rollouts import RolloutLog
-from polar_mitm.tasks.evaluators import EvaluatorError, HarnessOutcome, evaluate
+from polar_mitm.tasks.evaluators import EvaluatorError, HarnessOutcome, Score
 from polar_mitm.tasks.model import Task
 
 log = logging.getLogger("polar_mitm.rollout")
@@ -393,18 +395,23 @@ class Pipeline:
         job.session_dir = self.work_dir / job.session_id
         job.session_dir.mkdir(parents=True, exist_ok=True)
         (job.session_dir / "home").mkdir(exist_ok=True)
-        spec = SandboxSpec(
+        spec = self._sandbox_spec(job)
+        job.sandbox = await asyncio.wait_for(self.runtime.start(job.task, spec), self._budget(job))
+        for n, line in enumerate(job.task.setup, 1):
+            r = await job.sandbox.exec(["sh", "-c", line], env=job.task.env, timeout=self._budget(job))
+            if r.exit_code != 0:
+                raise SandboxError(f"setup step {n} ({line[:60]!r}) exited {r.exit_code}: {r.output[-300:]}")
+
+    def _sandbox_spec(self, job: SampleJob) -> SandboxSpec:
+        """The agent's sandbox of this attempt (the verifier's is made from it, rollout/verify.py)."""
+        assert self.proxy.ca is not None and job.session_dir is not None
+        return SandboxSpec(
             name=f"polar-{job.session_id}",
             session_dir=job.session_dir,
             ca=self.proxy.ca,
             harness=self._harness,
             labels={ROLLOUT_LABEL: self.rollout_id, "polar-mitm.session": job.session_id},
         )
-        job.sandbox = await asyncio.wait_for(self.runtime.start(job.task, spec), self._budget(job))
-        for n, line in enumerate(job.task.setup, 1):
-            r = await job.sandbox.exec(["sh", "-c", line], env=job.task.env, timeout=self._budget(job))
-            if r.exit_code != 0:
-                raise SandboxError(f"setup step {n} ({line[:60]!r}) exited {r.exit_code}: {r.output[-300:]}")
 
     async def _run_worker(self) -> None:
         assert self._ready is not None
@@ -477,10 +484,13 @@ class Pipeline:
             except _Cancelled as e:
                 await self._cancel(job, str(e))
                 continue
+            except (SandboxDied, VerifierUnavailable) as e:
+                # The harness's result cannot be scored: run the sample again like any sandbox failure.
+                await self._infra_failure(job, _describe(e))
+                continue
             except (SandboxError, EvaluatorError, OSError, TimeoutError, RuntimeError) as e:
-                if job.sandbox is not None and not await job.sandbox.alive():
-                    # Killed under us (at the end of the run, or while scoring): the harness's
-                    # result cannot be scored, so the sample is run again like any sandbox failure.
+                if self._scores_in_place(job) and job.sandbox is not None and not await job.sandbox.alive():
+                    # Killed under us while scoring in the agent's sandbox.
                     await self._infra_failure(job, f"sandbox died: while scoring: {_describe(e)}")
                 else:
                     await self._finish_job(job, "failed", reward=0.0, cause=f"evaluator: {_describe(e)}")
@@ -494,10 +504,18 @@ class Pipeline:
             else:
                 await self._finish_job(job, "completed", reward=score.reward, detail=score.detail)
 
-    async def _score(self, job: SampleJob):
+    def _scores_in_place(self, job: SampleJob) -> bool:
+        return not self.runtime.fresh_verifier or job.task.evaluator.kind == "session_completed"
+
+    async def _score(self, job: SampleJob) -> Score:
+        """The evaluator's score; on runtimes with fresh sandboxes, in a new one holding the agent's
+        artefacts, started once the agent's sandbox was halted (rollout/verify.py)."""
         assert job.sandbox is not None and job.outcome is not None
+        if not await job.sandbox.alive():
+            raise SandboxDied(f"sandbox died: while scoring: {job.sandbox.name} is gone")
         limit = job.task.evaluator.timeout_sec + 60
-        return await asyncio.wait_for(evaluate(job.task, job.sandbox, job.outcome), self._budget(job, limit))
+        work = verify.score(self.runtime, job.task, job.sandbox, self._sandbox_spec(job), job.outcome)
+        return await asyncio.wait_for(work, self._budget(job, limit))
 
     # -- outcomes -------------------------------------------------------------------------------
 

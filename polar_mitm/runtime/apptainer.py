@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -384,6 +385,21 @@ class ApptainerSandbox:
             return False
         return self.name in await list_instances(self.binary, self.name)
 
+    # Scoring stays in the instance (`ApptainerRuntime.fresh_verifier` is False): a fresh,
+    # trustworthy copy of an instance's files is not built yet (untested here, no Apptainer).
+    async def halt(self) -> None:
+        for proc in list(self._procs):
+            kill_group(proc.pid)
+
+    async def export(self, path: str, limit: int) -> bytes:
+        raise SandboxError(f"instance {self.name}: export is not supported by the apptainer runtime")
+
+    async def put_tar(self, dest: str, data: bytes) -> None:
+        raise SandboxError(f"instance {self.name}: put_tar is not supported by the apptainer runtime")
+
+    def describe(self) -> dict[str, Any]:
+        return {"runtime": "apptainer", "instance": self.name}
+
     async def stop(self) -> None:
         first = not self._stopped
         self._stopped = True
@@ -424,6 +440,7 @@ class ApptainerRuntime:
 
     name = "apptainer"
     isolated = True
+    fresh_verifier = False  # scored in the agent's own instance, as the detail records
 
     def __init__(self, *, binary: str | None = None, registry_dir: Path | None = None, overlay: bool = True):
         self.binary = binary

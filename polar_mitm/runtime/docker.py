@@ -8,6 +8,10 @@ reach). Mounted: the sample's session directory, our CA (read-only) and the host
 installation (read-only). Containers carry labels naming their rollout, so a crashed run's
 leftovers can be found and removed.
 
+A verifier's container (`SandboxSpec.purpose = "verifier"`) starts from the same image with no
+network and nothing of ours mounted; a sample is scored there, from its agent's artefacts, after
+the agent's container was halted (`rollout/verify.py`).
+
 The SDK is blocking; every call runs in a worker thread.
 """
 
@@ -31,6 +35,7 @@ from polar_mitm.runtime.sandbox import (
     NPM_MODULES,
     SESSION_DIR,
     ExecResult,
+    ExportTooLarge,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
@@ -92,6 +97,7 @@ class DockerSandbox:
         self.path_prefix = path_prefix
         self.base_path = base_path
         self._stopped = False
+        self._halted = False
 
     @property
     def api(self) -> Any:
@@ -119,8 +125,8 @@ class DockerSandbox:
         timeout: float | None = None,
         workdir: str | None = None,
     ) -> ExecResult:
-        if self._stopped:
-            raise SandboxError(f"container {self.name} is stopped")
+        if self._stopped or self._halted:
+            raise SandboxError(f"container {self.name} is {'stopped' if self._stopped else 'halted'}")
         t0 = time.monotonic()
         fut = asyncio.ensure_future(
             asyncio.to_thread(self._run, cmd, self._env(env), workdir or self.workdir)
@@ -194,6 +200,68 @@ class DockerSandbox:
             return False
         return self.container.status == "running"
 
+    async def halt(self) -> None:
+        """SIGKILL to the container's PID 1: the kernel ends every process in its PID namespace
+        (setsid'd or not); the stopped container's files stay readable (`get_archive`)."""
+        import docker.errors
+
+        self._halted = True
+
+        def kill() -> None:
+            try:
+                self.container.kill()
+            except docker.errors.APIError as e:  # 409: not running (it died, or halted already)
+                if getattr(e.response, "status_code", None) not in (404, 409):
+                    raise
+            self.container.wait(timeout=30)
+
+        try:
+            await asyncio.to_thread(kill)
+        except Exception as e:
+            raise SandboxError(f"container {self.name}: halting it failed: {e}") from e
+
+    async def export(self, path: str, limit: int) -> bytes:
+        import docker.errors
+
+        def get() -> bytes:
+            try:
+                stream, _stat = self.container.get_archive(path)
+            except docker.errors.NotFound:
+                raise FileNotFoundError(f"container {self.name}: {path} does not exist") from None
+            buf = io.BytesIO()
+            for chunk in stream:
+                buf.write(chunk)
+                if buf.tell() > limit:
+                    raise ExportTooLarge(f"container {self.name}: {path} holds more than {limit} bytes")
+            return buf.getvalue()
+
+        try:
+            return await asyncio.to_thread(get)
+        except (SandboxError, FileNotFoundError):
+            raise
+        except Exception as e:
+            raise SandboxError(f"container {self.name}: export {path}: {e}") from e
+
+    async def put_tar(self, dest: str, data: bytes) -> None:
+        try:
+            ok = await asyncio.to_thread(self.container.put_archive, dest, data)
+        except Exception as e:
+            raise SandboxError(f"container {self.name}: unpacking into {dest}: {e}") from e
+        if not ok:
+            raise SandboxError(f"container {self.name}: unpacking into {dest} refused")
+
+    def describe(self) -> dict[str, Any]:
+        attrs = self.container.attrs or {}
+        config, host = attrs.get("Config") or {}, attrs.get("HostConfig") or {}
+        return {
+            "runtime": "docker",
+            "container": self.name,
+            "container_id": (self.container.id or "")[:12],
+            "image": config.get("Image"),
+            "user": config.get("User") or "root",
+            "network": host.get("NetworkMode"),
+        }
+
     async def stop(self) -> None:
         if self._stopped:
             return
@@ -206,6 +274,7 @@ class DockerRuntime:
 
     name = "docker"
     isolated = True
+    fresh_verifier = True
 
     def __init__(self, client: Any | None = None, *, network: str = "host"):
         self._client = client
@@ -321,6 +390,9 @@ class DockerRuntime:
             kwargs["nano_cpus"] = int(task.cpus * 1e9)
         if task.memory_mb:
             kwargs["mem_limit"] = f"{task.memory_mb}m"
+        if spec.purpose == "verifier":
+            kwargs.update(self._verifier_options())
+            prefix = []
 
         def run() -> Any:
             return self.client.containers.run(image, **kwargs)
@@ -349,6 +421,11 @@ class DockerRuntime:
             await sb.stop()
             raise
         return sb
+
+    def _verifier_options(self) -> dict[str, Any]:
+        """A verifier's container: nothing of ours mounted (no session directory, CA or harness),
+        no network, and the image's own user, binaries and environment."""
+        return {"network_mode": "none", "volumes": {}}
 
     async def remove(self, container: Any) -> None:
         import docker.errors

@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 from polar_mitm.runtime.certs import CA
 from polar_mitm.tasks.model import Task
@@ -48,6 +48,10 @@ class RuntimeUnavailable(RuntimeError):
 
 class SandboxError(RuntimeError):
     """The sandbox failed (could not start, died, a copy failed): an infrastructure failure."""
+
+
+class ExportTooLarge(SandboxError):
+    """A directory to export holds more than asked for: what the agent left, not a failure of ours."""
 
 
 @dataclass
@@ -152,6 +156,9 @@ class SandboxSpec:
     ca: CA  # host paths of our CA
     harness: HarnessMount | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # "verifier": a sandbox that scores a sample's artefacts after its agent's sandbox was halted;
+    # it gets no harness, no channel to the proxy, no network and nothing of ours mounted.
+    purpose: Literal["agent", "verifier"] = "agent"
 
 
 class Sandbox(Protocol):
@@ -181,6 +188,24 @@ class Sandbox(Protocol):
 
     async def alive(self) -> bool: ...
 
+    async def halt(self) -> None:
+        """End every process in the sandbox at once (the agent's last chance to touch anything);
+        its files stay readable with `read` and `export` until `stop`."""
+        ...
+
+    async def export(self, path: str, limit: int) -> bytes:
+        """A tar of the directory `path` (its members under the directory's own name), also after
+        `halt`. FileNotFoundError when it does not exist; ExportTooLarge past `limit` bytes."""
+        ...
+
+    async def put_tar(self, dest: str, data: bytes) -> None:
+        """Unpack a tar (as `export` makes) into the existing directory `dest`."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Where this sandbox is, for the record (`reward_detail`): container, image, user, network."""
+        ...
+
     async def stop(self) -> None:
         """Stop and remove the sandbox; safe to call twice."""
         ...
@@ -189,6 +214,9 @@ class Sandbox(Protocol):
 class Runtime(Protocol):
     name: str
     isolated: bool  # True when the sandbox has its own filesystem (absolute task paths are safe)
+    # True when `start(task, SandboxSpec(purpose="verifier"))` gives a fresh sandbox from the task's
+    # image, so a sample is scored where its agent never ran (rollout/verify.py).
+    fresh_verifier: bool
 
     async def check(self) -> None:
         """Raise RuntimeUnavailable, with what to do, when this runtime cannot work here."""

@@ -9,12 +9,22 @@ SWE-bench's `/testbed`) need a container runtime.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import shutil
+import tarfile
 from pathlib import Path
+from typing import Any
 
 from polar_mitm.runtime.certs import CA
-from polar_mitm.runtime.sandbox import ExecResult, SandboxError, SandboxSpec, kill_group, run_process
+from polar_mitm.runtime.sandbox import (
+    ExecResult,
+    ExportTooLarge,
+    SandboxError,
+    SandboxSpec,
+    kill_group,
+    run_process,
+)
 from polar_mitm.tasks.model import Task
 
 
@@ -68,6 +78,37 @@ class TempdirSandbox:
     async def alive(self) -> bool:
         return not self._stopped and self.root.is_dir()
 
+    async def halt(self) -> None:
+        """Kills the process groups of the commands it ran; a process that left its group
+        (setsid) survives: this runtime does not isolate (see `describe`)."""
+        for proc in list(self._procs):
+            kill_group(proc.pid)
+
+    async def export(self, path: str, limit: int) -> bytes:
+        src = self.host_path(path)
+        if not src.is_dir():
+            raise FileNotFoundError(f"sandbox {self.name}: {path} is not a directory")
+
+        def pack() -> bytes:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                tar.add(str(src), arcname=src.name)
+            if buf.tell() > limit:
+                raise ExportTooLarge(f"sandbox {self.name}: {path} holds more than {limit} bytes")
+            return buf.getvalue()
+
+        return await asyncio.to_thread(pack)
+
+    async def put_tar(self, dest: str, data: bytes) -> None:
+        def unpack() -> None:
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                tar.extractall(self.host_path(dest), filter="data")  # nothing outside dest
+
+        await asyncio.to_thread(unpack)
+
+    def describe(self) -> dict[str, Any]:
+        return {"runtime": "local", "directory": str(self.root), "user": os.environ.get("USER", "")}
+
     async def stop(self) -> None:
         self._stopped = True
         for proc in list(self._procs):
@@ -80,6 +121,7 @@ class TempdirRuntime:
 
     name = "local"
     isolated = False
+    fresh_verifier = False  # a host directory: scored in place, as the detail records
 
     async def check(self) -> None:
         return None

@@ -19,15 +19,20 @@ EvaluatorKind = Literal["command", "harbor", "swebench", "session_completed"]
 
 
 class EvaluatorSpec(BaseModel):
-    """How a sample of the task is scored, in its own sandbox after the harness ends.
+    """How a sample of the task is scored after the harness ends: on container runtimes in a fresh
+    sandbox from the task's image holding the agent's workdir (`rollout/verify.py`).
 
     - `command`: run `command` (a shell line) in the workdir; reward 1.0 when it exits 0, else 0.0,
-      unless `reward_file` names a file the command writes (a float, or JSON `{"reward": x}`).
-    - `harbor`: copy `tests_dir` to `/tests`, run `/tests/test.sh`, read
-      `/logs/verifier/reward.txt` or `reward.json`; the reward counts only if the verifier exits 0.
-    - `swebench`: apply `test_patch`, run `test_command`; 1.0 when every FAIL_TO_PASS test passes and
-      every PASS_TO_PASS test still passes.
-    - `session_completed`: 1.0 when the harness exited 0 within its time.
+      unless `reward_file` names a file the command writes (a float, or JSON `{"reward": x}`); the
+      file is removed before the command runs, so one the agent left never counts.
+    - `harbor`: copy `tests_dir` to `/tests`, create `/logs/verifier` empty, run `/tests/test.sh`,
+      read `reward.txt` or `reward.json` there (the one the tests name, else the one the verifier
+      wrote); the reward counts only if the verifier exits 0.
+    - `swebench`: the repository, test files and conftest.py files from the image, apply
+      `test_patch`, run `test_command`; 1.0 when every FAIL_TO_PASS test passes and every
+      PASS_TO_PASS test still passes.
+    - `session_completed`: not a verifier: 1.0 when the harness exited 0 within its time, whatever
+      it did (the agent sets this reward itself; for harvesting and smoke tests).
     """
 
     model_config = ConfigDict(extra="forbid")
