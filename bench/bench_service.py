@@ -107,7 +107,7 @@ async def main() -> None:
             log=work / "node.log",
         )  # fmt: skip
         try:
-            while not server._healthy_nodes():
+            while not server.healthy_nodes():
                 await asyncio.sleep(0.05)
             trivial = ["true", "{instruction}"]
             await through_service(server.url, server.token, 1, 2, trivial, "warm-")

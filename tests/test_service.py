@@ -119,7 +119,7 @@ async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
         for i in range(nodes):
             await svc.add_node(tmp_path, qwen_tokenizer_dir, certs_dir, i, process=i > 0)
         deadline = time.time() + 60
-        while len(server._healthy_nodes()) < nodes and time.time() < deadline:
+        while len(server.healthy_nodes()) < nodes and time.time() < deadline:
             await asyncio.sleep(0.1)
         return svc
 
@@ -552,9 +552,9 @@ def test_ray_places_nodes_as_actors_and_completes_a_task(
             )  # fmt: skip
             actors = start_ray_nodes(None, 2, cfg)
             deadline = time.time() + 90
-            while time.time() < deadline and len(server._healthy_nodes()) < 2:
+            while time.time() < deadline and len(server.healthy_nodes()) < 2:
                 await asyncio.sleep(0.2)
-            assert sorted(server._healthy_nodes()) == ["ray-0", "ray-1"]
+            assert sorted(server.healthy_nodes()) == ["ray-0", "ray-1"]
             async with AsyncRolloutClient(server.url, token=server.token) as client:
                 tid = await client.submit(
                     task("r", "pass"),

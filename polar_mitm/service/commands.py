@@ -69,12 +69,6 @@ def _host_port(listen: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def node_db(db: str | Path, name: str) -> str:
-    """`rollouts.sqlite` → `rollouts.node0.sqlite`: a node's own store beside the server's."""
-    p = Path(db)
-    return str(p.with_name(f"{p.stem}.{name}{p.suffix or '.sqlite'}"))
-
-
 def node_options(f):
     """A node's sizes: the pipeline's (`rollout`'s options), and how many samples it holds."""
     f = click.option(
@@ -207,7 +201,7 @@ def serve(
     polar_mitm.client read the same file. Nodes get a narrower credential derived from it.
     """
     from polar_mitm.service import auth
-    from polar_mitm.service.node import NodeConfig, spawn_node, stop_node
+    from polar_mitm.service.node import NodeConfig, node_db, spawn_node, stop_node
     from polar_mitm.service.server import RolloutServer
 
     host, port = _host_port(listen)

@@ -7,13 +7,20 @@ seconds each stage took (sandbox start among them) are counted as results arrive
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from polar_mitm.service.server import RolloutServer
+
+class Observed(Protocol):
+    """What the gauges read at scrape time: the server's store, last heartbeats and healthy nodes."""
+
+    store: Any
+    heartbeats: dict[str, Any]
+
+    def healthy_nodes(self) -> list[str]: ...
+
 
 STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -21,7 +28,7 @@ STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 class _Live:
     """Gauges computed at scrape time from the store and the heartbeats."""
 
-    def __init__(self, server: RolloutServer):
+    def __init__(self, server: Observed):
         self.server = server
 
     def collect(self):
@@ -47,7 +54,7 @@ class _Live:
             turns.add_metric([node], hb.turns)
         yield from (queue, flight, gen, turns)
         healthy = GaugeMetricFamily("polar_nodes_healthy", "Nodes with a recent heartbeat")
-        healthy.add_metric([], len(self.server._healthy_nodes()))
+        healthy.add_metric([], len(self.server.healthy_nodes()))
         yield healthy
         paused = GaugeMetricFamily(
             "polar_generation_paused", "1 while generation is paused for a weight update"
@@ -57,7 +64,7 @@ class _Live:
 
 
 class Metrics:
-    def __init__(self, server: RolloutServer):
+    def __init__(self, server: Observed):
         self.registry = CollectorRegistry()
         self.registry.register(_Live(server))
         self.submitted = Counter("polar_tasks_submitted", "Tasks submitted", registry=self.registry)

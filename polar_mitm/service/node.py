@@ -399,3 +399,9 @@ def stop_node(proc: subprocess.Popen, timeout: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def node_db(db: str | Path, name: str) -> str:
+    """`rollouts.sqlite` → `rollouts.node0.sqlite`: a node's own store beside the server's."""
+    p = Path(db)
+    return str(p.with_name(f"{p.stem}.{name}{p.suffix or '.sqlite'}"))

@@ -55,7 +55,7 @@ def start_ray_nodes(
         ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True)
     cls = _actor_class()
     actors = []
-    from polar_mitm.service.commands import node_db
+    from polar_mitm.service.node import node_db
 
     db = str(config.get("db") or "polar-mitm-node.sqlite")
     for i in range(n):

@@ -805,7 +805,7 @@ class RolloutServer:
 
     # -- weight sync ----------------------------------------------------------------------------
 
-    def _healthy_nodes(self) -> list[str]:
+    def healthy_nodes(self) -> list[str]:
         now = time.time()
         return [
             n.id for n in self.store.nodes() if n.state != "lost" and now - n.last_seen < self.node_timeout
@@ -817,7 +817,7 @@ class RolloutServer:
         self.events.publish(m.Event(kind="weights", state="paused"))
         since = time.time()
         deadline = since + body.timeout_seconds
-        nodes = self._healthy_nodes()
+        nodes = self.healthy_nodes()
         while True:
             # Drained when every node has reported, since the pause, a closed gate and nothing under way.
             fresh = [self.heartbeats[n] for n in nodes if self.heartbeat_at.get(n, 0.0) >= since]
@@ -885,7 +885,7 @@ class RolloutServer:
     # -- plain endpoints ------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "nodes": len(self._healthy_nodes())})
+        return web.json_response({"ok": True, "nodes": len(self.healthy_nodes())})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         body, ctype = self.metrics.render()
