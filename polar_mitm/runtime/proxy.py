@@ -176,6 +176,7 @@ class PolarProxy:
         self.egress: Egress | None = None  # policy mode: per-session internet access
         self.handoff: Handoff | None = None  # policy mode: provider connections to the gateway
         self.side: PolicySide | None = None  # policy mode: its addons, policy and gateway
+        self.sessions: Sessions | None = None
         self.port = 0
         self._task: asyncio.Task | None = None
 
@@ -190,7 +191,7 @@ class PolarProxy:
             listen_socket(self.config.listen_host, self.config.listen_port).close()
         self.ca = ensure_ca(self.config.certs_dir)
         self.store = await Store.open(self.config.db)
-        sessions = Sessions(self.config.default_session, token=self.config.token)
+        sessions = self.sessions = Sessions(self.config.default_session, token=self.config.token)
         if self.config.mode == "harvest":
             intercepted, mode_addons = self._harvest_addons()
         else:
@@ -266,8 +267,28 @@ class PolarProxy:
             await self.store.close()
 
     def session_url(self, session: str) -> str:
-        """The proxy URL a harness of `session` uses (credentials in it; the token when required)."""
-        return proxy_url(self.config.listen_host, self.port, session, self.config.token)
+        """The proxy URL a harness of `session` uses (credentials in it: the session's own token
+        when it was issued one, else the shared token when one is required)."""
+        return proxy_url(self.config.listen_host, self.port, session, self.session_token(session))
+
+    def session_token(self, session: str) -> str | None:
+        issued = self.sessions.issued.get(session) if self.sessions is not None else None
+        return issued or self.config.token
+
+    def serve_issued_only(self) -> None:
+        """Let in only sessions issued by `issue_session`, each with its own token (a rollout's
+        proxy: no sample can name another's session, nor one the proxy never issued)."""
+        assert self.sessions is not None, "start the proxy first"
+        self.sessions.require_issued()
+
+    def issue_session(self, session: str) -> str:
+        """`session`'s own token (made on first use)."""
+        assert self.sessions is not None, "start the proxy first"
+        return self.sessions.issue(session)
+
+    def revoke_session(self, session: str) -> None:
+        if self.sessions is not None:
+            self.sessions.revoke(session)
 
     async def adopt(self, sock: socket.socket, head: bytes) -> None:
         """Serve a client connection accepted by another process (`--workers`' front), which
