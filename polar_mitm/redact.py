@@ -37,3 +37,9 @@ def headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
 
 def url(u: str) -> str:
     return _PARAM_RE.sub(lambda m: m.group(1) + REDACTED, u)
+
+
+def env_values(env: dict[str, str]) -> dict[str, str]:
+    """An environment with its names kept and every value redacted (`rollout --env KEY=VALUE`
+    is how users pass credentials to harnesses: the store keeps only which ones were given)."""
+    return {k: REDACTED for k in env}

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
+from polar_mitm.runtime.tempdir import TempdirRuntime
 from polar_mitm.tasks.model import EvaluatorSpec, Task
-
-pytestmark = pytest.mark.docker
 
 IMAGE = "polar-mitm/rollout-base:bookworm"
 NOKILL_IMAGE = "polar-mitm/test-nokill:1"
@@ -164,7 +163,7 @@ async def run_probe(stack, tmp_path, mode: str, *, image: str = IMAGE, env=None,
         id=f"probe-{mode}",
         instruction="probe",
         image=image,
-        evaluator=EvaluatorSpec(kind="command", command="sleep 6"),
+        evaluator=EvaluatorSpec(kind="command", command="sleep 5"),
         **task_kw,
     )
     opts = RolloutOptions(
@@ -182,6 +181,7 @@ async def run_probe(stack, tmp_path, mode: str, *, image: str = IMAGE, env=None,
     return p, sample, work
 
 
+@pytest.mark.docker
 async def test_a_sandbox_reaches_its_model_and_nothing_else(make_stack, tmp_path, docker_client):
     from polar_mitm.service.server import RolloutServer
 
@@ -217,6 +217,7 @@ async def test_a_sandbox_reaches_its_model_and_nothing_else(make_stack, tmp_path
     assert set(turns) <= {sample.session_id}, turns
 
 
+@pytest.mark.docker
 async def test_the_host_never_writes_through_a_planted_link(make_stack, tmp_path, docker_client):
     stack = await make_stack(token="rollout-token")
     target = tmp_path / "host-file"
@@ -247,6 +248,7 @@ def processes(docker_client, name: str) -> list[str]:
         raise
 
 
+@pytest.mark.docker
 @pytest.mark.parametrize("mode", ["leave", "overrun"])
 async def test_nothing_the_harness_started_outlives_it(
     make_stack, tmp_path, docker_client, nokill_image, mode
@@ -277,3 +279,190 @@ async def test_nothing_the_harness_started_outlives_it(
     left = await asyncio.wait_for(checker, 30)
     assert sample.status == ("agent_timeout" if mode == "overrun" else "completed")
     assert not [p for p in left if f"sleep {seconds}" in p], left
+
+
+# --- without containers: the proxy's identities, the channel's relay, the local runtime ---------
+
+
+def fetch(proxy_url: str, url: str, cafile: str) -> str:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    handler = urllib.request.ProxyHandler({"http": proxy_url, "https": proxy_url})
+    ctx = ssl.create_default_context(cafile=cafile)
+    opener = urllib.request.build_opener(handler, urllib.request.HTTPSHandler(context=ctx))
+    try:
+        return str(opener.open(url, timeout=10).status)
+    except urllib.error.HTTPError as e:
+        return str(e.code)
+    except OSError as e:
+        return f"error {e}"
+
+
+async def test_a_rollout_proxy_lets_in_only_the_sessions_it_issued(make_stack):
+    """Issued mode: each session its own token; another's token, the shared token, a name never
+    issued: 407. The same proxy before issued mode let any name in with the shared token."""
+    from polar_mitm.runtime.proxy import proxy_url
+
+    stack = await make_stack(token="shared")
+    p, cafile = stack.proxy, str(stack.proxy.ca.cert)
+    url = "https://api.openai.com/v1/models"
+
+    def as_(session: str, token: str) -> str:
+        return fetch(proxy_url("127.0.0.1", p.port, session, token), url, cafile)
+
+    assert await asyncio.to_thread(as_, "made-up", "shared") == "200"  # a shared proxy, as before
+    p.serve_issued_only()
+    a, b = p.issue_session("s_a"), p.issue_session("s_b")
+    assert a != b and p.session_url("s_a") == proxy_url("127.0.0.1", p.port, "s_a", a)
+    assert await asyncio.to_thread(as_, "s_a", a) == "200"
+    assert "Tunnel connection failed: 407" in await asyncio.to_thread(as_, "s_a", b)
+    assert "407" in await asyncio.to_thread(as_, "made-up", "shared")
+    assert "407" in await asyncio.to_thread(as_, "s_b", "shared")
+    p.revoke_session("s_a")
+    assert "407" in await asyncio.to_thread(as_, "s_a", a)
+
+
+async def test_the_channel_names_its_sample_whatever_the_sandbox_sends():
+    """Each connection's first request head reaches the proxy with the sample's own credentials
+    and none of those the sandbox sent; a connection without a head gets a 400."""
+    from polar_mitm.addons.sessions import basic_auth
+    from polar_mitm.runtime.channel import Channel
+
+    heads: list[bytes] = []
+
+    async def record(reader, writer):
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        writer.write(await reader.read(5))  # the tunnel: echoed
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(record, "127.0.0.1", 0)
+    channel = await Channel("s_own", "own-token", server.sockets[0].getsockname()[1]).start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(channel.socket_path))
+        stolen = basic_auth("s_victim", "stolen")
+        writer.write(
+            b"CONNECT api.anthropic.com:443 HTTP/1.1\r\nHost: api.anthropic.com:443\r\n"
+            + f"Proxy-Authorization: {stolen}\r\nproxy-authorization: {stolen}\r\n\r\nhello".encode()
+        )
+        await writer.drain()
+        reply = await asyncio.wait_for(reader.read(1000), 5)
+        writer.close()
+        reader, writer = await asyncio.open_unix_connection(str(channel.socket_path))
+        writer.write(b"no head at all")
+        writer.write_eof()
+        refused = await asyncio.wait_for(reader.read(1000), 5)
+        writer.close()
+    finally:
+        await channel.close()
+        server.close()
+    assert reply == b"HTTP/1.1 200 Connection established\r\n\r\nhello"
+    [head] = heads
+    assert head.startswith(b"CONNECT api.anthropic.com:443 HTTP/1.1\r\n")
+    assert head.lower().count(b"proxy-authorization:") == 1
+    assert basic_auth("s_own", "own-token").encode() in head and b"stolen" not in head
+    assert refused.startswith(b"HTTP/1.1 400 ")
+    assert not channel.socket_path.exists()  # closed: the socket and its directory are gone
+
+
+async def test_a_local_harness_gets_no_host_secret_and_no_host_write_through_a_link(
+    make_stack, tmp_path, monkeypatch
+):
+    """The local runtime: host variables by allow-list (a secret in the host environment does not
+    reach the harness; PATH, the task's env and --env do); --env values are stored redacted; a
+    link the harness plants where the host writes its log is not followed."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value")
+    monkeypatch.setenv("POLAR_MITM_SERVICE_TOKEN", "service-token-value")
+    stack = await make_stack(token="rollout-token")
+    target = tmp_path / "host-file"
+    target.write_text("untouched\n")
+    script = 'env; ln -s "$TARGET" "$HOME/../harness.log"'
+    task = Task(
+        id="env", instruction="x", env={"TASK_VAR": "task-value", "TARGET": str(target)},
+        evaluator=EvaluatorSpec(kind="command", command="true"),
+    )  # fmt: skip
+    opts = RolloutOptions(
+        harness="claude-code", runtime="local", harness_cmd=["sh", "-c", script, "h", "{instruction}"],
+        env={"HF_TOKEN": "hf-secret-value"}, keep_workdirs=True,
+    )  # fmt: skip
+    work = tmp_path / "work"
+    p = Pipeline(opts, stack.proxy, TempdirRuntime(), work_dir=work)
+    result = await p.run([task])
+    [sample] = result.samples
+    assert sample.status == "completed"
+    assert target.read_text() == "untouched\n"
+    con = sqlite3.connect(stack.db)
+    [(config,)] = con.execute("SELECT config FROM rollouts").fetchall()
+    assert "hf-secret-value" not in config and json.loads(config)["env"] == {"HF_TOKEN": "[redacted]"}
+    # What the harness printed went nowhere (the log was a link it planted); run it again to read it.
+    opts.harness_cmd = ["sh", "-c", "env", "h", "{instruction}"]
+    p = Pipeline(opts, stack.proxy, TempdirRuntime(), work_dir=work)
+    [sample] = (await p.run([task])).samples
+    env = dict(
+        line.split("=", 1)
+        for line in (work / sample.session_id / "harness.log").read_text().splitlines()
+        if "=" in line
+    )
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "POLAR_MITM_SERVICE_TOKEN" not in env
+    assert env["TASK_VAR"] == "task-value" and env["HF_TOKEN"] == "hf-secret-value" and env["PATH"]
+    assert "rollout-token" not in str(env)  # its own token in HTTPS_PROXY, not the rollout's
+    assert (
+        env["HTTPS_PROXY"] == stack.proxy.session_url(sample.session_id)
+        or sample.session_id in env["HTTPS_PROXY"]
+    )
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("forwarder", ["node", "python3"])
+async def test_the_forwarder_inside_relays_to_the_channel(tmp_path, docker_client, certs_dir, forwarder):
+    """The forwarder on 127.0.0.1:3128 inside a container without network, with our node or the
+    image's python3, carries a request to the host's relay and its answer back."""
+    import shutil
+
+    from polar_mitm.addons.sessions import basic_auth
+    from polar_mitm.runtime.certs import ensure_ca
+    from polar_mitm.runtime.channel import Channel
+    from polar_mitm.runtime.docker import DockerRuntime
+    from polar_mitm.runtime.sandbox import HarnessMount, SandboxSpec
+
+    heads: list[bytes] = []
+
+    async def answer(reader, writer):
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nhi")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    channel = await Channel("s_fwd", "tok", server.sockets[0].getsockname()[1]).start()
+    node = shutil.which("node")
+    harness = None
+    if forwarder == "node":
+        if node is None:
+            pytest.skip("no node on this host")
+        harness = HarnessMount(modules=tmp_path, bin=tmp_path, node=Path(node).resolve())
+    spec = SandboxSpec(
+        name=f"polar-fwd-{forwarder}-{time.time_ns()}", session_dir=tmp_path / "s", ca=ensure_ca(certs_dir),
+        harness=harness, channel=channel.socket_path, labels={"polar-mitm.rollout": "fwd-test"},
+    )  # fmt: skip
+    rt = DockerRuntime()
+    sb = await rt.start(Task(id="fwd", instruction="x", image=IMAGE), spec)
+    try:
+        client = (
+            "import socket; s = socket.create_connection(('127.0.0.1', 3128)); "
+            "s.sendall(b'GET http://example.com/ HTTP/1.1\\r\\nHost: example.com\\r\\n\\r\\n'); "
+            "print(s.makefile('rb').read().decode())"
+        )
+        r = await sb.exec(["python3", "-c", client], timeout=20)
+        top = await asyncio.to_thread(sb.container.top)
+    finally:
+        await sb.stop()
+        await channel.close()
+        server.close()
+    assert r.exit_code == 0 and r.output.strip().endswith("hi"), r.output
+    assert heads and basic_auth("s_fwd", "tok").encode() in heads[0]
+    forwarders = [p[-1] for p in top["Processes"] if "forward." in p[-1]]
+    assert forwarders and ("forward.js" if forwarder == "node" else "forward.py") in forwarders[0]
