@@ -451,6 +451,7 @@ async def test_the_forwarder_inside_relays_to_the_channel(tmp_path, docker_clien
     rt = DockerRuntime()
     sb = await rt.start(Task(id="fwd", instruction="x", image=IMAGE), spec)
     try:
+        await channel.wait_ready(10)  # the forwarder said it listens
         client = (
             "import socket; s = socket.create_connection(('127.0.0.1', 3128)); "
             "s.sendall(b'GET http://example.com/ HTTP/1.1\\r\\nHost: example.com\\r\\n\\r\\n'); "

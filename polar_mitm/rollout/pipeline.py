@@ -58,6 +58,7 @@ log = logging.getLogger("polar_mitm.rollout")
 Stage = Literal["queued", "starting", "ready", "running", "scoring", "done"]
 STAGES: tuple[Stage, ...] = ("queued", "starting", "ready", "running", "scoring", "done")
 ROLLOUT_LABEL = "polar-mitm.rollout"
+FORWARDER_START_SEC = 30.0  # a sandbox's forwarder says it listens within this
 
 
 def default_workers() -> tuple[int, int, int]:
@@ -406,7 +407,7 @@ class Pipeline:
         (job.session_dir / "home").mkdir(exist_ok=True)
         if self.runtime.isolated:
             token = self.proxy.issue_session(job.session_id)
-            job.channel = await open_channel(job.session_id, token, self.proxy.port)
+            job.channel = await open_channel(job.session_id, token, serve=self._adopt)
         spec = SandboxSpec(
             name=f"polar-{job.session_id}",
             session_dir=job.session_dir,
@@ -444,6 +445,10 @@ class Pipeline:
             self._move(job, "scoring")
             self._post_q.put_nowait(job)
 
+    async def _adopt(self, sock, head: bytes) -> None:
+        """A sample's channel connection, its first head rewritten, served by the proxy itself."""
+        await self.proxy.adopt(sock, head, address=("127.0.0.1", 0))
+
     def harness_env(self, job: SampleJob) -> dict[str, str]:
         """The harness's environment inside its sandbox: the proxy with this sample's
         credentials (through its channel when it has one), our CA as the sandbox sees it, the
@@ -454,7 +459,7 @@ class Pipeline:
         base = {"HOME": home, "CI": "1", "TERM": "dumb", "LANG": "C.UTF-8"}
         if not self.runtime.isolated:  # a host process: keep the host's PATH and the like
             base = {**host_env(), **base}
-        address = getattr(job.sandbox, "proxy_address", None)
+        address = job.sandbox.proxy_address
         if address is not None:
             url = proxy_url(*address, job.session_id, self.proxy.session_token(job.session_id))
         else:
@@ -468,6 +473,15 @@ class Pipeline:
     async def _run_harness(self, job: SampleJob) -> None:
         assert job.sandbox is not None
         cmd = self.recipe.headless_command(job.task.instruction, self.opts.harness_cmd)
+        if job.channel is not None and job.sandbox.proxy_address is not None:
+            # Set long before, as a rule (the forwarder starts with the sandbox); the harness never
+            # starts before its way to the proxy is open.
+            try:
+                await job.channel.wait_ready(FORWARDER_START_SEC)
+            except TimeoutError:
+                raise SandboxError(
+                    f"the proxy forwarder in the sandbox did not start within {FORWARDER_START_SEC:.0f} s"
+                ) from None
         limit = self.opts.agent_timeout or job.task.agent_timeout_sec
         r = await job.sandbox.exec_harness(cmd, env=self.harness_env(job), timeout=self._budget(job, limit))
         if job.session_dir is not None:

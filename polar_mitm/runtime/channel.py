@@ -6,7 +6,7 @@ the container (read-only: connecting to a socket needs no write access to its mo
 small forwarder (`runtime/forwarder/`) listens on 127.0.0.1:FORWARD_PORT and passes each TCP
 connection to the socket, so harnesses keep an `http://127.0.0.1:PORT` HTTPS_PROXY unchanged.
 
-The host end (`Channel`, an asyncio server in the pipeline's process) is where the sample's
+The host end (`Channel`, in the pipeline's process, next to the proxy) is where the sample's
 identity is bound. Each connection's first request head (a CONNECT, or a plain proxy request)
 has every Proxy-Authorization the sandbox sent replaced by the sample's own credentials before
 it reaches the proxy, and the proxy keeps a connection in the session its first request named
@@ -21,7 +21,9 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from polar_mitm.addons.sessions import basic_auth
@@ -34,6 +36,7 @@ FORWARDER_DIR = Path(__file__).parent / "forwarder"  # mounted read-only into sa
 MAX_HEAD = 64 * 1024  # a first request head larger than this is refused
 HEAD_TIMEOUT = 30.0
 CHUNK = 256 * 1024
+BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 def rewrite_head(head: bytes, authorization: str) -> bytes:
@@ -56,56 +59,129 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
+Serve = Callable[[socket.socket, bytes], Awaitable[None]]
+
+
 class Channel:
-    """One sample's socket and its relay to the proxy at 127.0.0.1:`proxy_port`.
+    """One sample's socket and its way to the proxy.
 
-    `socket_path` is what a runtime binds into the sandbox. `close()` stops listening, ends the
-    sample's open connections and removes the directory."""
+    With `serve` (the embedded proxy's `adopt`: the pipeline's case) each connection, its first
+    head rewritten, is handed to mitmproxy as it is: no TCP hop, no copy in between. Without it,
+    the bytes are relayed to the proxy's TCP port 127.0.0.1:`proxy_port`.
 
-    def __init__(self, session: str, token: str, proxy_port: int, proxy_host: str = "127.0.0.1"):
+    `socket_path` is what a runtime binds into the sandbox; `ready` is set when the forwarder
+    inside has said it listens (it connects once and closes without a byte). `close()` stops
+    listening, ends the sample's open connections and removes the directory."""
+
+    def __init__(
+        self,
+        session: str,
+        token: str,
+        proxy_port: int = 0,
+        *,
+        serve: Serve | None = None,
+        proxy_host: str = "127.0.0.1",
+    ):
         self.session = session
         self.authorization = basic_auth(session, token)
         self.proxy = (proxy_host, proxy_port)
+        self.serve = serve
         # A short path of our own (sun_path holds 108 bytes), readable by us alone; the socket
         # itself is open to every user, so an unprivileged harness inside can connect.
         self.dir = Path(tempfile.mkdtemp(prefix="polar-ch-"))
         self.socket_path = self.dir / SOCKET_NAME
         self.connections = 0
-        self._server: asyncio.base_events.Server | None = None
+        self.ready = asyncio.Event()
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
         self._open: set[asyncio.Task] = set()
 
     async def start(self) -> Channel:
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.socket_path))
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(self.socket_path))
         os.chmod(self.socket_path, 0o666)
+        s.listen(256)
+        s.setblocking(False)
+        self._listener = s
+        self._accepting = asyncio.create_task(self._accept())
         return self
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._open.add(task)
-        self.connections += 1
-        upstream: asyncio.StreamWriter | None = None
+    async def wait_ready(self, timeout: float) -> None:
+        """Until the forwarder inside listens; SandboxError-worthy TimeoutError after `timeout`."""
+        await asyncio.wait_for(self.ready.wait(), timeout)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            t = asyncio.create_task(self._serve(conn))
+            self._open.add(t)
+            t.add_done_callback(self._open.discard)
+
+    async def _read_head(self, conn: socket.socket) -> bytes | None:
+        """The bytes read up to the end of the first request head (and any after it in the same
+        read); b"" when the peer closed before sending one (the forwarder's hello), None when the
+        head is too long, incomplete or late."""
+        loop = asyncio.get_running_loop()
+        buf = b""
         try:
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-                writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            async with asyncio.timeout(HEAD_TIMEOUT):
+                while b"\r\n\r\n" not in buf:
+                    if len(buf) > MAX_HEAD:
+                        return None
+                    data = await loop.sock_recv(conn, CHUNK)
+                    if not data:
+                        return b"" if not buf else None
+                    buf += data
+        except (TimeoutError, OSError):
+            return None
+        return buf
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        conn.setblocking(False)
+        handed = False
+        try:
+            buf = await self._read_head(conn)
+            if buf == b"":
+                self.ready.set()
                 return
-            up_reader, upstream = await asyncio.open_connection(*self.proxy, limit=MAX_HEAD)
-            upstream.write(rewrite_head(head, self.authorization))
-            await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+            if buf is None:
+                with contextlib.suppress(OSError):
+                    await loop.sock_sendall(conn, BAD_REQUEST)
+                return
+            self.connections += 1
+            end = buf.index(b"\r\n\r\n") + 4
+            data = rewrite_head(buf[:end], self.authorization) + buf[end:]
+            if self.serve is not None:
+                handed = True  # mitmproxy owns the socket from here
+                await self.serve(conn, data)
+            else:
+                await self._relay(conn, data)
         except (ConnectionError, OSError) as e:
             log.debug("channel of %s: %s", self.session, e)
         finally:
-            self._open.discard(task)
-            for w in (upstream, writer):
-                if w is not None:
-                    w.close()
+            if not handed:
+                conn.close()
+
+    async def _relay(self, conn: socket.socket, data: bytes) -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=conn)
+        up_reader, upstream = await asyncio.open_connection(*self.proxy)
+        try:
+            upstream.write(data)
+            await asyncio.gather(_pipe(reader, upstream), _pipe(up_reader, writer))
+        finally:
+            upstream.close()
+            writer.close()
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._accepting is not None:
+            self._accepting.cancel()
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         for t in list(self._open):
             t.cancel()
         with contextlib.suppress(Exception):
@@ -113,5 +189,7 @@ class Channel:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def open_channel(session: str, token: str, proxy_port: int) -> Channel:
-    return await Channel(session, token, proxy_port).start()
+async def open_channel(
+    session: str, token: str, *, serve: Serve | None = None, proxy_port: int = 0
+) -> Channel:
+    return await Channel(session, token, proxy_port, serve=serve).start()

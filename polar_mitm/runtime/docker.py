@@ -6,8 +6,8 @@ by the content of its build context so a rebuild happens only when something cha
 
 Isolation: the container has no network (`--network none`). Its one way out is the sample's own
 Unix socket to the proxy (`runtime/channel.py`), bound in read-only, with a forwarder inside on
-127.0.0.1:FORWARD_PORT (node, the binary we mount for JavaScript harnesses, else the image's
-python3). Every capability is dropped but the five root's own steps need (setup, scoring: chown,
+127.0.0.1:FORWARD_PORT as the container's entrypoint (node, the binary we mount for JavaScript
+harnesses, else the image's python3; without a channel the entrypoint is `sleep infinity`). Every capability is dropped but the five root's own steps need (setup, scoring: chown,
 reading and writing others' files, switching users), no-new-privileges, a pids limit, the task's
 memory and CPU. The harness runs as an unprivileged user (HARNESS_USER, its workdir and HOME
 handed to it) and has no capability at all; when it ends, or overruns, the container is killed
@@ -90,6 +90,17 @@ def _tar_of(src: Path, arcname: str) -> bytes:
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(str(src), arcname=arcname)
     return buf.getvalue()
+
+
+def forwarder_argv(*, node: bool) -> list[str]:
+    """The container's entrypoint when it has a channel: the forwarder, in front for the
+    container's life (restarted with it), on our node when mounted, else the image's python3.
+    Root runs it: the unprivileged harness cannot stop it."""
+    if node:
+        script = [f"{NODE_BIN}/node", f"{FORWARDER_ROOT}/forward.js"]
+    else:
+        script = ["python3", f"{FORWARDER_ROOT}/forward.py"]
+    return [*script, CHANNEL_SOCKET, str(FORWARD_PORT), "serve"]
 
 
 class DockerSandbox:
@@ -182,7 +193,7 @@ class DockerSandbox:
     async def kill_all(self) -> None:
         """Kill the container (SIGKILL: every process in it, at once, whatever binaries the image
         has or the harness replaced) and start it again, the same filesystem, for scoring; the exec
-        that overran returns. The forwarder is not started again: the harness is done."""
+        that overran returns. Its entrypoint (the forwarder, or `sleep infinity`) starts again."""
 
         def restart() -> None:
             import docker.errors
@@ -235,22 +246,6 @@ class DockerSandbox:
         if r.exit_code != 0:
             log.warning("container %s: chown %s: %s", self.name, owner, r.output[-300:])
         return r.exit_code == 0
-
-    async def start_forwarder(self, node: bool) -> None:
-        """The forwarder on 127.0.0.1:FORWARD_PORT to the channel socket, as root (the harness
-        cannot stop it): with our node when mounted, else the image's python3."""
-        tries = [[f"{NODE_BIN}/node", f"{FORWARDER_ROOT}/forward.js"]] if node else []
-        tries.append(["python3", f"{FORWARDER_ROOT}/forward.py"])
-        errors = []
-        for argv in tries:
-            r = await self.exec([*argv, CHANNEL_SOCKET, str(FORWARD_PORT)], workdir="/", timeout=30)
-            if r.exit_code == 0:
-                return
-            errors.append(f"{argv[0]}: exit {r.exit_code} {r.output[-200:]}")
-        raise SandboxError(
-            f"container {self.name}: cannot start the proxy forwarder (it needs node or python3 "
-            f"in the image): {'; '.join(errors)}"
-        )
 
     async def put(self, src: Path, dest: str) -> None:
         d = PurePosixPath(dest)
@@ -429,7 +424,9 @@ class DockerRuntime:
                 volumes[str(spec.harness.node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
                 prefix.append(NODE_BIN)
         kwargs: dict[str, Any] = dict(
-            entrypoint=["sleep", "infinity"],
+            entrypoint=forwarder_argv(node=spec.harness is not None and spec.harness.node is not None)
+            if channel
+            else ["sleep", "infinity"],
             command=[],
             name=spec.name,
             labels={LABEL: "1", **spec.labels},
@@ -480,8 +477,16 @@ class DockerRuntime:
             r = await sb.exec(["mkdir", "-p", task.workdir], workdir="/")
             if r.exit_code != 0:
                 raise SandboxError(f"task {task.id}: container {sb.name} did not start: {r.output[-500:]}")
-            if channel:
-                await sb.start_forwarder(node=spec.harness is not None and spec.harness.node is not None)
+        except SandboxError as e:
+            if channel and not await sb.alive():
+                logs = await asyncio.to_thread(lambda: container.logs(tail=20).decode("utf-8", "replace"))
+                await sb.stop()
+                raise SandboxError(
+                    f"task {task.id}: the proxy forwarder did not start in {image} (it runs on the node "
+                    f"we mount for JavaScript harnesses, else on the image's python3): {logs[-500:]}"
+                ) from e
+            await sb.stop()
+            raise
         except BaseException:
             await sb.stop()
             raise

@@ -163,6 +163,20 @@ class PolicySide:
             await self.policy.close()
 
 
+class _AddressedWriter(asyncio.StreamWriter):
+    """A stream writer that reports a given address as both ends' (mitmproxy reads the client's
+    address from its writer; a Unix socket's is empty)."""
+
+    def __init__(self, *args, address: tuple[str, int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._address = address
+
+    def get_extra_info(self, name, default=None):
+        if name in ("peername", "sockname"):
+            return self._address
+        return super().get_extra_info(name, default)
+
+
 class PolarProxy:
     def __init__(self, config: ProxyConfig):
         self.config = config
@@ -290,9 +304,13 @@ class PolarProxy:
         if self.sessions is not None:
             self.sessions.revoke(session)
 
-    async def adopt(self, sock: socket.socket, head: bytes) -> None:
-        """Serve a client connection accepted by another process (`--workers`' front), which
-        already read `head` from it: mitmproxy reads those bytes first, then the socket."""
+    async def adopt(
+        self, sock: socket.socket, head: bytes, *, address: tuple[str, int] | None = None
+    ) -> None:
+        """Serve a client connection accepted elsewhere (`--workers`' front, another process; a
+        sample's channel, a Unix socket), which already read `head` from it: mitmproxy reads those
+        bytes first, then the socket. `address` is the client address mitmproxy is told (a Unix
+        socket has none)."""
         assert self.master is not None
         loop = asyncio.get_running_loop()
         sock.setblocking(False)
@@ -300,7 +318,10 @@ class PolarProxy:
         reader.feed_data(head)
         protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock=sock)
-        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        if address is None:
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        else:
+            writer = _AddressedWriter(transport, protocol, reader, loop, address=address)
         instance = next(iter(self.master.addons.get("proxyserver").servers))
         await instance.handle_stream(reader, writer)
 

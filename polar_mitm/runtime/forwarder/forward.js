@@ -1,8 +1,9 @@
 // A sandbox's forwarder: 127.0.0.1:PORT inside the sandbox -> the sample's Unix socket.
 //
-// Run as `node forward.js SOCKET PORT`: it starts a detached copy of itself that listens, waits
-// until that copy's port is open, and returns (so whoever started it knows it is ready). Each TCP
-// connection is passed to the socket, byte for byte, both ways, half-closes included.
+// Run as `node forward.js SOCKET PORT serve` (a container's entrypoint: it stays in front), or
+// without `serve` to start a detached copy of itself and return once that copy listens. Once it
+// listens it says so to the host: it connects to the socket once and closes without a byte. Each
+// TCP connection is passed to the socket, byte for byte, both ways, half-closes included.
 // `forward.py` is the same for images with python3 and no node of ours.
 'use strict';
 const net = require('net');
@@ -33,5 +34,9 @@ if (role !== 'serve') {
     up.on('close', () => client.end());
   });
   server.on('error', (e) => { process.stderr.write(String(e) + '\n'); process.exit(2); });
-  server.listen(Number(port), '127.0.0.1', () => process.stdout.write('ready\n'));
+  server.listen(Number(port), '127.0.0.1', () => {
+    const hello = net.connect({ path: socketPath }, () => hello.end());
+    hello.on('error', () => {});
+    process.stdout.write('ready\n');
+  });
 }
