@@ -200,9 +200,10 @@ class DockerSandbox:
 
             try:
                 self.container.kill()
-            except docker.errors.APIError as e:  # already stopped: nothing to kill
-                if "is not running" not in str(e):
-                    raise
+            except docker.errors.APIError as e:
+                if "is not running" in str(e):
+                    return  # it died by itself: it stays dead, and whoever runs it says so
+                raise
             self.container.wait(condition="not-running", timeout=30)
             self.container.start()
 
@@ -213,12 +214,23 @@ class DockerSandbox:
     ) -> ExecResult:
         owner = await self._hand_over()
         r = await self.exec(cmd, env=env, timeout=timeout, user=self.user or "")
-        if await self.alive():  # a container that died stays dead: the pipeline says so
+        if await self._still_alive(r):  # a container that died stays dead: the pipeline says so
             if not r.timed_out:  # an overrun was killed already
                 await self.kill_all()
             if owner is not None:
                 await self._chown(owner, [self.workdir])
         return r
+
+    async def _still_alive(self, r: ExecResult) -> bool:
+        """Whether the container outlived the command. A command killed with it (exit 137, or no
+        exit code) can return before the daemon has seen the container die: give it a moment."""
+        if r.exit_code not in (137, -1) or r.timed_out:
+            return await self.alive()
+        for _ in range(10):
+            if not await self.alive():
+                return False
+            await asyncio.sleep(0.2)
+        return True
 
     async def _hand_over(self) -> str | None:
         """Make the workdir (and HOME) the harness user's; returns the workdir's owner before, to
