@@ -97,6 +97,9 @@ if mode == "network":
     attempt("get_backend", lambda: via_proxy(own, f"GET http://localhost:{E['PROBE_BACKEND']}/model_info HTTP/1.1"))
     attempt("af_packet", lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3)).bind(("lo", 0)))
     attempt("own_model", lambda: model_call(own, "own"))
+    out["uid"] = os.getuid()
+    out["caps"] = [x.split()[1] for x in open("/proc/self/status") if x.startswith(("CapEff", "CapPrm"))]
+    attempt("write_usr_bin", lambda: open("/usr/bin/python3", "ab").close())
 elif mode == "links":
     for d in ("/opt/polar-mitm/session", E["HOME"], os.getcwd(), "/opt/polar-mitm"):
         for name in ("harness.log", "out.log"):
@@ -204,13 +207,15 @@ async def test_a_sandbox_reaches_its_model_and_nothing_else(make_stack, tmp_path
         server.close()
         await service.stop()
     got = probe_output(work, sample.session_id)
-    for attack in ("host_listener", "backend", "service", "proxy_direct", "af_packet"):
+    for attack in ("host_listener", "backend", "service", "proxy_direct", "af_packet", "write_usr_bin"):
         assert got[attack].startswith("failed"), (attack, got[attack])
     # Through its own channel the proxy refuses a host service (even with internet allowed) ...
     for attack in ("connect_host_listener", "get_host_listener", "get_backend"):
         assert got[attack].startswith("failed") and " 403 " in got[attack], (attack, got[attack])
     # ... and whatever name or credential the sandbox sends, its turns are its own.
     assert got["own_model"] == "ok: 200"
+    # An unprivileged user with no capability at all (effective and permitted).
+    assert got["uid"] == 1000 and got["caps"] == ["0000000000000000"] * 2, got
     turns = turns_by_session(stack.db)
     assert VICTIM not in turns, turns
     assert turns.get(sample.session_id, 0) >= 1, turns
@@ -322,6 +327,39 @@ async def test_a_rollout_proxy_lets_in_only_the_sessions_it_issued(make_stack):
     assert "407" in await asyncio.to_thread(as_, "s_b", "shared")
     p.revoke_session("s_a")
     assert "407" in await asyncio.to_thread(as_, "s_a", a)
+
+
+async def test_a_connection_keeps_the_session_it_opened_with(make_stack):
+    """Plain HTTP requests on one kept-alive connection: the second names another session (with
+    that session's own token, as a sandbox that learned it would); its turn stays in the first."""
+    import http.client
+
+    from polar_mitm.addons.sessions import basic_auth
+
+    stack = await make_stack(token="shared")
+    p = stack.proxy
+    p.serve_issued_only()
+    for s in ("s_first", "s_other"):
+        await p.store.ensure_session(s)
+    tokens = {s: p.issue_session(s) for s in ("s_first", "s_other")}
+    body = json.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+
+    def two_requests() -> list[int]:
+        conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=30)
+        out = []
+        for s in ("s_first", "s_other"):
+            headers = {"content-type": "application/json", "anthropic-version": "2023-06-01",
+                       "x-api-key": "k", "proxy-authorization": basic_auth(s, tokens[s])}  # fmt: skip
+            conn.request("POST", "http://api.anthropic.com/v1/messages", body, headers)
+            r = conn.getresponse()
+            r.read()
+            out.append(r.status)
+        conn.close()
+        return out
+
+    assert await asyncio.to_thread(two_requests) == [200, 200]
+    await asyncio.sleep(0.2)
+    assert turns_by_session(stack.db) == {"s_first": 2}
 
 
 async def test_the_channel_names_its_sample_whatever_the_sandbox_sends():
@@ -467,3 +505,43 @@ async def test_the_forwarder_inside_relays_to_the_channel(tmp_path, docker_clien
     assert heads and basic_auth("s_fwd", "tok").encode() in heads[0]
     forwarders = [p[-1] for p in top["Processes"] if "forward." in p[-1]]
     assert forwarders and ("forward.js" if forwarder == "node" else "forward.py") in forwarders[0]
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("purpose", ["agent", "verifier"])
+async def test_containers_run_with_least_privilege(tmp_path, docker_client, certs_dir, purpose):
+    """What the daemon was asked for: no network, every capability dropped but root's five,
+    no-new-privileges, a pids limit, the task's memory and CPUs; every mount of ours read-only but
+    the harness's HOME. A verifier's sandbox: no harness, no channel, no HOME."""
+    from polar_mitm.runtime.certs import ensure_ca
+    from polar_mitm.runtime.channel import Channel
+    from polar_mitm.runtime.docker import ROOT_CAPS, DockerRuntime
+    from polar_mitm.runtime.sandbox import HOME_DIR, PIDS_LIMIT, SandboxSpec
+
+    channel = await Channel("s_priv", "tok", 9).start()
+    spec = SandboxSpec(
+        name=f"polar-priv-{purpose}-{time.time_ns()}", session_dir=tmp_path / "s", ca=ensure_ca(certs_dir),
+        channel=channel.socket_path, purpose=purpose, labels={"polar-mitm.rollout": "priv-test"},
+    )  # fmt: skip
+    task = Task(id="priv", instruction="x", image=IMAGE, memory_mb=512, cpus=1.5)
+    sb = await DockerRuntime().start(task, spec)
+    try:
+        attrs = await asyncio.to_thread(lambda: docker_client.containers.get(sb.name).attrs)
+    finally:
+        await sb.stop()
+        await channel.close()
+    host = attrs["HostConfig"]
+    assert host["NetworkMode"] == "none"
+    assert host["CapDrop"] == ["ALL"] and sorted(host["CapAdd"]) == sorted(ROOT_CAPS)
+    assert "NET_RAW" not in host["CapAdd"]
+    assert host["SecurityOpt"] == ["no-new-privileges:true"] and host["PidsLimit"] == PIDS_LIMIT
+    assert host["Memory"] == 512 * 2**20 and host["NanoCpus"] == 1_500_000_000
+    writable = [m["Destination"] for m in attrs["Mounts"] if m["RW"]]
+    if purpose == "agent":
+        assert writable == [HOME_DIR] and sb.proxy_address == ("127.0.0.1", 3128)
+        assert any(m["Destination"].endswith("proxy.sock") for m in attrs["Mounts"])
+    else:
+        assert writable == [] and sb.proxy_address is None and sb.user is None
+        assert not any(
+            "proxy.sock" in m["Destination"] or "forwarder" in m["Destination"] for m in attrs["Mounts"]
+        )
