@@ -124,6 +124,26 @@ async def measure(proxy: PolarProxy, work: Path, mode: str, starts: int, turns: 
     return out
 
 
+async def bare_start(network: str, starts: int) -> float:
+    """Median seconds to start a bare `sleep infinity` container (the daemon's share of the start:
+    with "none" it makes the container a network namespace of its own)."""
+    import docker
+
+    client = docker.from_env()
+    times = []
+    for _ in range(starts):
+        t0 = time.perf_counter()
+        c = await asyncio.to_thread(
+            lambda: client.containers.run(
+                IMAGE, entrypoint=["sleep", "infinity"], command=[], detach=True, network_mode=network,
+                labels={"polar-mitm.rollout": "bench-isolation"},
+            )
+        )  # fmt: skip
+        times.append(time.perf_counter() - t0)
+        await asyncio.to_thread(c.remove, force=True)
+    return statistics.median(times)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--starts", type=int, default=8)
@@ -142,6 +162,7 @@ async def main() -> None:
         try:
             modes = ("host/node", "channel/node", "host/python3", "channel/python3")
             results = {m: await measure(proxy, work, m, a.starts, a.turns) for m in modes}
+            bare = {n: await bare_start(n, a.starts) for n in ("host", "none")}
         finally:
             await proxy.stop()
             await runner.cleanup()
@@ -155,6 +176,10 @@ async def main() -> None:
             f"{r['keepalive_ms']:>8.2f} {r['keepalive_ms'] - base['keepalive_ms']:>+6.2f} "
             f"{r['fresh_ms']:>14.2f} {r['fresh_ms'] - base['fresh_ms']:>+6.2f}"
         )  # fmt: skip
+    print(
+        f"a bare container (docker run, sleep): host network {bare['host']:.3f} s, network none "
+        f"{bare['none']:.3f} s ({bare['none'] / bare['host']:.2f}x: the network namespace's share)"
+    )
 
 
 if __name__ == "__main__":
