@@ -170,7 +170,7 @@ class DockerSandbox:
             await self._kill_all()
             code, out = await self._settle(fut)
         except asyncio.CancelledError:
-            await asyncio.shield(self._kill_all())
+            await asyncio.shield(self._kill_all(restart=False))  # it is being stopped
             raise
         except Exception as e:  # the daemon refused: the container is gone or broken
             raise SandboxError(f"container {self.name}: exec {cmd[0]} failed: {e}") from e
@@ -184,30 +184,33 @@ class DockerSandbox:
         except Exception:
             return 124, b""
 
-    async def _kill_all(self) -> None:
+    async def _kill_all(self, restart: bool = True) -> None:
         try:
-            await self.kill_all()
+            await self.kill_all(restart=restart)
         except Exception as e:
             log.debug("kill in %s: %s", self.name, e)
 
-    async def kill_all(self) -> None:
+    async def kill_all(self, *, restart: bool = True) -> None:
         """Kill the container (SIGKILL: every process in it, at once, whatever binaries the image
         has or the harness replaced) and start it again, the same filesystem, for scoring; the exec
         that overran returns. Its entrypoint (the forwarder, or `sleep infinity`) starts again."""
+        import docker.errors
 
-        def restart() -> None:
-            import docker.errors
-
+        def kill() -> None:
             try:
                 self.container.kill()
             except docker.errors.APIError as e:
                 if "is not running" in str(e):
                     return  # it died by itself: it stays dead, and whoever runs it says so
                 raise
-            self.container.wait(condition="not-running", timeout=30)
-            self.container.start()
+            if restart:
+                self.container.wait(condition="not-running", timeout=30)
+                self.container.start()
 
-        await asyncio.to_thread(restart)
+        try:
+            await asyncio.to_thread(kill)
+        except Exception as e:  # the daemon refused or timed out
+            raise SandboxError(f"container {self.name}: killing its processes failed: {e}") from e
 
     async def exec_harness(
         self, cmd: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
