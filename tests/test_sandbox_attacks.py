@@ -545,3 +545,48 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
         assert not any(
             "proxy.sock" in m["Destination"] or "forwarder" in m["Destination"] for m in attrs["Mounts"]
         )
+
+
+@pytest.mark.parametrize(
+    "ip,local",
+    [
+        ("127.0.0.1", True), ("10.1.2.3", True), ("172.17.0.1", True), ("192.168.1.1", True),
+        ("169.254.169.254", True), ("0.0.0.0", True), ("::1", True), ("::ffff:127.0.0.1", True),
+        ("fd00::1", True), ("fe80::1%eth0", True), ("224.0.0.1", True), ("100.64.0.1", True),
+        ("1.1.1.1", False), ("8.8.8.8", False), ("2606:4700:4700::1111", False),
+    ],
+)  # fmt: skip
+def test_host_local_addresses(ip, local):
+    from polar_mitm.addons.egress import host_local
+
+    assert host_local(ip) is local
+
+
+async def test_egress_refuses_host_addresses_and_pins_the_checked_one():
+    """The addon alone (mitmproxy's tflow): a contained session's CONNECT to a name of this
+    machine is refused; to a public address it passes, pinned to the address checked; provider
+    hosts and other sessions are not touched."""
+    from mitmproxy.test import tflow
+
+    from polar_mitm.addons.egress import Egress
+
+    egress = Egress({"api.anthropic.com"})
+    egress.contain("s_box")
+
+    def connect(host: str, session: str = "s_box"):
+        f = tflow.tflow()
+        f.request.method, f.request.host, f.request.port = "CONNECT", host, 443
+        f.metadata["polar_session"] = session
+        return f
+
+    local, public, model, other = connect("localhost"), connect("1.1.1.1"), connect("api.anthropic.com"), connect("localhost", "s_free")  # fmt: skip
+    for f in (local, public, model, other):
+        await egress.http_connect(f)
+    assert local.response is not None and local.response.status_code == 403
+    assert b"not reachable from this sandbox" in local.response.content
+    assert public.response is None and public.request.host == "1.1.1.1"
+    assert model.response is None and other.response is None
+    egress.release("s_box")
+    again = connect("localhost")
+    await egress.http_connect(again)
+    assert again.response is None
