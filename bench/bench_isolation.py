@@ -10,7 +10,8 @@ Start: --starts sandboxes started and stopped one after another (`runtime.start`
 container, its workdir; with a channel, the socket too), median seconds; "ready" is how long after
 that the forwarder said it listens (the harness waits for it; it starts later as a rule). Per turn: a client inside the sandbox (python3) makes
 --turns model calls (Anthropic Messages through HTTPS_PROXY, TLS to the gateway), over one
-kept-alive tunnel and with a new tunnel per call; median milliseconds per call, and what the
+kept-alive tunnel and with a new tunnel per call, the modes taking turns in rounds so that the
+machine's other load weighs on each alike; median milliseconds per call, and what the
 channel adds to the host network's median. Prints figures and ratios; asserts nothing.
 
     .venv/bin/python bench/bench_isolation.py [--starts 8] [--turns 60]
@@ -97,51 +98,65 @@ async def start_one(rt: DockerRuntime, proxy: PolarProxy, work: Path, mode: str,
     return sb, channel, url, t1 - t0, time.perf_counter() - t1
 
 
-async def measure(proxy: PolarProxy, work: Path, mode: str, starts: int, turns: int) -> dict:
-    rt = DockerRuntime(network="host" if mode.startswith("host") else "none")
-    times, ready = [], []
+async def measure(proxy: PolarProxy, work: Path, modes: tuple[str, ...], starts: int, turns: int) -> dict:
+    """Every mode in turn, round after round (start, then turns in --rounds slices), so that
+    whatever else the machine does weighs on each mode alike."""
+    runtimes = {m: DockerRuntime(network="host" if m.startswith("host") else "none") for m in modes}
+    out: dict[str, dict] = {m: {"start": [], "ready": [], "keepalive": [], "fresh": []} for m in modes}
     for k in range(starts):
-        sb, channel, _, started, waited = await start_one(rt, proxy, work, mode, k)
-        times.append(started)
-        ready.append(waited)
-        await sb.stop()
-        if channel:
-            await channel.close()
-    sb, channel, url, _, _ = await start_one(rt, proxy, work, mode, starts)
-    out = {"start_s": statistics.median(times), "ready_s": statistics.median(ready)}
+        for m in modes:
+            sb, channel, _, started, waited = await start_one(runtimes[m], proxy, work, m, k)
+            out[m]["start"].append(started)
+            out[m]["ready"].append(waited)
+            await sb.stop()
+            if channel:
+                await channel.close()
+    up = {m: await start_one(runtimes[m], proxy, work, m, starts) for m in modes}
     try:
-        env = {"P": url, "CA": str(sb.ca.bundle)}
-        for how in ("keepalive", "fresh"):
-            r = await sb.exec(["python3", "-c", CLIENT, str(turns), how], env=env, timeout=300)
-            if r.exit_code != 0:
-                raise RuntimeError(f"{mode} {how}: {r.output[-500:]}")
-            per = json.loads(r.output.strip().splitlines()[-1])[5:]  # the first calls warm up
-            out[f"{how}_ms"] = statistics.median(per) * 1000
+        rounds = 4
+        for _ in range(rounds):
+            for how in ("keepalive", "fresh"):
+                for m in modes:
+                    sb, _, url, _, _ = up[m]
+                    env = {"P": url, "CA": str(sb.ca.bundle)}
+                    n = max(2, turns // rounds) + 2
+                    r = await sb.exec(["python3", "-c", CLIENT, str(n), how], env=env, timeout=300)
+                    if r.exit_code != 0:
+                        raise RuntimeError(f"{m} {how}: {r.output[-500:]}")
+                    out[m][how] += json.loads(r.output.strip().splitlines()[-1])[2:]  # 2 warm-up calls
     finally:
-        await sb.stop()
-        if channel:
-            await channel.close()
-    return out
+        for sb, channel, *_ in up.values():
+            await sb.stop()
+            if channel:
+                await channel.close()
+    return {
+        m: {
+            "start_s": statistics.median(v["start"]),
+            "ready_s": statistics.median(v["ready"]),
+            "keepalive_ms": statistics.median(v["keepalive"]) * 1000,
+            "fresh_ms": statistics.median(v["fresh"]) * 1000,
+        }
+        for m, v in out.items()
+    }
 
 
-async def bare_start(network: str, starts: int) -> float:
-    """Median seconds to start a bare `sleep infinity` container (the daemon's share of the start:
-    with "none" it makes the container a network namespace of its own)."""
+async def bare_start(starts: int) -> dict[str, float]:
+    """Median seconds to start a bare `sleep infinity` container with each network, alternately
+    (the daemon's share of the start: with "none" it makes the container a network namespace)."""
     import docker
 
     client = docker.from_env()
-    times = []
+    times: dict[str, list[float]] = {"host": [], "none": []}
     for _ in range(starts):
-        t0 = time.perf_counter()
-        c = await asyncio.to_thread(
-            lambda: client.containers.run(
-                IMAGE, entrypoint=["sleep", "infinity"], command=[], detach=True, network_mode=network,
-                labels={"polar-mitm.rollout": "bench-isolation"},
-            )
-        )  # fmt: skip
-        times.append(time.perf_counter() - t0)
-        await asyncio.to_thread(c.remove, force=True)
-    return statistics.median(times)
+        for network, t in times.items():
+            t0 = time.perf_counter()
+            c = await asyncio.to_thread(
+                client.containers.run, IMAGE, entrypoint=["sleep", "infinity"], command=[], detach=True,
+                network_mode=network, labels={"polar-mitm.rollout": "bench-isolation"},
+            )  # fmt: skip
+            t.append(time.perf_counter() - t0)
+            await asyncio.to_thread(c.remove, force=True)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 async def main() -> None:
@@ -161,8 +176,8 @@ async def main() -> None:
         proxy.serve_issued_only()
         try:
             modes = ("host/node", "channel/node", "host/python3", "channel/python3")
-            results = {m: await measure(proxy, work, m, a.starts, a.turns) for m in modes}
-            bare = {n: await bare_start(n, a.starts) for n in ("host", "none")}
+            results = await measure(proxy, work, modes, a.starts, a.turns)
+            bare = await bare_start(a.starts)
         finally:
             await proxy.stop()
             await runner.cleanup()
