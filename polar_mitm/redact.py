@@ -80,3 +80,9 @@ def argv(args: Iterable[str], secret_flags: Iterable[str] = ()) -> list[str]:
         a = _SECRET_ASSIGNMENT.sub(lambda m: m.group(1) + REDACTED, a)
         out.append(_SECRET_VALUE.sub(REDACTED, url(a)))
     return out
+
+
+def env_values(env: dict[str, str]) -> dict[str, str]:
+    """An environment with its names kept and every value redacted (`rollout --env KEY=VALUE`
+    is how users pass credentials to harnesses: the store keeps only which ones were given)."""
+    return {k: REDACTED for k in env}

@@ -131,13 +131,14 @@ def test_start_argv_without_harness(tmp_path):
     argv = ap.start_argv("apptainer", "docker://ubuntu:24.04", "sample-1", spec, overlay)
     assert argv == [
         "apptainer", "instance", "start", "--cleanenv", "--no-mount", "home,cwd,tmp",
+        "--net", "--network", "none",
         "--overlay", str(overlay),
         "--bind", f"{tmp_path}/session:{SESSION_DIR}",
         "--bind", f"{tmp_path}/ca/mitmproxy-ca-cert.pem:{CA_DIR}/mitmproxy-ca-cert.pem:ro",
         "--bind", f"{tmp_path}/ca/polar-mitm-bundle.pem:{CA_DIR}/polar-mitm-bundle.pem:ro",
         "docker://ubuntu:24.04", "sample-1",
     ]  # fmt: skip
-    assert "--net" not in argv and "--containall" not in argv  # the host's network
+    assert "--containall" not in argv  # no network but loopback (issue 22), the rest as before
     assert not any("mitmproxy-ca.pem" in a for a in argv)  # the private key stays on the host
 
 
@@ -156,6 +157,25 @@ def test_start_argv_with_harness_and_tmpfs(tmp_path):
         f"{tmp_path}/node/bin:{NODE_BIN}:ro",
     ]
     assert argv[-2:] == ["/images/t.sif", "sample-1"]
+
+
+def test_start_argv_binds_the_channel_socket_and_forwarder_read_only(tmp_path):
+    """No network but the sample's own channel to the proxy: its socket and the forwarder."""
+    from polar_mitm.runtime.channel import FORWARDER_DIR
+    from polar_mitm.runtime.sandbox import CHANNEL_SOCKET, FORWARDER_ROOT
+
+    spec = make_spec(tmp_path, harness=True)
+    spec.channel = tmp_path / "ch" / "proxy.sock"
+    argv = ap.start_argv("apptainer", "/images/t.sif", "sample-1", spec, None)
+    assert argv[6:9] == ["--net", "--network", "none"]
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
+    assert f"{spec.channel}:{CHANNEL_SOCKET}:ro" in binds
+    assert f"{FORWARDER_DIR.resolve()}:{FORWARDER_ROOT}:ro" in binds
+    spec.purpose = "verifier"  # scoring: no harness, no channel, still no network
+    argv = ap.start_argv("apptainer", "/images/t.sif", "v-1", spec, None)
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
+    assert argv[6:9] == ["--net", "--network", "none"]
+    assert not [b for b in binds if CHANNEL_SOCKET in b or NPM_MODULES in b or FORWARDER_ROOT in b]
 
 
 def test_bind_refuses_paths_apptainer_cannot_express(tmp_path):
@@ -259,8 +279,8 @@ instance)
           echo "FATAL: only root user can use sandbox as overlay in setuid mode" >&2; exit 255
         fi
         shift 2 ;;
-      --no-mount) shift 2 ;;
-      --cleanenv|--writable-tmpfs) shift ;;
+      --no-mount|--network) shift 2 ;;
+      --cleanenv|--writable-tmpfs|--net) shift ;;
       *) echo "FATAL: unknown option $1" >&2; exit 255 ;;
       esac
     done

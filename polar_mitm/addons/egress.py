@@ -1,15 +1,28 @@
-"""The egress policy: sessions without internet reach their model and nothing else.
+"""The egress policy: what a sandboxed session may reach through the proxy besides its model.
 
-A task with `allow_internet = false` gets its sessions listed here. For those sessions every
-CONNECT (and every plain HTTP request) to a host the proxy does not answer itself is refused with
-a 403 that says why; provider hosts and the side hosts we stub keep working, so the harness still
-talks to its model. A base-URL proxy cannot enforce this: it never sees the other traffic.
+Two lists of sessions, both set by the rollout pipeline for its samples:
+- `contained` (every sample in a container sandbox): never a host service. A CONNECT or a plain
+  request to a loopback, private, link-local or otherwise non-public address, or to one of this
+  machine's own addresses (a server bound to 0.0.0.0 answers there), is refused with a 403 that
+  says why, also when the task allows the internet. A name is resolved here and the connection
+  pinned to the address that was checked, so a name that resolves elsewhere the second time
+  (DNS rebinding) gains nothing.
+- `offline` (a task with `allow_internet = false`): every host the proxy does not answer itself
+  is refused with a 403; provider hosts and the side hosts we stub keep working, so the harness
+  still talks to its model. A base-URL proxy cannot enforce this: it never sees the other traffic.
+
+Both apply to the session the proxy settled for the connection (`addons/sessions.py`): for a
+rollout, the sample's own channel, not a name the client chose.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import ipaddress
 import logging
 import re
+import socket
 
 from mitmproxy import http
 
@@ -18,10 +31,44 @@ from polar_mitm.addons.stubs import host_pattern
 log = logging.getLogger("polar_mitm.egress")
 
 
+@functools.lru_cache(maxsize=4096)
+def host_local(ip: str) -> bool:
+    """True for an address a sandbox must not reach: not a public one, or one of this machine's."""
+    try:
+        a = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return True
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    if (
+        a.is_loopback
+        or a.is_private
+        or a.is_link_local
+        or a.is_unspecified
+        or a.is_multicast
+        or a.is_reserved
+        or not a.is_global
+    ):
+        return True
+    # One of this machine's own addresses: binding to it works only here.
+    family = socket.AF_INET6 if a.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((str(a), 0))
+        return True
+    except OSError:
+        return False
+
+
+def _refuse(flow: http.HTTPFlow, text: str) -> None:
+    flow.response = http.Response.make(403, text.encode(), {"content-type": "text/plain"})
+
+
 class Egress:
     def __init__(self, answered_hosts: set[str]):
         self.pattern = re.compile("^(?:" + "|".join(host_pattern(h) for h in sorted(answered_hosts)) + ")$")
         self.offline: set[str] = set()  # sessions that may reach only the hosts we answer
+        self.contained: set[str] = set()  # sessions that may reach no host service
         self.refused = 0
 
     def deny_internet(self, session: str) -> None:
@@ -30,24 +77,55 @@ class Egress:
     def allow_internet(self, session: str) -> None:
         self.offline.discard(session)
 
-    def _check(self, flow: http.HTTPFlow) -> None:
+    def contain(self, session: str) -> None:
+        self.contained.add(session)
+
+    def release(self, session: str) -> None:
+        """Forget a session that ended (both lists)."""
+        self.offline.discard(session)
+        self.contained.discard(session)
+
+    async def _check(self, flow: http.HTTPFlow, connect: bool) -> None:
         if flow.response is not None:
             return
         session = flow.metadata.get("polar_session")
-        host = flow.request.pretty_host.lower()
-        if session not in self.offline or self.pattern.match(host):
+        # Where the connection goes (the CONNECT's or the URL's authority), not the Host header:
+        # a client may name a provider there and connect anywhere.
+        host = flow.request.host.lower()
+        if self.pattern.match(host) or (session not in self.offline and session not in self.contained):
             return
-        self.refused += 1
-        log.info("refused %s:%s for offline session %s", host, flow.request.port, session)
-        flow.response = http.Response.make(
-            403,
-            f"polar-mitm: {host} is not reachable from this sandbox: its task does not allow internet "
-            "access (allow_internet = false); only the model's API is.\n".encode(),
-            {"content-type": "text/plain"},
-        )
+        port = flow.request.port
+        if session in self.offline:
+            self.refused += 1
+            log.info("refused %s:%s for offline session %s", host, port, session)
+            _refuse(
+                flow,
+                f"polar-mitm: {host} is not reachable from this sandbox: its task does not allow internet "
+                "access (allow_internet = false); only the model's API is.\n",
+            )
+            return
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            return  # mitmproxy reports the failed lookup itself
+        addresses = [str(info[4][0]) for info in infos]
+        if not addresses or any(host_local(a) for a in addresses):
+            self.refused += 1
+            log.info("refused %s:%s (a host address) for sandboxed session %s", host, port, session)
+            _refuse(
+                flow,
+                f"polar-mitm: {host}:{port} is not reachable from this sandbox: it is an address of this "
+                "machine or its private network, and a sandbox reaches only its model and the internet.\n",
+            )
+            return
+        if addresses[0] != host:  # pin the connection to the address checked
+            shown = flow.request.host_header
+            flow.request.host = addresses[0]
+            if not connect and shown is not None:
+                flow.request.host_header = shown
 
-    def http_connect(self, flow: http.HTTPFlow) -> None:
-        self._check(flow)
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        await self._check(flow, True)
 
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
-        self._check(flow)
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        await self._check(flow, False)

@@ -1,8 +1,14 @@
 """Tell sessions apart by the credentials in HTTPS_PROXY (http://SESSION:TOKEN@host:port).
 
 Every HTTP client sends those as Proxy-Authorization on CONNECT (or on each plain request);
-flows inside a tunnel inherit the session of the CONNECT that opened it. When the proxy is given
-a token, clients must present it (any session name, that token), or get a 407.
+flows inside a tunnel inherit the session of the CONNECT that opened it, and a client connection
+keeps the session its first request named (later credentials on it are not looked at), so a
+connection's identity is settled once, where it is checked.
+
+Two ways to check: with a shared token (`proxy --token`), clients must present it, under any
+session name, or get a 407. A proxy that serves rollouts issues each session its own token
+(`issue`) and refuses every other name or token (`require_issued`): a sample that learns or
+guesses another's session name cannot use it, and a name the proxy never issued gets a 407.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import secrets
 
 from mitmproxy import connection, http
 
@@ -30,6 +37,11 @@ def session_from_auth(value: str | None) -> str | None:
     return creds[0] if creds else None
 
 
+def basic_auth(session: str, token: str) -> str:
+    """The Proxy-Authorization value naming `session` with `token`."""
+    return "Basic " + base64.b64encode(f"{session}:{token}".encode()).decode()
+
+
 def _refuse(flow: http.HTTPFlow) -> None:
     flow.response = http.Response.make(
         407,
@@ -43,11 +55,34 @@ class Sessions:
         self.default_session = default_session
         self.token = token
         self.by_client: dict[str, str] = {}
+        self.issued: dict[str, str] = {}  # session -> its own token
+        self.issued_only = False  # True: only issued (session, token) pairs are let in
+
+    def require_issued(self) -> None:
+        """From now on let in only sessions issued here, each with its own token."""
+        self.issued_only = True
+
+    def issue(self, session: str) -> str:
+        """A token of `session`'s own (the same one when asked again)."""
+        token = self.issued.get(session)
+        if token is None:
+            token = self.issued[session] = secrets.token_urlsafe(18)
+        return token
+
+    def revoke(self, session: str) -> None:
+        self.issued.pop(session, None)
 
     def _allowed(self, creds: tuple[str, str] | None) -> bool:
+        if self.issued_only:
+            own = self.issued.get(creds[0]) if creds else None
+            return own is not None and creds is not None and hmac.compare_digest(creds[1], own)
         return self.token is None or (creds is not None and hmac.compare_digest(creds[1], self.token))
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
+        known = self.by_client.get(flow.client_conn.id)
+        if known is not None:
+            flow.metadata["polar_session"] = known
+            return
         creds = credentials(flow.request.headers.get("proxy-authorization"))
         if not self._allowed(creds):
             _refuse(flow)
@@ -59,10 +94,15 @@ class Sessions:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         creds = credentials(flow.request.headers.pop("proxy-authorization", None))
         known = self.by_client.get(flow.client_conn.id)
-        if known is None and not self._allowed(creds):  # a plain request, or a tunnel we refused
+        if known is not None:  # inside a tunnel, or a later request of the same connection
+            flow.metadata["polar_session"] = known
+            return
+        if not self._allowed(creds):  # a plain request, or a tunnel we refused
             _refuse(flow)
             return
-        flow.metadata["polar_session"] = (creds[0] if creds else None) or known or self.default_session
+        if creds:
+            self.by_client[flow.client_conn.id] = creds[0]
+        flow.metadata["polar_session"] = (creds[0] if creds else None) or self.default_session
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.by_client.pop(client.id, None)

@@ -134,6 +134,14 @@ def worker_options(f):
 @click.option(
     "--keep-workdirs", is_flag=True, help="Keep each sample's host directory (logs, HOME) after it ends."
 )
+@click.option(
+    "--harness-user",
+    default="1000:1000",
+    show_default=True,
+    metavar="UID:GID|root",
+    help="Who the harness runs as in a container (its workdir and HOME are handed to that user); "
+    "'root' for tasks that need to install packages. Capabilities are dropped either way.",
+)
 def rollout(
     tasks,
     harness,
@@ -155,6 +163,7 @@ def rollout(
     ready_size,
     extra_env,
     keep_workdirs,
+    harness_user,
     **policy,
 ) -> None:
     """Run each task SAMPLES times in a fresh sandbox with an unmodified harness, score every
@@ -168,6 +177,8 @@ def rollout(
     TASKS are Harbor / Terminal-Bench task directories (or a folder of them), JSON lines of
     SWE-bench-shaped rows, or plain .toml / .yaml / .json task files. Every harness call goes
     through one proxy and is recorded token-exactly; each sample is one session in --db.
+    In Docker a sample has no network but its own channel to the proxy, no capabilities, and
+    runs as --harness-user; --env values are stored redacted (their names are kept).
     Live progress goes to stderr; at the end a table per task (samples, mean reward, pass@1,
     pass@k, groups without signal, failures by cause, seconds per stage) and, with --out, the
     parquet (one row per trajectory with group_id, sample_index, status, reward, advantage).
@@ -211,6 +222,7 @@ def rollout(
         ready_size=ready_size,
         env=env,
         keep_workdirs=keep_workdirs,
+        harness_user=None if harness_user in ("root", "0", "0:0") else harness_user,
     )
     for name, value in (
         ("init_workers", init_workers),

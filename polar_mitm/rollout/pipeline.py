@@ -8,8 +8,10 @@ queue ──▶ INIT workers: start a sandbox, run the task's setup      (init_w
 ```
 
 Sandboxes start ahead of time, so a RUN worker never waits for one while the buffer holds any.
-Every sample is a session of the shared proxy (its id is the user name in the harness's proxy URL,
-with the rollout's token as password), so its turns are recorded token-exactly like any `run`.
+Every sample is a session of the shared proxy with a token of its own (the proxy lets in no
+session it did not issue), so its turns are recorded token-exactly like any `run`. A container
+sample reaches the proxy only through its own channel (`runtime/channel.py`), which names the
+session itself: nothing the sandbox sends makes it another sample.
 
 Outcomes (each recorded in the store's `samples` table, never dropped):
 - `completed`: the harness ended and the evaluator scored it.
@@ -44,10 +46,11 @@ from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.rollout import verify
 from polar_mitm.rollout.verify import VerifierUnavailable
 from polar_mitm.runtime import recipes
+from polar_mitm.runtime.channel import Channel, open_channel
 from polar_mitm.runtime.harness import HarnessNotInstalled, harness_mount
-from polar_mitm.runtime.local import child_env
-from polar_mitm.runtime.proxy import PolarProxy
-from polar_mitm.runtime.sandbox import HarnessMount, Runtime, Sandbox, SandboxError, SandboxSpec
+from polar_mitm.runtime.local import child_env, host_env
+from polar_mitm.runtime.proxy import PolarProxy, proxy_url
+from polar_mitm.runtime.sandbox import HOME_DIR, HarnessMount, Runtime, Sandbox, SandboxError, SandboxSpec
 from polar_mitm.store.rollouts import RolloutLog
 from polar_mitm.tasks.evaluators import EvaluatorError, HarnessOutcome, Score
 from polar_mitm.tasks.model import Task
@@ -57,6 +60,7 @@ log = logging.getLogger("polar_mitm.rollout")
 Stage = Literal["queued", "starting", "ready", "running", "scoring", "done"]
 STAGES: tuple[Stage, ...] = ("queued", "starting", "ready", "running", "scoring", "done")
 ROLLOUT_LABEL = "polar-mitm.rollout"
+FORWARDER_START_SEC = 30.0  # a sandbox's forwarder says it listens within this
 
 
 def default_workers() -> tuple[int, int, int]:
@@ -84,6 +88,8 @@ class RolloutOptions(BaseModel):
     total_timeout: float | None = None
     env: dict[str, str] = Field(default_factory=dict)  # extra environment for every harness
     keep_workdirs: bool = False
+    # Who the harness runs as in a container ("UID:GID"); None: the image's user (root).
+    harness_user: str | None = "1000:1000"
 
 
 @dataclass(eq=False)
@@ -95,6 +101,7 @@ class SampleJob:
     session_id: str = ""
     stage: Stage = "queued"
     sandbox: Sandbox | None = None
+    channel: Channel | None = None
     session_dir: Path | None = None
     outcome: HarnessOutcome | None = None
     started: float = 0.0  # monotonic time INIT began (the total budget's start)
@@ -230,6 +237,7 @@ class Pipeline:
             await self.runtime.check()
             self._harness = self._harness_mount() if self.runtime.isolated else None
         self._ready = asyncio.Queue(maxsize=self.opts.ready_size or self.opts.run_workers)
+        self.proxy.serve_issued_only()  # a sample's token is its own; no other name gets in
         await self._log.begin_rollout(self.rollout_id, {**self.opts.model_dump(), **config})
         self._workers = (
             [asyncio.create_task(self._init_worker(), name=f"init{i}") for i in range(self.opts.init_workers)]
@@ -332,8 +340,12 @@ class Pipeline:
             },
         )
         await self._log.add_sample(job.session_id, job.group.id, job.index, job.attempt, "queued")
-        if not job.task.allow_internet and self.proxy.egress is not None:
-            self.proxy.egress.deny_internet(job.session_id)
+        self.proxy.issue_session(job.session_id)
+        if self.proxy.egress is not None:
+            if self.runtime.isolated:
+                self.proxy.egress.contain(job.session_id)
+            if not job.task.allow_internet:
+                self.proxy.egress.deny_internet(job.session_id)
 
     def _move(self, job: SampleJob, stage: Stage) -> None:
         now = time.monotonic()
@@ -395,6 +407,9 @@ class Pipeline:
         job.session_dir = self.work_dir / job.session_id
         job.session_dir.mkdir(parents=True, exist_ok=True)
         (job.session_dir / "home").mkdir(exist_ok=True)
+        if self.runtime.isolated:
+            token = self.proxy.issue_session(job.session_id)
+            job.channel = await open_channel(job.session_id, token, serve=self._adopt)
         spec = self._sandbox_spec(job)
         job.sandbox = await asyncio.wait_for(self.runtime.start(job.task, spec), self._budget(job))
         for n, line in enumerate(job.task.setup, 1):
@@ -411,6 +426,8 @@ class Pipeline:
             ca=self.proxy.ca,
             harness=self._harness,
             labels={ROLLOUT_LABEL: self.rollout_id, "polar-mitm.session": job.session_id},
+            channel=job.channel.socket_path if job.channel is not None else None,
+            user=self.opts.harness_user,
         )
 
     async def _run_worker(self) -> None:
@@ -435,25 +452,29 @@ class Pipeline:
             self._move(job, "scoring")
             self._post_q.put_nowait(job)
 
+    async def _adopt(self, sock, head: bytes) -> None:
+        """A sample's channel connection, its first head rewritten, served by the proxy itself."""
+        await self.proxy.adopt(sock, head, address=("127.0.0.1", 0))
+
     def harness_env(self, job: SampleJob) -> dict[str, str]:
         """The harness's environment inside its sandbox: the proxy with this sample's
-        credentials, our CA as the sandbox sees it, the recipe's settings, a fresh HOME."""
+        credentials (through its channel when it has one), our CA as the sandbox sees it, the
+        recipe's settings, a fresh HOME; on the host (local runtime) the few host variables a
+        process needs (`host_env`), never the host's secrets."""
         assert job.sandbox is not None and job.session_dir is not None
-        home = str(job.session_dir / "home") if not self.runtime.isolated else "/opt/polar-mitm/session/home"
+        home = str(job.session_dir / "home") if not self.runtime.isolated else HOME_DIR
         base = {"HOME": home, "CI": "1", "TERM": "dumb", "LANG": "C.UTF-8"}
         if not self.runtime.isolated:  # a host process: keep the host's PATH and the like
-            base = {
-                **{
-                    k: v
-                    for k, v in os.environ.items()
-                    if "PROXY" not in k.upper() and not k.endswith("_API_KEY")
-                },
-                **base,
-            }
+            base = {**host_env(), **base}
+        address = job.sandbox.proxy_address
+        if address is not None:
+            url = proxy_url(*address, job.session_id, self.proxy.session_token(job.session_id))
+        else:
+            url = self.proxy.session_url(job.session_id)
         env = child_env(
             base,
             self.recipe,
-            self.proxy.session_url(job.session_id),
+            url,
             job.sandbox.ca,
             job.session_id,
             node_preload=not self.runtime.isolated,  # the host's preload path means nothing inside a container
@@ -466,10 +487,19 @@ class Pipeline:
     async def _run_harness(self, job: SampleJob) -> None:
         assert job.sandbox is not None
         cmd = self.recipe.headless_command(job.task.instruction, self.opts.harness_cmd)
+        if job.channel is not None and job.sandbox.proxy_address is not None:
+            # Set long before, as a rule (the forwarder starts with the sandbox); the harness never
+            # starts before its way to the proxy is open.
+            try:
+                await job.channel.wait_ready(FORWARDER_START_SEC)
+            except TimeoutError:
+                raise SandboxError(
+                    f"the proxy forwarder in the sandbox did not start within {FORWARDER_START_SEC:.0f} s"
+                ) from None
         limit = self.opts.agent_timeout or job.task.agent_timeout_sec
-        r = await job.sandbox.exec(cmd, env=self.harness_env(job), timeout=self._budget(job, limit))
+        r = await job.sandbox.exec_harness(cmd, env=self.harness_env(job), timeout=self._budget(job, limit))
         if job.session_dir is not None:
-            (job.session_dir / "harness.log").write_text(r.output)
+            write_new(job.session_dir / "harness.log", r.output)
         if not await job.sandbox.alive():
             raise SandboxDied(f"while the harness ran (exit {r.exit_code}): {r.output[-300:]}")
         job.outcome = HarnessOutcome(exit_code=r.exit_code, timed_out=r.timed_out)
@@ -549,6 +579,10 @@ class Pipeline:
             except Exception as e:  # never lose the outcome over a failed removal
                 log.warning("stopping the sandbox of %s: %s", job.session_id, e)
             job.sandbox = None
+        if job.channel is not None:
+            await asyncio.shield(job.channel.close())
+            job.channel = None
+        self.proxy.revoke_session(job.session_id)
         self._move(job, "done" if final else "queued")
         if not final:
             self.counts["queued"] -= 1  # _new_attempt counts it again
@@ -565,7 +599,7 @@ class Pipeline:
             )
         )
         if self.proxy.egress is not None:
-            self.proxy.egress.allow_internet(job.session_id)
+            self.proxy.egress.release(job.session_id)
         if job.session_dir is not None and not self.opts.keep_workdirs:
             shutil.rmtree(job.session_dir, ignore_errors=True)
         if not final:
@@ -638,3 +672,15 @@ def _describe(e: BaseException) -> str:
 
 def new_token() -> str:
     return secrets.token_urlsafe(18)
+
+
+def write_new(path: Path, text: str) -> None:
+    """Write a file that must not exist yet, never through a link: a sandbox (or a harness on the
+    host) that planted one there gets an error logged, not a host file overwritten."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        log.warning("not writing %s: %s", path, e)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

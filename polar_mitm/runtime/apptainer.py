@@ -1,9 +1,11 @@
 """The `apptainer` runtime: each sample in its own Apptainer instance (HPC clusters without Docker).
 
-One instance per sample, started from the task's image with the host's network (Apptainer's
-default), without the host's home, working directory or /tmp, with a writable overlay directory
-in the sample's session directory, and with our session directory, CA certificate and bundle and
-(read-only) harness installation bound in at the paths `runtime/sandbox.py` names. Commands run with
+One instance per sample, started from the task's image with no network (`--net --network none`:
+its own namespace with loopback only), without the host's home, working directory or /tmp, with a
+writable overlay directory in the sample's session directory, and with our session directory, CA
+certificate and bundle, (read-only) harness installation, and the sample's channel to the proxy
+(its Unix socket and the forwarder, read-only; `runtime/channel.py`) bound in at the paths
+`runtime/sandbox.py` names. Untested against a real Apptainer here (no binary can be installed). Commands run with
 `apptainer exec instance://NAME`, with a clean environment plus the variables asked for.
 
 The command lines are built by the pure functions below (`start_argv`, `exec_argv`, `env_options`,
@@ -34,7 +36,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from polar_mitm.runtime.channel import FORWARD_PORT, FORWARDER_DIR
 from polar_mitm.runtime.sandbox import (
+    CHANNEL_SOCKET,
+    FORWARDER_ROOT,
     HARNESS_BIN,
     NODE_BIN,
     NPM_MODULES,
@@ -58,6 +63,7 @@ UNAVAILABLE = (
 # Host paths Apptainer would otherwise mount: the sandbox sees only its image and our binds.
 # (`--containall` would also do this, but it gives the instance its own network namespace.)
 NO_MOUNT = "home,cwd,tmp"
+NO_NETWORK = ["--net", "--network", "none"]  # a network namespace of its own, loopback only
 # Apptainer's own transports (`internal/pkg/util/uri`): a reference starting with one is kept.
 TRANSPORTS = frozenset(
     {
@@ -149,12 +155,16 @@ def bind_option(src: Path | str, dst: str, *, read_only: bool = False) -> str:
 
 
 def binds(spec: SandboxSpec) -> list[str]:
-    """The session directory (read-write), our CA's public files and the harness installation
-    (read-only). The CA files are bound one by one: the directory also holds the private key."""
+    """The session directory (read-write), our CA's public files, the harness installation and
+    the channel's socket and forwarder (read-only). The CA files are bound one by one: the
+    directory also holds the private key."""
     out = [bind_option(spec.session_dir.resolve(), SESSION_DIR)]
     for host, inside in ca_mounts(spec.ca):
         out.append(bind_option(host.resolve(), inside, read_only=True))
-    if spec.harness is not None:
+    if spec.channel is not None and spec.purpose == "agent":
+        out.append(bind_option(spec.channel, CHANNEL_SOCKET, read_only=True))
+        out.append(bind_option(FORWARDER_DIR.resolve(), FORWARDER_ROOT, read_only=True))
+    if spec.harness is not None and spec.purpose == "agent":
         out.append(bind_option(spec.harness.modules.resolve(), NPM_MODULES, read_only=True))
         out.append(bind_option(spec.harness.bin.resolve(), HARNESS_BIN, read_only=True))
         if spec.harness.node is not None:
@@ -164,16 +174,17 @@ def binds(spec: SandboxSpec) -> list[str]:
 
 def harness_path(spec: SandboxSpec) -> list[str]:
     """The sandbox directories to put first on PATH: the harness links, then node's directory."""
-    if spec.harness is None:
+    if spec.harness is None or spec.purpose != "agent":
         return []
     return [HARNESS_BIN, NODE_BIN] if spec.harness.node is not None else [HARNESS_BIN]
 
 
 def start_argv(binary: str, image: str, name: str, spec: SandboxSpec, overlay: Path | None) -> list[str]:
-    """`instance start`: host network (no --net), no host home/cwd/tmp, the environment left out
-    (variables come with each exec), writes going to `overlay` (a directory, kept for the
-    instance's life and not limited in size) or, without one, to a tmpfs."""
-    argv = [binary, "instance", "start", "--cleanenv", "--no-mount", NO_MOUNT]
+    """`instance start`: no network but loopback (`--net --network none`; the proxy is reached
+    through the channel's socket), no host home/cwd/tmp, the environment left out (variables come
+    with each exec), writes going to `overlay` (a directory, kept for the instance's life and not
+    limited in size) or, without one, to a tmpfs."""
+    argv = [binary, "instance", "start", "--cleanenv", "--no-mount", NO_MOUNT, *NO_NETWORK]
     argv += ["--overlay", str(overlay)] if overlay is not None else ["--writable-tmpfs"]
     for bind in binds(spec):
         argv += ["--bind", bind]
@@ -301,6 +312,7 @@ class ApptainerSandbox:
         self.workdir = workdir
         self.ca = sandbox_ca(spec.ca)
         self.path_prefix = harness_path(spec)
+        self.proxy_address = ("127.0.0.1", FORWARD_PORT) if spec.channel is not None else None
         self.session_dir = spec.session_dir
         self.record_path = record_path
         self.overlay = overlay
@@ -340,6 +352,32 @@ class ApptainerSandbox:
         if result.exit_code == 255 and not self._stopped and not await self.alive():
             raise SandboxError(f"apptainer: instance {self.name} is gone: {result.output[-2000:]}")
         return result
+
+    async def exec_harness(
+        self, cmd: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
+    ) -> ExecResult:
+        r = await self.exec(cmd, env=env, timeout=timeout)
+        await self.kill_all()
+        return r
+
+    async def kill_all(self) -> None:
+        """Kill the `apptainer exec` process groups we started (what they started in the instance
+        is their child; a process that left its group stays: Apptainer has no container-wide kill
+        short of stopping the instance)."""
+        for proc in list(self._procs):
+            kill_group(proc.pid)
+
+    async def start_forwarder(self, node: bool) -> None:
+        """The forwarder on 127.0.0.1:FORWARD_PORT to the channel socket (see `runtime/docker.py`)."""
+        tries = [[f"{NODE_BIN}/node", f"{FORWARDER_ROOT}/forward.js"]] if node else []
+        tries.append(["python3", f"{FORWARDER_ROOT}/forward.py"])
+        for argv in tries:
+            r = await self.exec([*argv, CHANNEL_SOCKET, str(FORWARD_PORT)], workdir="/", timeout=30)
+            if r.exit_code == 0:
+                return
+        raise SandboxError(
+            f"apptainer: cannot start the proxy forwarder in {self.name} (needs node or python3)"
+        )
 
     async def _exec_checked(self, cmd: list[str], what: str) -> ExecResult:
         result = await self.exec(cmd)
@@ -510,6 +548,12 @@ class ApptainerRuntime:
             raise SandboxError(
                 f"apptainer: cannot create the workdir {task.workdir} in {name}: {made.output}"
             )
+        if spec.channel is not None and spec.purpose == "agent":
+            try:
+                await sandbox.start_forwarder(node=spec.harness is not None and spec.harness.node is not None)
+            except BaseException:
+                await sandbox.stop()
+                raise
         return sandbox
 
     async def cleanup(self, labels: dict[str, str]) -> int:

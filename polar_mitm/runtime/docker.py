@@ -2,10 +2,20 @@
 
 A container starts from the task's image (built from its Dockerfile when it has no image, tagged
 by the content of its build context so a rebuild happens only when something changed), runs
-`sleep infinity`, and everything else is `exec`: setup, the harness, the evaluator. It shares the
-host's network, so the harness reaches the proxy on 127.0.0.1 (the proxy decides what else it may
-reach). Mounted: the sample's session directory, our CA (read-only) and the host's harness
-installation (read-only). Containers carry labels naming their rollout, so a crashed run's
+`sleep infinity`, and everything else is `exec`: setup, the harness, the evaluator.
+
+Isolation: the container has no network (`--network none`). Its one way out is the sample's own
+Unix socket to the proxy (`runtime/channel.py`), bound in read-only, with a forwarder inside on
+127.0.0.1:FORWARD_PORT as the container's entrypoint (node, the binary we mount for JavaScript
+harnesses, else the image's python3; without a channel the entrypoint is `sleep infinity`). Every capability is dropped but the five root's own steps need (setup, scoring: chown,
+reading and writing others' files, switching users), no-new-privileges, a pids limit, the task's
+memory and CPU. The harness runs as an unprivileged user (HARNESS_USER, its workdir and HOME
+handed to it) and has no capability at all; when it ends, or overruns, the container is killed
+(SIGKILL, no grace period: every process in it is gone whatever the image holds) and started
+again, the same filesystem, for scoring.
+
+Mounted: the sample's `home` (read-write), our CA, the harness installation, the forwarder and
+the socket (read-only). Containers carry labels naming their rollout, so a crashed run's
 leftovers can be found and removed.
 
 A verifier's container (`SandboxSpec.purpose = "verifier"`) starts from the same image with no
@@ -29,11 +39,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from polar_mitm.runtime.certs import CA
+from polar_mitm.runtime.channel import FORWARD_PORT, FORWARDER_DIR
 from polar_mitm.runtime.sandbox import (
+    CHANNEL_SOCKET,
+    FORWARDER_ROOT,
     HARNESS_BIN,
+    HOME_DIR,
     NODE_BIN,
     NPM_MODULES,
-    SESSION_DIR,
+    PIDS_LIMIT,
     ExecResult,
     ExportTooLarge,
     RuntimeUnavailable,
@@ -49,6 +63,10 @@ log = logging.getLogger("polar_mitm.docker")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LABEL = "polar-mitm"
+# What root's own steps in the container (setup, handing the workdir over, scoring) may still do.
+# No NET_RAW (no packet sockets), no NET_BIND_SERVICE, MKNOD, SYS_CHROOT, KILL, AUDIT_WRITE. An
+# unprivileged harness has none of them (and no-new-privileges: no setuid binary gives them back).
+ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"]
 
 
 class ImageUnavailable(RuntimeUnavailable):
@@ -79,6 +97,17 @@ def _tar_of(src: Path, arcname: str) -> bytes:
     return buf.getvalue()
 
 
+def forwarder_argv(*, node: bool) -> list[str]:
+    """The container's entrypoint when it has a channel: the forwarder, in front for the
+    container's life (restarted with it), on our node when mounted, else the image's python3.
+    Root runs it: the unprivileged harness cannot stop it."""
+    if node:
+        script = [f"{NODE_BIN}/node", f"{FORWARDER_ROOT}/forward.js"]
+    else:
+        script = ["python3", f"{FORWARDER_ROOT}/forward.py"]
+    return [*script, CHANNEL_SOCKET, str(FORWARD_PORT), "serve"]
+
+
 class DockerSandbox:
     def __init__(
         self,
@@ -88,6 +117,10 @@ class DockerSandbox:
         ca: CA,
         path_prefix: list[str],
         base_path: str,
+        *,
+        user: str | None = None,
+        proxy_address: tuple[str, int] | None = None,
+        home: str | None = None,
     ):
         self.runtime = runtime
         self.container = container
@@ -96,6 +129,9 @@ class DockerSandbox:
         self.ca = ca
         self.path_prefix = path_prefix
         self.base_path = base_path
+        self.user = user  # the harness's user, when it is not root
+        self.proxy_address = proxy_address
+        self.home = home
         self._stopped = False
         self._halted = False
 
@@ -109,9 +145,9 @@ class DockerSandbox:
         out["PATH"] = ":".join([*self.path_prefix, path]) if self.path_prefix else path
         return out
 
-    def _run(self, cmd: list[str], env: dict[str, str], workdir: str) -> tuple[int, bytes]:
+    def _run(self, cmd: list[str], env: dict[str, str], workdir: str, user: str = "") -> tuple[int, bytes]:
         ex = self.api.exec_create(
-            self.container.id, cmd, environment=env, workdir=workdir, stdin=False, tty=False
+            self.container.id, cmd, environment=env, workdir=workdir, stdin=False, tty=False, user=user
         )
         out = self.api.exec_start(ex["Id"], demux=False)
         code = self.api.exec_inspect(ex["Id"]).get("ExitCode")
@@ -124,12 +160,13 @@ class DockerSandbox:
         env: dict[str, str] | None = None,
         timeout: float | None = None,
         workdir: str | None = None,
+        user: str = "",
     ) -> ExecResult:
         if self._stopped or self._halted:
             raise SandboxError(f"container {self.name} is {'stopped' if self._stopped else 'halted'}")
         t0 = time.monotonic()
         fut = asyncio.ensure_future(
-            asyncio.to_thread(self._run, cmd, self._env(env), workdir or self.workdir)
+            asyncio.to_thread(self._run, cmd, self._env(env), workdir or self.workdir, user)
         )
         timed_out = False
         try:
@@ -139,7 +176,7 @@ class DockerSandbox:
             await self._kill_all()
             code, out = await self._settle(fut)
         except asyncio.CancelledError:
-            await asyncio.shield(self._kill_all())
+            await asyncio.shield(self._kill_all(restart=False))  # it is being stopped
             raise
         except Exception as e:  # the daemon refused: the container is gone or broken
             raise SandboxError(f"container {self.name}: exec {cmd[0]} failed: {e}") from e
@@ -153,13 +190,83 @@ class DockerSandbox:
         except Exception:
             return 124, b""
 
-    async def _kill_all(self) -> None:
-        """Kill every process in the container but its PID 1 (`sleep infinity`), so the exec that
-        overran returns and the container stays usable for scoring."""
+    async def _kill_all(self, restart: bool = True) -> None:
         try:
-            await asyncio.to_thread(self._run, ["kill", "-KILL", "-1"], self._env(None), "/")
+            await self.kill_all(restart=restart)
         except Exception as e:
             log.debug("kill in %s: %s", self.name, e)
+
+    async def kill_all(self, *, restart: bool = True) -> None:
+        """Kill the container (SIGKILL: every process in it, at once, whatever binaries the image
+        has or the harness replaced) and start it again, the same filesystem, for scoring; the exec
+        that overran returns. Its entrypoint (the forwarder, or `sleep infinity`) starts again."""
+        import docker.errors
+
+        def kill() -> None:
+            try:
+                self.container.kill()
+            except docker.errors.APIError as e:
+                if "is not running" in str(e):
+                    return  # it died by itself: it stays dead, and whoever runs it says so
+                raise
+            if restart:
+                self.container.wait(condition="not-running", timeout=30)
+                self.container.start()
+
+        try:
+            await asyncio.to_thread(kill)
+        except Exception as e:  # the daemon refused or timed out
+            raise SandboxError(f"container {self.name}: killing its processes failed: {e}") from e
+
+    async def exec_harness(
+        self, cmd: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
+    ) -> ExecResult:
+        owner = await self._hand_over()
+        r = await self.exec(cmd, env=env, timeout=timeout, user=self.user or "")
+        if await self._still_alive(r):  # a container that died stays dead: the pipeline says so
+            if not r.timed_out:  # an overrun was killed already
+                await self.kill_all()
+            if owner is not None:
+                await self._chown(owner, [self.workdir])
+        return r
+
+    async def _still_alive(self, r: ExecResult) -> bool:
+        """Whether the container outlived the command. A command killed with it (exit 137, or no
+        exit code) can return before the daemon has seen the container die: give it a moment."""
+        if r.exit_code not in (137, -1) or r.timed_out:
+            return await self.alive()
+        for _ in range(10):
+            if not await self.alive():
+                return False
+            await asyncio.sleep(0.2)
+        return True
+
+    async def _hand_over(self) -> str | None:
+        """Make the workdir (and HOME) the harness user's; returns the workdir's owner before, to
+        give it back after (scoring tools such as git refuse a repository owned by another user).
+        An image where that fails runs the harness as root."""
+        if self.user is None:
+            return None
+        r = await self.exec(["stat", "-c", "%u:%g", self.workdir], workdir="/")
+        owner = r.output.strip() if r.exit_code == 0 else None
+        if owner is None or not await self._chown(
+            self.user, [self.workdir, *([self.home] if self.home else [])]
+        ):
+            log.warning(
+                "container %s: cannot hand %s to %s; the harness runs as root",
+                self.name,
+                self.workdir,
+                self.user,
+            )
+            self.user = None
+            return None
+        return owner
+
+    async def _chown(self, owner: str, paths: list[str]) -> bool:
+        r = await self.exec(["chown", "-R", owner, "--", *paths], workdir="/")
+        if r.exit_code != 0:
+            log.warning("container %s: chown %s: %s", self.name, owner, r.output[-300:])
+        return r.exit_code == 0
 
     async def put(self, src: Path, dest: str) -> None:
         d = PurePosixPath(dest)
@@ -276,7 +383,9 @@ class DockerRuntime:
     isolated = True
     fresh_verifier = True
 
-    def __init__(self, client: Any | None = None, *, network: str = "host"):
+    def __init__(self, client: Any | None = None, *, network: str = "none"):
+        """`network`: "none" (isolated; the harness reaches the proxy through its channel) or
+        "host" (the host's network, as before isolation: for comparison only)."""
         self._client = client
         self.network = network
         self._images: dict[str, str] = {}  # task id -> image to start from
@@ -365,11 +474,21 @@ class DockerRuntime:
     async def start(self, task: Task, spec: SandboxSpec) -> DockerSandbox:
         await self.prepare(task)
         image = self._images[task.id]
-        volumes = {str(spec.session_dir): {"bind": SESSION_DIR, "mode": "rw"}}
+        agent = spec.purpose == "agent"
+        volumes: dict[str, dict[str, str]] = {}
+        home: str | None = None
+        if agent:
+            (spec.session_dir / "home").mkdir(parents=True, exist_ok=True)
+            volumes[str(spec.session_dir / "home")] = {"bind": HOME_DIR, "mode": "rw"}
+            home = HOME_DIR
         for host, inside in ca_mounts(spec.ca):
             volumes[str(host)] = {"bind": inside, "mode": "ro"}
+        channel = agent and spec.channel is not None and self.network == "none"
+        if channel:
+            volumes[str(spec.channel)] = {"bind": CHANNEL_SOCKET, "mode": "ro"}
+            volumes[str(FORWARDER_DIR)] = {"bind": FORWARDER_ROOT, "mode": "ro"}
         prefix: list[str] = []
-        if spec.harness is not None:
+        if agent and spec.harness is not None:
             volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
             volumes[str(spec.harness.bin)] = {"bind": HARNESS_BIN, "mode": "ro"}
             prefix.append(HARNESS_BIN)
@@ -377,14 +496,20 @@ class DockerRuntime:
                 volumes[str(spec.harness.node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
                 prefix.append(NODE_BIN)
         kwargs: dict[str, Any] = dict(
-            entrypoint=["sleep", "infinity"],
+            entrypoint=forwarder_argv(node=spec.harness is not None and spec.harness.node is not None)
+            if channel
+            else ["sleep", "infinity"],
             command=[],
             name=spec.name,
             labels={LABEL: "1", **spec.labels},
             detach=True,
-            network_mode=self.network,
+            network_mode=self.network if agent else "none",
             volumes=volumes,
             environment=task.env,
+            cap_drop=["ALL"],
+            cap_add=ROOT_CAPS,
+            security_opt=["no-new-privileges:true"],
+            pids_limit=PIDS_LIMIT,
         )
         if task.cpus:
             kwargs["nano_cpus"] = int(task.cpus * 1e9)
@@ -412,11 +537,31 @@ class DockerRuntime:
             (await asyncio.to_thread(lambda: self.client.images.get(image))).attrs.get("Config") or {}
         ).get("Env") or []
         base_path = next((e.split("=", 1)[1] for e in env_list if e.startswith("PATH=")), DEFAULT_PATH)
-        sb = DockerSandbox(self, container, task.workdir, sandbox_ca(spec.ca), prefix, base_path)
+        sb = DockerSandbox(
+            self,
+            container,
+            task.workdir,
+            sandbox_ca(spec.ca),
+            prefix,
+            base_path,
+            user=spec.user if agent else None,
+            proxy_address=("127.0.0.1", FORWARD_PORT) if channel else None,
+            home=home,
+        )
         try:
             r = await sb.exec(["mkdir", "-p", task.workdir], workdir="/")
             if r.exit_code != 0:
                 raise SandboxError(f"task {task.id}: container {sb.name} did not start: {r.output[-500:]}")
+        except SandboxError as e:
+            if channel and not await sb.alive():
+                logs = await asyncio.to_thread(lambda: container.logs(tail=20).decode("utf-8", "replace"))
+                await sb.stop()
+                raise SandboxError(
+                    f"task {task.id}: the proxy forwarder did not start in {image} (it runs on the node "
+                    f"we mount for JavaScript harnesses, else on the image's python3): {logs[-500:]}"
+                ) from e
+            await sb.stop()
+            raise
         except BaseException:
             await sb.stop()
             raise

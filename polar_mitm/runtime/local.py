@@ -29,6 +29,22 @@ from polar_mitm.runtime.recipes import Recipe
 from polar_mitm.store.queries import session_summary
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The host variables a process started for a rollout sample on the host (the local runtime) gets:
+# what a shell and its tools need to run, nothing that could hold a secret (AWS_*, HF_TOKEN, the
+# service token, ...). The recipe's settings and the task's env come on top.
+HOST_ENV_ALLOWED = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "TERM",
+    "COLORTERM",
+    "TMPDIR",
+    "TZ",
+)
 EXIT_UNTRUSTED = 69  # EX_UNAVAILABLE: the harness never trusted our CA
 _CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|AUTH|PASSWORD", re.IGNORECASE)
 
@@ -38,6 +54,13 @@ def _same_dir(a: str | None, b: str) -> bool:
         return bool(a) and os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def host_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The allowed host variables (HOST_ENV_ALLOWED and the locale's LC_*) of `environ`
+    (default: this process's environment)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k in HOST_ENV_ALLOWED or k.startswith("LC_")}
 
 
 def child_env(

@@ -165,6 +165,20 @@ class PolicySide:
             await self.policy.close()
 
 
+class _AddressedWriter(asyncio.StreamWriter):
+    """A stream writer that reports a given address as both ends' (mitmproxy reads the client's
+    address from its writer; a Unix socket's is empty)."""
+
+    def __init__(self, *args, address: tuple[str, int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._address = address
+
+    def get_extra_info(self, name, default=None):
+        if name in ("peername", "sockname"):
+            return self._address
+        return super().get_extra_info(name, default)
+
+
 class PolarProxy:
     def __init__(self, config: ProxyConfig):
         self.config = config
@@ -179,6 +193,7 @@ class PolarProxy:
         self.egress: Egress | None = None  # policy mode: per-session internet access
         self.handoff: Handoff | None = None  # policy mode: provider connections to the gateway
         self.side: PolicySide | None = None  # policy mode: its addons, policy and gateway
+        self.sessions: Sessions | None = None
         self.port = 0
         self._task: asyncio.Task | None = None
 
@@ -193,7 +208,7 @@ class PolarProxy:
             listen_socket(self.config.listen_host, self.config.listen_port).close()
         self.ca = ensure_ca(self.config.certs_dir)
         self.store = await Store.open(self.config.db)
-        sessions = Sessions(self.config.default_session, token=self.config.token)
+        sessions = self.sessions = Sessions(self.config.default_session, token=self.config.token)
         if self.config.mode == "harvest":
             intercepted, mode_addons = self._harvest_addons()
         else:
@@ -269,12 +284,36 @@ class PolarProxy:
             await self.store.close()
 
     def session_url(self, session: str) -> str:
-        """The proxy URL a harness of `session` uses (credentials in it; the token when required)."""
-        return proxy_url(self.config.listen_host, self.port, session, self.config.token)
+        """The proxy URL a harness of `session` uses (credentials in it: the session's own token
+        when it was issued one, else the shared token when one is required)."""
+        return proxy_url(self.config.listen_host, self.port, session, self.session_token(session))
 
-    async def adopt(self, sock: socket.socket, head: bytes) -> None:
-        """Serve a client connection accepted by another process (`--workers`' front), which
-        already read `head` from it: mitmproxy reads those bytes first, then the socket."""
+    def session_token(self, session: str) -> str | None:
+        issued = self.sessions.issued.get(session) if self.sessions is not None else None
+        return issued or self.config.token
+
+    def serve_issued_only(self) -> None:
+        """Let in only sessions issued by `issue_session`, each with its own token (a rollout's
+        proxy: no sample can name another's session, nor one the proxy never issued)."""
+        assert self.sessions is not None, "start the proxy first"
+        self.sessions.require_issued()
+
+    def issue_session(self, session: str) -> str:
+        """`session`'s own token (made on first use)."""
+        assert self.sessions is not None, "start the proxy first"
+        return self.sessions.issue(session)
+
+    def revoke_session(self, session: str) -> None:
+        if self.sessions is not None:
+            self.sessions.revoke(session)
+
+    async def adopt(
+        self, sock: socket.socket, head: bytes, *, address: tuple[str, int] | None = None
+    ) -> None:
+        """Serve a client connection accepted elsewhere (`--workers`' front, another process; a
+        sample's channel, a Unix socket), which already read `head` from it: mitmproxy reads those
+        bytes first, then the socket. `address` is the client address mitmproxy is told (a Unix
+        socket has none)."""
         assert self.master is not None
         loop = asyncio.get_running_loop()
         sock.setblocking(False)
@@ -282,7 +321,10 @@ class PolarProxy:
         reader.feed_data(head)
         protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
         transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock=sock)
-        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        if address is None:
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        else:
+            writer = _AddressedWriter(transport, protocol, reader, loop, address=address)
         instance = next(iter(self.master.addons.get("proxyserver").servers))
         await instance.handle_stream(reader, writer)
 

@@ -1,5 +1,6 @@
 """The sandbox interface every runtime implements: start one for a task, run a command in it with
-an environment and a timeout, copy files in and out, stop it.
+an environment and a timeout, run the harness (as an unprivileged user where the sandbox can,
+and with every process it left killed at its end), copy files in and out, stop it.
 
 Runtimes: `local` (a temporary directory on the host, `runtime/tempdir.py`), `docker`
 (`runtime/docker.py`) and `apptainer` (`runtime/apptainer.py`). The rollout pipeline talks only
@@ -27,6 +28,11 @@ HARNESS_BIN = f"{HARNESS_ROOT}/npm/bin"
 NODE_BIN = f"{HARNESS_ROOT}/node/bin"
 CA_DIR = f"{HARNESS_ROOT}/ca"
 SESSION_DIR = f"{HARNESS_ROOT}/session"
+HOME_DIR = f"{SESSION_DIR}/home"  # the harness's HOME: the sample's host directory `home`
+CHANNEL_SOCKET = f"{HARNESS_ROOT}/channel/proxy.sock"  # the sample's socket to the proxy
+FORWARDER_ROOT = f"{HARNESS_ROOT}/forwarder"  # the forwarder's scripts (runtime/forwarder/)
+HARNESS_USER = "1000:1000"  # who the harness runs as in a container, where the image allows
+PIDS_LIMIT = 4096  # processes a container may hold at once (a fork bomb stops there)
 
 
 def sandbox_ca(ca: CA) -> CA:
@@ -152,13 +158,20 @@ class SandboxSpec:
     """What a runtime needs besides the task to start a sandbox."""
 
     name: str  # unique per sample: container / instance name
-    session_dir: Path  # a host directory for this sample (logs, copies), mounted in containers
+    # A host directory for this sample (logs, copies). Containers see only its `home` (the
+    # harness's HOME, read-write): nothing else in it is theirs to write.
+    session_dir: Path
     ca: CA  # host paths of our CA
     harness: HarnessMount | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # The host end of the sample's own channel to the proxy (`runtime/channel.py`); a container
+    # runtime binds it in and starts the forwarder, and the sandbox has no network besides it.
+    channel: Path | None = None
     # "verifier": a sandbox that scores a sample's artefacts after its agent's sandbox was halted;
     # it gets no harness, no channel to the proxy, no network and nothing of ours mounted.
     purpose: Literal["agent", "verifier"] = "agent"
+    # Who the harness runs as in a container ("UID:GID"), None for the image's own user (root).
+    user: str | None = HARNESS_USER
 
 
 class Sandbox(Protocol):
@@ -166,6 +179,9 @@ class Sandbox(Protocol):
     workdir: str  # the task's workdir as the sandbox sees it
     ca: CA  # our CA's files as the sandbox sees them
     path_prefix: list[str]  # directories to put first on PATH so the harness binaries are found
+    # Where the proxy answers inside the sandbox (its channel's forwarder), or None: the proxy's
+    # own address (a sandbox on the host's network).
+    proxy_address: tuple[str, int] | None
 
     async def exec(
         self,
@@ -176,6 +192,17 @@ class Sandbox(Protocol):
         workdir: str | None = None,
     ) -> ExecResult:
         """Run cmd to its end (or kill everything it started after `timeout` seconds)."""
+        ...
+
+    async def exec_harness(
+        self, cmd: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
+    ) -> ExecResult:
+        """Run the harness in the workdir (as the unprivileged user where the sandbox has one);
+        once it ends, kill every process it left (within seconds, whatever the image holds)."""
+        ...
+
+    async def kill_all(self) -> None:
+        """Kill every process in the sandbox; its files stay and `exec` still works."""
         ...
 
     async def put(self, src: Path, dest: str) -> None:

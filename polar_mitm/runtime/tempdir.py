@@ -1,7 +1,8 @@
 """The `local` runtime: each sample in its own temporary directory on the host.
 
 No isolation: commands run as host processes with the task's workdir mapped to a fresh temporary
-directory (what `polar-mitm run` does for one harness). Good for quick loops and for tasks whose
+directory (what `polar-mitm run` does for one harness), with an allow-list of the host's
+variables (`runtime/local.py`'s `host_env`), not the host's environment. Good for quick loops and for tasks whose
 commands stay inside their workdir; tasks that write to absolute paths (Harbor's `/logs`,
 SWE-bench's `/testbed`) need a container runtime.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.runtime.certs import CA
+from polar_mitm.runtime.local import host_env
 from polar_mitm.runtime.sandbox import (
     ExecResult,
     ExportTooLarge,
@@ -35,6 +37,7 @@ class TempdirSandbox:
         self.workdir = str(root / "work")
         self.ca = ca
         self.path_prefix = path_prefix
+        self.proxy_address: tuple[str, int] | None = None  # host processes use the proxy's own
         self._procs: set[asyncio.subprocess.Process] = set()
         self._stopped = False
 
@@ -53,13 +56,26 @@ class TempdirSandbox:
     ) -> ExecResult:
         if self._stopped:
             raise SandboxError(f"sandbox {self.name} is stopped")
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**host_env(), **(env or {})}
         if self.path_prefix:
             full_env["PATH"] = os.pathsep.join([*self.path_prefix, full_env.get("PATH", "")])
         full_env["PWD"] = workdir or self.workdir
         return await run_process(
             cmd, env=full_env, cwd=workdir or self.workdir, timeout=timeout, procs=self._procs
         )
+
+    async def exec_harness(
+        self, cmd: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
+    ) -> ExecResult:
+        """The harness as a host process of ours; its process group is killed at its end (a
+        process that left the group is beyond reach: this runtime isolates nothing)."""
+        r = await self.exec(cmd, env=env, timeout=timeout)
+        await self.kill_all()
+        return r
+
+    async def kill_all(self) -> None:
+        for proc in list(self._procs):
+            kill_group(proc.pid)
 
     async def put(self, src: Path, dest: str) -> None:
         target = self.host_path(dest)

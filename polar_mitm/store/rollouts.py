@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polar_mitm import redact
 from polar_mitm.outcomes import FINAL, TRAINABLE
 from polar_mitm.store.db import Store, connect
 
@@ -26,6 +27,10 @@ class RolloutLog:
         self.store = store
 
     async def begin_rollout(self, rollout_id: str, config: dict[str, Any]) -> None:
+        """Record a rollout and its configuration, with the values of its extra environment
+        (`env`, from `--env`) redacted."""
+        if isinstance(config.get("env"), dict):
+            config = {**config, "env": redact.env_values(config["env"])}
         await self.store.write(
             (
                 "INSERT INTO rollouts (id, created_at, config) VALUES (?, ?, ?)",

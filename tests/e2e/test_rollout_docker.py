@@ -1,8 +1,9 @@
 """Rollouts in real Docker containers with real harness binaries, through `polar-mitm rollout`.
 
 The containers start from the small base image `scripts/docker.sh` builds from a debootstrap root
-(`docker import`, no registry). The harness is the host's npm installation, mounted read-only; it
-reaches the proxy over the host network with its own session credentials. The fake SGLang backend
+(`docker import`, no registry). The harness is the host's npm installation, mounted read-only; the
+container has no network and reaches the proxy through its sample's own channel (a Unix socket and
+a forwarder on 127.0.0.1 inside), under its own session. The fake SGLang backend
 answers "run: CMD" with a call to the harness's shell tool, so a task's instruction decides what
 the sample does, and the task's own tests decide its reward.
 """
