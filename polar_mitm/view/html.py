@@ -58,7 +58,7 @@ def link(href: str, text: Any, /, **attrs: Any) -> Html:
 def path(*parts: str, **query: Any) -> str:
     """A viewer URL: each part quoted (ids are untrusted text), then the non-empty query values."""
     url = "/" + "/".join(quote(str(p), safe="") for p in parts)
-    q = {k: v for k, v in query.items() if v not in (None, "", False)}
+    q = {k: v for k, v in query.items() if v is not None and v != "" and v is not False}
     return url + ("?" + urlencode(q) if q else "")
 
 

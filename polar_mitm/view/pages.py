@@ -277,7 +277,7 @@ def _minimap(row: Trajectory, page: TokenPage, base: tuple[str, ...], query: dic
         level = min(4, (5 * trained) // max(1, hi - lo))
         cells.append(
             link(
-                path(*base, **query, page=p or None),
+                path(*base, **query, page=p),
                 "",
                 class_=f"cell l{level}" + (" on" if p == page.number else ""),
                 title=f"page {p + 1}: tokens {lo:,}–{hi:,}, {trained:,} trained",
@@ -362,9 +362,7 @@ def trajectory(
                         b.get("at"),
                         link(path("turn", b.get("turn_id", "")), b.get("turn_id")),
                         link(path("turn", b.get("vs_turn", "")), b.get("vs_turn")),
-                        link(
-                            path(*base, **query, page=(k // page.size) or None) + f"#tok{k}", f"token {k:,}"
-                        ),
+                        link(path(*base, **query, page=k // page.size) + f"#tok{k}", f"token {k:,}"),
                         "yes" if b.get("in_sampled") else "no",
                     ]
                 )
@@ -389,7 +387,7 @@ def trajectory(
     note = tag("p", tokenizer_note, class_="warn") if tokenizer_note else ""
     nav = []
     if page.number > 0:
-        nav.append(link(path(*base, **query, page=page.number - 1 or None), "← previous page", rel="prev"))
+        nav.append(link(path(*base, **query, page=page.number - 1), "← previous page", rel="prev"))
     nav.append(
         tag(
             "span",

@@ -330,7 +330,7 @@ class Viewer:
         selection, query = self._selection(request)
         if strategy != "prefix-merge":
             query["strategy"] = strategy
-        number = _int(request.query.get("page"), 0)
+        asked = request.query.get("page")
 
         def read():
             session = queries.session_of_turn(db, ident)
@@ -362,6 +362,8 @@ class Viewer:
                 for f in queries.turn_facts(db, ids=row.turn_ids)
             }
             pieces, note = self._tokenizer()
+            # Without ?page, the page where training starts (a long prompt fills the first ones).
+            number = _int(asked, len(row.prompt_ids) // self.config.page_tokens)
             page = page_of(
                 row,
                 turn_spans(row, facts),
