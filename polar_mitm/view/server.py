@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -89,6 +90,8 @@ class Viewer:
         self._text: TokenText | None = None
         self._tokenizer_note: str | None = None
         self._tokenizer_loaded = False
+        self._tokenizer_lock = threading.Lock()
+        self._preload: asyncio.Task | None = None
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -125,6 +128,8 @@ class Viewer:
         site = web.TCPSite(self.runner, host, port)
         await site.start()
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        # Load the tokenizer now, off the event loop, so the first trajectory does not wait for it.
+        self._preload = asyncio.create_task(asyncio.to_thread(self._tokenizer))
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{bound}"
         return self.url
@@ -212,6 +217,10 @@ class Viewer:
     # --- tokenizer ------------------------------------------------------------------------------
 
     def _tokenizer(self) -> tuple[TokenPieces | None, str | None]:
+        with self._tokenizer_lock:
+            return self._load_tokenizer()
+
+    def _load_tokenizer(self) -> tuple[TokenPieces | None, str | None]:
         if not self._tokenizer_loaded:
             self._tokenizer_loaded = True
             path = self.config.tokenizer
@@ -223,7 +232,11 @@ class Viewer:
             else:
                 try:
                     self._pieces = TokenPieces(path)
-                    self._text = TokenText.load(path)
+                    # What `TokenText.load` builds, from the tokenizer already parsed (a second
+                    # parse of a 150k vocabulary costs a second).
+                    self._text = TokenText(
+                        template_ids=set(self._pieces.added), decode=self._pieces.tokenizer.decode
+                    )
                 except (ValueError, OSError) as e:
                     self._tokenizer_note = (
                         f"cannot load the tokenizer {path} ({e}): token ids are shown instead of text."
