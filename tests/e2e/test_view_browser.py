@@ -10,7 +10,9 @@ the test's tmp dir (printed), as artefacts.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
@@ -54,7 +56,7 @@ def browser() -> Iterator[object]:
 
 
 @contextmanager
-def viewer(db: Path, *args: str) -> Iterator[str]:
+def viewer(db: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """`polar-mitm view` as a user starts it, on a free loopback port; yields its URL."""
     port = free_port()
     proc = subprocess.Popen(
@@ -62,6 +64,7 @@ def viewer(db: Path, *args: str) -> Iterator[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -250,3 +253,71 @@ def test_group_page_of_a_real_rollout(browser, backend_process, tiny_tokenizer_d
         browser.get(url + "/plots")
         assert len(browser.find_elements(By.CSS_SELECTOR, "figure.plot svg")) >= 4
         shot(browser, tmp_path, "plots")
+
+
+def test_live_page_follows_a_service_rollout_without_a_reload(
+    browser, backend_process, tiny_tokenizer_dir, tmp_path
+) -> None:
+    """`polar-mitm serve` with one local node; the live page is open before the task is
+    submitted, and shows its sample go from dispatched (running) to finished, from the event
+    stream alone: the page is never reloaded (a marker set in it survives)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    port = free_port()
+    service = f"http://127.0.0.1:{port}"
+    env = {**harness_env(tmp_path / "home"), "POLAR_MITM_SERVICE_TOKEN": "view-e2e-token"}
+    log = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen(
+        [*POLAR, "serve", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "svc.sqlite"),
+         "--backend", backend_process.url, "--tokenizer", str(tiny_tokenizer_dir)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(service + "/health", timeout=1).close()
+                break
+            except OSError:
+                assert serve.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
+                time.sleep(0.2)
+        task = tmp_path / "slow.toml"
+        task.write_text(
+            'id = "slow"\ninstruction = "x"\n[evaluator]\nkind = "command"\ncommand = "test -f made.txt"\n'
+        )
+        with viewer(tmp_path / "svc.sqlite", "--server", service, env=env) as url:
+            browser.get(url + "/live")
+            WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "live-state").text == "live")
+            browser.execute_script("window.__noReload = 1")
+            r = subprocess.run(
+                [*POLAR, "submit", str(task), "--harness", "claude-code", "--runtime", "local", "--harness-cmd",
+                 "sh -c 'sleep 4; touch made.txt' h {instruction}", "--server", service],
+                capture_output=True, text=True, timeout=60, env=env,
+            )  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            row = 'section.task[data-task] tr.sample[data-index="0"]'
+            WebDriverWait(browser, 60).until(
+                lambda d: any(
+                    e.get_attribute("data-state") == "dispatched"
+                    for e in d.find_elements(By.CSS_SELECTOR, row)
+                )
+            )
+            shot(browser, tmp_path, "live-running")
+            WebDriverWait(browser, 90).until(
+                lambda d: any(
+                    e.get_attribute("data-state") == "finished"
+                    and e.get_attribute("data-status") == "completed"
+                    for e in d.find_elements(By.CSS_SELECTOR, row)
+                )
+            )
+            assert browser.execute_script("return window.__noReload") == 1
+            assert "local-0" in browser.find_element(By.ID, "nodes").text
+            shot(browser, tmp_path, "live-done")
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)
+        try:
+            serve.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+        log.close()
