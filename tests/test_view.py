@@ -64,9 +64,17 @@ async def _fill(path: Path, tokenizer_dir: Path) -> dict[str, list[int]]:
                     output_logprobs=lp(len(output), -0.05 * (i + 1)),
                     latency_ms=12.5,
                     request=json.dumps(
-                        {"messages": [{"role": "user", "content": EVIL}], "tools": [{"name": "Bash"}]}
+                        {
+                            "model": "m",
+                            "max_tokens": 64,
+                            "stream": tid == "t3",
+                            "messages": [{"role": "user", "content": EVIL}],
+                            "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
+                        }
                     ),
-                    response=json.dumps({"text": EVIL}),
+                    response=json.dumps(
+                        {"turn_id": tid, "model": "policy", "text": EVIL, "finish_reason": "stop"}
+                    ),
                     **extra,
                 )  # fmt: skip
             )
@@ -187,6 +195,11 @@ async def test_text_decodes_multibyte_tokens_and_markup_stays_text(view, store: 
     assert r.status == 200 and "<img" not in turn and "&lt;img src=x" in turn
     assert "Bash" in turn and "fix the bug" in turn  # the request's tools and the rendered prompt
     assert r.headers["Content-Security-Policy"].startswith("default-src 'none'; script-src 'self'")
+    # The reply in the harness's own shape: JSON for t1's request, the SSE stream for t3's.
+    assert 'id="reply-kind">anthropic JSON reply' in turn and "&quot;content&quot;" in turn
+    streamed = await (await c.get("/turn/t3")).text()
+    assert 'id="reply-kind">anthropic SSE stream' in streamed and "event: message_start" in streamed
+    assert "event: content_block_delta" in streamed and "&lt;img src=x" in streamed
 
 
 def test_token_pieces_join_to_the_decoded_text(tiny_tokenizer_dir: Path) -> None:

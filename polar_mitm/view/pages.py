@@ -396,17 +396,6 @@ def trajectory(
     )
     if page.number + 1 < page.pages:
         nav.append(link(path(*base, **query, page=page.number + 1), "next page →", rel="next"))
-    data = {
-        "start": page.start,
-        "ids": page.ids,
-        "lp": page.logprobs,
-        "trained": [int(t) for t in page.trained],
-        "turn": page.turn,
-        "turns": [
-            {"id": s.turn_id, "wv": s.weight_version, "tag": s.tag, "n": s.index + 1} for s in page.spans
-        ],
-        "text": page.text is not None,
-    }
     body = Html(
         head
         + breaks_html
@@ -418,7 +407,7 @@ def trajectory(
         + tag("div", token_spans(page), id="tokens", class_="tokens", data_start=page.start)
         + tag("div", "", id="tip", class_="tip", hidden=True)
         + tag("p", join(nav, " "), class_="pager")
-        + json_block(data)
+        + json_block(_page_data(page))
     )
     return layout(f"Trajectory {row.trajectory_id}", body, active="sessions")
 
@@ -431,6 +420,7 @@ def turn(
     *,
     request: str | None,
     response: str | None,
+    reply: tuple[str, str],
     prompt_text: str,
     output: TokenPage | None,
     tokenizer_note: str | None,
@@ -474,12 +464,12 @@ def turn(
         + tag("div", "", id="tip", class_="tip", hidden=True)
         + (json_block(_page_data(output)) if output else "")
         + tag("h2", "Reply the harness received")
+        + tag("p", reply[0], class_="muted", id="reply-kind")
+        + tag("pre", reply[1], id="reply")
         + tag(
-            "p",
-            f"as recorded: the completion rendered back to the harness in its {t.style} shape",
-            class_="muted",
+            "details",
+            Html(tag("summary", "the completion as recorded (neutral JSON)") + tag("pre", pretty(response))),
         )
-        + tag("pre", pretty(response))
     )
     return layout(f"Turn {t.id}", body, active="sessions")
 

@@ -42,6 +42,7 @@ from polar_mitm.store.rollouts import read_samples
 from polar_mitm.view import pages
 from polar_mitm.view.html import Html, tag
 from polar_mitm.view.live import LiveRelay
+from polar_mitm.view.reply import native_reply
 from polar_mitm.view.tokens import PAGE_TOKENS, TokenPieces, TurnSpan, page_of, turn_spans
 
 log = logging.getLogger("polar_mitm.view")
@@ -443,11 +444,21 @@ class Viewer:
             return facts, turn, prompt_text, output, note
 
         facts, turn, prompt_text, output, note = await self._thread(read)
+        try:
+            reply = await native_reply(
+                facts.style, facts.path, turn.request, turn.response, prompt_tokens=facts.prompt_len
+            )
+        except Exception as e:  # a reply the style cannot render again: say so, show the record
+            reply = (
+                f"not re-rendered ({type(e).__name__}: {e}); the completion as recorded",
+                turn.response or "",
+            )
         return _html(
             pages.turn(
                 facts,
                 request=turn.request,
                 response=turn.response,
+                reply=reply,
                 prompt_text=prompt_text,
                 output=output,
                 tokenizer_note=note,

@@ -188,6 +188,9 @@ def test_sessions_list_and_trajectory_match_the_export(
         # ...nor on the last turn's page, whose reply (the completion as recorded) holds it whole.
         browser.find_elements(By.CSS_SELECTOR, "#tokens .turn-mark")[-1].click()
         assert EVIL in browser.find_element(By.TAG_NAME, "main").text
+        # Claude Code streams: the reply is shown as the Messages SSE the proxy sent for it.
+        assert browser.find_element(By.ID, "reply-kind").text == "anthropic SSE stream"
+        assert "event: content_block_delta" in browser.find_element(By.ID, "reply").text
         assert browser.execute_script("return window.__pwned === undefined")
         assert not browser.find_elements(By.CSS_SELECTOR, "main img")
         shot(browser, tmp_path, "turn-last")
