@@ -48,6 +48,13 @@ async def _fill(path: Path, tokenizer_dir: Path) -> dict[str, list[int]]:
             ("s2", "u1", enc("<|im_start|>user\nother<|im_end|>\n"), enc("x<|im_end|>"), {}),
             ("s1", "t2", p2, o2, {"prompt_ref": "t1", "prompt_ref_len": len(p1) + len(o1)}),
             ("s1", "t3", p3, o3, {"prompt_ref": "t2", "prompt_ref_len": len(p2) + len(o2)}),
+            (
+                "s1",
+                "t-title",
+                enc("<|im_start|>user\nname this chat<|im_end|>\n"),
+                enc("Bug fix<|im_end|>"),
+                {"tag": "title"},
+            ),
         ]
         for i, (session, tid, prompt, output, extra) in enumerate(turns):
             await store.insert_turn(
@@ -261,6 +268,19 @@ async def test_session_page_has_rows_tree_turns_and_per_request_rows(view) -> No
     assert all(f'href="/turn/{t}"' in body for t in ("t1", "t2", "t3"))
     body = await (await c.get("/session/s1?strategy=per-request")).text()
     assert all(f'href="/trajectory/{t}?strategy=per-request"' in body for t in ("t1", "t2", "t3"))
+
+
+async def test_side_calls_are_left_out_as_export_does_and_shown_on_request(view) -> None:
+    c = await view()
+    body = await (await c.get("/session/s1")).text()
+    assert 'href="/trajectory/t-title' not in body and 'href="/turn/t-title"' in body  # a tagged turn
+    assert 'href="/session/s1?side=1"' in body
+    body = await (await c.get("/session/s1?side=1")).text()
+    assert 'href="/trajectory/t-title?side=1"' in body and 'class="role side"' in body
+    r = await c.get("/trajectory/t-title")
+    assert r.status == 404 and "in no prefix-merge row" in await r.text()
+    r = await c.get("/trajectory/t-title?side=1")
+    assert r.status == 200 and 'data-trained="' in await r.text()
 
 
 async def test_rollouts_and_group_pages(view, store: Path) -> None:

@@ -290,22 +290,53 @@ def list_sessions(
     if search:
         where.append("(instr(s.id, ?) > 0 OR instr(COALESCE(s.task_id, ''), ?) > 0)")
         args += [search, search]
+    # The page of sessions first, then the turns of just those (the (session_id, seq) index):
+    # aggregating every turn of the store to show 200 sessions would read all of it.
     sql = (
-        "SELECT s.id, s.task_id, s.harness, s.mode, s.created_at, s.ended_at, s.exit_code, s.reward,"
-        " s.metadata, COUNT(t.id), COALESCE(SUM(t.prompt_len), 0), COALESCE(SUM(t.output_len), 0),"
-        " MAX(t.created_at),"
+        "SELECT s.id, s.task_id, s.harness, s.mode, s.created_at, s.ended_at, s.exit_code, s.reward, s.metadata,"
         " (SELECT sa.status FROM samples sa WHERE sa.session_id = s.id ORDER BY sa.attempt DESC LIMIT 1)"
-        " FROM sessions s LEFT JOIN turns t ON t.session_id = s.id"
+        " FROM sessions s"
         + (" WHERE " + " AND ".join(where) if where else "")
-        + " GROUP BY s.id ORDER BY s.created_at DESC, s.id LIMIT ? OFFSET ?"
+        + " ORDER BY s.created_at DESC, s.id LIMIT ? OFFSET ?"
     )
-    fields = list(SessionListing.model_fields)
     db = connect(path)
     try:
         rows = db.execute(sql, [*args, limit, offset]).fetchall()
+        counts: dict[str, tuple] = {}
+        ids = [r[0] for r in rows]
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for sid, *agg in db.execute(
+                "SELECT session_id, COUNT(*), COALESCE(SUM(prompt_len), 0), COALESCE(SUM(output_len), 0),"
+                f" MAX(created_at) FROM turns WHERE session_id IN ({marks}) GROUP BY session_id",
+                chunk,
+            ):
+                counts[sid] = tuple(agg)
     finally:
         db.close()
-    return [SessionListing.model_construct(**dict(zip(fields, r, strict=True))) for r in rows]
+    return [
+        SessionListing.model_construct(
+            id=r[0],
+            task_id=r[1],
+            harness=r[2],
+            mode=r[3],
+            created_at=r[4],
+            ended_at=r[5],
+            exit_code=r[6],
+            reward=r[7],
+            metadata=r[8],
+            sample_status=r[9],
+            **dict(
+                zip(
+                    ("turns", "prompt_tokens", "output_tokens", "last_turn_at"),
+                    counts.get(r[0], (0, 0, 0, None)),
+                    strict=True,
+                )
+            ),
+        )  # fmt: skip
+        for r in rows
+    ]
 
 
 def session_facets(path: str | Path) -> dict[str, list[str]]:

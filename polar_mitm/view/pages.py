@@ -36,6 +36,7 @@ from polar_mitm.view.html import (
 )
 from polar_mitm.view.tokens import TokenPage
 
+PAGE_SESSIONS = 200
 STATUSES = ("ok", "failed", "running", "completed", "agent_timeout", "cancelled", "retried")
 
 
@@ -131,7 +132,7 @@ def sessions(
 # --- one session --------------------------------------------------------------------------------
 
 
-def _rows_tree(rows: Sequence[Trajectory], strategy: str) -> Html:
+def _rows_tree(rows: Sequence[Trajectory], strategy: str, query: dict[str, Any]) -> Html:
     """The session's rows as a tree: each row under the row it came from (`parent_id`)."""
     ids = {r.trajectory_id for r in rows}
     children: dict[str | None, list[Trajectory]] = {}
@@ -140,7 +141,9 @@ def _rows_tree(rows: Sequence[Trajectory], strategy: str) -> Html:
         children.setdefault(parent, []).append(r)
 
     def item(r: Trajectory) -> Html:
-        label = link(path("trajectory", r.trajectory_id, strategy=_nondefault(strategy)), r.trajectory_id)
+        label = link(
+            path("trajectory", r.trajectory_id, strategy=_nondefault(strategy), **query), r.trajectory_id
+        )
         line = Html(
             tag("span", r.role, class_=f"role {r.role}")
             + " "
@@ -183,7 +186,12 @@ def strategy_switch(base: tuple[str, ...], strategy: str) -> Html:
 
 
 def session(
-    record: dict[str, Any], rows: Sequence[Trajectory], turns: Sequence[TurnFacts], *, strategy: str
+    record: dict[str, Any],
+    rows: Sequence[Trajectory],
+    turns: Sequence[TurnFacts],
+    *,
+    strategy: str,
+    query: dict[str, Any],
 ) -> Html:
     command = record.get("command")
     try:
@@ -224,8 +232,9 @@ def session(
         head
         + tag("h2", "Rows")
         + strategy_switch(("session", record["id"]), strategy)
+        + _selection_switch(("session", record["id"]), strategy, query)
         + (
-            _rows_tree(rows, strategy)
+            _rows_tree(rows, strategy, query)
             if rows
             else tag("p", "no rows (side calls and aborted turns are left out, as export does)")
         )
@@ -235,6 +244,26 @@ def session(
         )
     )
     return layout(f"Session {record['id']}", body, active="sessions")
+
+
+def _selection_switch(base: tuple[str, ...], strategy: str, query: dict[str, Any]) -> Html:
+    """Links that add or drop side calls and aborted turns (export leaves both out by default)."""
+    side, aborted = bool(query.get("side")), bool(query.get("aborted"))
+    s = _nondefault(strategy)
+    toggle_side = path(*base, strategy=s, side=None if side else "1", aborted=query.get("aborted"))
+    toggle_aborted = path(*base, strategy=s, side=query.get("side"), aborted=None if aborted else "1")
+    return tag(
+        "p",
+        join(
+            [
+                "side calls " + ("included " if side else "left out, as export does "),
+                link(toggle_side, "drop them" if side else "include them"),
+                " · aborted turns " + ("included " if aborted else "left out, as export does "),
+                link(toggle_aborted, "drop them" if aborted else "include them"),
+            ]
+        ),
+        class_="switch muted",
+    )
 
 
 # --- a trajectory -------------------------------------------------------------------------------

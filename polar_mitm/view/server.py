@@ -320,7 +320,7 @@ class Viewer:
         db = self._db()
         sid = request.match_info["id"]
         strategy = self._strategy(request)
-        selection, _ = self._selection(request)
+        selection, query = self._selection(request)
 
         def read():
             record = queries.session_record(db, sid)
@@ -335,7 +335,7 @@ class Viewer:
             return record, rows, queries.turn_facts(db, session=sid)
 
         record, rows, turns = await self._thread(read)
-        return _html(pages.session(record, rows, turns, strategy=strategy))
+        return _html(pages.session(record, rows, turns, strategy=strategy, query=query))
 
     async def trajectory(self, request: web.Request) -> web.Response:
         db = self._db()
