@@ -87,6 +87,7 @@ class Viewer:
         self.config = config
         self.relay = LiveRelay(config.server, config.service_token) if config.server else None
         self._rows: OrderedDict[tuple, list[Trajectory]] = OrderedDict()
+        self._rows_lock = threading.Lock()  # pages read in threads (asyncio.to_thread)
         self._pieces: TokenPieces | None = None
         self._text: TokenText | None = None
         self._tokenizer_note: str | None = None
@@ -248,14 +249,16 @@ class Viewer:
 
     def _session_rows(self, db: Path, session: str, strategy: str, selection: Selection) -> list[Trajectory]:
         key = (session, strategy, selection, self._version())
-        rows = self._rows.get(key)
-        if rows is None:
+        with self._rows_lock:
+            rows = self._rows.get(key)
+        if rows is None:  # two pages asking at once may both merge; the cache stays consistent
             self._tokenizer()
             rows = find_rows(db, session, strategy=strategy, selection=selection, text=self._text)
+        with self._rows_lock:
             self._rows[key] = rows
+            self._rows.move_to_end(key)
             while len(self._rows) > 8:
                 self._rows.popitem(last=False)
-        self._rows.move_to_end(key)
         return rows
 
     async def _thread[T](self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
