@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from click.testing import CliRunner
@@ -48,6 +49,8 @@ async def _fill(path: Path, tokenizer_dir: Path) -> dict[str, list[int]]:
             ("s2", "u1", enc("<|im_start|>user\nother<|im_end|>\n"), enc("x<|im_end|>"), {}),
             ("s1", "t2", p2, o2, {"prompt_ref": "t1", "prompt_ref_len": len(p1) + len(o1)}),
             ("s1", "t3", p3, o3, {"prompt_ref": "t2", "prompt_ref_len": len(p2) + len(o2)}),
+            # s2's second conversation shares u1's first tokens, then says something else: a break.
+            ("s2", "u2", enc("<|im_start|>user\nanother thing<|im_end|>\n"), enc("y<|im_end|>"), {}),
             (
                 "s1",
                 "t-title",
@@ -281,6 +284,34 @@ async def test_side_calls_are_left_out_as_export_does_and_shown_on_request(view)
     assert r.status == 404 and "in no prefix-merge row" in await r.text()
     r = await c.get("/trajectory/t-title?side=1")
     assert r.status == 200 and 'data-trained="' in await r.text()
+
+
+async def test_a_break_shows_its_class_and_both_first_differing_tokens(
+    view, store: Path, tiny_tokenizer_dir
+) -> None:
+    from polar_mitm.reconstruct.breaks import TokenText
+
+    # As `export --tokenizer` classifies it (the viewer has the tokenizer too).
+    text = TokenText.load(tiny_tokenizer_dir)
+    rows = {
+        r.trajectory_id: r for r in iter_trajectories(store, selection=Selection(session="s2"), text=text)
+    }
+    [b] = rows["u2"].meta["breaks"]
+    assert b["class"] == "other"
+    k = b["common_prefix"]
+    here = (
+        int(rows["u2"].prompt_ids[k])
+        if k < len(rows["u2"].prompt_ids)
+        else int(rows["u2"].response_ids[k - len(rows["u2"].prompt_ids)])
+    )
+    c = await view()
+    body = await (await c.get("/trajectory/u2")).text()
+    table = body[body.index('class="grid breaks"') :]
+    assert f'class="break {b["class"]}"' in table and 'href="/turn/u1"' in table
+    there = int(np.concatenate([rows["u1"].prompt_ids, rows["u1"].response_ids])[k])
+    assert here != there
+    assert f"<code>{here} " in table and f"<code>{there} " in table  # both sides' tokens, with text
+    assert f"page={k // 4096}#tok{k}" in table
 
 
 async def test_rollouts_and_group_pages(view, store: Path) -> None:

@@ -323,6 +323,7 @@ def trajectory(
     related: Sequence[Trajectory],
     tokenizer_note: str | None,
     query: dict[str, Any],
+    break_tokens: Sequence[tuple[str, str]] = (),
 ) -> Html:
     meta = row.meta
     base = ("trajectory", row.trajectory_id)
@@ -382,8 +383,9 @@ def trajectory(
     breaks_html: Html = Html("")
     if breaks:
         rows = []
-        for b in breaks:
+        for i, b in enumerate(breaks):
             k = b.get("common_prefix", 0)
+            mine, theirs = break_tokens[i] if i < len(break_tokens) else ("?", "?")
             rows.append(
                 Row(
                     [
@@ -392,13 +394,28 @@ def trajectory(
                         link(path("turn", b.get("turn_id", "")), b.get("turn_id")),
                         link(path("turn", b.get("vs_turn", "")), b.get("vs_turn")),
                         link(path(*base, **query, page=k // page.size) + f"#tok{k}", f"token {k:,}"),
+                        tag("code", mine),
+                        tag("code", theirs),
                         "yes" if b.get("in_sampled") else "no",
                     ]
                 )
             )
         breaks_html = Html(
             tag("h2", "Breaks")
-            + table(["class", "at", "turn", "diverges from", "first differing token", "inside sampled"], rows)
+            + table(
+                [
+                    "class",
+                    "at",
+                    "turn",
+                    "diverges from",
+                    "first differing token",
+                    "here",
+                    "there",
+                    "inside sampled",
+                ],
+                rows,
+                class_="grid breaks",
+            )
         )
     legend = tag(
         "p",

@@ -388,11 +388,19 @@ class Viewer:
                 decode=pieces.pieces if pieces else None,
                 size=self.config.page_tokens,
             )
-            return row, rows, page, note
+            return row, rows, page, note, _break_tokens(row, rows, pieces)
 
-        row, rows, page, note = await self._thread(read)
+        row, rows, page, note, break_tokens = await self._thread(read)
         return _html(
-            pages.trajectory(row, page, strategy=strategy, related=rows, tokenizer_note=note, query=query)
+            pages.trajectory(
+                row,
+                page,
+                strategy=strategy,
+                related=rows,
+                tokenizer_note=note,
+                query=query,
+                break_tokens=break_tokens,
+            )
         )
 
     async def turn(self, request: web.Request) -> web.Response:
@@ -571,6 +579,29 @@ class Viewer:
             raise web.HTTPNotFound()
         body = resources.files("polar_mitm.view").joinpath("static", name).read_bytes()
         return web.Response(body=body, content_type=STATIC[name], headers={"Cache-Control": "max-age=60"})
+
+
+def _break_tokens(
+    row: Trajectory, rows: list[Trajectory], pieces: TokenPieces | None
+) -> list[tuple[str, str]]:
+    """For each break of the row, the first differing token on each side: this row's, and that of
+    the sequence it diverged from (read off the row holding that turn)."""
+
+    def at(r: Trajectory | None, k: int) -> str:
+        if r is None:
+            return "?"
+        seq = np.concatenate([r.prompt_ids, r.response_ids])
+        if k >= len(seq):
+            return "(ends here)"
+        token = int(seq[k])
+        return f"{token} {pieces.pieces([token])[0]!r}" if pieces is not None else str(token)
+
+    out = []
+    for b in row.meta.get("breaks") or []:
+        k = int(b.get("common_prefix") or 0)
+        other = next((r for r in rows if b.get("vs_turn") in r.turn_ids), None)
+        out.append((at(row, k), at(other, k)))
+    return out
 
 
 def _html(page: Html | str, status: int = 200) -> web.Response:
