@@ -406,12 +406,13 @@ main.add_command(fake_backend)
 from polar_mitm.reconstruct.commands import COMMANDS  # noqa: E402
 from polar_mitm.rollout.commands import rollout  # noqa: E402
 from polar_mitm.service.commands import COMMANDS as SERVICE_COMMANDS  # noqa: E402
+from polar_mitm.view.commands import COMMANDS as VIEW_COMMANDS  # noqa: E402
 
 main.add_command(rollout)
 for _c in SERVICE_COMMANDS:
     main.add_command(_c)
 
-for _c in COMMANDS:
+for _c in [*COMMANDS, *VIEW_COMMANDS]:
     main.add_command(_c)
 
 

@@ -37,6 +37,17 @@ else
   say "no tmux and no apt-get: install tmux yourself for the interactive Claude Code test"
 fi
 
+# Debian's chromium and its driver: the viewer's browser tests and bench (selenium drives them).
+if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then
+  say "chromium and chromedriver present"
+elif command -v apt-get >/dev/null 2>&1; then
+  say "installing chromium and chromium-driver with apt-get (for the viewer's browser tests)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+    || say "could not install chromium; the viewer's browser tests will be skipped"
+else
+  say "no chromium and no apt-get: install chromium and chromedriver yourself for the viewer's browser tests (skipped without them)"
+fi
+
 if ! command -v npm >/dev/null 2>&1; then
   say "npm not found: install Node.js 20 or newer with npm (e.g. apt-get install nodejs npm), then run this again"
   exit 1

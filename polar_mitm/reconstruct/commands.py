@@ -15,6 +15,7 @@ from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import click
 
@@ -341,6 +342,12 @@ def show(
         click.echo(
             render_sequence(row, decode=text.decode if text else None, color=use_color), color=use_color
         )
+    from polar_mitm.view.commands import running_url
+
+    if (url := running_url(db)) is not None:
+        for row in rows:
+            query = "" if strategy == "prefix-merge" else f"?strategy={strategy}"
+            click.echo(f"view: {url}/trajectory/{quote(row.trajectory_id, safe='')}{query}", err=True)
 
 
 @click.command()

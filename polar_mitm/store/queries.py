@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from pydantic import BaseModel
 
 from polar_mitm.store.db import RequestReader, Turn, connect, turn_filter
 
@@ -229,5 +230,190 @@ def text_turns_by_id(path: str | Path, ids: list[str]) -> Iterator[Turn]:
             if row is None:
                 raise KeyError(f"turn {turn_id} vanished from {path}")
             yield _text_turn(row, requests)
+    finally:
+        db.close()
+
+
+# ---- the viewer (`polar-mitm view`) ------------------------------------------------------------
+
+
+class SessionListing(BaseModel):
+    """One line of the viewer's sessions list: a session, what it made, how it ended."""
+
+    id: str
+    task_id: str | None
+    harness: str | None
+    mode: str
+    created_at: float
+    ended_at: float | None
+    exit_code: int | None
+    reward: float | None
+    metadata: str
+    turns: int
+    prompt_tokens: int  # summed over turns: what per-request rows would hold, with output_tokens
+    output_tokens: int
+    last_turn_at: float | None
+    sample_status: str | None  # the newest attempt's status when the session is a rollout sample
+
+    @property
+    def status(self) -> str:
+        """One word a user filters on: the sample's status, else running / ok / failed."""
+        if self.sample_status:
+            return self.sample_status
+        if self.ended_at is None and self.exit_code is None:
+            return "running"
+        return "ok" if self.exit_code in (0, None) else "failed"
+
+
+def list_sessions(
+    path: str | Path,
+    *,
+    task: str | None = None,
+    since: float | None = None,
+    harness: str | None = None,
+    search: str | None = None,
+    limit: int = 200,
+    offset: int = 0,
+) -> list[SessionListing]:
+    """Sessions newest first with their turn and token counts; `search` matches a part of the id
+    (or of the task id). The status filter is the caller's (`SessionListing.status` is derived)."""
+    where, args = [], []
+    if task:
+        where.append("s.task_id = ?")
+        args.append(task)
+    if since is not None:
+        where.append("s.created_at >= ?")
+        args.append(since)
+    if harness:
+        where.append("s.harness = ?")
+        args.append(harness)
+    if search:
+        where.append("(instr(s.id, ?) > 0 OR instr(COALESCE(s.task_id, ''), ?) > 0)")
+        args += [search, search]
+    # The page of sessions first, then the turns of just those (the (session_id, seq) index):
+    # aggregating every turn of the store to show 200 sessions would read all of it.
+    sql = (
+        "SELECT s.id, s.task_id, s.harness, s.mode, s.created_at, s.ended_at, s.exit_code, s.reward, s.metadata,"
+        " (SELECT sa.status FROM samples sa WHERE sa.session_id = s.id ORDER BY sa.attempt DESC LIMIT 1)"
+        " FROM sessions s"
+        + (" WHERE " + " AND ".join(where) if where else "")
+        + " ORDER BY s.created_at DESC, s.id LIMIT ? OFFSET ?"
+    )
+    db = connect(path)
+    try:
+        rows = db.execute(sql, [*args, limit, offset]).fetchall()
+        counts: dict[str, tuple] = {}
+        ids = [r[0] for r in rows]
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for sid, *agg in db.execute(
+                "SELECT session_id, COUNT(*), COALESCE(SUM(prompt_len), 0), COALESCE(SUM(output_len), 0),"
+                f" MAX(created_at) FROM turns WHERE session_id IN ({marks}) GROUP BY session_id",
+                chunk,
+            ):
+                counts[sid] = tuple(agg)
+    finally:
+        db.close()
+    return [
+        SessionListing.model_construct(
+            id=r[0],
+            task_id=r[1],
+            harness=r[2],
+            mode=r[3],
+            created_at=r[4],
+            ended_at=r[5],
+            exit_code=r[6],
+            reward=r[7],
+            metadata=r[8],
+            sample_status=r[9],
+            **dict(
+                zip(
+                    ("turns", "prompt_tokens", "output_tokens", "last_turn_at"),
+                    counts.get(r[0], (0, 0, 0, None)),
+                    strict=True,
+                )
+            ),
+        )  # fmt: skip
+        for r in rows
+    ]
+
+
+def session_facets(path: str | Path) -> dict[str, list[str]]:
+    """The distinct task ids and harnesses of the store, for the viewer's filter menus."""
+    db = connect(path)
+    try:
+        tasks = [
+            r[0]
+            for r in db.execute("SELECT DISTINCT task_id FROM sessions WHERE task_id IS NOT NULL ORDER BY 1")
+        ]
+        harnesses = [
+            r[0]
+            for r in db.execute("SELECT DISTINCT harness FROM sessions WHERE harness IS NOT NULL ORDER BY 1")
+        ]
+    finally:
+        db.close()
+    return {"task": tasks, "harness": harnesses}
+
+
+class TurnFacts(BaseModel):
+    """What the viewer shows of a turn besides its tokens: where it went, how it ended, timings."""
+
+    id: str
+    session_id: str
+    seq: int
+    created_at: float
+    style: str
+    host: str | None
+    path: str | None
+    model: str | None
+    tag: str | None
+    status: str
+    finish_reason: str | None
+    prompt_len: int
+    output_len: int
+    weight_version: str | None
+    latency_ms: float | None
+    error: str | None
+    request_headers: str | None
+
+
+_FACT_COLUMNS = ", ".join(f"t.{name}" for name in TurnFacts.model_fields)
+
+
+def turn_facts(
+    path: str | Path, *, ids: list[str] | None = None, session: str | None = None
+) -> list[TurnFacts]:
+    """The named turns' facts (in creation order), or every turn of `session`; no token ids."""
+    fields = list(TurnFacts.model_fields)
+    out: list[TurnFacts] = []
+    db = connect(path)
+    try:
+        if session is not None:
+            rows = db.execute(
+                f"SELECT {_FACT_COLUMNS} FROM turns t WHERE t.session_id = ? ORDER BY t.seq", (session,)
+            )
+            out = [TurnFacts.model_construct(**dict(zip(fields, r, strict=True))) for r in rows]
+        for start in range(0, len(ids or []), 500):
+            chunk = (ids or [])[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            rows = db.execute(f"SELECT {_FACT_COLUMNS} FROM turns t WHERE t.id IN ({marks})", chunk)
+            out += [TurnFacts.model_construct(**dict(zip(fields, r, strict=True))) for r in rows]
+    finally:
+        db.close()
+    return sorted(out, key=lambda f: f.seq)
+
+
+def session_record(path: str | Path, session: str) -> dict[str, Any] | None:
+    """A session's own row (id, task, harness, command, mode, metadata, times, exit code, reward)."""
+    db = connect(path)
+    try:
+        cur = db.execute(
+            "SELECT id, task_id, harness, command, mode, metadata, created_at, ended_at, exit_code, reward"
+            " FROM sessions WHERE id = ?",
+            (session,),
+        )
+        row = cur.fetchone()
+        return dict(zip([d[0] for d in cur.description], row, strict=True)) if row else None
     finally:
         db.close()

@@ -1,0 +1,799 @@
+"""The viewer's pages, as pure functions from what the store (or the service) says to HTML.
+
+`server` reads the data and picks the page; nothing here does I/O. Each page is a stable URL:
+/sessions, /session/ID, /trajectory/ID (?strategy, ?page), /turn/ID, /rollouts, /group/ID,
+/plots and /live.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from polar_mitm.reconstruct.trajectory import Trajectory
+from polar_mitm.rollout.report import STAGE_COLUMNS, TaskReport
+from polar_mitm.store.queries import SessionListing, TurnFacts
+from polar_mitm.store.rollouts import SampleInfo
+from polar_mitm.view import plots
+from polar_mitm.view.html import (
+    Html,
+    Row,
+    esc,
+    facts,
+    join,
+    json_block,
+    layout,
+    link,
+    num,
+    path,
+    pct,
+    pretty,
+    problem,
+    table,
+    tag,
+    when,
+)
+from polar_mitm.view.tokens import TokenPage
+
+PAGE_SESSIONS = 200
+STATUSES = ("ok", "failed", "running", "completed", "agent_timeout", "cancelled", "retried")
+
+
+def error_page(status: int, title: str, message: str, hint: Any = "") -> tuple[int, Html]:
+    return status, layout(title, problem(title, message, hint))
+
+
+# --- sessions -----------------------------------------------------------------------------------
+
+
+def sessions(
+    listings: Sequence[SessionListing],
+    *,
+    facets: dict[str, list[str]],
+    filters: dict[str, str],
+    offset: int,
+    more: bool,
+    db: str,
+) -> Html:
+    def select(name: str, options: Sequence[str]) -> Html:
+        opts = [tag("option", "any", value="")] + [
+            tag("option", o, value=o, selected=filters.get(name) == o) for o in options
+        ]
+        return tag("label", Html(esc(name) + tag("select", join(opts), name=name)))
+
+    form = tag(
+        "form",
+        join(
+            [
+                tag(
+                    "label",
+                    Html(
+                        "id " + tag("input", "", name="q", value=filters.get("q", ""), placeholder="search")
+                    ),
+                ),
+                select("task", facets["task"]),
+                select("harness", facets["harness"]),
+                select("status", STATUSES),
+                tag(
+                    "label",
+                    Html(
+                        "since "
+                        + tag(
+                            "input",
+                            "",
+                            name="since",
+                            value=filters.get("since", ""),
+                            placeholder="2025-06-01",
+                        )
+                    ),
+                ),
+                tag("button", "filter", type="submit"),
+            ]
+        ),
+        method="get",
+        action="/sessions",
+        class_="filters",
+    )
+    rows = [
+        Row(
+            [
+                link(path("session", s.id), s.id),
+                s.task_id or "-",
+                s.harness or "-",
+                when(s.created_at),
+                num(s.turns),
+                num(s.prompt_tokens + s.output_tokens),
+                num(s.output_tokens),
+                "-" if s.reward is None else f"{s.reward:g}",
+                tag("span", s.status, class_=f"status {s.status}"),
+            ]
+        )
+        for s in listings
+    ]
+    headers = ["session", "task", "harness", "created", "turns", "tokens", "sampled", "reward", "status"]
+    pager = []
+    q = {k: v for k, v in filters.items() if v}
+    if offset:
+        pager.append(
+            link(path("sessions", **q, offset=max(0, offset - len(listings) or 0) or None), "← newer")
+        )
+    if more:
+        pager.append(link(path("sessions", **q, offset=offset + len(listings)), "older →"))
+    body = Html(
+        form
+        + tag("p", f"store {db} · {len(listings)} sessions shown", class_="muted")
+        + table(headers, rows, class_="grid sessions", empty="no session matches")
+        + tag("p", join(pager, " "), class_="pager")
+    )
+    return layout("Sessions", body, active="sessions")
+
+
+# --- one session --------------------------------------------------------------------------------
+
+
+def _rows_tree(rows: Sequence[Trajectory], strategy: str, query: dict[str, Any]) -> Html:
+    """The session's rows as a tree: each row under the row it came from (`parent_id`)."""
+    ids = {r.trajectory_id for r in rows}
+    children: dict[str | None, list[Trajectory]] = {}
+    for r in rows:
+        parent = r.parent_id if r.parent_id in ids else None
+        children.setdefault(parent, []).append(r)
+
+    def item(r: Trajectory) -> Html:
+        label = link(
+            path("trajectory", r.trajectory_id, strategy=_nondefault(strategy), **query), r.trajectory_id
+        )
+        line = Html(
+            tag("span", r.role, class_=f"role {r.role}")
+            + " "
+            + label
+            + tag(
+                "span",
+                f" {r.num_turns} turns · {r.num_tokens:,} tokens · {r.num_trained:,} trained · "
+                f"reward {'-' if r.reward is None else f'{r.reward:g}'} · {r.finish_reason}",
+                class_="muted",
+            )
+        )
+        kids = children.get(r.trajectory_id, [])
+        sub = tag("ul", join(item(k) for k in kids)) if kids else ""
+        return tag("li", Html(line + sub))
+
+    return tag("ul", join(item(r) for r in children.get(None, [])), class_="tree")
+
+
+def _nondefault(strategy: str) -> str | None:
+    return None if strategy == "prefix-merge" else strategy
+
+
+def strategy_switch(base: tuple[str, ...], strategy: str) -> Html:
+    return tag(
+        "p",
+        join(
+            [
+                "rows: ",
+                link(path(*base), "prefix-merge", class_="on" if strategy == "prefix-merge" else None),
+                " · ",
+                link(
+                    path(*base, strategy="per-request"),
+                    "per-request",
+                    class_="on" if strategy == "per-request" else None,
+                ),
+            ]
+        ),
+        class_="switch",
+    )
+
+
+def session(
+    record: dict[str, Any],
+    rows: Sequence[Trajectory],
+    turns: Sequence[TurnFacts],
+    *,
+    strategy: str,
+    query: dict[str, Any],
+) -> Html:
+    command = record.get("command")
+    try:
+        command = " ".join(json.loads(command)) if command else "-"
+    except (ValueError, TypeError):
+        pass
+    head = facts(
+        [
+            ("task", record.get("task_id") or "-"),
+            ("harness", record.get("harness") or "-"),
+            ("mode", record.get("mode")),
+            ("command", tag("code", command)),
+            ("created", when(record.get("created_at"))),
+            ("ended", when(record.get("ended_at"))),
+            ("exit code", "-" if record.get("exit_code") is None else record["exit_code"]),
+            ("reward", "-" if record.get("reward") is None else record["reward"]),
+            ("metadata", tag("code", record.get("metadata") or "{}")),
+        ]
+    )
+    turn_rows = [
+        Row(
+            [
+                link(path("turn", t.id), t.id),
+                t.style,
+                t.tag or "",
+                t.status,
+                t.finish_reason or "-",
+                num(t.prompt_len),
+                num(t.output_len),
+                t.weight_version or "-",
+                "-" if t.latency_ms is None else f"{t.latency_ms:.0f} ms",
+            ],
+            css="side" if t.tag else None,
+        )
+        for t in turns
+    ]
+    body = Html(
+        head
+        + tag("h2", "Rows")
+        + strategy_switch(("session", record["id"]), strategy)
+        + _selection_switch(("session", record["id"]), strategy, query)
+        + (
+            _rows_tree(rows, strategy, query)
+            if rows
+            else tag("p", "no rows (side calls and aborted turns are left out, as export does)")
+        )
+        + tag("h2", "Turns")
+        + table(
+            ["turn", "style", "tag", "status", "finish", "prompt", "sampled", "weights", "latency"], turn_rows
+        )
+    )
+    return layout(f"Session {record['id']}", body, active="sessions")
+
+
+def _selection_switch(base: tuple[str, ...], strategy: str, query: dict[str, Any]) -> Html:
+    """Links that add or drop side calls and aborted turns (export leaves both out by default)."""
+    side, aborted = bool(query.get("side")), bool(query.get("aborted"))
+    s = _nondefault(strategy)
+    toggle_side = path(*base, strategy=s, side=None if side else "1", aborted=query.get("aborted"))
+    toggle_aborted = path(*base, strategy=s, side=query.get("side"), aborted=None if aborted else "1")
+    return tag(
+        "p",
+        join(
+            [
+                "side calls " + ("included " if side else "left out, as export does "),
+                link(toggle_side, "drop them" if side else "include them"),
+                " · aborted turns " + ("included " if aborted else "left out, as export does "),
+                link(toggle_aborted, "drop them" if aborted else "include them"),
+            ]
+        ),
+        class_="switch muted",
+    )
+
+
+# --- a trajectory -------------------------------------------------------------------------------
+
+KIND_CLASS = {"prompt": "p", "context": "c", "sampled": "s", "copy": "y"}
+
+
+def token_spans(page: TokenPage) -> Html:
+    """The page's tokens, one span each (`data-i`: its index on the page), with a mark where each
+    turn's sampled tokens begin."""
+    out: list[str] = []
+    text = page.text
+    for k, token_id in enumerate(page.ids):
+        at = page.start + k
+        if at in page.boundaries:
+            span = page.spans[page.boundaries[at]]
+            out.append(
+                f'<a class="turn-mark" href="{path("turn", span.turn_id)}" data-turn="{span.index}">'
+                f"turn {span.index + 1}</a>"
+            )
+        cls = "t " + KIND_CLASS[page.kind[k]]
+        if page.trained[k]:
+            cls += f" b{page.shade[k]}"
+        piece = text[k] if text is not None else f"{token_id} "
+        if not piece:
+            cls += " e"
+        out.append(f'<span class="{cls}" data-i="{k}">{esc(piece)}</span>')
+    return Html("".join(out))
+
+
+def _minimap(row: Trajectory, page: TokenPage, base: tuple[str, ...], query: dict[str, Any]) -> Html:
+    """One cell per page: how much of it is trained; the current page marked."""
+    size = page.size
+    mask = row.loss_mask
+    cut = len(row.prompt_ids)
+    cells = []
+    for p in range(page.pages):
+        lo, hi = p * size, min(row.num_tokens, (p + 1) * size)
+        trained = int(mask[max(0, lo - cut) : max(0, hi - cut)].sum()) if hi > cut else 0
+        level = min(4, (5 * trained) // max(1, hi - lo))
+        cells.append(
+            link(
+                path(*base, **query, page=p),
+                "",
+                class_=f"cell l{level}" + (" on" if p == page.number else ""),
+                title=f"page {p + 1}: tokens {lo:,}–{hi:,}, {trained:,} trained",
+            )
+        )
+    return tag("div", join(cells), class_="minimap")
+
+
+def trajectory(
+    row: Trajectory,
+    page: TokenPage,
+    *,
+    strategy: str,
+    related: Sequence[Trajectory],
+    tokenizer_note: str | None,
+    query: dict[str, Any],
+    break_tokens: Sequence[tuple[str, str]] = (),
+) -> Html:
+    meta = row.meta
+    base = ("trajectory", row.trajectory_id)
+    parent = (
+        link(path("trajectory", row.parent_id, strategy=_nondefault(strategy)), row.parent_id)
+        if row.parent_id
+        else "-"
+    )
+    children = [r for r in related if r.parent_id == row.trajectory_id]
+    head = facts(
+        [
+            ("session", link(path("session", row.session_id), row.session_id)),
+            ("task", row.task_id or "-"),
+            ("role", tag("span", row.role, class_=f"role {row.role}")),
+            ("parent", parent),
+            (
+                "children",
+                join(
+                    (
+                        link(
+                            path("trajectory", c.trajectory_id, strategy=_nondefault(strategy)),
+                            f"{c.role} {c.trajectory_id}",
+                        )
+                        for c in children
+                    ),
+                    ", ",
+                )
+                or "-",
+            ),
+            ("strategy", strategy),
+            ("turns", row.num_turns),
+            (
+                "tokens",
+                Html(
+                    f"{row.num_tokens:,} (prompt {len(row.prompt_ids):,}, trained "
+                    + tag("span", f"{row.num_trained}", id="trained-count", data_trained=row.num_trained)
+                    + ")"
+                ),
+            ),
+            ("finish", row.finish_reason),
+            ("reward", "-" if row.reward is None else f"{row.reward:g}"),
+            ("weight versions", ", ".join(meta.get("weight_versions") or []) or "-"),
+            ("branched from", meta.get("branched_from") or "-"),
+        ]
+        + (
+            [
+                (
+                    "rollout sample",
+                    f"{row.group_id} #{row.sample_index} · {row.status} · advantage {num(row.advantage)}",
+                )
+            ]
+            if row.group_id
+            else []
+        )
+    )
+    breaks = meta.get("breaks") or []
+    breaks_html: Html = Html("")
+    if breaks:
+        rows = []
+        for i, b in enumerate(breaks):
+            k = b.get("common_prefix", 0)
+            mine, theirs = break_tokens[i] if i < len(break_tokens) else ("?", "?")
+            rows.append(
+                Row(
+                    [
+                        tag("span", b.get("class"), class_=f"break {b.get('class')}"),
+                        b.get("at"),
+                        link(path("turn", b.get("turn_id", "")), b.get("turn_id")),
+                        link(path("turn", b.get("vs_turn", "")), b.get("vs_turn")),
+                        link(path(*base, **query, page=k // page.size) + f"#tok{k}", f"token {k:,}"),
+                        tag("code", mine),
+                        tag("code", theirs),
+                        "yes" if b.get("in_sampled") else "no",
+                    ]
+                )
+            )
+        breaks_html = Html(
+            tag("h2", "Breaks")
+            + table(
+                [
+                    "class",
+                    "at",
+                    "turn",
+                    "diverges from",
+                    "first differing token",
+                    "here",
+                    "there",
+                    "inside sampled",
+                ],
+                rows,
+                class_="grid breaks",
+            )
+        )
+    legend = tag(
+        "p",
+        Html(
+            tag("span", "prompt", class_="t p")
+            + " "
+            + tag("span", "context (tool results, user, template)", class_="t c")
+            + " "
+            + tag("span", "trained (shade: probability)", class_="t s b6")
+            + " "
+            + tag("span", "sampled, trained in another row", class_="t y")
+        ),
+        class_="legend",
+    )
+    note = tag("p", tokenizer_note, class_="warn") if tokenizer_note else ""
+    nav = []
+    if page.number > 0:
+        nav.append(link(path(*base, **query, page=page.number - 1), "← previous page", rel="prev"))
+    nav.append(
+        tag(
+            "span",
+            f"page {page.number + 1} of {page.pages} · tokens {page.start:,}–{page.start + len(page.ids):,}",
+        )
+    )
+    if page.number + 1 < page.pages:
+        nav.append(link(path(*base, **query, page=page.number + 1), "next page →", rel="next"))
+    body = Html(
+        head
+        + breaks_html
+        + strategy_switch(base, strategy)
+        + _minimap(row, page, base, query)
+        + legend
+        + note
+        + tag("p", join(nav, " "), class_="pager")
+        + tag("div", token_spans(page), id="tokens", class_="tokens", data_start=page.start)
+        + tag("div", "", id="tip", class_="tip", hidden=True)
+        + tag("p", join(nav, " "), class_="pager")
+        + json_block(_page_data(page))
+    )
+    return layout(f"Trajectory {row.trajectory_id}", body, active="sessions")
+
+
+# --- a turn -------------------------------------------------------------------------------------
+
+
+def turn(
+    facts_: TurnFacts,
+    *,
+    request: str | None,
+    response: str | None,
+    reply: tuple[str, str],
+    prompt_text: str,
+    output: TokenPage | None,
+    tokenizer_note: str | None,
+) -> Html:
+    t = facts_
+    head = facts(
+        [
+            ("session", link(path("session", t.session_id), t.session_id)),
+            ("style", t.style),
+            ("endpoint", f"{t.host or ''}{t.path or ''}" or "-"),
+            ("model", t.model or "-"),
+            ("tag", t.tag or "-"),
+            ("status", t.status),
+            ("finish", t.finish_reason or "-"),
+            ("weight version", t.weight_version or "-"),
+            ("created", when(t.created_at)),
+            ("latency", "-" if t.latency_ms is None else f"{t.latency_ms:.1f} ms"),
+            ("tokens", f"prompt {t.prompt_len:,} · sampled {t.output_len:,}"),
+            ("error", t.error or "-"),
+            ("row", link(path("trajectory", t.id), "the row holding this turn")),
+        ]
+    )
+    summary = _request_summary(request)
+    note = tag("p", tokenizer_note, class_="warn") if tokenizer_note else ""
+    body = Html(
+        head
+        + tag("h2", "Request as the harness sent it")
+        + summary
+        + tag(
+            "details", Html(tag("summary", "raw request (credentials removed)") + tag("pre", pretty(request)))
+        )
+        + tag("details", Html(tag("summary", "request headers") + tag("pre", pretty(t.request_headers))))
+        + tag("h2", "Rendered prompt")
+        + note
+        + tag(
+            "details",
+            Html(tag("summary", f"{t.prompt_len:,} tokens") + tag("pre", prompt_text, class_="prompt")),
+        )
+        + tag("h2", "What the engine sampled")
+        + (tag("div", token_spans(output), id="tokens", class_="tokens") if output else tag("p", "nothing"))
+        + tag("div", "", id="tip", class_="tip", hidden=True)
+        + (json_block(_page_data(output)) if output else "")
+        + tag("h2", "Reply the harness received")
+        + tag("p", reply[0], class_="muted", id="reply-kind")
+        + tag("pre", reply[1], id="reply")
+        + tag(
+            "details",
+            Html(tag("summary", "the completion as recorded (neutral JSON)") + tag("pre", pretty(response))),
+        )
+    )
+    return layout(f"Turn {t.id}", body, active="sessions")
+
+
+def _page_data(page: TokenPage) -> dict[str, Any]:
+    return {
+        "start": page.start,
+        "ids": page.ids,
+        "lp": page.logprobs,
+        "trained": [int(x) for x in page.trained],
+        "turn": page.turn,
+        "turns": [
+            {"id": s.turn_id, "wv": s.weight_version, "tag": s.tag, "n": s.index + 1} for s in page.spans
+        ],
+        "text": page.text is not None,
+    }
+
+
+def _request_summary(request: str | None) -> Html:
+    """Messages (role and the start of their text) and tool names of a native request."""
+    try:
+        body = json.loads(request or "")
+    except ValueError:
+        return tag("p", "no request stored" if request is None else "the request is not JSON")
+    if not isinstance(body, dict):
+        return Html("")
+    messages = body.get("messages") or body.get("input") or body.get("contents") or []
+    rows = []
+    if isinstance(body.get("system"), (str, list)):
+        rows.append(Row(["system", _short(body["system"])]))
+    if isinstance(body.get("instructions"), str):
+        rows.append(Row(["instructions", _short(body["instructions"])]))
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, dict):
+                role = m.get("role") or m.get("type") or "?"
+                content = m.get("content", m.get("parts", m.get("output", "")))
+                rows.append(Row([role, _short(content)]))
+    tools = body.get("tools") or []
+    names = []
+    if isinstance(tools, list):
+        for tl in tools:
+            if isinstance(tl, dict):
+                names.append(
+                    tl.get("name") or (tl.get("function") or {}).get("name") or tl.get("type") or "?"
+                )
+    return Html(
+        table(["role", "content"], rows, class_="grid messages", empty="no messages")
+        + tag("p", f"tools ({len(names)}): " + (", ".join(str(n) for n in names) or "none"), class_="muted")
+    )
+
+
+def _short(content: Any, limit: int = 400) -> str:
+    text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit] + f" … ({len(text):,} characters)"
+
+
+# --- rollouts and groups ------------------------------------------------------------------------
+
+
+def _report_rows(reports: Sequence[TaskReport]) -> list[Row]:
+    return [
+        Row(
+            [
+                r.task_id,
+                r.samples,
+                r.usable,
+                num(r.mean_reward),
+                pct(r.pass_at_1),
+                f"{pct(r.pass_at_k)} (k={r.k})",
+                f"{r.groups_all_equal}/{r.groups}",
+                ", ".join(f"{k} {v}" for k, v in sorted(r.failures.items())) or "-",
+                *[num(r.stage_mean(s)) for s in STAGE_COLUMNS],
+            ],
+            css="nosignal" if r.groups and r.groups_all_equal == r.groups else None,
+        )
+        for r in reports
+    ]
+
+
+REPORT_HEADERS = ["task", "samples", "usable", "mean reward", "pass@1", "pass@k", "no signal", "failures"] + [
+    f"{s} s" for s in STAGE_COLUMNS
+]
+
+
+def rollouts(by_rollout: dict[str, tuple[list[TaskReport], dict[str, list[SampleInfo]]]]) -> Html:
+    if not by_rollout:
+        return layout(
+            "Rollouts",
+            tag("p", "no rollout in this store (see `polar-mitm rollout` and `serve`)"),
+            active="rollouts",
+        )
+    parts = []
+    for rid, (reports, groups) in by_rollout.items():
+        group_rows = []
+        for gid, members in groups.items():
+            final = [s for s in members if s.status != "retried"]
+            rewards = [s.reward or 0.0 for s in final if s.trainable]
+            flat = len(rewards) > 1 and len(set(rewards)) == 1
+            group_rows.append(
+                Row(
+                    [
+                        link(path("group", gid), gid),
+                        members[0].task_id,
+                        len(final),
+                        " ".join("-" if s.reward is None else f"{s.reward:g}" for s in final),
+                        "no signal" if flat else "",
+                    ],
+                    css="nosignal" if flat else None,
+                )
+            )
+        parts.append(
+            Html(
+                tag("h2", f"Rollout {rid}", id=f"rollout-{rid}")
+                + table(REPORT_HEADERS, _report_rows(reports))
+                + table(["group", "task", "samples", "rewards", ""], group_rows, class_="grid groups")
+            )
+        )
+    return layout("Rollouts", join(parts), active="rollouts")
+
+
+def group(
+    gid: str, members: Sequence[SampleInfo], advantage: dict[str, float], report: TaskReport | None
+) -> Html:
+    final = [s for s in members if s.status != "retried"]
+    rewards = [s.reward or 0.0 for s in final if s.trainable]
+    flat = len(rewards) > 1 and len(set(rewards)) == 1
+    cards = []
+    for s in members:
+        detail = _detail(s.reward_detail)
+        timings = json.loads(s.timings or "{}")
+        cards.append(
+            tag(
+                "section",
+                Html(
+                    tag(
+                        "h3",
+                        Html(f"sample {s.sample_index}" + (f" · attempt {s.attempt}" if s.attempt else "")),
+                    )
+                    + facts(
+                        [
+                            ("status", tag("span", s.status, class_=f"status {s.status}")),
+                            (
+                                "reward",
+                                tag("span", "-" if s.reward is None else f"{s.reward:g}", class_="reward"),
+                            ),
+                            ("advantage", num(advantage.get(s.session_id))),
+                            ("cause", s.cause or "-"),
+                            ("session", link(path("session", s.session_id), s.session_id)),
+                            ("stages", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()) or "-"),
+                        ]
+                    )
+                    + detail
+                ),
+                class_=f"sample {s.status}",
+                data_status=s.status,
+                data_reward="" if s.reward is None else s.reward,
+            )
+        )
+    head = Html(
+        (
+            tag(
+                "p",
+                "no signal: every usable sample got the same reward, so GRPO learns nothing from this group",
+                class_="warn",
+            )
+            if flat
+            else ""
+        )
+        + (table(REPORT_HEADERS, _report_rows([report])) if report else "")
+    )
+    task = members[0].task_id if members else "?"
+    return layout(
+        f"Group {gid}",
+        Html(head + tag("div", join(cards), class_="samples")),
+        subtitle=tag("p", f"task {task}", class_="muted"),
+        active="rollouts",
+    )
+
+
+def _detail(raw: str | None) -> Html:
+    """The verifier's detail: tests passed / failed when it says, the output tail, the rest as JSON."""
+    if not raw:
+        return Html("")
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return tag("pre", raw)
+    if not isinstance(d, dict):
+        return tag("pre", pretty(raw))
+    pairs = []
+    for key in ("passed", "failed", "tests_passed", "tests_failed", "exit_code", "kind", "where"):
+        if key in d and not isinstance(d[key], (dict, list)):
+            pairs.append((key, d[key]))
+    tail = next((d[k] for k in ("output_tail", "output", "stdout", "log") if isinstance(d.get(k), str)), None)
+    return Html(
+        (facts(pairs) if pairs else "")
+        + (tag("pre", tail[-2000:], class_="tail") if tail else "")
+        + tag("details", Html(tag("summary", "reward_detail") + tag("pre", pretty(raw))))
+    )
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+
+def plots_page(
+    rewards_by_task: dict[str, list[float]],
+    turns_per_session: list[int],
+    ratios: list[float],
+    stage_seconds: dict[str, list[float]],
+    *,
+    ratio_sessions: int,
+) -> Html:
+    figs = [plots.histogram([float(t) for t in turns_per_session], title="turns per session", bins=15)]
+    figs.append(
+        plots.histogram(
+            ratios,
+            title=f"trainer-token ratio per session (per-request ÷ prefix-merge tokens; last {ratio_sessions} sessions)",
+            bins=12,
+        )
+    )
+    for task, rewards in sorted(rewards_by_task.items()):
+        figs.append(
+            plots.histogram(
+                rewards,
+                title=f"reward distribution · {task}",
+                bins=10,
+                lo=0.0,
+                hi=max(1.0, max(rewards or [1.0])),
+            )
+        )
+    for stage, secs in stage_seconds.items():
+        figs.append(plots.histogram(secs, title=f"seconds in stage {stage}", bins=12, unit="s"))
+    return layout("Plots", tag("div", join(figs), class_="plots"), active="plots")
+
+
+# --- live ---------------------------------------------------------------------------------------
+
+
+def live(server: str | None, snapshot: dict[str, Any] | None, error: str | None) -> Html:
+    if server is None:
+        return layout(
+            "Live",
+            problem(
+                "Live",
+                "no rollout service to watch",
+                Html(
+                    "start the viewer with "
+                    + tag("code", "--server URL")
+                    + " (the URL of `polar-mitm serve`)."
+                ),
+            ),
+            active="live",
+        )
+    if error:
+        return layout(
+            "Live",
+            problem(
+                "Live",
+                f"the service at {server} did not answer: {error}",
+                "is `polar-mitm serve` running there, and is POLAR_MITM_SERVICE_TOKEN set?",
+            ),
+            active="live",
+        )
+    snap = snapshot or {}
+    body = Html(
+        tag(
+            "p",
+            Html(f"service {esc(server)} · " + tag("span", "connecting…", id="live-state")),
+            class_="muted",
+        )
+        + tag("div", "", id="weights", class_="weights")
+        + tag("h2", "Nodes")
+        + tag("div", "", id="nodes")
+        + tag("h2", "Tasks")
+        + tag("div", "", id="tasks")
+        + tag("h2", "Events")
+        + tag("ol", "", id="events", class_="events")
+        + json_block(snap)
+    )
+    return layout("Live", body, active="live")
