@@ -85,8 +85,8 @@ def _register(db: Path, url: str, remove: bool = False) -> None:
     "--server",
     envvar="POLAR_MITM_SERVER",
     default=None,
-    help="A rollout service (`polar-mitm serve`) to watch on the live page; its token from "
-    "POLAR_MITM_SERVICE_TOKEN.",
+    help="A rollout service (`polar-mitm serve`) to watch on the live page; its token found as "
+    "`submit` finds it (POLAR_MITM_SERVICE_TOKEN, else the token file serve writes).",
 )
 @click.option(
     "--listen",
@@ -125,6 +125,7 @@ def view(
       polar-mitm view --db runs.sqlite --tokenizer ~/models/Qwen3-8B --open
       polar-mitm view --db rollouts.sqlite --server http://127.0.0.1:8700
     """
+    from polar_mitm.service.auth import find_token
     from polar_mitm.view.server import ViewConfig, Viewer, allowed_hosts, is_loopback
 
     host, port = listen
@@ -136,7 +137,7 @@ def view(
     config = ViewConfig(
         db=db,
         server=server,
-        service_token=os.environ.get("POLAR_MITM_SERVICE_TOKEN"),
+        service_token=find_token() if server else None,
         tokenizer=tokenizer,
         allowed_hosts=allowed_hosts(host),
     )
