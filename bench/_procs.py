@@ -178,7 +178,7 @@ def start_trivial(tmp: Path, reply: bytes, content_type: str = "text/event-strea
 
 def ensure_ca(tmp: Path) -> Path:
     """One CA for every proxy of the run (polar-mitm and mitmdump read the same confdir)."""
-    from polar_mitm.runtime.certs import ensure_ca as _ensure
+    from polar_mitm.proxy.certs import ensure_ca as _ensure
 
     return _ensure(tmp / "certs").cert
 

@@ -31,10 +31,10 @@ from pathlib import Path
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
-from polar_mitm.runtime.channel import Channel
-from polar_mitm.runtime.docker import DockerRuntime
-from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig, proxy_url
-from polar_mitm.runtime.sandbox import HarnessMount, SandboxSpec
+from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, proxy_url
+from polar_mitm.sandbox.base import HarnessMount, SandboxSpec
+from polar_mitm.sandbox.channel import Channel
+from polar_mitm.sandbox.docker import DockerRuntime
 from polar_mitm.tasks.model import Task
 
 CLIENT = r"""

@@ -26,11 +26,11 @@ from pathlib import Path
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
+from polar_mitm.rollout.evaluators import HarnessOutcome, evaluate
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
-from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
-from polar_mitm.runtime.sandbox import SandboxSpec
-from polar_mitm.runtime.tempdir import TempdirRuntime
-from polar_mitm.tasks.evaluators import HarnessOutcome, evaluate
+from polar_mitm.sandbox.base import SandboxSpec
+from polar_mitm.sandbox.tempdir import TempdirRuntime
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 
@@ -45,7 +45,7 @@ def slow(runtime_cls, delay: float):
 
 def make_runtime(docker: bool, delay: float):
     if docker:
-        from polar_mitm.runtime.docker import DockerRuntime
+        from polar_mitm.sandbox.docker import DockerRuntime
 
         return slow(DockerRuntime, delay)
     return slow(TempdirRuntime, delay)

@@ -32,9 +32,9 @@ from _procs import start_fake  # noqa: E402
 
 from polar_mitm.backends.policy import PolicyConfig  # noqa: E402
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
+from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig  # noqa: E402
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions  # noqa: E402
-from polar_mitm.runtime import make_runtime  # noqa: E402
-from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig  # noqa: E402
+from polar_mitm.sandbox import make_runtime  # noqa: E402
 from polar_mitm.tasks import load_tasks  # noqa: E402
 
 TASKS = Path(__file__).resolve().parent.parent / "examples" / "tasks"

@@ -22,9 +22,9 @@ from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 from polar_mitm.client import AsyncRolloutClient
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
-from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
-from polar_mitm.runtime.tempdir import TempdirRuntime
+from polar_mitm.sandbox.tempdir import TempdirRuntime
 from polar_mitm.service.node import NodeConfig, spawn_node, stop_node
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.tasks.model import EvaluatorSpec, Task

@@ -31,7 +31,7 @@ def main(verbose: int) -> None:
 
 
 def _parse_upstreams(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
-    from polar_mitm.harvest import parse_upstream
+    from polar_mitm.proxy.exchange import parse_upstream
 
     out: dict[str, str] = {}
     for spec in value:
@@ -110,7 +110,7 @@ def preflight(cfg) -> None:
     """Exit with one line when the policy backend or the tokenizer is not usable (policy mode)."""
     if cfg.mode == "harvest":
         return
-    from polar_mitm.runtime.preflight import EXIT_CONFIG, PreflightError, check_policy
+    from polar_mitm.harness.preflight import EXIT_CONFIG, PreflightError, check_policy
 
     try:
         asyncio.run(check_policy(cfg.policy))
@@ -175,9 +175,9 @@ def run(
     With --harvest the harness talks to its real provider instead, and each model exchange is
     stored as text (request and assembled reply, credentials removed) for `export --format sft-jsonl`.
     """
-    from polar_mitm.runtime import recipes
-    from polar_mitm.runtime.local import EXIT_UNTRUSTED, run_harness
-    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+    from polar_mitm import recipes
+    from polar_mitm.harness.local import EXIT_UNTRUSTED, run_harness
+    from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 
     cmd = list(cmd)
     rec = recipes.get(recipe) if recipe else recipes.for_command(cmd)
@@ -276,12 +276,12 @@ def proxy(
     to one of N proxy processes, chosen by the session in its credentials, so every session
     stays in one process; all of them write the same --db.
     """
-    from polar_mitm.runtime.local import shell_setup
-    from polar_mitm.runtime.proxy import ListenError, PolarProxy, ProxyConfig, ProxyStartError
-    from polar_mitm.runtime.workers import WorkerPool
+    from polar_mitm.harness.local import shell_setup
+    from polar_mitm.proxy.embedded import ListenError, PolarProxy, ProxyConfig, ProxyStartError
+    from polar_mitm.proxy.workers import WorkerPool
 
     if token_file is not None:
-        from polar_mitm.service.auth import TokenFileError, read_token_file
+        from polar_mitm.auth import TokenFileError, read_token_file
 
         try:
             token = read_token_file(token_file)
@@ -349,7 +349,7 @@ def certs(certs, show) -> None:
     NODE_EXTRA_CA_CERTS=$(polar-mitm certs --show cert)
     SSL_CERT_FILE=$(polar-mitm certs --show bundle)    # system roots + our CA
     """
-    from polar_mitm.runtime.certs import ensure_ca
+    from polar_mitm.proxy.certs import ensure_ca
 
     ca = ensure_ca(certs)
     if show:
@@ -367,7 +367,7 @@ def list_recipes() -> None:
 
     `run` picks a recipe by the command's binary name; `--recipe NAME` overrides.
     """
-    from polar_mitm.runtime import recipes
+    from polar_mitm import recipes
 
     for r in recipes.all_recipes().values():
         click.echo(f"{r.name:<12} {r.status:<12} binaries: {', '.join(r.binaries) or '-'}")

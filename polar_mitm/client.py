@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
+from polar_mitm.api import SampleView, Submitted, TaskRequest, TaskView
+from polar_mitm.auth import find_token
 from polar_mitm.outcomes import TRAINABLE
-from polar_mitm.service.auth import find_token
-from polar_mitm.service.models import SampleView, Submitted, TaskRequest, TaskView
 from polar_mitm.tasks.model import Task
 
 

@@ -10,7 +10,7 @@ and options, as mitmproxy's addons do: its options are declared in `load`, check
 
 What it changes of mitmproxy's own behaviour, and only for provider hosts: their TLS connections
 are not intercepted but relayed, still encrypted, to the gateway (`next_layer`, then
-`addons/handoff.py`), which answers model calls and side endpoints. Side hosts the recipes stub
+`proxy/addons/handoff.py`), which answers model calls and side endpoints. Side hosts the recipes stub
 (telemetry) are answered when mitmproxy intercepts them; every other host is the user's business.
 Harnesses name their session in the proxy URL (`HTTPS_PROXY=http://SESSION:x@host:port`) and
 trust mitmproxy's CA (its `confdir`), as with `polar-mitm proxy`.
@@ -25,9 +25,9 @@ from mitmproxy import ctx, exceptions
 from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import layers
 
-from polar_mitm.addons.sessions import Sessions
-from polar_mitm.addons.tlswatch import TlsWatch
-from polar_mitm.runtime.proxy import PolicySide, ProxyConfig
+from polar_mitm.proxy.addons.sessions import Sessions
+from polar_mitm.proxy.addons.tlswatch import TlsWatch
+from polar_mitm.proxy.embedded import PolicySide, ProxyConfig
 
 log = logging.getLogger("polar_mitm.mitmdump")
 
@@ -70,7 +70,7 @@ class PolarMitm:
                 "polar-mitm: its options are read at start; restart mitmdump to change them"
             )
         if ctx.options.polar_recipe:
-            from polar_mitm.runtime import recipes
+            from polar_mitm import recipes
 
             try:
                 recipes.get(ctx.options.polar_recipe)

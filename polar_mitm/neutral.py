@@ -8,6 +8,8 @@ provider; nothing in a provider knows about SGLang.
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -168,3 +170,8 @@ class ProviderError(Exception):
         self.kind = kind
         self.message = message
         self.status = status
+
+
+def new_turn_id() -> str:
+    """A new turn's id: time-ordered, so ids sort like the turns they name."""
+    return f"turn_{time.time_ns():x}{uuid.uuid4().hex[:8]}"

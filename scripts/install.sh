@@ -61,7 +61,7 @@ NPM_PACKAGES=(
   "@qwen-code/qwen-code@0.15.10"
   "@mariozechner/pi-coding-agent@0.73.1"
   "opencode-ai@1.18.33"
-  # Not a harness: the fetch proxy preload (polar_mitm/runtime/node_proxy.cjs) takes undici's
+  # Not a harness: the fetch proxy preload (polar_mitm/harness/node_proxy.cjs) takes undici's
   # EnvHttpProxyAgent from it, so Node 18-22's fetch honours HTTPS_PROXY.
   "undici@6.29.1"
 )

@@ -39,7 +39,7 @@ def tiny_tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def certs_dir(tmp_path_factory) -> Path:
     """One CA for the whole test run (key generation is the slow part)."""
-    from polar_mitm.runtime.certs import ensure_ca
+    from polar_mitm.proxy.certs import ensure_ca
 
     d = tmp_path_factory.mktemp("certs")
     ensure_ca(d)
@@ -69,7 +69,7 @@ async def make_stack(tmp_path, certs_dir, qwen_tokenizer_dir):
     """await make_stack(backend=dict(...), policy=dict(...), backend_up=True) -> Stack."""
     from polar_mitm.backends.policy import PolicyConfig
     from polar_mitm.fake import FakeBackendConfig, start_fake_backend
-    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
+    from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 
     started: list[Stack] = []
 
@@ -172,7 +172,7 @@ async def start_gateway_rig(
 
     from polar_mitm.backends.policy import Policy, PolicyConfig
     from polar_mitm.fake import FakeBackendConfig, start_fake_backend
-    from polar_mitm.gateway import Gateway
+    from polar_mitm.proxy.gateway import Gateway
     from polar_mitm.store.db import Store
 
     runner, url = await start_fake_backend(

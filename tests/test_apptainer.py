@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.runtime import apptainer as ap
-from polar_mitm.runtime.apptainer import ApptainerRuntime, ApptainerSandbox
-from polar_mitm.runtime.certs import CA
-from polar_mitm.runtime.sandbox import (
+from polar_mitm.proxy.certs import CA
+from polar_mitm.sandbox import apptainer as ap
+from polar_mitm.sandbox.apptainer import ApptainerRuntime, ApptainerSandbox
+from polar_mitm.sandbox.base import (
     CA_DIR,
     HARNESS_BIN,
     NODE_BIN,
@@ -161,8 +161,8 @@ def test_start_argv_with_harness_and_tmpfs(tmp_path):
 
 def test_start_argv_binds_the_channel_socket_and_forwarder_read_only(tmp_path):
     """No network but the sample's own channel to the proxy: its socket and the forwarder."""
-    from polar_mitm.runtime.channel import FORWARDER_DIR
-    from polar_mitm.runtime.sandbox import CHANNEL_SOCKET, FORWARDER_ROOT
+    from polar_mitm.sandbox.base import CHANNEL_SOCKET, FORWARDER_ROOT
+    from polar_mitm.sandbox.channel import FORWARDER_DIR
 
     spec = make_spec(tmp_path, harness=True)
     spec.channel = tmp_path / "ch" / "proxy.sock"

@@ -163,12 +163,12 @@ async def test_an_unexpected_exception_is_the_styles_api_error_and_one_log_line(
         yield  # an async generator, like the policy's stream
 
     monkeypatch.setattr(gateway_rig.gateway.policy, "stream", broken)
-    with caplog.at_level(logging.ERROR, logger="polar_mitm.gateway"):
+    with caplog.at_level(logging.ERROR, logger="polar_mitm.proxy.gateway"):
         status, ctype, raw = await gateway_rig.post(style, VALID_REQUESTS[style])
     assert status == 500
     message = error_message(style, status, ctype, raw)
     assert "KeyError" in message and "internal error" in message
-    [record] = [r for r in caplog.records if r.name == "polar_mitm.gateway"]
+    [record] = [r for r in caplog.records if r.name == "polar_mitm.proxy.gateway"]
     assert "\n" not in record.getMessage() and "request req_" in record.getMessage()
     assert record.getMessage().split("request ")[1].split()[0].rstrip(":") in message
 
@@ -184,13 +184,13 @@ async def test_an_unexpected_exception_mid_stream_ends_the_stream_with_the_style
 
     monkeypatch.setattr(gateway_rig.gateway.policy, "stream", broken)
     body = {**VALID_REQUESTS[A], "stream": True}
-    with caplog.at_level(logging.ERROR, logger="polar_mitm.gateway"):
+    with caplog.at_level(logging.ERROR, logger="polar_mitm.proxy.gateway"):
         status, _, raw = await gateway_rig.post(A, body)
     assert status == 200
     events = raw.decode().split("\n\n")
     assert events[0].startswith("event: message_start")
     assert "event: error" in events[-2] and "api_error" in events[-2] and "KeyError" in events[-2]
-    [record] = [r for r in caplog.records if r.name == "polar_mitm.gateway"]
+    [record] = [r for r in caplog.records if r.name == "polar_mitm.proxy.gateway"]
     assert "turn_0123" in record.getMessage()
 
 

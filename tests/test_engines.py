@@ -22,7 +22,7 @@ import pytest
 
 from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.fake import STATE, FakeBackendConfig, Fault, start_fake_backend
-from polar_mitm.runtime.preflight import PreflightError, check_policy
+from polar_mitm.harness.preflight import PreflightError, check_policy
 from polar_mitm.store.db import Store
 from tests.conftest import GatewayRig
 from tests.routers import Router, require_router
@@ -44,7 +44,7 @@ class Rig:
     async def __aenter__(self) -> Rig:
         from aiohttp.test_utils import TestClient, TestServer
 
-        from polar_mitm.gateway import Gateway
+        from polar_mitm.proxy.gateway import Gateway
 
         self.store = await Store.open(self.tmp / f"engines-{time.monotonic_ns()}.sqlite")
         await self.store.ensure_session("s-test")

@@ -127,7 +127,7 @@ async def test_gateway_port_refuses_requests_without_the_proxys_secret(make_stac
 
 
 async def test_a_gateway_without_a_secret_still_stands_in_for_a_provider(make_stack):
-    from polar_mitm.gateway import Gateway
+    from polar_mitm.proxy.gateway import Gateway
 
     stack = await make_stack()
     gw = Gateway(stack.proxy.policy, default_session="standin", default_host="api.anthropic.com")

@@ -18,7 +18,6 @@ from click.testing import CliRunner
 
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.cli import main
-from polar_mitm.harvest import Exchange, assemble, error_of, parse_upstream, secret_values
 from polar_mitm.neutral import (
     ChatRequest,
     Completion,
@@ -31,10 +30,11 @@ from polar_mitm.neutral import (
     ToolCallEvent,
 )
 from polar_mitm.providers import anthropic, gemini, openai_chat, openai_responses
+from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
+from polar_mitm.proxy.exchange import Exchange, assemble, error_of, parse_upstream, secret_values
 from polar_mitm.reconstruct.export import SinkOptions, export
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA
-from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
 from polar_mitm.sse import SSEEvent
 from polar_mitm.sse import parse as parse_sse
 from polar_mitm.store.db import Store, Turn
@@ -821,9 +821,9 @@ async def test_a_websocket_to_a_model_endpoint_gets_426_so_the_harness_uses_http
 
 def test_harvest_gives_the_harness_no_dummy_credentials(certs_dir):
     # A dummy key would replace the harness's own login (e.g. Claude Code's OAuth) at the real provider.
-    from polar_mitm.runtime import recipes
-    from polar_mitm.runtime.certs import ensure_ca
-    from polar_mitm.runtime.local import child_env
+    from polar_mitm import recipes
+    from polar_mitm.harness.local import child_env
+    from polar_mitm.proxy.certs import ensure_ca
 
     ca, recipe = ensure_ca(certs_dir), recipes.get("claude-code")
     policy = child_env({}, recipe, "http://127.0.0.1:1", ca, "s")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from polar_mitm import gateway as gateway_module
 from polar_mitm.backends.render import conversation_hashes
-from polar_mitm.gateway import Gateway
 from polar_mitm.providers import anthropic, fields, openai_chat
 from polar_mitm.providers.base import ItemMemo
 from polar_mitm.providers.fields import InvalidRequest
+from polar_mitm.proxy import gateway as gateway_module
+from polar_mitm.proxy.gateway import Gateway
 
 
 def _call(n) -> dict:

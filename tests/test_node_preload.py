@@ -1,5 +1,5 @@
 """Node 18-22's built-in fetch ignores HTTPS_PROXY; the preload `run` gives every Node harness
-(runtime/node_proxy.cjs) sends it through the proxy. Tested with this machine's Node and a fetch
+(harness/node_proxy.cjs) sends it through the proxy. Tested with this machine's Node and a fetch
 to api.anthropic.com, which the test's own preload resolves to a loopback address where nothing
 listens (nothing leaves the machine): without our preload fetch goes there directly and fails;
 with it the proxy answers and the turn is recorded."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from polar_mitm.runtime import node_proxy
+from polar_mitm.harness import node_proxy
 
 pytestmark = pytest.mark.skipif(
     shutil.which("node") is None or node_proxy.undici_dir() is None,

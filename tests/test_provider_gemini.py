@@ -545,7 +545,7 @@ def test_models_list():
 
 
 def test_gemini_cli_recipe_tags_its_helper_calls_not_its_agent_turns():
-    from polar_mitm.runtime import recipes
+    from polar_mitm import recipes
 
     recipe = recipes.get("gemini-cli")
     next_speaker = copy.deepcopy(CLI_BODY)

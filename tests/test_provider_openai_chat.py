@@ -587,8 +587,8 @@ async def test_malformed_request_through_the_proxy_is_an_openai_400(make_stack):
 
 
 def test_qwen_code_recipe_routes_its_hosts_here_and_tags_the_memory_extractor():
+    from polar_mitm import recipes
     from polar_mitm.providers import STYLES
-    from polar_mitm.runtime import recipes
 
     rec = recipes.for_command(["qwen", "--auth-type", "openai", "-p", "hi"])
     assert rec.name == "qwen-code" and "NODE_EXTRA_CA_CERTS" in rec.ca.cert_env

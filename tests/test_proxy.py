@@ -450,7 +450,7 @@ def test_provider_certificates_are_loaded_without_leaving_files(certs_dir):
     import tempfile
     from pathlib import Path
 
-    from polar_mitm.addons.handoff import provider_tls
+    from polar_mitm.proxy.addons.handoff import provider_tls
 
     before = set(Path(tempfile.gettempdir()).glob("polar-mitm-tls-*"))
     ctx = provider_tls(certs_dir, {"api.anthropic.com", "api.openai.com"})

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
-from polar_mitm.runtime.docker import DockerRuntime
+from polar_mitm.sandbox.docker import DockerRuntime
 from polar_mitm.tasks import load_tasks
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 from tests.conftest import TEST_IMAGE

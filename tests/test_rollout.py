@@ -20,11 +20,11 @@ import pytest
 
 from polar_mitm.reconstruct.export import export
 from polar_mitm.reconstruct.groups import advantages
+from polar_mitm.reconstruct.report import rollout_reports
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
-from polar_mitm.rollout.report import rollout_reports
-from polar_mitm.runtime.sandbox import SandboxError
-from polar_mitm.runtime.tempdir import TempdirRuntime
+from polar_mitm.sandbox.base import SandboxError
+from polar_mitm.sandbox.tempdir import TempdirRuntime
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 
@@ -362,7 +362,7 @@ def test_rollout_command_says_when_docker_is_not_running(tmp_path, monkeypatch):
 
 
 def test_reward_files_and_pytest_summaries_are_read_as_their_tools_write_them():
-    from polar_mitm.tasks.evaluators import EvaluatorError, parse_reward, patched_files, pytest_results
+    from polar_mitm.rollout.evaluators import EvaluatorError, parse_reward, patched_files, pytest_results
 
     assert parse_reward(b"1\n", "r") == 1.0 and parse_reward('{"reward": 0.25}', "r") == 0.25
     assert parse_reward('{"accuracy": 0.5}', "r") == 0.5  # a single metric
@@ -398,7 +398,7 @@ async def test_a_reward_file_the_agent_leaves_does_not_count_and_the_detail_says
 
 
 def test_harbor_reward_file_is_the_one_the_tests_name_else_the_one_the_verifier_wrote(tmp_path):
-    from polar_mitm.tasks.evaluators import harbor_reward_file, harbor_reward_names
+    from polar_mitm.rollout.evaluators import harbor_reward_file, harbor_reward_names
 
     (tmp_path / "test.sh").write_text("python3 /tests/grade.py\n")
     assert harbor_reward_names(tmp_path) == []
@@ -417,8 +417,8 @@ def test_swebench_artefacts_leave_out_what_comes_from_the_image():
     import io
     import tarfile
 
+    from polar_mitm.rollout.evaluators import from_image
     from polar_mitm.rollout.verify import without
-    from polar_mitm.tasks.evaluators import from_image
 
     spec = EvaluatorSpec(
         kind="swebench",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.runtime import recipes
-from polar_mitm.runtime.certs import ensure_ca
-from polar_mitm.runtime.local import child_env
+from polar_mitm import recipes
+from polar_mitm.harness.local import child_env
+from polar_mitm.proxy.certs import ensure_ca
 
 
 def test_ca_is_created_once_with_a_private_key_only_its_owner_reads(tmp_path):
@@ -157,8 +157,8 @@ def test_helpers_the_harness_spawned_do_not_outlive_the_run(tmp_path, certs_dir,
 
 
 def test_generic_harnesses_get_every_ca_variable_both_proxy_cases_and_a_dummy_key_per_provider(tmp_path):
-    from polar_mitm.runtime.certs import CA
-    from polar_mitm.runtime.local import child_env
+    from polar_mitm.harness.local import child_env
+    from polar_mitm.proxy.certs import CA
 
     ca = CA(
         dir=tmp_path, key_and_cert=tmp_path / "k", cert=tmp_path / "ca.pem", bundle=tmp_path / "bundle.pem"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
-from polar_mitm.runtime.tempdir import TempdirRuntime
+from polar_mitm.sandbox.tempdir import TempdirRuntime
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 IMAGE = "polar-mitm/rollout-base:bookworm"
@@ -160,7 +160,7 @@ def turns_by_session(db: str) -> dict[str, int]:
 
 async def run_probe(stack, tmp_path, mode: str, *, image: str = IMAGE, env=None, watch=None, **task_kw):
     """One sample of a task whose harness is the probe, through the real pipeline and runtime."""
-    from polar_mitm.runtime.docker import DockerRuntime
+    from polar_mitm.sandbox.docker import DockerRuntime
 
     task = Task(
         id=f"probe-{mode}",
@@ -308,7 +308,7 @@ def fetch(proxy_url: str, url: str, cafile: str) -> str:
 async def test_a_rollout_proxy_lets_in_only_the_sessions_it_issued(make_stack):
     """Issued mode: each session its own token; another's token, the shared token, a name never
     issued: 407. The same proxy before issued mode let any name in with the shared token."""
-    from polar_mitm.runtime.proxy import proxy_url
+    from polar_mitm.proxy.embedded import proxy_url
 
     stack = await make_stack(token="shared")
     p, cafile = stack.proxy, str(stack.proxy.ca.cert)
@@ -334,7 +334,7 @@ async def test_a_connection_keeps_the_session_it_opened_with(make_stack):
     that session's own token, as a sandbox that learned it would); its turn stays in the first."""
     import http.client
 
-    from polar_mitm.addons.sessions import basic_auth
+    from polar_mitm.proxy.addons.sessions import basic_auth
 
     stack = await make_stack(token="shared")
     p = stack.proxy
@@ -365,8 +365,8 @@ async def test_a_connection_keeps_the_session_it_opened_with(make_stack):
 async def test_the_channel_names_its_sample_whatever_the_sandbox_sends():
     """Each connection's first request head reaches the proxy with the sample's own credentials
     and none of those the sandbox sent; a connection without a head gets a 400."""
-    from polar_mitm.addons.sessions import basic_auth
-    from polar_mitm.runtime.channel import Channel
+    from polar_mitm.proxy.addons.sessions import basic_auth
+    from polar_mitm.sandbox.channel import Channel
 
     heads: list[bytes] = []
 
@@ -460,11 +460,11 @@ async def test_the_forwarder_inside_relays_to_the_channel(tmp_path, docker_clien
     image's python3, carries a request to the host's relay and its answer back."""
     import shutil
 
-    from polar_mitm.addons.sessions import basic_auth
-    from polar_mitm.runtime.certs import ensure_ca
-    from polar_mitm.runtime.channel import Channel
-    from polar_mitm.runtime.docker import DockerRuntime
-    from polar_mitm.runtime.sandbox import HarnessMount, SandboxSpec
+    from polar_mitm.proxy.addons.sessions import basic_auth
+    from polar_mitm.proxy.certs import ensure_ca
+    from polar_mitm.sandbox.base import HarnessMount, SandboxSpec
+    from polar_mitm.sandbox.channel import Channel
+    from polar_mitm.sandbox.docker import DockerRuntime
 
     heads: list[bytes] = []
 
@@ -513,10 +513,10 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
     """What the daemon was asked for: no network, every capability dropped but root's five,
     no-new-privileges, a pids limit, the task's memory and CPUs; every mount of ours read-only but
     the harness's HOME. A verifier's sandbox: no harness, no channel, no HOME."""
-    from polar_mitm.runtime.certs import ensure_ca
-    from polar_mitm.runtime.channel import Channel
-    from polar_mitm.runtime.docker import ROOT_CAPS, DockerRuntime
-    from polar_mitm.runtime.sandbox import HOME_DIR, PIDS_LIMIT, SandboxSpec
+    from polar_mitm.proxy.certs import ensure_ca
+    from polar_mitm.sandbox.base import HOME_DIR, PIDS_LIMIT, SandboxSpec
+    from polar_mitm.sandbox.channel import Channel
+    from polar_mitm.sandbox.docker import ROOT_CAPS, DockerRuntime
 
     channel = await Channel("s_priv", "tok", 9).start()
     spec = SandboxSpec(
@@ -557,7 +557,7 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
     ],
 )  # fmt: skip
 def test_host_local_addresses(ip, local):
-    from polar_mitm.addons.egress import host_local
+    from polar_mitm.proxy.addons.egress import host_local
 
     assert host_local(ip) is local
 
@@ -568,7 +568,7 @@ async def test_egress_refuses_host_addresses_and_pins_the_checked_one():
     hosts and other sessions are not touched."""
     from mitmproxy.test import tflow
 
-    from polar_mitm.addons.egress import Egress
+    from polar_mitm.proxy.addons.egress import Egress
 
     egress = Egress({"api.anthropic.com"})
     egress.contain("s_box")

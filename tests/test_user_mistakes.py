@@ -80,7 +80,7 @@ async def test_check_policy_refuses_a_backend_tokenizer_path_that_is_not_here(ti
 
     from polar_mitm.backends.policy import PolicyConfig
     from polar_mitm.fake import STATE, FakeBackendConfig, start_fake_backend
-    from polar_mitm.runtime.preflight import PreflightError, check_policy
+    from polar_mitm.harness.preflight import PreflightError, check_policy
 
     runner, url = await start_fake_backend(FakeBackendConfig(tokenizer_path=str(tiny_tokenizer_dir)))
     try:
@@ -118,7 +118,7 @@ def test_the_harness_flags_pass_through_with_or_without_double_dash(tmp_path, ba
 
 
 def test_proxy_prints_the_lines_each_harness_needs_and_they_work(tmp_path, backend_process, certs_dir):
-    from polar_mitm.runtime import node_proxy
+    from polar_mitm.harness import node_proxy
 
     port, db = free_port(), tmp_path / "shared.sqlite"
     args = ["proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend_process.url, "--db", str(db)]
@@ -136,7 +136,7 @@ def test_proxy_prints_the_lines_each_harness_needs_and_they_work(tmp_path, backe
             "export",
             f"HTTPS_PROXY={proxy_url}",
             "NODE_USE_ENV_PROXY=1",
-            # Node 18-22's fetch through the proxy too (runtime/node_proxy.cjs), where undici is installed.
+            # Node 18-22's fetch through the proxy too (harness/node_proxy.cjs), where undici is installed.
             *(f"{k}={v}" for k, v in node_proxy.env({}).items()),
             f"NODE_EXTRA_CA_CERTS={certs_dir / 'mitmproxy-ca-cert.pem'}",
             f"SSL_CERT_FILE={certs_dir / 'polar-mitm-bundle.pem'}",
@@ -215,8 +215,8 @@ async def test_a_port_taken_after_the_check_fails_the_start_at_once(
     import pytest
 
     from polar_mitm.backends.policy import PolicyConfig
-    from polar_mitm.runtime import proxy
-    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig, ProxyStartError
+    from polar_mitm.proxy import proxy
+    from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, ProxyStartError
 
     class Unchecked(socket.socket):
         def bind(self, addr):  # the check finds the port free …

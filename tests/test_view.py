@@ -359,7 +359,7 @@ def test_the_command_refuses_a_non_loopback_listen(tmp_path: Path) -> None:
 async def test_live_page_relays_the_service_events_over_one_connection(view, tmp_path: Path) -> None:
     """Several browser tabs, one subscription to the service; an event the service publishes
     reaches every tab; without --server the page says how to get one."""
-    from polar_mitm.service import models as m
+    from polar_mitm import api as m
     from polar_mitm.service.server import RolloutServer
 
     c = await view()

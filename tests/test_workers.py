@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from polar_mitm.backends.policy import PolicyConfig
-from polar_mitm.runtime.proxy import ProxyConfig, ProxyStartError
-from polar_mitm.runtime.workers import WorkerPool, pick, session_of
+from polar_mitm.proxy.embedded import ProxyConfig, ProxyStartError
+from polar_mitm.proxy.workers import WorkerPool, pick, session_of
 from polar_mitm.store.db import read_turns
 from polar_mitm.store.migrations import MIGRATIONS
 from tests.e2e.harness import FakeBackend, free_port

@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -62,6 +61,7 @@ from polar_mitm.neutral import (
     TextDelta,
     ToolCallEvent,
     Usage,
+    new_turn_id,
 )
 from polar_mitm.store.db import Store, Turn
 
@@ -140,11 +140,6 @@ class TurnContext(BaseModel):
 def _join_ids(a: bytes, b: bytes) -> bytes:
     """Two `ids_json` texts as one (either may be empty)."""
     return a + b"," + b if a and b else a or b
-
-
-def new_turn_id() -> str:
-    # Time-ordered, so ids sort like the turns they name.
-    return f"turn_{time.time_ns():x}{uuid.uuid4().hex[:8]}"
 
 
 def _aborted(fr: Any) -> bool:

@@ -36,7 +36,7 @@ def style_names(name: str) -> list[str]:
 
 
 def _host_styles(extra: Mapping[str, str] | None = None) -> Mapping[str, tuple[Style, ...]]:
-    from polar_mitm.runtime import recipes
+    from polar_mitm import recipes
 
     pairs = [(h, s) for s in _ALL for h in s.HOSTS]
     named = sorted(recipes.provider_hosts().items()) + sorted((extra or {}).items())

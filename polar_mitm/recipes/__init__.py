@@ -1,0 +1,166 @@
+"""Recipes: one TOML file per harness in polar_mitm/recipes/ — the binaries it matches, its
+environment, the hosts it calls, and its known side calls (tagged in the store)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections import OrderedDict
+from functools import cache, cached_property
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from polar_mitm.neutral import ChatRequest
+
+# Recent system prompts -> {rule text: whether the prompt contains it}.
+_system_found: OrderedDict[str, dict[str, bool]] = OrderedDict()
+
+
+class CallText:
+    """What side-call rules read of one request, taken out once for all the rules.
+
+    Whether a system prompt contains a rule's text is remembered per system prompt (a few recent
+    ones): a harness sends the same long prompt every turn, and searching 100 KB once per rule
+    and turn cost more than the rest of tagging."""
+
+    def __init__(self, req: ChatRequest):
+        self.req = req
+
+    @cached_property
+    def system(self) -> str:
+        return "\n".join(m.content for m in self.req.messages if m.role == "system")
+
+    @cached_property
+    def last_user(self) -> str | None:
+        users = [m.content for m in self.req.messages if m.role == "user"]
+        return users[-1] if users else None
+
+    def system_contains(self, needle: str) -> bool:
+        found = _system_found.get(self.system)
+        if found is None:
+            found = _system_found[self.system] = {}
+            if len(_system_found) > 32:
+                _system_found.popitem(last=False)
+        else:
+            _system_found.move_to_end(self.system)
+        hit = found.get(needle)
+        if hit is None:
+            hit = found[needle] = needle in self.system
+        return hit
+
+
+class SideCall(BaseModel):
+    tag: str
+    system_contains: str | None = None
+    user_contains: str | None = None
+    path_contains: str | None = None
+    has_schema: bool | None = None
+
+    def matches(self, req: ChatRequest, path: str, text: CallText | None = None) -> bool:
+        text = text or CallText(req)
+        checks = []
+        if self.system_contains is not None:
+            checks.append(text.system_contains(self.system_contains))
+        if self.user_contains is not None:
+            last = text.last_user
+            checks.append(last is not None and self.user_contains in last)
+        if self.path_contains is not None:
+            checks.append(self.path_contains in path)
+        if self.has_schema is not None:
+            checks.append((req.sampling.json_schema is not None) == self.has_schema)
+        return bool(checks) and all(checks)
+
+
+class CAEnv(BaseModel):
+    cert_env: list[str] = Field(default_factory=list)
+    bundle_env: list[str] = Field(default_factory=list)
+
+
+class Recipe(BaseModel):
+    name: str
+    description: str = ""
+    npm: str | None = None
+    binaries: list[str] = Field(default_factory=list)
+    status: str = "planned"
+    example: str | None = None
+    hosts: dict[str, str] = Field(default_factory=dict)  # host -> API style
+    stub_hosts: list[str] = Field(default_factory=list)
+    ca: CAEnv = Field(default_factory=CAEnv)
+    env: dict[str, str] = Field(default_factory=dict)
+    env_default: dict[str, str] = Field(default_factory=dict)
+    # Variables the harness reads credentials from; when any is set, no dummy credential is added.
+    credential_env: list[str] = Field(default_factory=list)
+    # Command-line flags whose value is a credential though their name does not say so (`-k`):
+    # their values are left out of the stored command (see redact.argv).
+    secret_flags: list[str] = Field(default_factory=list)
+    side_calls: list[SideCall] = Field(default_factory=list)
+    # The headless command a rollout runs, one argument per item; "{instruction}" inside an item is
+    # replaced by the task's instruction (as one argument, never through a shell).
+    headless: list[str] = Field(default_factory=list)
+
+    def headless_command(self, instruction: str, template: list[str] | None = None) -> list[str]:
+        """The command that runs this harness on `instruction` (`template` overrides the recipe's)."""
+        argv = template or self.headless
+        if not argv:
+            raise ValueError(
+                f"recipe {self.name!r} has no headless command; pass --harness-cmd "
+                "(e.g. --harness-cmd 'mytool --prompt {instruction}')"
+            )
+        if not any("{instruction}" in a for a in argv):
+            raise ValueError(f"the harness command {argv!r} has no {{instruction}} placeholder")
+        return [a.replace("{instruction}", instruction) for a in argv]
+
+    def tag(self, req: ChatRequest, path: str, text: CallText | None = None) -> str | None:
+        text = text or CallText(req)
+        for sc in self.side_calls:
+            if sc.matches(req, path, text):
+                return sc.tag
+        return None
+
+
+@cache
+def all_recipes() -> dict[str, Recipe]:
+    out: dict[str, Recipe] = {}
+    for f in sorted(resources.files("polar_mitm.recipes").iterdir(), key=lambda p: p.name):
+        if f.name.endswith(".toml"):
+            r = Recipe.model_validate(tomllib.loads(f.read_text()))
+            out[r.name] = r
+    return out
+
+
+def get(name: str) -> Recipe:
+    recipes = all_recipes()
+    if name not in recipes:
+        raise KeyError(f"unknown recipe {name!r}; known: {', '.join(sorted(recipes))}")
+    return recipes[name]
+
+
+def for_command(cmd: list[str]) -> Recipe:
+    """The recipe whose binaries match the command (looking past wrappers like env or npx)."""
+    recipes = all_recipes()
+    for arg in cmd:
+        base = os.path.basename(arg)
+        for r in recipes.values():
+            if base in r.binaries:
+                return r
+    return recipes["generic"]
+
+
+def provider_hosts() -> dict[str, str]:
+    hosts: dict[str, str] = {}
+    for r in all_recipes().values():
+        hosts.update(r.hosts)
+    return hosts
+
+
+def stub_hosts() -> set[str]:
+    out: set[str] = set()
+    for r in all_recipes().values():
+        out.update(r.stub_hosts)
+    return out
+
+
+def recipe_path(name: str) -> Path:
+    return Path(str(resources.files("polar_mitm.recipes") / f"{name}.toml"))

@@ -30,9 +30,9 @@ from polar_mitm.reconstruct.export import (
 )
 from polar_mitm.reconstruct.export import export as export_rows
 from polar_mitm.reconstruct.groups import NORMALIZE
+from polar_mitm.reconstruct.report import render_table, rollout_reports
 from polar_mitm.reconstruct.show import find_rows, render_header, render_list, render_sequence
 from polar_mitm.reconstruct.source import Selection, check_session, parse_since, set_reward
-from polar_mitm.rollout.report import render_table, rollout_reports
 
 F = Callable[..., Any]
 
@@ -342,7 +342,7 @@ def show(
         click.echo(
             render_sequence(row, decode=text.decode if text else None, color=use_color), color=use_color
         )
-    from polar_mitm.view.commands import running_url
+    from polar_mitm.reconstruct.viewers import running_url
 
     if (url := running_url(db)) is not None:
         for row in rows:

@@ -14,7 +14,7 @@ import click
 from polar_mitm.cli_options import make_policy_config, policy_options
 from polar_mitm.reconstruct.export import STRATEGIES
 from polar_mitm.reconstruct.groups import NORMALIZE
-from polar_mitm.runtime import RUNTIMES
+from polar_mitm.sandbox import RUNTIMES
 
 EXIT_INTERRUPTED = 130
 
@@ -184,14 +184,15 @@ def rollout(
     parquet (one row per trajectory with group_id, sample_index, status, reward, advantage).
     Ctrl-C stops every sandbox and records the unfinished samples as cancelled.
     """
+    from polar_mitm import recipes
+    from polar_mitm.harness.install import HarnessNotInstalled
+    from polar_mitm.harness.preflight import EXIT_CONFIG, PreflightError, check_policy
+    from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
+    from polar_mitm.reconstruct.report import render_table, rollout_reports
     from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, new_token
     from polar_mitm.rollout.progress import Progress
-    from polar_mitm.rollout.report import render_table, rollout_reports
-    from polar_mitm.runtime import make_runtime, recipes
-    from polar_mitm.runtime.harness import HarnessNotInstalled
-    from polar_mitm.runtime.preflight import EXIT_CONFIG, PreflightError, check_policy
-    from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
-    from polar_mitm.runtime.sandbox import RuntimeUnavailable, SandboxError
+    from polar_mitm.sandbox import make_runtime
+    from polar_mitm.sandbox.base import RuntimeUnavailable, SandboxError
     from polar_mitm.tasks import TaskFileError, load_tasks
 
     try:

@@ -10,7 +10,7 @@ queue ──▶ INIT workers: start a sandbox, run the task's setup      (init_w
 Sandboxes start ahead of time, so a RUN worker never waits for one while the buffer holds any.
 Every sample is a session of the shared proxy with a token of its own (the proxy lets in no
 session it did not issue), so its turns are recorded token-exactly like any `run`. A container
-sample reaches the proxy only through its own channel (`runtime/channel.py`), which names the
+sample reaches the proxy only through its own channel (`sandbox/channel.py`), which names the
 session itself: nothing the sandbox sends makes it another sample.
 
 Outcomes (each recorded in the store's `samples` table, never dropped):
@@ -42,17 +42,25 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from polar_mitm import recipes
+from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
+from polar_mitm.harness.local import child_env
 from polar_mitm.outcomes import TRAINABLE
+from polar_mitm.proxy.embedded import PolarProxy, proxy_url
 from polar_mitm.rollout import verify
+from polar_mitm.rollout.evaluators import EvaluatorError, HarnessOutcome, Score
 from polar_mitm.rollout.verify import VerifierUnavailable
-from polar_mitm.runtime import recipes
-from polar_mitm.runtime.channel import Channel, open_channel
-from polar_mitm.runtime.harness import HarnessNotInstalled, harness_mount
-from polar_mitm.runtime.local import child_env, host_env
-from polar_mitm.runtime.proxy import PolarProxy, proxy_url
-from polar_mitm.runtime.sandbox import HOME_DIR, HarnessMount, Runtime, Sandbox, SandboxError, SandboxSpec
+from polar_mitm.sandbox.base import (
+    HOME_DIR,
+    HarnessMount,
+    Runtime,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+    host_env,
+)
+from polar_mitm.sandbox.channel import Channel, open_channel
 from polar_mitm.store.rollouts import RolloutLog
-from polar_mitm.tasks.evaluators import EvaluatorError, HarnessOutcome, Score
 from polar_mitm.tasks.model import Task
 
 log = logging.getLogger("polar_mitm.rollout")

@@ -27,8 +27,7 @@ import shlex
 import tarfile
 from typing import Any
 
-from polar_mitm.runtime.sandbox import ExportTooLarge, Runtime, Sandbox, SandboxError, SandboxSpec
-from polar_mitm.tasks.evaluators import (
+from polar_mitm.rollout.evaluators import (
     EvaluatorError,
     FromImage,
     HarnessOutcome,
@@ -37,6 +36,7 @@ from polar_mitm.tasks.evaluators import (
     from_image,
     reset_conftests,
 )
+from polar_mitm.sandbox.base import ExportTooLarge, Runtime, Sandbox, SandboxError, SandboxSpec
 from polar_mitm.tasks.model import Task
 
 ARTEFACT_LIMIT = 1 << 30  # bytes of a workdir's tar; beyond it the sample is not scored

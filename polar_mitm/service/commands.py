@@ -39,7 +39,7 @@ def token_options(f):
 
 def client_token(token: str | None, token_file: Path | None) -> str:
     """The operator's token for `submit` and `node`, or a one-line error saying where to put it."""
-    from polar_mitm.service import auth
+    from polar_mitm import auth
 
     try:
         found = auth.find_token(token, token_file)
@@ -200,7 +200,7 @@ def serve(
     read from --token-file, or generated there (0600) on first use; `submit`, `node` and
     polar_mitm.client read the same file. Nodes get a narrower credential derived from it.
     """
-    from polar_mitm.service import auth
+    from polar_mitm import auth
     from polar_mitm.service.node import NodeConfig, node_db, spawn_node, stop_node
     from polar_mitm.service.server import RolloutServer
 
@@ -326,7 +326,7 @@ def node(
     """
     import os
 
-    from polar_mitm.service import auth
+    from polar_mitm import auth
     from polar_mitm.service.node import GatewayNode, NodeConfig
 
     if config_file is not None:

@@ -30,15 +30,15 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, Field
 
+from polar_mitm import api as m
+from polar_mitm import auth
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.outcomes import trainable
+from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
-from polar_mitm.runtime import make_runtime
-from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig
-from polar_mitm.service import auth
-from polar_mitm.service import models as m
+from polar_mitm.sandbox import make_runtime
 
 log = logging.getLogger("polar_mitm.node")
 

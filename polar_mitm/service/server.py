@@ -30,11 +30,11 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from polar_mitm import api as m
+from polar_mitm import auth
 from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.providers import fields
 from polar_mitm.reconstruct.groups import advantages
-from polar_mitm.service import auth
-from polar_mitm.service import models as m
 from polar_mitm.service.metrics import Metrics
 from polar_mitm.service.openapi import openapi
 from polar_mitm.store.service import NodeRow, SampleRow, ServiceStore, TaskRow, TaskSummary

@@ -18,6 +18,10 @@ SANDBOX_START_SEC = 300.0
 EvaluatorKind = Literal["command", "harbor", "swebench", "session_completed"]
 
 
+# The sandbox runtimes a task can run on (polar_mitm.sandbox.make_runtime builds them).
+RUNTIMES = ("docker", "local", "apptainer")
+
+
 class EvaluatorSpec(BaseModel):
     """How a sample of the task is scored after the harness ends: on container runtimes in a fresh
     sandbox from the task's image holding the agent's workdir (`rollout/verify.py`).

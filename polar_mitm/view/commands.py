@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import webbrowser
 from pathlib import Path
 
 import click
+
+from polar_mitm.reconstruct.viewers import register as _register
+from polar_mitm.reconstruct.viewers import running_url  # noqa: F401  (show asks it)
 
 
 def _listen(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
@@ -17,58 +18,6 @@ def _listen(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise click.BadParameter(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:8790)")
     return (host.strip("[]") or "127.0.0.1"), int(port)
-
-
-def registry_path() -> Path:
-    """Where a running viewer says which store it shows and at which URL (for `show`)."""
-    base = os.environ.get("POLAR_MITM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "polar-mitm")
-    return Path(base) / "viewers.json"
-
-
-def running_url(db: str | Path) -> str | None:
-    """The URL of a viewer running on this machine over `db`, if one is (its process alive)."""
-    try:
-        entries = json.loads(registry_path().read_text())
-    except (OSError, ValueError):
-        return None
-    want = str(Path(db).resolve())
-    for entry in entries if isinstance(entries, list) else []:
-        if isinstance(entry, dict) and entry.get("db") == want and _alive(entry.get("pid")):
-            return str(entry.get("url"))
-    return None
-
-
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _register(db: Path, url: str, remove: bool = False) -> None:
-    path = registry_path()
-    try:
-        entries = json.loads(path.read_text())
-        entries = entries if isinstance(entries, list) else []
-    except (OSError, ValueError):
-        entries = []
-    entries = [
-        e for e in entries if isinstance(e, dict) and _alive(e.get("pid")) and e.get("pid") != os.getpid()
-    ]
-    if not remove:
-        entries.append({"db": str(db.resolve()), "url": url, "pid": os.getpid()})
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # only `show`'s hint depends on it
 
 
 @click.command()
@@ -125,7 +74,7 @@ def view(
       polar-mitm view --db runs.sqlite --tokenizer ~/models/Qwen3-8B --open
       polar-mitm view --db rollouts.sqlite --server http://127.0.0.1:8700
     """
-    from polar_mitm.service.auth import find_token
+    from polar_mitm.auth import find_token
     from polar_mitm.view.server import ViewConfig, Viewer, allowed_hosts, is_loopback
 
     host, port = listen

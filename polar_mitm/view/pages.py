@@ -11,8 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from polar_mitm.reconstruct.report import STAGE_COLUMNS, TaskReport
 from polar_mitm.reconstruct.trajectory import Trajectory
-from polar_mitm.rollout.report import STAGE_COLUMNS, TaskReport
 from polar_mitm.store.queries import SessionListing, TurnFacts
 from polar_mitm.store.rollouts import SampleInfo
 from polar_mitm.view import plots

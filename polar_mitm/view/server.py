@@ -31,11 +31,11 @@ from polar_mitm import sse
 from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.export import STRATEGIES, iter_trajectories
 from polar_mitm.reconstruct.groups import group_advantages
+from polar_mitm.reconstruct.report import task_reports
 from polar_mitm.reconstruct.show import find_rows
 from polar_mitm.reconstruct.source import Selection, parse_since
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import LOGPROB_DTYPE, Trajectory
-from polar_mitm.rollout.report import task_reports
 from polar_mitm.store import queries
 from polar_mitm.store.db import read_turns
 from polar_mitm.store.rollouts import read_samples

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.runtime import recipes
-from polar_mitm.runtime.certs import ensure_ca
-from polar_mitm.runtime.local import shell_exports
+from polar_mitm import recipes
+from polar_mitm.harness.local import shell_exports
+from polar_mitm.proxy.certs import ensure_ca
 from tests.e2e.harness import Lines, assert_two_spliced_turns, claude_in_shell, free_port, require_binary
 
 pytestmark = pytest.mark.e2e

@@ -339,9 +339,9 @@ def test_a_sandbox_start_cancelled_midway_leaves_no_container(tmp_path, docker_c
     """Ctrl-C (or early stop) can land while the daemon is creating a container in its thread."""
     import asyncio
 
-    from polar_mitm.runtime.certs import ensure_ca
-    from polar_mitm.runtime.docker import DockerRuntime
-    from polar_mitm.runtime.sandbox import SandboxSpec
+    from polar_mitm.proxy.certs import ensure_ca
+    from polar_mitm.sandbox.base import SandboxSpec
+    from polar_mitm.sandbox.docker import DockerRuntime
     from polar_mitm.tasks.model import Task
 
     async def main() -> None:

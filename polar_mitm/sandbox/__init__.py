@@ -3,21 +3,23 @@ runtimes rollouts use (`make_runtime`)."""
 
 from __future__ import annotations
 
-RUNTIMES = ("docker", "local", "apptainer")
+from polar_mitm.tasks.model import RUNTIMES
+
+__all__ = ["RUNTIMES", "make_runtime"]
 
 
 def make_runtime(name: str):
     """The sandbox runtime called `name` (imported only when asked for)."""
     if name == "docker":
-        from polar_mitm.runtime.docker import DockerRuntime
+        from polar_mitm.sandbox.docker import DockerRuntime
 
         return DockerRuntime()
     if name == "local":
-        from polar_mitm.runtime.tempdir import TempdirRuntime
+        from polar_mitm.sandbox.tempdir import TempdirRuntime
 
         return TempdirRuntime()
     if name == "apptainer":
-        from polar_mitm.runtime.apptainer import ApptainerRuntime
+        from polar_mitm.sandbox.apptainer import ApptainerRuntime
 
         return ApptainerRuntime()
     raise ValueError(f"unknown runtime {name!r}; choose one of {', '.join(RUNTIMES)}")

@@ -2,8 +2,8 @@
 an environment and a timeout, run the harness (as an unprivileged user where the sandbox can,
 and with every process it left killed at its end), copy files in and out, stop it.
 
-Runtimes: `local` (a temporary directory on the host, `runtime/tempdir.py`), `docker`
-(`runtime/docker.py`) and `apptainer` (`runtime/apptainer.py`). The rollout pipeline talks only
+Runtimes: `local` (a temporary directory on the host, `sandbox/tempdir.py`), `docker`
+(`sandbox/docker.py`) and `apptainer` (`sandbox/apptainer.py`). The rollout pipeline talks only
 to this interface.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from polar_mitm.runtime.certs import CA
+from polar_mitm.proxy.certs import CA
 from polar_mitm.tasks.model import Task
 
 # Where the harness CLIs and our CA appear inside container sandboxes.
@@ -30,7 +30,7 @@ CA_DIR = f"{HARNESS_ROOT}/ca"
 SESSION_DIR = f"{HARNESS_ROOT}/session"
 HOME_DIR = f"{SESSION_DIR}/home"  # the harness's HOME: the sample's host directory `home`
 CHANNEL_SOCKET = f"{HARNESS_ROOT}/channel/proxy.sock"  # the sample's socket to the proxy
-FORWARDER_ROOT = f"{HARNESS_ROOT}/forwarder"  # the forwarder's scripts (runtime/forwarder/)
+FORWARDER_ROOT = f"{HARNESS_ROOT}/forwarder"  # the forwarder's scripts (sandbox/forwarder/)
 HARNESS_USER = "1000:1000"  # who the harness runs as in a container, where the image allows
 PIDS_LIMIT = 4096  # processes a container may hold at once (a fork bomb stops there)
 
@@ -46,6 +46,30 @@ def ca_mounts(ca: CA) -> list[tuple[Path, str]]:
     """(host file, sandbox path) for each CA file a sandbox gets, read-only."""
     inside = sandbox_ca(ca)
     return [(ca.cert, str(inside.cert)), (ca.bundle, str(inside.bundle))]
+
+
+# The host variables a harness on the `local` runtime (and its commands) sees, besides the
+# recipe's and the task's own: never the host's environment, which holds the operator's secrets.
+HOST_ENV_ALLOWED = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "TERM",
+    "COLORTERM",
+    "TMPDIR",
+    "TZ",
+)
+
+
+def host_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The allowed host variables (HOST_ENV_ALLOWED and the locale's LC_*) of `environ`
+    (default: this process's environment)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k in HOST_ENV_ALLOWED or k.startswith("LC_")}
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -164,7 +188,7 @@ class SandboxSpec:
     ca: CA  # host paths of our CA
     harness: HarnessMount | None = None
     labels: dict[str, str] = field(default_factory=dict)
-    # The host end of the sample's own channel to the proxy (`runtime/channel.py`); a container
+    # The host end of the sample's own channel to the proxy (`sandbox/channel.py`); a container
     # runtime binds it in and starts the forwarder, and the sandbox has no network besides it.
     channel: Path | None = None
     # "verifier": a sandbox that scores a sample's artefacts after its agent's sandbox was halted;

@@ -3,14 +3,14 @@
 A container sandbox has no network (`--network none`). Its one way out is a Unix socket the host
 creates for that sample alone, in a directory of ours the sandbox cannot write, and binds into
 the container (read-only: connecting to a socket needs no write access to its mount). Inside, a
-small forwarder (`runtime/forwarder/`) listens on 127.0.0.1:FORWARD_PORT and passes each TCP
+small forwarder (`sandbox/forwarder/`) listens on 127.0.0.1:FORWARD_PORT and passes each TCP
 connection to the socket, so harnesses keep an `http://127.0.0.1:PORT` HTTPS_PROXY unchanged.
 
 The host end (`Channel`, in the pipeline's process, next to the proxy) is where the sample's
 identity is bound. Each connection's first request head (a CONNECT, or a plain proxy request)
 has every Proxy-Authorization the sandbox sent replaced by the sample's own credentials before
 it reaches the proxy, and the proxy keeps a connection in the session its first request named
-(`addons/sessions.py`). So nothing a sandbox can learn or send makes it another session: its
+(`proxy/addons/sessions.py`). So nothing a sandbox can learn or send makes it another session: its
 bytes reach the proxy only through its own socket, under its own name.
 """
 
@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from polar_mitm.addons.sessions import basic_auth
+from polar_mitm.proxy.addons.sessions import basic_auth
 
 log = logging.getLogger("polar_mitm.channel")
 

@@ -14,8 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
-from polar_mitm.runtime.recipes import Recipe
-from polar_mitm.runtime.sandbox import HarnessMount
+from polar_mitm.recipes import Recipe
+from polar_mitm.sandbox.base import HarnessMount
 
 
 class HarnessNotInstalled(RuntimeError):

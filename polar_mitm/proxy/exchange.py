@@ -27,8 +27,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from polar_mitm import redact, sse
-from polar_mitm.backends.policy import new_turn_id
-from polar_mitm.neutral import ChatRequest, ProviderError
+from polar_mitm.neutral import ChatRequest, ProviderError, new_turn_id
 from polar_mitm.providers import Style
 from polar_mitm.store.db import Turn
 

@@ -4,8 +4,8 @@ One instance per sample, started from the task's image with no network (`--net -
 its own namespace with loopback only), without the host's home, working directory or /tmp, with a
 writable overlay directory in the sample's session directory, and with our session directory, CA
 certificate and bundle, (read-only) harness installation, and the sample's channel to the proxy
-(its Unix socket and the forwarder, read-only; `runtime/channel.py`) bound in at the paths
-`runtime/sandbox.py` names. Untested against a real Apptainer here (no binary can be installed). Commands run with
+(its Unix socket and the forwarder, read-only; `sandbox/channel.py`) bound in at the paths
+`sandbox/base.py` names. Untested against a real Apptainer here (no binary can be installed). Commands run with
 `apptainer exec instance://NAME`, with a clean environment plus the variables asked for.
 
 The command lines are built by the pure functions below (`start_argv`, `exec_argv`, `env_options`,
@@ -36,8 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from polar_mitm.runtime.channel import FORWARD_PORT, FORWARDER_DIR
-from polar_mitm.runtime.sandbox import (
+from polar_mitm.sandbox.base import (
     CHANNEL_SOCKET,
     FORWARDER_ROOT,
     HARNESS_BIN,
@@ -53,6 +52,7 @@ from polar_mitm.runtime.sandbox import (
     run_process,
     sandbox_ca,
 )
+from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
 from polar_mitm.tasks.model import Task
 
 BINARIES = ("apptainer", "singularity")  # `singularity` is Apptainer's compatibility name too
@@ -368,7 +368,7 @@ class ApptainerSandbox:
             kill_group(proc.pid)
 
     async def start_forwarder(self, node: bool) -> None:
-        """The forwarder on 127.0.0.1:FORWARD_PORT to the channel socket (see `runtime/docker.py`)."""
+        """The forwarder on 127.0.0.1:FORWARD_PORT to the channel socket (see `sandbox/docker.py`)."""
         tries = [[f"{NODE_BIN}/node", f"{FORWARDER_ROOT}/forward.js"]] if node else []
         tries.append(["python3", f"{FORWARDER_ROOT}/forward.py"])
         for argv in tries:

@@ -2,7 +2,7 @@
 
 Requests leave unchanged (the harness's own credentials included); replies stream back to the
 harness chunk by chunk while a copy is kept, and once a model reply has ended it is stored as a
-text turn (see `polar_mitm.harvest`) before the harness receives its last byte. Side endpoints
+text turn (see `polar_mitm.proxy.exchange`) before the harness receives its last byte. Side endpoints
 pass through and are not stored; a WebSocket upgrade on a model endpoint is answered 426, so the
 harness uses HTTP, which can be recorded. `--upstream HOST=URL` sends one provider host somewhere
 else (an internal gateway, a regional endpoint, a local test server); `--upstream-insecure` skips
@@ -20,10 +20,10 @@ from mitmproxy.net import encoding
 from OpenSSL import SSL
 
 from polar_mitm import providers
-from polar_mitm.harvest import Exchange, Tagger, Upstream
+from polar_mitm.proxy.exchange import Exchange, Tagger, Upstream
 from polar_mitm.store.db import Store, Turn
 
-log = logging.getLogger("polar_mitm.harvest")
+log = logging.getLogger("polar_mitm.proxy.exchange")
 
 KEY = "polar_harvest"
 

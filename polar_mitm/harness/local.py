@@ -22,29 +22,16 @@ from collections.abc import Mapping
 from pydantic import BaseModel
 
 from polar_mitm import redact
-from polar_mitm.runtime import node_proxy
-from polar_mitm.runtime.certs import CA
-from polar_mitm.runtime.proxy import PolarProxy
-from polar_mitm.runtime.recipes import Recipe
+from polar_mitm.harness import node_proxy
+from polar_mitm.proxy.certs import CA
+from polar_mitm.proxy.embedded import PolarProxy
+from polar_mitm.recipes import Recipe
 from polar_mitm.store.queries import session_summary
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # The host variables a process started for a rollout sample on the host (the local runtime) gets:
 # what a shell and its tools need to run, nothing that could hold a secret (AWS_*, HF_TOKEN, the
 # service token, ...). The recipe's settings and the task's env come on top.
-HOST_ENV_ALLOWED = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "SHELL",
-    "LANG",
-    "LANGUAGE",
-    "TERM",
-    "COLORTERM",
-    "TMPDIR",
-    "TZ",
-)
 EXIT_UNTRUSTED = 69  # EX_UNAVAILABLE: the harness never trusted our CA
 _CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|AUTH|PASSWORD", re.IGNORECASE)
 
@@ -54,13 +41,6 @@ def _same_dir(a: str | None, b: str) -> bool:
         return bool(a) and os.path.samefile(a, b)
     except OSError:
         return False
-
-
-def host_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The allowed host variables (HOST_ENV_ALLOWED and the locale's LC_*) of `environ`
-    (default: this process's environment)."""
-    environ = os.environ if environ is None else environ
-    return {k: v for k, v in environ.items() if k in HOST_ENV_ALLOWED or k.startswith("LC_")}
 
 
 def child_env(
@@ -82,7 +62,7 @@ def child_env(
     no_proxy += [h for h in LOOPBACK if h not in no_proxy]
     env["NO_PROXY"] = env["no_proxy"] = ",".join(no_proxy)
     env["NODE_USE_ENV_PROXY"] = "1"  # Node's own fetch honours the proxy variables (Node >= 24)
-    if node_preload:  # and on Node 18-22, through a preload (runtime/node_proxy.cjs)
+    if node_preload:  # and on Node 18-22, through a preload (harness/node_proxy.cjs)
         env.update(node_proxy.env(env))
     # OpenCode works in $PWD, not its real cwd: a launcher that set our cwd (subprocess cwd=)
     # without updating PWD would send it to work in another directory.
@@ -129,7 +109,7 @@ def shell_exports(recipe: Recipe, proxy_url: str, ca: CA, *, harvest: bool = Fal
 
 def shell_setup(proxy_url: str, ca: CA, *, harvest: bool = False) -> list[str]:
     """For every recipe (the generic one last) a comment naming the harness and its `export` line."""
-    from polar_mitm.runtime import recipes
+    from polar_mitm import recipes
 
     out: list[str] = []
     for r in sorted(recipes.all_recipes().values(), key=lambda r: r.name == "generic"):

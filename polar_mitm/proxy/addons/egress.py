@@ -11,7 +11,7 @@ Two lists of sessions, both set by the rollout pipeline for its samples:
   is refused with a 403; provider hosts and the side hosts we stub keep working, so the harness
   still talks to its model. A base-URL proxy cannot enforce this: it never sees the other traffic.
 
-Both apply to the session the proxy settled for the connection (`addons/sessions.py`): for a
+Both apply to the session the proxy settled for the connection (`proxy/addons/sessions.py`): for a
 rollout, the sample's own channel, not a name the client chose.
 """
 
@@ -26,7 +26,7 @@ import socket
 
 from mitmproxy import http
 
-from polar_mitm.addons.stubs import host_pattern
+from polar_mitm.proxy.addons.stubs import host_pattern
 
 log = logging.getLogger("polar_mitm.egress")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from polar_mitm.runtime.sandbox import Sandbox
+from polar_mitm.sandbox.base import Sandbox
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 DETAIL_TAIL = 4000  # characters of verifier output kept in the detail

@@ -22,9 +22,8 @@ from pydantic import (
 )
 
 from polar_mitm.outcomes import FINAL
-from polar_mitm.runtime import RUNTIMES
-from polar_mitm.runtime.recipes import all_recipes
-from polar_mitm.tasks.model import EvaluatorSpec, Task
+from polar_mitm.recipes import all_recipes
+from polar_mitm.tasks.model import RUNTIMES, EvaluatorSpec, Task
 
 TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}")
 

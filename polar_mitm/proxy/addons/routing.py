@@ -9,7 +9,7 @@ from __future__ import annotations
 from mitmproxy import http
 
 from polar_mitm import providers
-from polar_mitm.gateway import HOST_HEADER, SECRET_HEADER, SESSION_HEADER
+from polar_mitm.proxy.gateway import HOST_HEADER, SECRET_HEADER, SESSION_HEADER
 
 
 class Routing:

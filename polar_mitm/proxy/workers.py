@@ -15,7 +15,7 @@ serialized ids and request memo stay in one process and later turns splice as th
 worker. Workers share nothing else; the store file is written by all of them (SQLite serializes
 the commits and hands out `seq` itself). Tokens are checked by the workers, as with one proxy.
 
-A worker is `python -m polar_mitm.runtime.workers FD`: its configuration arrives on stdin as
+A worker is `python -m polar_mitm.proxy.workers FD`: its configuration arrives on stdin as
 JSON, FD is its end of the front's Unix socket. It ignores SIGINT (Ctrl-C reaches the whole
 process group) and stops cleanly when the front closes that socket, including when the front is
 killed.
@@ -33,9 +33,9 @@ import subprocess
 import sys
 import zlib
 
-from polar_mitm.addons.sessions import session_from_auth
-from polar_mitm.runtime.certs import CA, ensure_ca
-from polar_mitm.runtime.proxy import PolarProxy, ProxyConfig, ProxyStartError, listen_socket, proxy_url
+from polar_mitm.proxy.addons.sessions import session_from_auth
+from polar_mitm.proxy.certs import CA, ensure_ca
+from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, ProxyStartError, listen_socket, proxy_url
 
 log = logging.getLogger("polar_mitm.workers")
 
@@ -106,7 +106,7 @@ class WorkerPool:
         env = {**os.environ, "POLAR_MITM_WORKER": str(index)}
         try:
             p = subprocess.Popen(
-                [sys.executable, "-m", "polar_mitm.runtime.workers", str(child.fileno())],
+                [sys.executable, "-m", "polar_mitm.proxy.workers", str(child.fileno())],
                 stdin=subprocess.PIPE,
                 pass_fds=[child.fileno()],
                 env=env,

@@ -3,7 +3,7 @@
 TLS is intercepted only for provider hosts and known side hosts; every other host passes
 through untouched (its TLS is never opened). In harvest mode there is no policy and no stub:
 provider hosts are intercepted only to record their model exchanges on the way to the real
-upstream (`addons/harvest.py`).
+upstream (`proxy/addons/harvest.py`).
 """
 
 from __future__ import annotations
@@ -19,19 +19,18 @@ from mitmproxy.addons import block, core, disable_h2c, next_layer, proxyserver, 
 from mitmproxy.master import Master
 from pydantic import BaseModel, Field
 
-from polar_mitm import providers
-from polar_mitm.addons.egress import Egress
-from polar_mitm.addons.handoff import Handoff, provider_tls
-from polar_mitm.addons.harvest import Harvest
-from polar_mitm.addons.routing import Routing
-from polar_mitm.addons.sessions import Sessions
-from polar_mitm.addons.stubs import Stubs, host_pattern
-from polar_mitm.addons.tlswatch import TlsWatch
+from polar_mitm import providers, recipes
 from polar_mitm.backends.policy import Policy, PolicyConfig
-from polar_mitm.gateway import Gateway
-from polar_mitm.harvest import parse_upstream
-from polar_mitm.runtime import recipes
-from polar_mitm.runtime.certs import CA, ensure_ca
+from polar_mitm.proxy.addons.egress import Egress
+from polar_mitm.proxy.addons.handoff import Handoff, provider_tls
+from polar_mitm.proxy.addons.harvest import Harvest
+from polar_mitm.proxy.addons.routing import Routing
+from polar_mitm.proxy.addons.sessions import Sessions
+from polar_mitm.proxy.addons.stubs import Stubs, host_pattern
+from polar_mitm.proxy.addons.tlswatch import TlsWatch
+from polar_mitm.proxy.certs import CA, ensure_ca
+from polar_mitm.proxy.exchange import parse_upstream
+from polar_mitm.proxy.gateway import Gateway
 from polar_mitm.store.db import Store
 
 log = logging.getLogger("polar_mitm.proxy")
@@ -126,7 +125,7 @@ class PolicySide:
     definition for the embedded proxy (`PolarProxy`) and the mitmdump script (`polar_mitm.mitmdump`).
 
     A harness's TLS connection to a provider host is handed to the gateway's TLS port as it is
-    (`addons/handoff.py`: mitmproxy only relays its bytes). Plain-HTTP requests to a provider host
+    (`proxy/addons/handoff.py`: mitmproxy only relays its bytes). Plain-HTTP requests to a provider host
     still pass mitmproxy's HTTP layer: `routing` sends their model calls to the gateway's plain
     port and `stubs` answers the rest, as it does for the side hosts the recipes stub (the only
     hosts whose TLS mitmproxy itself needs to intercept: `intercepted`)."""

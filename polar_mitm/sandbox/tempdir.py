@@ -2,7 +2,7 @@
 
 No isolation: commands run as host processes with the task's workdir mapped to a fresh temporary
 directory (what `polar-mitm run` does for one harness), with an allow-list of the host's
-variables (`runtime/local.py`'s `host_env`), not the host's environment. Good for quick loops and for tasks whose
+variables (`harness/local.py`'s `host_env`), not the host's environment. Good for quick loops and for tasks whose
 commands stay inside their workdir; tasks that write to absolute paths (Harbor's `/logs`,
 SWE-bench's `/testbed`) need a container runtime.
 """
@@ -17,13 +17,13 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.runtime.certs import CA
-from polar_mitm.runtime.local import host_env
-from polar_mitm.runtime.sandbox import (
+from polar_mitm.proxy.certs import CA
+from polar_mitm.sandbox.base import (
     ExecResult,
     ExportTooLarge,
     SandboxError,
     SandboxSpec,
+    host_env,
     kill_group,
     run_process,
 )

@@ -31,7 +31,7 @@ from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
 from polar_mitm.providers import Style, fields, side_endpoints
 from polar_mitm.providers.base import ItemMemo
 
-log = logging.getLogger("polar_mitm.gateway")
+log = logging.getLogger("polar_mitm.proxy.gateway")
 
 # Headers the routing addon adds to every flow it sends here.
 HOST_HEADER = "x-polar-host"
@@ -85,7 +85,7 @@ class Gateway:
     ):
         self.policy = policy
         # (session, provider host) of a connection that the proxy handed over still encrypted,
-        # by the connection's remote port (`addons/handoff.py`); such a connection is authorized.
+        # by the connection's remote port (`proxy/addons/handoff.py`); such a connection is authorized.
         self.peers = peers
         self.default_host = default_host  # the provider this gateway stands in for, if any
         # Required of every request when set (the proxy always sets one); None: a stand-in that

@@ -19,8 +19,8 @@ from cryptography.hazmat.primitives import serialization
 from mitmproxy import connection
 from mitmproxy.proxy import server_hooks
 
-from polar_mitm.addons.sessions import Sessions
-from polar_mitm.addons.tlswatch import TlsWatch
+from polar_mitm.proxy.addons.sessions import Sessions
+from polar_mitm.proxy.addons.tlswatch import TlsWatch
 
 
 class Handoff:

@@ -5,7 +5,7 @@ by the content of its build context so a rebuild happens only when something cha
 `sleep infinity`, and everything else is `exec`: setup, the harness, the evaluator.
 
 Isolation: the container has no network (`--network none`). Its one way out is the sample's own
-Unix socket to the proxy (`runtime/channel.py`), bound in read-only, with a forwarder inside on
+Unix socket to the proxy (`sandbox/channel.py`), bound in read-only, with a forwarder inside on
 127.0.0.1:FORWARD_PORT as the container's entrypoint (node, the binary we mount for JavaScript
 harnesses, else the image's python3; without a channel the entrypoint is `sleep infinity`). Every capability is dropped but the five root's own steps need (setup, scoring: chown,
 reading and writing others' files, switching users), no-new-privileges, a pids limit, the task's
@@ -38,9 +38,8 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from polar_mitm.runtime.certs import CA
-from polar_mitm.runtime.channel import FORWARD_PORT, FORWARDER_DIR
-from polar_mitm.runtime.sandbox import (
+from polar_mitm.proxy.certs import CA
+from polar_mitm.sandbox.base import (
     CHANNEL_SOCKET,
     FORWARDER_ROOT,
     HARNESS_BIN,
@@ -57,6 +56,7 @@ from polar_mitm.runtime.sandbox import (
     sandbox_ca,
     tail,
 )
+from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
 from polar_mitm.tasks.model import Task
 
 log = logging.getLogger("polar_mitm.docker")
