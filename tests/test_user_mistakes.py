@@ -215,7 +215,7 @@ async def test_a_port_taken_after_the_check_fails_the_start_at_once(
     import pytest
 
     from polar_mitm.backends.policy import PolicyConfig
-    from polar_mitm.proxy import proxy
+    from polar_mitm.proxy import embedded as proxy
     from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, ProxyStartError
 
     class Unchecked(socket.socket):
