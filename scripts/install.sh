@@ -77,21 +77,31 @@ fi
 # Python harnesses and SDKs, each in a virtualenv of its own under the cache directory (never the
 # project's .venv: litellm and aider pin dozens of packages the project does not want). Their
 # commands are linked into $CACHE/bin: `export PATH="$CACHE/bin:$PATH"` to run them by name
-# (the e2e tests look there). One entry: NAME|PACKAGES|COMMANDS.
+# (the e2e tests look there). One entry: NAME|PACKAGES|COMMANDS|PYTHON (3.12 unless named).
+# kimi-cli: 1.52.0 is a stub that only says the package is no longer maintained, so 1.51.0, the
+# last release that runs; it needs Python 3.13 (on 3.12.1 its slash commands raise TypeError).
 CACHE="${POLAR_MITM_CACHE:-$HOME/.cache/polar-mitm}"
 PY_ENVS=(
-  "sdks|anthropic==2.15.0 openai==3.57.0 google-genai==3.6.1 litellm==1.110.2|"
-  "mini-swe-agent|mini-swe-agent==2.4.6|mini"
-  "aider-chat|aider-chat==0.86.2|aider"
-  "kimi-cli|kimi-cli==1.52.0|kimi"
+  "sdks|anthropic==2.15.0 openai==3.57.0 google-genai==3.6.1 litellm==1.110.2||"
+  "mini-swe-agent|mini-swe-agent==2.4.6|mini|"
+  "aider-chat|aider-chat==0.86.2|aider|"
+  "kimi-cli-313|kimi-cli==1.51.0|kimi|3.13"
 )
 mkdir -p "$CACHE/venvs" "$CACHE/bin"
 for entry in "${PY_ENVS[@]}"; do
-  IFS='|' read -r name pkgs cmds <<<"$entry"
+  IFS='|' read -r name pkgs cmds pyver <<<"$entry"
   venv="$CACHE/venvs/$name"
+  py="$PY"
+  if [ -n "$pyver" ]; then
+    py=""
+    for cand in "python$pyver" "$HOME/.pyenv/versions/$pyver"*/bin/"python$pyver"; do
+      if command -v "$cand" >/dev/null 2>&1; then py="$cand"; break; fi
+    done
+    if [ -z "$py" ]; then say "skipping $name: it needs Python $pyver, not found"; continue; fi
+  fi
   if [ "$(cat "$venv/.polar-mitm-installed" 2>/dev/null)" != "$pkgs" ]; then
     say "installing $pkgs into $venv"
-    [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+    [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
     "$venv/bin/pip" install -q $pkgs 2> >(grep -v "^WARNING: Location" >&2)
     echo "$pkgs" > "$venv/.polar-mitm-installed"
   else
