@@ -29,6 +29,10 @@ HARNESS_SHELL_TOOLS = {
     "claude-code": {"name": "Bash", "parameters": _obj({"command": STR, "description": STR}, ["command"])},
     "qwen-code": {"name": "run_shell_command", "parameters": _obj({"command": STR}, ["command"])},
     "cline": {
+        "name": "run_commands",
+        "parameters": _obj({"commands": {"type": "array", "items": STR}}, ["commands"]),
+    },
+    "cline-2": {
         "name": "execute_command",
         "parameters": _obj(
             {"command": STR, "requires_approval": {"type": "boolean"}}, ["command", "requires_approval"]
@@ -60,8 +64,10 @@ def test_default_script_calls_the_shell_tool_each_harness_offers(harness):
     assert reply.startswith("<tool_call>\n"), reply
     call = json.loads(reply.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
     assert call["name"] == tool["name"]
-    key = "cmd" if "cmd" in tool["parameters"]["properties"] else "command"
-    assert call["arguments"][key] == "printf '%s\\n' 'hi' > 'out.txt'"
+    props = tool["parameters"]["properties"]
+    key = next(k for k in ("command", "cmd", "commands") if k in props)
+    command = "printf '%s\\n' 'hi' > 'out.txt'"
+    assert call["arguments"][key] == ([command] if key == "commands" else command)
     # Every required parameter is there, so the harness's own validation accepts the call.
     assert set(tool["parameters"]["required"]) <= set(call["arguments"])
 

@@ -202,7 +202,8 @@ def find_shell_tool(tools: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 def shell_arguments(tool: dict[str, Any], command: str) -> dict[str, Any]:
     """Arguments for `tool` that run `command`, in the tool's own convention: a string `command`
     (Claude Code, Gemini CLI, Qwen Code, …), a list `["bash", "-lc", cmd]` where the schema says
-    array (Codex `shell`), or `cmd` where that is the parameter (Codex `exec_command`). Other
+    array (Codex `shell`), `cmd` where that is the parameter (Codex `exec_command`), or a list of
+    command lines `[cmd]` for a `commands` array (Cline's `run_commands`). Other
     required parameters get minimal schema-valid values. Codex's code-mode `exec` gets a script."""
     if is_code_mode_exec(tool):
         return {
@@ -211,8 +212,10 @@ def shell_arguments(tool: dict[str, Any], command: str) -> dict[str, Any]:
     # A harness's schema may be anything JSON: what is not the expected shape counts as absent.
     schema = tool.get("parameters") if isinstance(tool.get("parameters"), dict) else {}
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    key = "command" if "command" in props else ("cmd" if "cmd" in props else "command")
-    value: Any = ["bash", "-lc", command] if _schema_type(props.get(key)) == "array" else command
+    key = next((k for k in ("command", "cmd", "commands") if k in props), "command")
+    is_array = _schema_type(props.get(key)) == "array"
+    # An array `command` is an argv (Codex); an array `commands` is a list of command lines (Cline).
+    value: Any = ([command] if key == "commands" else ["bash", "-lc", command]) if is_array else command
     args: dict[str, Any] = {key: value}
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     for name in required:
