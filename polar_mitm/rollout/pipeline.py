@@ -393,6 +393,7 @@ class Pipeline:
         job.session_dir = self.work_dir / job.session_id
         job.session_dir.mkdir(parents=True, exist_ok=True)
         (job.session_dir / "home").mkdir(exist_ok=True)
+        self.recipe.write_home_files(job.session_dir / "home")  # before the sandbox can touch it
         spec = SandboxSpec(
             name=f"polar-{job.session_id}",
             session_dir=job.session_dir,
