@@ -86,6 +86,9 @@ PY_ENVS=(
   "mini-swe-agent|mini-swe-agent==2.4.6|mini|"
   "aider-chat|aider-chat==0.86.2|aider|"
   "kimi-cli-313|kimi-cli==1.51.0|kimi|3.13"
+  # The OpenHands CLI (`openhands --headless`), about 2 minutes and 800 MB; not openhands-ai, the
+  # GUI server (5 minutes, 1.4 GB), which has no headless command of its own.
+  "openhands-cli|openhands==1.16.0|openhands|"
 )
 mkdir -p "$CACHE/venvs" "$CACHE/bin"
 for entry in "${PY_ENVS[@]}"; do
