@@ -61,6 +61,12 @@ NPM_PACKAGES=(
   "@qwen-code/qwen-code@0.15.10"
   "@mariozechner/pi-coding-agent@0.73.1"
   "opencode-ai@1.18.33"
+  # Cline 3 wants Node 22 by its engines field but runs on 20; Kilo 7.7.7 is the newest whose
+  # platform binary package (@kilocode/cli-linux-x64) is published (7.8.1's is not).
+  "cline@3.0.65"
+  "@continuedev/cli@1.5.47"
+  "@github/copilot@1.0.102"
+  "@kilocode/cli@7.7.7"
   # Not a harness: the fetch proxy preload (polar_mitm/harness/node_proxy.cjs) takes undici's
   # EnvHttpProxyAgent from it, so Node 18-22's fetch honours HTTPS_PROXY.
   "undici@6.29.1"
@@ -78,6 +84,45 @@ if [ ${#missing[@]} -gt 0 ]; then
 else
   say "harness CLIs up to date"
 fi
+
+# Python harnesses and SDKs, each in a virtualenv of its own under the cache directory (never the
+# project's .venv: litellm and aider pin dozens of packages the project does not want). Their
+# commands are linked into $CACHE/bin: `export PATH="$CACHE/bin:$PATH"` to run them by name
+# (the e2e tests look there). One entry: NAME|PACKAGES|COMMANDS|PYTHON (3.12 unless named).
+# kimi-cli: 1.52.0 is a stub that only says the package is no longer maintained, so 1.51.0, the
+# last release that runs; it needs Python 3.13 (on 3.12.1 its slash commands raise TypeError).
+CACHE="${POLAR_MITM_CACHE:-$HOME/.cache/polar-mitm}"
+PY_ENVS=(
+  "sdks|anthropic==2.15.0 openai==3.57.0 google-genai==3.6.1 litellm==1.110.2||"
+  "mini-swe-agent|mini-swe-agent==2.4.6|mini|"
+  "aider-chat|aider-chat==0.86.2|aider|"
+  "kimi-cli-313|kimi-cli==1.51.0|kimi|3.13"
+  # The OpenHands CLI (`openhands --headless`), about 2 minutes and 800 MB; not openhands-ai, the
+  # GUI server (5 minutes, 1.4 GB), which has no headless command of its own.
+  "openhands-cli|openhands==1.16.0|openhands|"
+)
+mkdir -p "$CACHE/venvs" "$CACHE/bin"
+for entry in "${PY_ENVS[@]}"; do
+  IFS='|' read -r name pkgs cmds pyver <<<"$entry"
+  venv="$CACHE/venvs/$name"
+  py="$PY"
+  if [ -n "$pyver" ]; then
+    py=""
+    for cand in "python$pyver" "$HOME/.pyenv/versions/$pyver"*/bin/"python$pyver"; do
+      if command -v "$cand" >/dev/null 2>&1; then py="$cand"; break; fi
+    done
+    if [ -z "$py" ]; then say "skipping $name: it needs Python $pyver, not found"; continue; fi
+  fi
+  if [ "$(cat "$venv/.polar-mitm-installed" 2>/dev/null)" != "$pkgs" ]; then
+    say "installing $pkgs into $venv"
+    [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+    "$venv/bin/pip" install -q $pkgs 2> >(grep -v "^WARNING: Location" >&2)
+    echo "$pkgs" > "$venv/.polar-mitm-installed"
+  else
+    say "$name up to date"
+  fi
+  for cmd in $cmds; do ln -sf "$venv/bin/$cmd" "$CACHE/bin/$cmd"; done
+done
 
 # Docker for the rollout tests: Debian's docker.io, a daemon in the background, the base image.
 if [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then

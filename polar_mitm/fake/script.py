@@ -105,12 +105,21 @@ SHELL_TOOL_NAMES = (
     "Bash",
     "bash",
     "shell",
+    "Shell",
     "run_shell_command",
+    "execute_command",
+    "run_command",
+    "run_commands",
     "exec_command",
     "shell_command",
     "local_shell",
     "execute_bash",
+    "terminal",
+    "run_terminal_cmd",
+    "run_in_terminal",
 )
+# A tool name that says it runs commands, for shell tools of harnesses not listed above.
+_SHELL_WORDS = re.compile(r"bash|shell|terminal|command|cmd|exec", re.IGNORECASE)
 
 
 def chatml_messages(prompt_text: str) -> list[tuple[str, str]]:
@@ -166,15 +175,35 @@ def is_code_mode_exec(tool: dict[str, Any]) -> bool:
 
 
 def find_shell_tool(tools: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The tool the harness runs shell commands with, by name, then by schema: a known name (in
+    our order), the same name in another case or spelling (`RunCommand`, `run-shell-command`,
+    `mcp__x__bash`), then any tool whose name says it runs commands and whose parameters have a
+    `command` or `cmd`. Codex's code-mode `exec` last."""
     by_name = {t["name"]: t for t in tools}
     named = next((by_name[n] for n in SHELL_TOOL_NAMES if n in by_name), None)
-    return named or next((t for t in tools if is_code_mode_exec(t)), None)
+    if named is not None:
+        return named
+
+    def squashed(name: str) -> str:
+        return re.sub(r"[^a-z]", "", name.lower())
+
+    loose = {squashed(t["name"].rsplit("__", 1)[-1].rsplit(".", 1)[-1]): t for t in reversed(tools)}
+    named = next((loose[squashed(n)] for n in SHELL_TOOL_NAMES if squashed(n) in loose), None)
+    if named is not None:
+        return named
+    for t in tools:
+        params = t.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
+        if _SHELL_WORDS.search(t["name"]) and isinstance(props, dict) and ({"command", "cmd"} & set(props)):
+            return t
+    return next((t for t in tools if is_code_mode_exec(t)), None)
 
 
 def shell_arguments(tool: dict[str, Any], command: str) -> dict[str, Any]:
     """Arguments for `tool` that run `command`, in the tool's own convention: a string `command`
     (Claude Code, Gemini CLI, Qwen Code, …), a list `["bash", "-lc", cmd]` where the schema says
-    array (Codex `shell`), or `cmd` where that is the parameter (Codex `exec_command`). Other
+    array (Codex `shell`), `cmd` where that is the parameter (Codex `exec_command`), or a list of
+    command lines `[cmd]` for a `commands` array (Cline's `run_commands`). Other
     required parameters get minimal schema-valid values. Codex's code-mode `exec` gets a script."""
     if is_code_mode_exec(tool):
         return {
@@ -183,8 +212,10 @@ def shell_arguments(tool: dict[str, Any], command: str) -> dict[str, Any]:
     # A harness's schema may be anything JSON: what is not the expected shape counts as absent.
     schema = tool.get("parameters") if isinstance(tool.get("parameters"), dict) else {}
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    key = "command" if "command" in props else ("cmd" if "cmd" in props else "command")
-    value: Any = ["bash", "-lc", command] if _schema_type(props.get(key)) == "array" else command
+    key = next((k for k in ("command", "cmd", "commands") if k in props), "command")
+    is_array = _schema_type(props.get(key)) == "array"
+    # An array `command` is an argv (Codex); an array `commands` is a list of command lines (Cline).
+    value: Any = ([command] if key == "commands" else ["bash", "-lc", command]) if is_array else command
     args: dict[str, Any] = {key: value}
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     for name in required:

@@ -10,7 +10,7 @@ from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm.neutral import ChatRequest
 
@@ -99,6 +99,35 @@ class Recipe(BaseModel):
     # The headless command a rollout runs, one argument per item; "{instruction}" inside an item is
     # replaced by the task's instruction (as one argument, never through a shell).
     headless: list[str] = Field(default_factory=list)
+    # Files a harness needs in a fresh HOME before it can call a model (its provider settings),
+    # path relative to HOME -> content. A rollout writes them into each sample's new HOME; `run`
+    # uses the user's own HOME and writes nothing there (docs/harnesses.md shows each file).
+    home_files: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("home_files")
+    @classmethod
+    def _inside_home(cls, v: dict[str, str]) -> dict[str, str]:
+        for rel in v:
+            parts = Path(rel).parts
+            if not parts or Path(rel).is_absolute() or ".." in parts:
+                raise ValueError(f"home file {rel!r} must be a relative path inside HOME")
+        return v
+
+    def write_home_files(self, home: Path) -> list[Path]:
+        """Create the recipe's home files under `home`, a directory we made; a file already there
+        is kept, and no link is followed (the file is created exclusively, with O_NOFOLLOW)."""
+        written: list[Path] = []
+        for rel, content in self.home_files.items():
+            path = home / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(content)
+            written.append(path)
+        return written
 
     def headless_command(self, instruction: str, template: list[str] | None = None) -> list[str]:
         """The command that runs this harness on `instruction` (`template` overrides the recipe's)."""

@@ -415,6 +415,7 @@ class Pipeline:
         job.session_dir = self.work_dir / job.session_id
         job.session_dir.mkdir(parents=True, exist_ok=True)
         (job.session_dir / "home").mkdir(exist_ok=True)
+        self.recipe.write_home_files(job.session_dir / "home")  # before the sandbox can touch it
         if self.runtime.isolated:
             token = self.proxy.issue_session(job.session_id)
             job.channel = await open_channel(job.session_id, token, serve=self._adopt)

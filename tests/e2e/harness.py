@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from polar_mitm.harness.install import cache_dir
 from polar_mitm.store.db import read_turns
 
 POLAR = [sys.executable, "-m", "polar_mitm"]
+# Where scripts/install.sh links the commands of the Python harnesses (each in its own virtualenv).
+PY_HARNESS_BIN = cache_dir() / "bin"
 
 
 def free_port() -> int:
@@ -30,10 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _path_with_harnesses() -> str:
+    return os.pathsep.join([str(PY_HARNESS_BIN), os.environ.get("PATH", os.defpath)])
+
+
 def require_binary(name: str) -> str:
-    path = shutil.which(name)
+    path = shutil.which(name, path=_path_with_harnesses())
     if path is None:
-        pytest.fail(f"{name} is not installed; scripts/install.sh installs it from npm")
+        pytest.fail(f"{name} is not installed; scripts/install.sh installs it (from npm or PyPI)")
     return path
 
 
@@ -125,6 +132,7 @@ def harness_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY") and "PROXY" not in k.upper()}
     env["HOME"] = str(home)
     env["XDG_CONFIG_HOME"] = str(home / ".config")
+    env["PATH"] = _path_with_harnesses()
     env["CI"] = "1"
     home.mkdir(parents=True, exist_ok=True)
     return env
