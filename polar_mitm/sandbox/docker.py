@@ -260,7 +260,23 @@ class DockerSandbox:
             )
             self.user = None
             return None
+        await self._name_user()
         return owner
+
+    async def _name_user(self) -> None:
+        """Give the harness user a name in the image's /etc/passwd and /etc/group where it has
+        none: Node's os.userInfo() (Qwen Code calls it at start) fails for a uid without one."""
+        assert self.user is not None
+        uid, _, gid = self.user.partition(":")
+        gid = gid or uid
+        home = self.home or "/tmp"
+        line = (
+            f"grep -q '^[^:]*:[^:]*:{uid}:' /etc/passwd || echo 'polar:x:{uid}:{gid}:polar-mitm harness:{home}:/bin/sh' >> /etc/passwd; "
+            f"grep -q '^[^:]*:[^:]*:{gid}:' /etc/group || echo 'polar:x:{gid}:' >> /etc/group"
+        )
+        r = await self.exec(["sh", "-c", line], workdir="/")
+        if r.exit_code != 0:
+            log.info("container %s: no name for uid %s: %s", self.name, uid, r.output[-200:])
 
     async def _chown(self, owner: str, paths: list[str]) -> bool:
         r = await self.exec(["chown", "-R", owner, "--", *paths], workdir="/")

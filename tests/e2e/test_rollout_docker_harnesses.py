@@ -1,5 +1,6 @@
-"""Rollouts in real Docker containers of the harnesses whose recipes came with issue 18 (the npm
-ones: the host's installation is mounted read-only, as for Claude Code), through
+"""Rollouts in real Docker containers of the npm harnesses beyond Claude Code, Codex and Gemini CLI
+(tests/e2e/test_rollout_docker.py): Cline, Continue, Copilot CLI, Kilo Code, Qwen Code, Pi and
+OpenCode (the npm ones: the host's installation is mounted read-only, as for Claude Code), through
 `polar-mitm rollout` with each recipe's headless command, the files its recipe writes into the
 sample's fresh HOME, and a Harbor task scored by its own test. The PyPI harnesses (mini-swe-agent,
 aider, Kimi CLI) live in host virtualenvs that a container cannot run: their images must have them
@@ -18,7 +19,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 
 
 @pytest.mark.parametrize(
-    "harness,binary", [("cline", "cline"), ("continue", "cn"), ("copilot", "copilot"), ("kilo", "kilo")]
+    "harness,binary",
+    [
+        ("cline", "cline"),
+        ("continue", "cn"),
+        ("copilot", "copilot"),
+        ("kilo", "kilo"),
+        # The recipe harnesses that had only run under `run` until now.
+        ("qwen-code", "qwen"),
+        ("pi", "pi"),
+        ("opencode", "opencode"),
+    ],
 )
 def test_harness_solves_a_task_in_docker(
     tmp_path, backend, qwen_tokenizer_dir, docker_client, harness, binary
