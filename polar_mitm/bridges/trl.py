@@ -140,7 +140,8 @@ class PolarRollout:
     `tasks` maps prompts (as the dataset holds them: ids or instructions) to a `Task` or a task
     path the server can read; any other prompt is an instruction scored by `evaluator` (default:
     the harness exited 0). `request` holds more TaskRequest fields for every task (`harness_cmd`,
-    `max_staleness`, timeouts, …). After each call `groups` holds the groups it returned, in order."""
+    `max_staleness`, timeouts, …). After each call `groups` holds the groups it returned and
+    `prompts` the prompt of each, in order."""
 
     def __init__(
         self,
@@ -163,6 +164,7 @@ class PolarRollout:
         self.poll, self.timeout = poll, timeout
         self.calls = 0
         self.groups: list[Group] = []
+        self.prompts: list[Any] = []
 
     def task_for(self, prompt: Any, index: int) -> Task | str:
         text = instruction_of(prompt)
@@ -188,6 +190,7 @@ class PolarRollout:
         ]
         done = {g.task_id: g for g in self.client.wait(ids, poll=self.poll, timeout=self.timeout)}
         self.calls += 1
+        self.prompts = firsts
         self.groups = [done[t] for t in ids]
         return self.groups
 
