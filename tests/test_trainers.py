@@ -184,6 +184,65 @@ async def test_check_logprobs_fails_loudly_on_an_off_by_one(tiny_lm, qwen_tokeni
     assert "MISALIGNED" in bad.stderr and "row shifted" in bad.stderr and "shifted by -1" in bad.stderr
 
 
+# --- verl's own types, slime's fields ---------------------------------------------------------------
+
+
+async def test_verl_bridge_returns_verls_own_agent_loop_output_from_a_real_group(service):  # noqa: F811
+    """verl 0.9.1 installed (--no-deps, as scripts/install.sh does): its AgentLoopOutput, and the
+    loop in its own registry."""
+    agent_loop = pytest.importorskip(
+        "verl.experimental.agent_loop.agent_loop",
+        reason="verl is not installed (scripts/install.sh installs its types)",
+    )
+    from polar_mitm.bridges.verl import PolarAgentLoop, agent_loop_class
+    from tests.test_service import harness
+
+    cls = agent_loop_class()
+    assert issubclass(cls, agent_loop.AgentLoopBase)
+    assert agent_loop._agent_loop_registry["polar"] == {"_target_": f"{cls.__module__}.{cls.__qualname__}"}
+    svc = await service(nodes=1)
+    loop = PolarAgentLoop()  # verl builds its subclass with its own config; the run is the same
+    loop.server, loop.runtime, loop.poll, loop.request = svc.url, "local", 0.2, {"harness_cmd": harness()}
+    out = await loop.run({}, raw_prompt=[{"role": "user", "content": "pass"}],
+                         extra_info={"polar_evaluator": {"kind": "command", "command": "grep -q pass out.txt"}})  # fmt: skip
+    assert isinstance(out, agent_loop.AgentLoopOutput)
+    assert (
+        out.reward_score == 1.0
+        and out.num_turns == 1
+        and isinstance(out.metrics, agent_loop.AgentLoopMetrics)
+    )
+    assert (
+        len(out.response_ids)
+        == len(out.response_mask)
+        == len(out.response_logprobs)
+        > 0
+        < len(out.prompt_ids)
+    )
+    assert out.extra_fields == {
+        "polar_status": "completed",
+        "polar_removed": False,
+        "polar_weight_versions": ["0"],
+    }
+    batch = out.as_dict()  # what verl's worker makes of it
+    assert batch["responses"].tolist() == out.response_ids and batch["rollout_log_probs"].shape[0] == len(
+        out.response_ids
+    )
+
+
+def test_slime_bridge_writes_the_fields_slimes_sample_has():
+    """slime is not on PyPI: the fields `bridges.slime.fill` writes, checked against
+    `slime/utils/types.py` of THUDM/slime (see the commit named in bridges/slime.py)."""
+    from polar_mitm.bridges.slime import SLIME_SAMPLE_FIELDS, fill
+
+    class Target:
+        pass
+
+    row = Sample.from_row(_row(0, [1, 2], [3, 4], [1, 1]))
+    t = fill(Target(), row, "completed", 1.0, 0, 0)
+    written = set(vars(t))
+    assert written <= SLIME_SAMPLE_FIELDS, written - SLIME_SAMPLE_FIELDS
+
+
 # --- TRL's GRPOTrainer, real Claude Code -----------------------------------------------------------
 
 
