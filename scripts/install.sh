@@ -27,6 +27,22 @@ else
   say "Python packages up to date"
 fi
 
+# Trainers (torch, transformers, TRL; verl's types): the tests of polar_mitm.bridges and of
+# `fake-backend --mode hf` skip without them. Off with POLAR_MITM_NO_TRAINERS=1.
+if [ "${POLAR_MITM_NO_TRAINERS:-}" = 1 ]; then
+  say "skipping the trainer extras (POLAR_MITM_NO_TRAINERS=1): their tests will skip"
+elif .venv/bin/python -c 'import torch, trl, verl' 2>/dev/null; then
+  say "trainer extras present"
+else
+  say "installing the trainer extras (torch, transformers, trl, verl types): a few minutes the first time"
+  # pip's cache (~/.cache/pip) is kept: the next install reuses torch's wheels.
+  .venv/bin/pip install -q -e '.[trl]'
+  # verl pins transformers<5.11 and pulls ray[default], wandb, tensorboard, peft, vLLM-era
+  # pins: its agent-loop types only, with the few small modules that module imports.
+  .venv/bin/pip install -q --no-deps 'verl==0.9.1'
+  .venv/bin/pip install -q 'tensordict==0.10.0' 'hydra-core>=1.3' codetiming pylatexenc pillow cachetools
+fi
+
 # tmux drives the interactive-terminal end-to-end test.
 if command -v tmux >/dev/null 2>&1; then
   say "tmux present"

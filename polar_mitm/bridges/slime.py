@@ -24,6 +24,21 @@ from polar_mitm.client import Group, RolloutClient, Sample
 from polar_mitm.outcomes import trainable
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
+# slime's `Sample` (a dataclass in `slime/utils/types.py`), checked against THUDM/slime at commit
+# 624b824a898ab0ec1fcb4d373004c7f3852bf515 (2026-08-21): the fields `fill` writes all exist there,
+# with these names; `Sample.Status` has COMPLETED and ABORTED; `RolloutFnTrainOutput(samples,
+# metrics)` and `RolloutFnEvalOutput(data, metrics)` are in `slime/rollout/base_types.py`.
+SLIME_SAMPLE_FIELDS = frozenset(
+    {
+        "group_index", "index", "rollout_id", "prompt", "tokens", "multimodal_inputs",
+        "multimodal_train_inputs", "multimodal_train_input_id", "apply_chat_template_kwargs", "response",
+        "response_length", "label", "reward", "loss_mask", "weight_versions", "rollout_log_probs",
+        "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts", "remove_sample",
+        "teacher_log_probs", "status", "metadata", "generate_function_path", "custom_rm_path",
+        "train_metadata", "session_id", "non_generation_time",
+    }
+)  # fmt: skip
+
 
 def _status(sample: Any, name: str) -> Any:
     status_enum = getattr(type(sample), "Status", None)

@@ -3,18 +3,22 @@
 verl calls an agent loop once per sample (its GRPO groups come from rolling a prompt n times);
 `PolarAgentLoop.run` submits a one-sample task to the service and returns verl's
 `AgentLoopOutput` fields: `prompt_ids`, `response_ids`, `response_mask`, `response_logprobs`,
-`reward_score`, `num_turns`, `metrics`. The task comes from the dataset row's
+`reward_score`, `num_turns`, `metrics`, `extra_fields`. The task comes from the dataset row's
 `extra_info["polar_task"]` (a Task dict or a path the service can read), else from its raw prompt.
 Configure with `POLAR_MITM_SERVER`, `POLAR_MITM_HARNESS`, `POLAR_MITM_RUNTIME`.
 
 With verl installed, register it in verl's agent-loop registry (`agent_name: polar`); without it,
 `run` returns a plain object with the same fields, so the loop can be tried and tested anywhere.
 A failed or cancelled sample comes back with an all-zero response_mask and reward 0, and
-`metrics["polar_removed"] = True`.
+`extra_fields["polar_removed"] = True` (`polar_status`, `polar_weight_versions` beside it; without
+verl they are in `metrics` too). Checked against verl 0.9.1's
+`verl/experimental/agent_loop/agent_loop.py`: there `metrics` is an `AgentLoopMetrics` model
+(timings), so our fields go in `extra_fields`, which verl carries through to the batch.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -37,6 +41,7 @@ class PolarLoopOutput:
     reward_score: float | None = None
     num_turns: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
+    extra_fields: dict[str, Any] = field(default_factory=dict)
 
 
 def _task(kwargs: dict[str, Any]) -> Task | str:
@@ -85,8 +90,11 @@ class PolarAgentLoop:
         usable = (
             outcome is not None and trainable(outcome.status) and row is not None and not row.remove_sample
         )
-        metrics = {"polar_status": outcome.status if outcome else "cancelled", "polar_removed": not usable}
+        polar = {"polar_status": outcome.status if outcome else "cancelled", "polar_removed": not usable}
         out_cls = _output_class()
+        # verl's `metrics` is its AgentLoopMetrics (timings): our fields ride in extra_fields.
+        metrics: dict[str, Any] = dict(polar) if out_cls is PolarLoopOutput else {}
+        extra = polar | {"polar_weight_versions": list(row.weight_versions) if row is not None else []}
         if row is None:
             return out_cls(
                 prompt_ids=[],
@@ -96,6 +104,7 @@ class PolarAgentLoop:
                 reward_score=0.0,
                 num_turns=0,
                 metrics=metrics,
+                extra_fields=extra,
             )
         return out_cls(
             prompt_ids=row.prompt_ids,
@@ -105,6 +114,7 @@ class PolarAgentLoop:
             reward_score=(outcome.reward or 0.0) if usable and outcome else 0.0,
             num_turns=row.num_turns,
             metrics=metrics,
+            extra_fields=extra,
         )
 
 
@@ -116,6 +126,7 @@ def _output_class() -> Any:
     return AgentLoopOutput
 
 
+@functools.cache
 def agent_loop_class() -> type:
     """verl's registered subclass (`agent_name: polar`) when verl is installed, else PolarAgentLoop."""
     try:

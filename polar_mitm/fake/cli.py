@@ -17,7 +17,20 @@ import click
     default=None,
     help="Tokenizer directory [default: build/cache the offline Qwen tokenizer].",
 )
-@click.option("--mode", type=click.Choice(["scripted", "random"]), default="scripted", show_default=True)
+@click.option(
+    "--mode",
+    type=click.Choice(["scripted", "random", "hf"]),
+    default="scripted",
+    show_default=True,
+    help="scripted replies, a tiny seeded random model, or (hf) a real Hugging Face causal LM from --model.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="--mode hf: the model directory (needs the [hf] extra: torch, transformers).",
+)
 @click.option(
     "--script", type=click.Path(exists=True, dir_okay=False), default=None, help="JSON list of reply rules."
 )
@@ -45,6 +58,7 @@ def fake_backend(
     port,
     tokenizer,
     mode,
+    model_dir,
     script,
     seed,
     weight_version,
@@ -59,10 +73,12 @@ def fake_backend(
     \b
     polar-mitm fake-backend --port 30000                  # scripted replies
     polar-mitm fake-backend --mode random --seed 7        # tiny seeded random model
+    polar-mitm fake-backend --mode hf --model DIR         # a real causal LM, on CPU
 
     Speaks SGLang's /generate (input_ids or text, streaming, logprobs), /model_info, /health,
     /v1/models and /v1/chat/completions. The default script calls the harness's shell tool for
     "Create FILE containing WORD" and "run: CMD", then answers "Done. The command finished."
+    With --mode hf it also serves SGLang's /update_weights_from_disk.
     """
     from polar_mitm.fake import FakeBackendConfig, load_script, serve
 
@@ -70,9 +86,14 @@ def fake_backend(
         from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 
         tokenizer = str(ensure_tokenizer("qwen"))
+    if mode == "hf" and not model_dir:
+        raise click.UsageError("--mode hf needs --model DIR")
+    if model_dir and model_path == "polar-mitm/fake":
+        model_path = model_dir
     cfg = FakeBackendConfig(
         tokenizer_path=tokenizer,
         mode=mode,
+        model_dir=model_dir,
         script=load_script(script) if script else None,
         seed=seed,
         weight_version=weight_version,

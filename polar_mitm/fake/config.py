@@ -16,7 +16,8 @@ class FakeBackendConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tokenizer_path: str
-    mode: Literal["scripted", "random"] = "scripted"
+    mode: Literal["scripted", "random", "hf"] = "scripted"  # hf: a real causal LM (`fake/hf.py`)
+    model_dir: str | None = None  # mode hf: the Hugging Face model directory
     script: list[Rule] | None = None  # None: DEFAULT_SCRIPT
     seed: int = 0
     weight_version: str = "0"

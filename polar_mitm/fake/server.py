@@ -380,10 +380,16 @@ def _api_key_middleware(api_key: str | None):
 def create_app(config: FakeBackendConfig) -> web.Application:
     """The fake server as an aiohttp application (state at `app[STATE]`)."""
     tokenizer = Tokenizer.load(config.tokenizer_path)
+    if config.mode == "hf":  # torch and transformers only here: the [hf] extra
+        from polar_mitm.fake.hf import HFEngine
+
+        engine: Engine = HFEngine(config, tokenizer)
+    else:
+        engine = Engine(config, tokenizer)
     state = FakeBackendState(
         config=config,
         tokenizer=tokenizer,
-        engine=Engine(config, tokenizer),
+        engine=engine,
         weight_version=config.weight_version,
     )
     if config.fail_next > 0:
@@ -413,6 +419,10 @@ def create_app(config: FakeBackendConfig) -> web.Application:
     r.add_get("/get_server_info", server.server_info)
     r.add_get("/v1/models", server.models)
     r.add_post("/update_weight_version", server.update_weight_version)
+    if config.mode == "hf":
+        from polar_mitm.fake.hf import update_weights_from_disk
+
+        r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/abort_request", server.abort_request)
     r.add_route("*", "/flush_cache", server.flush_cache)
     _admin(r, server)

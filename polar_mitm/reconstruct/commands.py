@@ -1,4 +1,4 @@
-"""The offline commands: export, stats, show, reward. `cli.py` adds each of `COMMANDS`.
+"""The offline commands: export, stats, show, reward, check-logprobs. `cli.py` adds each of `COMMANDS`.
 
 Thin click wrappers; the work happens in `export`, `show` and `source`.
 """
@@ -374,4 +374,83 @@ def reward(db: Path, session: str, value: float | None, clear: bool) -> None:
     click.echo(f"session {session}: reward {'cleared' if clear else value}", err=True)
 
 
-COMMANDS = [export, stats, show, reward]
+@click.command("check-logprobs")
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="The trainer's weights (a Hugging Face model directory): the ones that sampled the rows.",
+)
+@click.option(
+    "--parquet",
+    "parquets",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Exported rows (repeatable). Without it, rows are read from --db.",
+)
+@_db_option
+@click.option("--strategy", type=click.Choice(STRATEGIES), default="prefix-merge", show_default=True)
+@_selection_options
+@click.option("--tolerance", type=float, default=1e-3, show_default=True, help="Absolute logprob difference.")
+@click.option(
+    "--max-over",
+    type=float,
+    default=0.01,
+    show_default=True,
+    help="Fail (exit 1) when more than this share of trained tokens is over the tolerance.",
+)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="The sampling temperature.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@_guarded
+def check_logprobs(
+    model_dir: Path,
+    parquets: tuple[Path, ...],
+    db: Path,
+    strategy: str,
+    selection: Selection,
+    tolerance: float,
+    max_over: float,
+    temperature: float,
+    as_json: bool,
+) -> None:
+    """Train/inference agreement: the trainer's logprob of every trained token (one forward pass
+    over prompt_ids + response_ids) against the engine's response_logprobs.
+
+    Reports max and mean absolute difference and the share of tokens over --tolerance, per row.
+    Exits 1 when more than --max-over of them are over it, and 2, loudly, when rows look
+    misaligned (most tokens off: an off-by-one, other weights, another temperature). Needs the
+    [hf] extra (torch, transformers).
+    """
+    try:
+        from polar_mitm.fake.hf import load_causal_lm
+        from polar_mitm.reconstruct.agreement import Misaligned, check, render
+    except ImportError as e:
+        raise click.ClickException(
+            f"check-logprobs needs torch and transformers (pip install 'polar-mitm[hf]'): {e}"
+        ) from None
+    if parquets:
+        import pyarrow.parquet as pq
+
+        rows: Any = (r for p in parquets for r in pq.read_table(p).to_pylist())
+    else:
+        rows = (
+            t.to_row()
+            for t in iter_trajectories(_require_db(db, selection), strategy=strategy, selection=selection)
+        )
+    try:
+        report = check(load_causal_lm(model_dir), rows, tolerance=tolerance, temperature=temperature)
+    except Misaligned as e:
+        click.echo(f"polar-mitm check-logprobs: MISALIGNED: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(report.as_dict()) if as_json else render(report))
+    if report.over > max_over:
+        click.echo(
+            f"polar-mitm check-logprobs: {report.over:.2%} of trained tokens over {tolerance:g} "
+            f"(allowed {max_over:.2%})",
+            err=True,
+        )
+        sys.exit(1)
+
+
+COMMANDS = [export, stats, show, reward, check_logprobs]
