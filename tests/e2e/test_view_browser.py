@@ -273,7 +273,8 @@ def test_live_page_follows_a_service_rollout_without_a_reload(
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
         [*POLAR, "serve", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "svc.sqlite"),
-         "--backend", backend_process.url, "--tokenizer", str(tiny_tokenizer_dir)],
+         "--backend", backend_process.url, "--tokenizer", str(tiny_tokenizer_dir),
+         "--allow-local-runtime"],  # the test's tasks run on the local runtime
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip
     try:
