@@ -250,10 +250,17 @@ def test_unknown_top_level_fields_in_every_style():
     }
     assert anthropic.unknown_fields({"model": "m", **claude_code}) == []
     changes_prompt = {
-        "output_config": {"format": {"type": "json_schema"}},
+        "output_config": {"effort": "high", "task_budget": 5},
         "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
     }
     assert anthropic.unknown_fields(changes_prompt) == ["output_config", "context_management"]
+    # A structured output format is read: the engine's constrained decoding enforces it.
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+    req = anthropic.parse_request(
+        {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}],
+         "output_config": {"format": {"type": "json_schema", "schema": schema}}, "thinking": {"type": "enabled", "budget_tokens": 9}}
+    )  # fmt: skip
+    assert req.sampling.json_schema == schema and req.thinking is False
     assert openai_chat.unknown_fields({"model": "m", "messages": [], "user": "u", "audio": {}}) == ["audio"]
     assert openai_responses.unknown_fields({"model": "m", "input": [], "prompt": {"id": "p"}}) == ["prompt"]
 

@@ -44,21 +44,39 @@ HOSTS = ["api.anthropic.com"]
 # routing, server-side tools it cannot run). Anything else is said once per session.
 KNOWN_FIELDS = frozenset(
     {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "temperature", "top_p"}
-    | {"top_k", "stop_sequences", "stream", "thinking"}
+    | {"top_k", "stop_sequences", "stream", "thinking", "output_format"}
     | {"metadata", "service_tier", "container", "mcp_servers"}
 )
 
 
 def unknown_fields(body: Any) -> list[str]:
     unknown = base.unknown_fields(body, KNOWN_FIELDS)
-    # Claude Code sends these every turn in forms that change nothing the policy sees: an effort
-    # hint, and clearing thinking from history (which the policy's template decides). Other
-    # forms (a structured output format, clearing tool results server-side) would: said.
-    if "output_config" in unknown and _keys_within(body.get("output_config"), {"effort"}):
+    # Claude Code sends these every turn in forms the policy reads or that change nothing it sees:
+    # an effort hint, a structured output format (read as the JSON schema), and clearing thinking
+    # from history (which the policy's template decides). Other forms (clearing tool results
+    # server-side) would: said.
+    if "output_config" in unknown and _keys_within(body.get("output_config"), {"effort", "format"}):
         unknown.remove("output_config")
     if "context_management" in unknown and _only_clears_thinking(body.get("context_management")):
         unknown.remove("context_management")
     return unknown
+
+
+def _json_schema(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Structured outputs: `output_config.format` (or the beta's `output_format`) of type
+    `json_schema` asks for a reply matching `schema` (Claude Code's title call does), which the
+    engine's constrained decoding enforces."""
+    config = fields.opt_obj(body, "output_config", "")
+    where = "output_config.format"
+    fmt = config.get("format") if config is not None else None
+    if fmt is None:
+        fmt, where = body.get("output_format"), "output_format"
+    if fmt is None:
+        return None
+    fmt = fields.obj(fmt, where)
+    if fields.type_tag(fmt, where) != "json_schema":
+        raise _bad(f"{where}.type: only 'json_schema' is supported")
+    return fields.schema(fmt, "schema", where)
 
 
 def _keys_within(value: Any, allowed: set[str]) -> bool:
@@ -252,6 +270,10 @@ def parse_request(
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise _bad("stop_sequences: must be a list of strings")
+    schema = _json_schema(body)
+    if schema is not None:
+        # Constrained decoding applies from the first sampled token: no thinking before the JSON.
+        think = False
     try:
         sampling = Sampling(
             max_tokens=body.get("max_tokens"),
@@ -259,6 +281,7 @@ def parse_request(
             top_p=body.get("top_p"),
             top_k=body.get("top_k"),
             stop=stops,
+            json_schema=schema,
         )
     except ValueError as e:
         raise _bad(f"invalid sampling parameter: {e}") from e
