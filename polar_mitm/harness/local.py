@@ -21,7 +21,6 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel
 
-from polar_mitm import redact
 from polar_mitm.harness import node_proxy
 from polar_mitm.proxy.certs import CA
 from polar_mitm.proxy.embedded import PolarProxy
@@ -159,7 +158,8 @@ async def run_harness(
         session_id,
         task_id=task_id,
         harness=recipe.name,
-        command=redact.argv(cmd, recipe.secret_flags),
+        command=cmd,  # stored with its credentials redacted (redact.argv)
+        secret_flags=recipe.secret_flags,
         mode=proxy.config.mode,
         metadata={"recipe": recipe.name, "upstreams": sorted(proxy.config.upstreams)}
         if harvest

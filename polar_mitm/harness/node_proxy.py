@@ -8,7 +8,6 @@ the preload is not added: there is nothing it could do; POLAR_MITM_NODE_PRELOAD=
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 from collections.abc import Mapping
@@ -49,7 +48,3 @@ def env(base: Mapping[str, str], *, preload: str | None = None, undici: str | No
     if flag in options:
         return {"POLAR_MITM_UNDICI": undici}
     return {"NODE_OPTIONS": f"{options} {flag}".strip(), "POLAR_MITM_UNDICI": undici}
-
-
-def installed() -> bool:
-    return undici_dir() is not None and os.access(PRELOAD, os.R_OK)

@@ -338,6 +338,7 @@ class Pipeline:
             task_id=job.task.id,
             harness=self.recipe.name,
             command=self.recipe.headless_command(job.task.instruction, self.opts.harness_cmd),
+            secret_flags=self.recipe.secret_flags,
             metadata={
                 "rollout": self.rollout_id,
                 "group": job.group.id,

@@ -287,6 +287,7 @@ class Store:
         task_id: str | None = None,
         harness: str | None = None,
         command: Sequence[str] | None = None,
+        secret_flags: Sequence[str] = (),
         mode: str = "policy",
         metadata: dict[str, Any] | None = None,
     ) -> None:
@@ -298,7 +299,7 @@ class Store:
                     session_id,
                     task_id,
                     harness,
-                    json.dumps(redact.argv(command)) if command is not None else None,
+                    json.dumps(redact.argv(command, secret_flags)) if command is not None else None,
                     mode,
                     json.dumps(metadata or {}),
                     time.time(),
