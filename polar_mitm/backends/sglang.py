@@ -119,9 +119,9 @@ class GenerateState:
         return self._text[0] if self._text else ""
 
 
-def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
-    """Map neutral sampling settings to SGLang's names; unknown keys are a 400 there."""
-    out: dict[str, Any] = {"max_new_tokens": s.max_tokens if s.max_tokens is not None else default_max_tokens}
+def _shared_params(s: Sampling) -> dict[str, Any]:
+    """The sampling settings SGLang and vLLM spell alike: temperature, top_p, top_k, stop."""
+    out: dict[str, Any] = {}
     if s.temperature is not None:
         out["temperature"] = s.temperature
     if s.top_p is not None:
@@ -130,6 +130,15 @@ def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
         out["top_k"] = s.top_k
     if s.stop:
         out["stop"] = list(s.stop)
+    return out
+
+
+def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
+    """Map neutral sampling settings to SGLang's names; unknown keys are a 400 there."""
+    out: dict[str, Any] = {
+        "max_new_tokens": s.max_tokens if s.max_tokens is not None else default_max_tokens,
+        **_shared_params(s),
+    }
     if s.json_schema is not None:
         out["json_schema"] = json.dumps(s.json_schema)
     # Special tokens such as <tool_call> must survive in `text` for the output parsers; SGLang
@@ -375,15 +384,8 @@ def vllm_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
         "logprobs": 0,  # the sampled token's logprob, no alternatives
         "return_token_ids": True,
         "skip_special_tokens": False,  # special tokens such as <tool_call> stay in the text
+        **_shared_params(s),
     }
-    if s.temperature is not None:
-        out["temperature"] = s.temperature
-    if s.top_p is not None:
-        out["top_p"] = s.top_p
-    if s.top_k is not None:
-        out["top_k"] = s.top_k
-    if s.stop:
-        out["stop"] = list(s.stop)
     if s.json_schema is not None:
         out["response_format"] = {
             "type": "json_schema",
