@@ -15,7 +15,9 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,6 +181,62 @@ def assert_turns_match_backend(backend: FakeBackend, db: Path) -> None:
         )
         assert again["output_ids"] == t.output_ids
         assert [lp[0] for lp in again["meta_info"]["output_token_logprobs"]] == t.output_logprobs
+
+
+@dataclass
+class ToolTask:
+    """What `run_tool_task` saw: the run, its workdir and store, its two main turns, every turn
+    with its raw request and reply by id, and the one tool call the first turn made."""
+
+    result: subprocess.CompletedProcess
+    work: Path
+    db: Path
+    t1: Any
+    t2: Any
+    raw: dict[str, Any]
+    call: dict[str, Any]
+
+
+def run_tool_task(
+    recipe: str,
+    backend: FakeBackend,
+    tokenizer: Path,
+    tmp_path: Path,
+    session: str,
+    *,
+    style: str,
+    host: str,
+    env: dict[str, str] | None = None,
+) -> ToolTask:
+    """The recipe's headless command on "Create out.txt containing hi" through `polar-mitm run`
+    against the fake's default script, and what every such test asserts: exit 0, the file made
+    by the harness's shell tool, two main turns in `style` (a tool call, then the answer), the
+    second's prompt extending the first's prompt + sampled ids, and every turn's ids and logprobs
+    exactly the backend's; the session stored under the recipe's name with exit code 0, and every
+    turn sent to `host`. The rest is the caller's to check."""
+    from polar_mitm import recipes
+
+    work, db = tmp_path / "work", tmp_path / "runs.sqlite"
+    work.mkdir()
+    r = polar_run(
+        ["--backend", backend.url, "--tokenizer", str(tokenizer), "--db", str(db), "--session", session],
+        recipes.get(recipe).headless_command("Create out.txt containing hi"),
+        cwd=work,
+        env=env if env is not None else harness_env(tmp_path / "home"),
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (work / "out.txt").read_text() == "hi\n"  # the harness ran the shell tool call
+    t1, t2 = main_turns(db)
+    assert t1.style == style and t1.finish_reason == "tool_calls" and t2.finish_reason == "stop"
+    raw = {t.id: t for t in read_turns(db, with_raw=True)}
+    [call] = json.loads(raw[t1.id].response)["tool_calls"]
+    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+    assert_turns_match_backend(backend, db)
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT harness, exit_code FROM sessions").fetchone() == (recipe, 0)
+    assert {h for (h,) in con.execute("SELECT DISTINCT host FROM turns")} == {host}
+    return ToolTask(r, work, db, t1, t2, raw, call)
 
 
 @contextmanager

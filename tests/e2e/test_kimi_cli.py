@@ -3,14 +3,10 @@ through `polar-mitm run` with the recipe's headless command: Moonshot's Chat Com
 at api.moonshot.ai, its `Shell` tool called by the fake's default script (no rule file)."""
 
 import json
-import sqlite3
-import subprocess
 
 import pytest
 
-from polar_mitm import recipes
-from polar_mitm.store.db import read_turns
-from tests.e2e.harness import assert_turns_match_backend, harness_env, main_turns, polar_run, require_binary
+from tests.e2e.harness import require_binary, run_tool_task
 
 pytestmark = pytest.mark.e2e
 
@@ -19,38 +15,17 @@ def test_shell_tool_task_is_done_and_every_turn_is_captured_token_exact(
     tmp_path, backend, qwen_tokenizer_dir
 ):
     require_binary("kimi")
-    work, db = tmp_path / "work", tmp_path / "runs.sqlite"
-    work.mkdir()
-    cmd = recipes.get("kimi-cli").headless_command("Create out.txt containing hi")
-    r = polar_run(
-        [
-            "--backend",
-            backend.url,
-            "--tokenizer",
-            str(qwen_tokenizer_dir),
-            "--db",
-            str(db),
-            "--session",
-            "kimi-e2e",
-        ],
-        cmd,
-        cwd=work,
-        env=harness_env(tmp_path / "home"),
-        stdin=subprocess.DEVNULL,
+    task = run_tool_task(
+        "kimi-cli",
+        backend,
+        qwen_tokenizer_dir,
+        tmp_path,
+        "kimi-e2e",
+        style="openai-chat",
+        host="api.moonshot.ai",
     )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert (work / "out.txt").read_text() == "hi\n"  # Kimi CLI ran the Shell call
-    assert "Done. The command finished." in r.stdout
-    assert "session kimi-e2e" in r.stderr and "2 turns" in r.stderr
-    t1, t2 = main_turns(db)
-    assert t1.style == "openai-chat" and t1.finish_reason == "tool_calls" and t2.finish_reason == "stop"
-    raw = {t.id: t for t in read_turns(db, with_raw=True)}
-    [call] = json.loads(raw[t1.id].response)["tool_calls"]
-    assert call["name"] == "Shell"
-    req2 = json.loads(raw[t2.id].request)
+    assert "Done. The command finished." in task.result.stdout
+    assert "session kimi-e2e" in task.result.stderr and "2 turns" in task.result.stderr
+    assert task.call["name"] == "Shell"
+    req2 = json.loads(task.raw[task.t2.id].request)
     assert req2["stream"] is True and req2["messages"][-1]["role"] == "tool"
-    assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
-    assert_turns_match_backend(backend, db)
-    con = sqlite3.connect(db)
-    assert con.execute("SELECT harness, exit_code FROM sessions").fetchone() == ("kimi-cli", 0)
-    assert {h for (h,) in con.execute("SELECT DISTINCT host FROM turns")} == {"api.moonshot.ai"}
