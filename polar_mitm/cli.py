@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.cli_options import make_policy_config, policy_options
+from polar_mitm.cli_options import listen_option, make_policy_config, policy_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -93,17 +93,6 @@ PROVIDER_HOST = click.option(
     "default provider is another compatible host (e.g. api.x.ai=openai, api.moonshot.ai=openai). "
     "Repeatable; recipes can name such hosts too.",
 )
-
-
-def _parse_listen(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    try:
-        number = int(port)
-    except ValueError:
-        number = -1
-    if not 0 <= number <= 65535:
-        raise click.BadParameter(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
-    return host.strip("[]") or "127.0.0.1", number
 
 
 def preflight(cfg) -> None:
@@ -224,7 +213,7 @@ def run(
     "--listen",
     default="127.0.0.1:8080",
     show_default=True,
-    callback=_parse_listen,
+    callback=listen_option,
     help="HOST:PORT (or PORT) to listen on.",
 )
 @click.option(

@@ -9,6 +9,7 @@ adds what the field cannot say (help, an environment variable, a check).
 
 from __future__ import annotations
 
+import ipaddress
 import types
 import typing
 from collections.abc import Callable
@@ -212,3 +213,27 @@ def make_policy_config(backend_timeout: float | None = None, **options: Any) -> 
             if options.get(field) is None:
                 options[field] = backend_timeout
     return PolicyConfig(**{k: v for k, v in options.items() if v is not None})
+
+
+def split_listen(value: str, example: str = "127.0.0.1:8080") -> tuple[str, int]:
+    """A `--listen HOST:PORT` value as (host, port): brackets of an IPv6 host stripped, an empty
+    host meaning 127.0.0.1; a click error naming the option when it is not HOST:PORT."""
+    host, _, port = value.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise click.BadParameter(f"{value!r} is not HOST:PORT (e.g. {example})", param_hint="--listen")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def listen_option(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
+    """`split_listen` as a click callback."""
+    return split_listen(value)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback (what a server may bind without TLS)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

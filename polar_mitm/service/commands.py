@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import signal
 import subprocess
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.cli_options import make_policy_config, policy_options
+from polar_mitm.cli_options import is_loopback, make_policy_config, policy_options, split_listen
 from polar_mitm.rollout.commands import task_options, worker_options
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
@@ -51,22 +50,6 @@ def client_token(token: str | None, token_file: Path | None) -> str:
             "set POLAR_MITM_SERVICE_TOKEN or pass --token-file"
         )
     return found
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _host_port(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    if not port.isdigit():
-        raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
-    return host or "127.0.0.1", int(port)
 
 
 def node_options(f):
@@ -204,8 +187,8 @@ def serve(
     from polar_mitm.service.node import NodeConfig, node_db, spawn_node, stop_node
     from polar_mitm.service.server import RolloutServer
 
-    host, port = _host_port(listen)
-    if not _loopback(host) and not insecure_listen:
+    host, port = split_listen(listen, "127.0.0.1:8700")
+    if not is_loopback(host) and not insecure_listen:
         raise click.ClickException(
             f"--listen {listen} is reachable from other machines and the API has no TLS (its token would "
             "cross the network in clear): listen on 127.0.0.1 and tunnel, or pass --insecure-listen"

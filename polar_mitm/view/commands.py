@@ -9,15 +9,13 @@ from pathlib import Path
 
 import click
 
+from polar_mitm.cli_options import is_loopback, split_listen
 from polar_mitm.reconstruct.viewers import register as _register
 from polar_mitm.reconstruct.viewers import running_url  # noqa: F401  (show asks it)
 
 
 def _listen(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise click.BadParameter(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:8790)")
-    return (host.strip("[]") or "127.0.0.1"), int(port)
+    return split_listen(value, "127.0.0.1:8790")
 
 
 @click.command()
@@ -75,7 +73,7 @@ def view(
       polar-mitm view --db rollouts.sqlite --server http://127.0.0.1:8700
     """
     from polar_mitm.auth import find_token
-    from polar_mitm.view.server import ViewConfig, Viewer, allowed_hosts, is_loopback
+    from polar_mitm.view.server import ViewConfig, Viewer, allowed_hosts
 
     host, port = listen
     if not is_loopback(host) and not insecure_listen:

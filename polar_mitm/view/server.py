@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import threading
 from collections import OrderedDict
@@ -28,6 +27,7 @@ import numpy as np
 from aiohttp import web
 
 from polar_mitm import sse
+from polar_mitm.cli_options import is_loopback
 from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.export import STRATEGIES, iter_trajectories
 from polar_mitm.reconstruct.groups import group_advantages
@@ -53,15 +53,6 @@ CSP = (
 )
 STATIC = {"view.css": "text/css", "view.js": "text/javascript"}
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
-
-
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass
