@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             output_dir=str(work / "trl"), use_cpu=True, report_to=[], max_steps=a.steps, learning_rate=a.lr,
             per_device_train_batch_size=a.samples, num_generations=a.samples, steps_per_generation=1,
             logging_steps=1, save_strategy="no", seed=0, dataloader_num_workers=0, shuffle_dataset=False,
+            bf16=False,  # train in the engine's dtype (float32 here), not TRL's default bf16 autocast
         )  # fmt: skip
         trainer = PolarGRPOTrainer(
             model=model, args=args, train_dataset=Dataset.from_dict({"prompt": names}),

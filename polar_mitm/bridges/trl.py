@@ -312,6 +312,16 @@ def polar_grpo_trainer_class() -> type:
         ) -> None:
             super().__init__(*args, reward_funcs=reward_funcs or polar_reward, rollout_func=rollout, **kwargs)
             self.polar_rollout = rollout
+            if getattr(self.args, "bf16", False) or getattr(self.args, "fp16", False):
+                # TRL's GRPOConfig defaults to bf16 autocast, also on CPU: the trainer's logprobs are
+                # then half precision while the engine's are the engine's own dtype, and TRL's
+                # sampling_logp_difference reads that gap (0.02-0.09 on a float32 engine).
+                log.warning(
+                    "the trainer computes logprobs under %s autocast; if the engine samples in another "
+                    "dtype, TRL's importance ratio and sampling_logp_difference include the precision "
+                    "gap (set bf16=False/fp16=False in GRPOConfig to train in the model's dtype)",
+                    "bf16" if self.args.bf16 else "fp16",
+                )
             if weight_sync is not None:
                 self.add_callback(weight_sync)
             if importance_sampling and self.vllm_importance_sampling_correction and not self.use_vllm:
