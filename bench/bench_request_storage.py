@@ -31,7 +31,9 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polar_mitm.store.db import RequestReader, Store, Turn  # noqa: E402
+from polar_mitm.store.requests import RequestReader  # noqa: E402
+from polar_mitm.store.turn import Turn  # noqa: E402
+from polar_mitm.store.writer import Store  # noqa: E402
 
 WORDS = (
     "the proxy records every token of the file while tests run parser import error line def return".split()

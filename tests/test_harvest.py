@@ -37,7 +37,8 @@ from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA
 from polar_mitm.sse import SSEEvent
 from polar_mitm.sse import parse as parse_sse
-from polar_mitm.store.db import Store, Turn
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
 from tests.helpers import BASH, COMPLETION, MESSAGES_URL, stream_bytes
 
 KEY = "sk-ant-api03-HARVEST-SECRET-0123456789abcdef"
@@ -1002,7 +1003,7 @@ async def test_a_proxy_stopped_right_after_a_reply_still_stores_it(
     wait for that, here on a store that takes half a second to write (a slow disk)."""
     import asyncio
 
-    from polar_mitm.store.db import Store
+    from polar_mitm.store.writer import Store
 
     insert = Store.insert_turn
 

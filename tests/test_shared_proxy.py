@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import FakeBackend, free_port
 from tests.helpers import MESSAGES_URL
 

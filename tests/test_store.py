@@ -7,9 +7,11 @@ import sqlite3
 import pytest
 
 from polar_mitm import redact
-from polar_mitm.store.db import Store, Turn, read_turns
 from polar_mitm.store.migrations import MIGRATIONS, migrate
 from polar_mitm.store.packing import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
+from polar_mitm.store.reader import read_turns
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
 
 
 def test_ids_roundtrip():
@@ -35,7 +37,7 @@ def test_migrations_are_recorded_and_idempotent(tmp_path):
 
 
 def test_readers_write_nothing_to_a_current_database_and_bring_an_old_one_up_to_date(tmp_path):
-    from polar_mitm.store.db import connect, init_db
+    from polar_mitm.store.connection import connect, init_db
     from polar_mitm.store.migrations import pending
 
     current = tmp_path / "current.sqlite"
@@ -358,9 +360,9 @@ async def test_a_turn_reads_back_as_it_was_written(tmp_path):
 
 
 def test_a_turn_that_begins_the_next_one_is_kept_as_a_view_of_it():
-    from polar_mitm.store.db import _SequenceCache
+    from polar_mitm.store.sequences import SequenceCache
 
-    cache = _SequenceCache(compact=True, hot_tokens=1_000)
+    cache = SequenceCache(compact=True, hot_tokens=1_000)
     first = list(range(100, 140))
     cache.put("t1", first, 30)
     second = first + [7, 8, 9]

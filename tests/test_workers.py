@@ -16,8 +16,8 @@ import pytest
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.proxy.embedded import ProxyConfig, ProxyStartError
 from polar_mitm.proxy.workers import WorkerPool, pick, session_of
-from polar_mitm.store.db import read_turns
 from polar_mitm.store.migrations import MIGRATIONS
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import FakeBackend, free_port
 from tests.helpers import MESSAGES_URL
 
@@ -249,7 +249,7 @@ def test_workers_share_the_busy_port_error(tmp_path, certs_dir, qwen_tokenizer_d
 
 
 def _open_at_once(path: str, barrier) -> None:
-    from polar_mitm.store.db import init_db
+    from polar_mitm.store.connection import init_db
 
     barrier.wait()
     init_db(path)

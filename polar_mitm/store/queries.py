@@ -3,7 +3,7 @@
 
 Reconstruction asks which sessions a selection covers, how many turns it reads, the rewards and
 the text of turns (the SFT export); the runtime asks how many turns and tokens a session made;
-the `reward` command sets a session's reward. Token ids are read by `db.read_turns`.
+the `reward` command sets a session's reward. Token ids are read by `reader.read_turns`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
-from polar_mitm.store.db import RequestReader, Turn, connect, turn_filter
+from polar_mitm.store.connection import connect
+from polar_mitm.store.reader import turn_filter
+from polar_mitm.store.requests import RequestReader
+from polar_mitm.store.turn import Turn
 
 
 def _where(*, with_text: bool = False, **filters: Any) -> tuple[str, list[object]]:
-    """A WHERE clause over `turns t JOIN sessions s`: `db.turn_filter`'s (the one `read_turns`
+    """A WHERE clause over `turns t JOIN sessions s`: `reader.turn_filter`'s (the one `read_turns`
     applies, so counts match what it reads); `with_text` keeps turns with a request and reply."""
     where, args = turn_filter(**filters)
     if with_text:
