@@ -8,6 +8,7 @@ the `reward` command sets a session's reward. Token ids are read by `reader.read
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -182,7 +183,7 @@ def set_reward(path: str | Path, session: str, value: float | None) -> None:
 _TEXT_COLUMNS = (
     "t.id, t.session_id, t.seq, t.created_at, t.style, t.path, t.model, t.tag, t.status, t.finish_reason,"
     " t.request, t.response, (t.prompt_len = 0 AND t.output_len = 0), s.task_id, s.reward,"
-    " t.request_ref, t.request_head, t.request_tail, t.request_delta"
+    " t.request_ref, t.request_head, t.request_tail, t.request_delta, t.request_zstd, t.request_dict"
 )
 _TEXT_FIELDS = (
     *("id", "session_id", "seq", "created_at", "style", "path", "model", "tag", "status", "finish_reason"),
@@ -387,21 +388,35 @@ _FACT_COLUMNS = ", ".join(f"t.{name}" for name in TurnFacts.model_fields)
 def turn_facts(
     path: str | Path, *, ids: list[str] | None = None, session: str | None = None
 ) -> list[TurnFacts]:
-    """The named turns' facts (in creation order), or every turn of `session`; no token ids."""
+    """The named turns' facts (in creation order), or every turn of `session`; no token ids.
+    Headers stored as what changed since an earlier turn's come back whole."""
     fields = list(TurnFacts.model_fields)
     out: list[TurnFacts] = []
     db = connect(path)
+    requests = RequestReader(db)
+
+    def fact(row: tuple) -> TurnFacts:
+        values = dict(zip(fields, row[:-1], strict=True))
+        if row[-1] is not None:
+            values["request_headers"] = json.dumps(
+                requests.headers(values["id"], values["request_headers"], row[-1])
+            )
+        return TurnFacts.model_construct(**values)
+
     try:
         if session is not None:
             rows = db.execute(
-                f"SELECT {_FACT_COLUMNS} FROM turns t WHERE t.session_id = ? ORDER BY t.seq", (session,)
+                f"SELECT {_FACT_COLUMNS}, t.headers_ref FROM turns t WHERE t.session_id = ? ORDER BY t.seq",
+                (session,),
             )
-            out = [TurnFacts.model_construct(**dict(zip(fields, r, strict=True))) for r in rows]
+            out = [fact(r) for r in rows]
         for start in range(0, len(ids or []), 500):
             chunk = (ids or [])[start : start + 500]
             marks = ",".join("?" * len(chunk))
-            rows = db.execute(f"SELECT {_FACT_COLUMNS} FROM turns t WHERE t.id IN ({marks})", chunk)
-            out += [TurnFacts.model_construct(**dict(zip(fields, r, strict=True))) for r in rows]
+            rows = db.execute(
+                f"SELECT {_FACT_COLUMNS}, t.headers_ref FROM turns t WHERE t.id IN ({marks})", chunk
+            )
+            out += [fact(r) for r in rows]
     finally:
         db.close()
     return sorted(out, key=lambda f: f.seq)

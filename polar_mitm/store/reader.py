@@ -11,6 +11,7 @@ import numpy as np
 
 from polar_mitm.store.connection import connect
 from polar_mitm.store.packing import unpack_ids, unpack_ids_array, unpack_logprobs, unpack_logprobs_array
+from polar_mitm.store.requests import COLUMNS as REQUEST_COLUMNS
 from polar_mitm.store.requests import RequestReader
 from polar_mitm.store.sequences import SequenceCache
 from polar_mitm.store.turn import Turn
@@ -80,9 +81,10 @@ def read_turns(
         session=session, task=task, since=since, tokens=None if include_text_only else True, rollout=rollout
     )
     raw_cols = (
-        ", t.request, t.response, t.request_ref, t.request_head, t.request_tail, t.request_delta"
+        ", t.response, t.request_headers, t.headers_ref, "
+        + ", ".join(f"t.{c.strip()}" for c in REQUEST_COLUMNS.split(","))
         if with_raw
-        else ", NULL, NULL, NULL, 0, 0, NULL"
+        else ""
     )
     sql = (
         "SELECT t.id, t.session_id, t.seq, t.created_at, t.style, t.model, t.tag, t.status, t.finish_reason,"
@@ -137,8 +139,9 @@ def read_turns(
                 prompt_ref_len=ref_len,
                 weight_version=wv,
                 task_id=row[15],
-                request=requests.text(tid, row[16], *row[18:22]) if with_raw else None,
-                response=row[17],
+                request=requests.text(tid, *row[19:]) if with_raw else None,
+                request_headers=requests.headers(tid, row[17], row[18]) if with_raw else {},
+                response=row[16] if with_raw else None,
             )
     finally:
         db.close()

@@ -20,13 +20,25 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm import redact
-from polar_mitm.store import deltas
+from polar_mitm.store import deltas, requests
 from polar_mitm.store.connection import connect_wal, init_db
 from polar_mitm.store.packing import pack_ids, pack_logprobs, unpack_ids
 from polar_mitm.store.sequences import SequenceCache
 from polar_mitm.store.turn import Turn
 
 Statement = tuple[str, Sequence[Any]]
+
+_INSERT_TURN = (
+    "INSERT INTO turns (id, session_id, seq, created_at, style, host, path, model, tag, status,"
+    " finish_reason, prompt_ref, prompt_ref_len, prompt_suffix, prompt_len, output_ids,"
+    " output_logprobs, output_len, weight_version, msg_hash, post_hash, request, request_headers,"
+    " response, error, latency_ms, request_ref, request_head, request_tail, request_delta,"
+    " request_zstd, request_dict, headers_ref)"
+    " VALUES (?,?,(SELECT COALESCE(MAX(seq), 0) + 1 FROM turns),"
+    "?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+)
+# Places in its values (after the seq, which the INSERT computes) of the columns `_write_turn` fills.
+_REQUEST_COL, _REF_COL, _DELTA_COL, _ZSTD_COL, _DICT_COL = 20, 25, 28, 29, 30
 
 
 class Store:
@@ -44,6 +56,8 @@ class Store:
         conn: sqlite3.Connection,
         *,
         request_memo_chars: int,
+        dict_chars: int = 64_000_000,
+        compress: bool = True,
     ):
         self.path = str(path)
         self._thread = thread
@@ -58,16 +72,38 @@ class Store:
         # The newest completed turn by (session, post_hash) of those this writer stored, so the
         # usual echo of the previous reply is found without a query (bounded, oldest out first).
         self._post_hashes: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # False: request text plain and headers whole, as stores before m006 (for comparisons).
+        self.compress = compress
+        # Each session's zstd dictionary: one of its requests (its turn id), bounded in characters.
+        self.dict_chars = dict_chars
+        self._dicts: OrderedDict[str, tuple[str, requests.zstd.ZstdDict]] = OrderedDict()
+        self._dict_size = 0
+        # Each session's newest headers (turn id, headers, how many references lead to whole ones).
+        self._last_headers: OrderedDict[str, tuple[str, dict[str, str], int]] = OrderedDict()
 
     @classmethod
-    async def open(cls, path: str | Path, *, request_memo_chars: int = 32_000_000) -> Store:
+    async def open(
+        cls,
+        path: str | Path,
+        *,
+        request_memo_chars: int = 32_000_000,
+        dict_chars: int = 64_000_000,
+        compress: bool = True,
+    ) -> Store:
         init_db(path)
         thread = ThreadPoolExecutor(1, thread_name_prefix="polar-store")
         # Autocommit: `write` opens and commits its own transactions.
         conn = await asyncio.get_running_loop().run_in_executor(
             thread, lambda: connect_wal(path, isolation_level=None)
         )
-        return cls(path, thread, conn, request_memo_chars=request_memo_chars)
+        return cls(
+            path,
+            thread,
+            conn,
+            request_memo_chars=request_memo_chars,
+            dict_chars=dict_chars,
+            compress=compress,
+        )
 
     async def close(self) -> None:
         await self._run(self._conn.close)
@@ -135,57 +171,60 @@ class Store:
         """Commit one turn. Returns only once the turn is durable in the WAL.
 
         Its `seq` is computed by the INSERT itself, under SQLite's write lock, so writers in other
-        processes sharing the file never hand out the same one (m004 indexes seq for the MAX)."""
+        processes sharing the file never hand out the same one (m004 indexes seq for the MAX).
+        Its request text is compressed in the store's thread, beside the commit, not on the loop."""
         # Sessions named by proxy credentials appear with their first turn.
         known = rec.session_id in self._sessions
         suffix = rec.prompt_ids[rec.prompt_ref_len :] if rec.prompt_ref else rec.prompt_ids
         key = (rec.session_id, rec.tag, rec.path)
         request_ref, delta = self._request_delta(rec.request, rec.prompt_ref, self._last_request.get(key))
-        insert = (
-            "INSERT INTO turns (id, session_id, seq, created_at, style, host, path, model, tag, status,"
-            " finish_reason, prompt_ref, prompt_ref_len, prompt_suffix, prompt_len, output_ids,"
-            " output_logprobs, output_len, weight_version, msg_hash, post_hash, request, request_headers,"
-            " response, error, latency_ms, request_ref, request_head, request_tail, request_delta)"
-            " VALUES (?,?,(SELECT COALESCE(MAX(seq), 0) + 1 FROM turns),"
-            "?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                rec.id,
-                rec.session_id,
-                rec.created_at,
-                rec.style,
-                rec.host,
-                rec.path,
-                rec.model,
-                rec.tag,
-                rec.status,
-                rec.finish_reason,
-                rec.prompt_ref,
-                rec.prompt_ref_len if rec.prompt_ref else 0,
-                pack_ids(suffix),
-                len(rec.prompt_ids),
-                pack_ids(rec.output_ids),
-                pack_logprobs(rec.output_logprobs),
-                len(rec.output_ids),
-                rec.weight_version,
-                rec.msg_hash,
-                rec.post_hash,
-                rec.request if delta is None else None,
-                json.dumps(rec.request_headers),
-                rec.response,
-                rec.error,
-                rec.latency_ms,
-                request_ref,
-                *((0, 0, None) if delta is None else delta),
-            ),
-        )
-        session = (
-            "INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?, ?)",
-            (rec.session_id, time.time()),
-        )
-        if known:
-            await self.write(insert)
-        else:
-            await self.write(session, insert)
+        zdict = self._dicts.get(rec.session_id)
+        if zdict is not None:
+            self._dicts.move_to_end(rec.session_id)
+        headers_ref, headers = self._headers_delta(rec.session_id, rec.request_headers)
+        stored = (rec.request if delta is None else delta.middle) if self.compress else None
+        values = [
+            rec.id,
+            rec.session_id,
+            rec.created_at,
+            rec.style,
+            rec.host,
+            rec.path,
+            rec.model,
+            rec.tag,
+            rec.status,
+            rec.finish_reason,
+            rec.prompt_ref,
+            rec.prompt_ref_len if rec.prompt_ref else 0,
+            pack_ids(suffix),
+            len(rec.prompt_ids),
+            pack_ids(rec.output_ids),
+            pack_logprobs(rec.output_logprobs),
+            len(rec.output_ids),
+            rec.weight_version,
+            rec.msg_hash,
+            rec.post_hash,
+            rec.request if delta is None else None,
+            json.dumps(headers),
+            rec.response,
+            rec.error,
+            rec.latency_ms,
+            request_ref,
+            *((0, 0, None) if delta is None else delta),
+            0,
+            None,
+            headers_ref,
+        ]
+        statements: list[Statement] = []
+        if not known:
+            statements.append(
+                (
+                    "INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?, ?)",
+                    (rec.session_id, time.time()),
+                )
+            )
+        statements.append((_INSERT_TURN, values))
+        await self._run(self._write_turn, statements, values, stored, zdict)
         self._sessions.add(rec.session_id)
         if rec.status == "ok" and rec.post_hash is not None:
             self._post_hashes[(rec.session_id, rec.post_hash)] = rec.id
@@ -202,6 +241,50 @@ class Store:
             self._last_request.move_to_end(key)
             if len(self._last_request) > 65_536:
                 self._last_request.popitem(last=False)
+            if zdict is None and self.compress and self.dict_chars > 0:
+                self._keep_dict(rec.session_id, rec.id, rec.request)
+        if rec.request_headers:
+            depth = self._last_headers.get(rec.session_id, ("", {}, 0))[2] + 1 if headers_ref else 0
+            self._last_headers[rec.session_id] = (rec.id, rec.request_headers, depth)
+            self._last_headers.move_to_end(rec.session_id)
+            if len(self._last_headers) > 65_536:
+                self._last_headers.popitem(last=False)
+
+    def _write_turn(
+        self,
+        statements: list[Statement],
+        values: list[Any],
+        stored: str | None,
+        zdict: tuple[str, requests.zstd.ZstdDict] | None,
+    ) -> None:
+        """In the store's thread: the request text compressed (when that is smaller) into its
+        column, then the transaction."""
+        frame = requests.compress(stored, zdict[1] if zdict else None) if stored else None
+        if frame is not None:
+            values[_REQUEST_COL if values[_REF_COL] is None else _DELTA_COL] = frame
+            values[_ZSTD_COL] = 1
+            values[_DICT_COL] = zdict[0] if zdict else None
+        self._write(statements)
+
+    def _keep_dict(self, session_id: str, turn_id: str, text: str) -> None:
+        """The session's dictionary from now on: this turn's request (bounded in total, least
+        recently used out first)."""
+        if len(text) > self.dict_chars:
+            return
+        self._dicts[session_id] = (turn_id, requests.dictionary(text))
+        self._dict_size += len(text)
+        while self._dict_size > self.dict_chars and len(self._dicts) > 1:
+            _, (_, old) = self._dicts.popitem(last=False)
+            self._dict_size -= len(old.dict_content)
+
+    def _headers_delta(self, session_id: str, headers: dict[str, str]) -> tuple[str | None, dict[str, Any]]:
+        """The reference and what `headers` changed since the session's previous turn's, or
+        (None, headers) to store them whole."""
+        last = self._last_headers.get(session_id)
+        if last is None or not headers or not self.compress or last[2] + 1 >= requests.HEADER_CHAIN:
+            return None, headers
+        changed = requests.headers_diff(last[1], headers)
+        return (None, headers) if changed is None else (last[0], changed)
 
     def _request_delta(self, text: str | None, *refs: str | None) -> tuple[str | None, deltas.Delta | None]:
         """The reference (one of `refs` whose request is still remembered) that `text` differs from
