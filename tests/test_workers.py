@@ -19,7 +19,7 @@ from polar_mitm.proxy.workers import WorkerPool, pick, session_of
 from polar_mitm.store.migrations import MIGRATIONS
 from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import FakeBackend, free_port
-from tests.helpers import MESSAGES_URL
+from tests.helpers import MESSAGES_URL, stored_bytes
 
 
 def _auth(session: str, token: str = "x") -> bytes:
@@ -316,4 +316,4 @@ async def test_workers_harvest_exchanges_with_the_real_upstream(tmp_path, certs_
     )
     assert sorted(rows.fetchall()) == [(s, "ok", "harvest") for s in ("h0", "h1", "h2", "h3")]
     con.close()
-    assert b"sk-ant-secret" not in db.read_bytes()
+    assert b"sk-ant-secret" not in stored_bytes(db)

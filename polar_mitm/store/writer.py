@@ -269,7 +269,7 @@ class Store:
     def _keep_dict(self, session_id: str, turn_id: str, text: str) -> None:
         """The session's dictionary from now on: this turn's request (bounded in total, least
         recently used out first)."""
-        if len(text) > self.dict_chars:
+        if not requests.MIN_COMPRESS <= len(text) <= self.dict_chars:
             return
         self._dicts[session_id] = (turn_id, requests.dictionary(text))
         self._dict_size += len(text)
