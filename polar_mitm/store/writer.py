@@ -271,7 +271,10 @@ class Store:
         recently used out first)."""
         if not requests.MIN_COMPRESS <= len(text) <= self.dict_chars:
             return
-        self._dicts[session_id] = (turn_id, requests.dictionary(text))
+        zdict = requests.dictionary(text)
+        self._dicts[session_id] = (turn_id, zdict)
+        # Digested in the store's thread while the harness waits for its reply; nothing awaits it.
+        self._thread.submit(requests.warm, zdict)
         self._dict_size += len(text)
         while self._dict_size > self.dict_chars and len(self._dicts) > 1:
             _, (_, old) = self._dicts.popitem(last=False)
