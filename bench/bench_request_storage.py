@@ -38,13 +38,12 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
-from backports import zstd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polar_mitm.store import requests as stored_requests  # noqa: E402
 from polar_mitm.store.reader import read_turns  # noqa: E402
-from polar_mitm.store.requests import COLUMNS, RequestReader  # noqa: E402
+from polar_mitm.store.requests import COLUMNS, RequestReader, zstd  # noqa: E402
 from polar_mitm.store.turn import Turn  # noqa: E402
 from polar_mitm.store.writer import Store  # noqa: E402
 
@@ -199,6 +198,39 @@ def read_back(path: Path, expected: dict[str, str]) -> float:
     return time.perf_counter() - t0
 
 
+# What m006 adds to a turn, timed where the writer calls it: compressing the stored text (in the
+# store's thread, before the commit), the session's dictionary (built once, digested between
+# turns), the headers' diff (on the loop).
+ADDED: dict[str, list[float]] = {"compress": [], "dictionary": [], "warm": [], "headers_diff": []}
+
+
+def instrument() -> None:
+    for name in ADDED:
+        fn = getattr(stored_requests, name)
+
+        def wrapper(*a, _fn=fn, _name=name, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                ADDED[_name].append(time.perf_counter() - t0)
+
+        setattr(stored_requests, name, wrapper)
+
+
+def own_work(turns: int) -> str:
+    z = sorted(ADDED["compress"]) or [0.0]
+    per_turn = {k: sum(v) / max(turns, 1) * 1e3 for k, v in ADDED.items()}
+    for v in ADDED.values():
+        v.clear()
+    return (
+        f"m006's own work a turn: zstd median {z[len(z) // 2] * 1e3:.3f} ms, max {z[-1] * 1e3:.3f} ms,"
+        f" mean {per_turn['compress']:.3f} ms (in the store's thread, before the commit); the session's"
+        f" dictionary {per_turn['dictionary'] + per_turn['warm']:.3f} ms a turn (built once, digested"
+        f" between turns); headers diff {per_turn['headers_diff']:.3f} ms (on the loop)"
+    )
+
+
 def load_session(path: Path) -> list[dict]:
     """The captured turns (`bench/capture_session.py`), in the order they were stored."""
     return [json.loads(line) for line in zstd.decompress(path.read_bytes()).decode().splitlines() if line]
@@ -254,24 +286,7 @@ def replay(file: Path, reps: int) -> None:
         f"minimum: zstd of the last request {zstd_last:,} B + 4 B × {unique:,} unique prompt tokens"
         f" + 8 B × {sampled:,} sampled = {minimum:,} B ({minimum / n:,.0f} B/turn)"
     )
-    # What m006 adds to a turn, timed where the writer calls it: compressing the stored text
-    # (in the store's thread), the session's dictionary (once), the headers' diff (on the loop).
-    added: dict[str, list[float]] = {"compress": [], "dictionary": [], "warm": [], "headers_diff": []}
-
-    def timed(name: str):
-        fn = getattr(stored_requests, name)
-
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                added[name].append(time.perf_counter() - t0)
-
-        return wrapper
-
-    for name in added:
-        setattr(stored_requests, name, timed(name))
+    instrument()
     with tempfile.TemporaryDirectory(prefix="polar-bench-") as tmp:
         times: dict[str, list[float]] = {}
         paths = {}
@@ -294,14 +309,7 @@ def replay(file: Path, reps: int) -> None:
                 f" insert median {spent[len(spent) // 2] * 1e3:5.2f} ms/turn, mean"
                 f" {sum(spent) / len(spent) * 1e3:5.2f} ms; read back identical"
             )
-    z = sorted(added["compress"])
-    per_turn = {k: sum(v) / (reps * n) * 1e3 for k, v in added.items()}
-    print(
-        f"m006's own work a turn: zstd median {z[len(z) // 2] * 1e3:.3f} ms, max {z[-1] * 1e3:.3f} ms,"
-        f" mean {per_turn['compress']:.3f} ms (in the store's thread, before the commit); the session's"
-        f" dictionary {per_turn['dictionary'] + per_turn['warm']:.3f} ms a turn (built once, digested"
-        f" between turns); headers diff {per_turn['headers_diff']:.3f} ms (on the loop)"
-    )
+    print(own_work(reps * n))
 
 
 def main() -> None:
@@ -337,6 +345,7 @@ def main() -> None:
         f" (zstd {zstd_last:,} B), {unique:,} unique prompt tokens a session"
     )
     print(f"goal: a session ≤ 2 × (zstd of last request + 4 B × unique + 8 B × sampled) = {target:,} B")
+    instrument()
     with tempfile.TemporaryDirectory(prefix="polar-bench-") as tmp:
         modes = (
             ("whole", 0, False),
@@ -354,6 +363,8 @@ def main() -> None:
                 f"  request text {request_bytes / calls:>9,.0f} B/turn"
                 f"  insert {per_insert * 1e3:5.2f} ms/turn  read back {secs / n * 1e6:6.1f} µs/turn, byte-identical"
             )
+            if compress:
+                print("  " + own_work(n))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from backports import zstd
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -31,7 +29,7 @@ from polar_mitm import recipes  # noqa: E402
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
 from polar_mitm.store.connection import connect  # noqa: E402
 from polar_mitm.store.packing import unpack_ids, unpack_logprobs  # noqa: E402
-from polar_mitm.store.requests import RequestReader  # noqa: E402
+from polar_mitm.store.requests import RequestReader, zstd  # noqa: E402
 from tests.e2e.harness import FakeBackend, harness_env, polar_run  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "fixtures" / "claude_code_session.jsonl.zst"

@@ -446,7 +446,7 @@ FIXTURE = Path(__file__).resolve().parents[1] / "bench" / "fixtures" / "claude_c
 
 def _captured_turns() -> list[dict]:
     """The captured real Claude Code session (bench/capture_session.py), one dict per turn."""
-    from backports import zstd
+    from polar_mitm.store.requests import zstd
 
     return [json.loads(line) for line in zstd.decompress(FIXTURE.read_bytes()).decode().splitlines() if line]
 

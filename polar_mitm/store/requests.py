@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 from collections import OrderedDict
 
-from backports import zstd
-
 from polar_mitm.store import deltas
+
+if sys.version_info >= (3, 14):
+    from compression import zstd
+else:  # the same module, backported (a dependency of mitmproxy's too)
+    from backports import zstd
 
 # zstd's default level: a few tens of µs for a turn's delta against a digested dictionary.
 LEVEL = 3
