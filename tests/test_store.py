@@ -597,6 +597,11 @@ def test_requests_and_headers_read_back_as_written(tmp_path_factory, calls, syst
     asyncio.run(write())
     got = _reads(path)
     assert {tid: v[:3] for tid, v in got.items()} == sent
+    con = sqlite3.connect(path)
+    for column in ("request_dict", "headers_ref", "request_ref"):  # a session's own turns only
+        crossed = f"SELECT COUNT(*) FROM turns t JOIN turns r ON r.id = t.{column} WHERE r.session_id != t.session_id"
+        assert con.execute(crossed).fetchone() == (0,)
+    con.close()
 
 
 async def test_a_credential_in_a_compressed_request_is_still_found_by_the_leak_checks(tmp_path):
