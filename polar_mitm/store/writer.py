@@ -76,7 +76,7 @@ class Store:
         self.compress = compress
         # Each session's zstd dictionary: one of its requests (its turn id), bounded in characters.
         self.dict_chars = dict_chars
-        self._dicts: OrderedDict[str, tuple[str, requests.zstd.ZstdDict]] = OrderedDict()
+        self._dicts: OrderedDict[str, tuple[str, requests.zstd.ZstdDict, int]] = OrderedDict()
         self._dict_size = 0
         # Each session's newest headers (turn id, headers, how many references lead to whole ones).
         self._last_headers: OrderedDict[str, tuple[str, dict[str, str], int]] = OrderedDict()
@@ -255,7 +255,7 @@ class Store:
         statements: list[Statement],
         values: list[Any],
         stored: str | None,
-        zdict: tuple[str, requests.zstd.ZstdDict] | None,
+        zdict: tuple[str, requests.zstd.ZstdDict, int] | None,
     ) -> None:
         """In the store's thread: the request text compressed (when that is smaller) into its
         column, then the transaction."""
@@ -272,13 +272,13 @@ class Store:
         if not requests.MIN_COMPRESS <= len(text) <= self.dict_chars:
             return
         zdict = requests.dictionary(text)
-        self._dicts[session_id] = (turn_id, zdict)
+        self._dicts[session_id] = (turn_id, zdict, len(text))
         # Digested in the store's thread while the harness waits for its reply; nothing awaits it.
         self._thread.submit(requests.warm, zdict)
         self._dict_size += len(text)
         while self._dict_size > self.dict_chars and len(self._dicts) > 1:
-            _, (_, old) = self._dicts.popitem(last=False)
-            self._dict_size -= len(old.dict_content)
+            _, (_, _, size) = self._dicts.popitem(last=False)
+            self._dict_size -= size
 
     def _headers_delta(self, session_id: str, headers: dict[str, str]) -> tuple[str | None, dict[str, Any]]:
         """The reference and what `headers` changed since the session's previous turn's, or
