@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polar_mitm.reconstruct.export import export  # noqa: E402
-from polar_mitm.store.db import Store, Turn  # noqa: E402
+from polar_mitm.store.turn import Turn  # noqa: E402
+from polar_mitm.store.writer import Store  # noqa: E402
 
 VOCAB = 151_000
 

@@ -29,7 +29,7 @@ import httpx
 from _procs import Proc, Profile, ensure_ca, start_fake, start_mitmdump, start_proxy, start_trivial, workdir
 
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 
 HOST = "api.anthropic.com"
 URL = f"https://{HOST}/v1/messages"

@@ -25,7 +25,7 @@ from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
 from polar_mitm.providers import anthropic
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 
 URL = "https://api.anthropic.com/v1/messages"
 BASH = {"name": "Bash", "description": "Run a command", "input_schema": {"type": "object", "properties": {}}}

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
 from polar_mitm.reconstruct.export import export  # noqa: E402
 from polar_mitm.reconstruct.source import Selection  # noqa: E402
-from polar_mitm.store.db import Store, Turn  # noqa: E402
+from polar_mitm.store.turn import Turn  # noqa: E402
+from polar_mitm.store.writer import Store  # noqa: E402
 
 POLAR = [sys.executable, "-m", "polar_mitm"]
 

@@ -82,7 +82,7 @@ class PolarMitm:
 
     async def running(self) -> None:
         from polar_mitm.cli_options import make_policy_config
-        from polar_mitm.store.db import Store
+        from polar_mitm.store.writer import Store
 
         if not ctx.options.polar_backend or not ctx.options.polar_tokenizer:
             log.error("polar-mitm: set polar_backend and polar_tokenizer (--set polar_backend=URL ...)")

@@ -173,7 +173,7 @@ async def start_gateway_rig(
     from polar_mitm.backends.policy import Policy, PolicyConfig
     from polar_mitm.fake import FakeBackendConfig, start_fake_backend
     from polar_mitm.proxy.gateway import Gateway
-    from polar_mitm.store.db import Store
+    from polar_mitm.store.writer import Store
 
     runner, url = await start_fake_backend(
         FakeBackendConfig(tokenizer_path=str(tokenizer_dir), **(backend or {}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from types import ModuleType
 
 from polar_mitm import sse
@@ -195,3 +196,24 @@ def error_message(style: str, status: int, content_type: str, raw: bytes) -> str
         assert isinstance(err["type"], str) and "param" in err and "code" in err, body
     assert isinstance(err["message"], str), body
     return err["message"]
+
+
+def stored_bytes(db: str | Path) -> bytes:
+    """What a store holds, for a check that a secret is not in it: the database file and its
+    -wal/-shm files as bytes, and every turn's request text and headers as the readers return
+    them (request text is stored zstd-compressed, where a raw scan would not see a secret)."""
+    import json
+    import sqlite3
+
+    from polar_mitm.store.requests import RequestReader
+
+    path = Path(db)
+    raw = b"".join(p.read_bytes() for p in sorted(path.parent.glob(path.name + "*")))
+    con = sqlite3.connect(path)
+    try:
+        reader = RequestReader(con)
+        ids = [tid for (tid,) in con.execute("SELECT id FROM turns ORDER BY seq")]
+        texts = [(reader.request(tid) or "") + json.dumps(reader.headers(tid)) for tid in ids]
+    finally:
+        con.close()
+    return raw + "\n".join(texts).encode("utf-8", "surrogatepass")

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from polar_mitm.backends.sglang import GenerateState, SGLangClient, _apply_chunk, generate_body, ids_json
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.helpers import BASH, MESSAGES_URL, sse_events
 
 LONG = [{"match": "", "text": " ".join(f"word{i} ünï" for i in range(60))}]

@@ -6,7 +6,7 @@ import pytest
 
 from polar_mitm.backends.chat_mode import parse_chat_result
 from polar_mitm.neutral import ProviderError
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.helpers import BASH, sse_events
 from tests.helpers import MESSAGES_URL as URL
 

@@ -23,7 +23,7 @@ import pytest
 from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.fake import STATE, FakeBackendConfig, Fault, start_fake_backend
 from polar_mitm.harness.preflight import PreflightError, check_policy
-from polar_mitm.store.db import Store
+from polar_mitm.store.writer import Store
 from tests.conftest import GatewayRig
 from tests.routers import Router, require_router
 
@@ -375,7 +375,7 @@ async def vllm_replay(url: str, prompt: list[int], max_tokens: int) -> dict:
 
 @pytest.mark.parametrize("stream", ["auto", "whole"])
 async def test_vllm_render_mode_is_token_exact_against_the_vllm_fake(tmp_path, qwen_tokenizer_dir, stream):
-    from polar_mitm.store.db import read_turns
+    from polar_mitm.store.reader import read_turns
 
     runner, url = await fake(qwen_tokenizer_dir, api="vllm", context_length=20000)
     said: list[str] = []

@@ -22,7 +22,8 @@ from polar_mitm.reconstruct.commands import COMMANDS
 from polar_mitm.reconstruct.export import ParquetSink, SinkOptions, export, iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA
-from polar_mitm.store.db import Store, Turn
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
 
 A, B, C, D = -0.5, -0.25, -1.0, -0.125
 
@@ -392,7 +393,7 @@ def test_store_hints_and_pure_merge_agree(tmp_path: Path, seed: int) -> None:
     import random
 
     from polar_mitm.reconstruct.prefix_merge import prefix_merge
-    from polar_mitm.store.db import read_turns
+    from polar_mitm.store.reader import read_turns
 
     rng = random.Random(seed)
     seqs: list[tuple[str, list[int]]] = []

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from polar_mitm.providers import gemini
 from polar_mitm.providers.fields import InvalidRequest
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 
 PATH = "/v1beta/models/gemini-2.5-pro:generateContent"
 HOST = "https://generativelanguage.googleapis.com"

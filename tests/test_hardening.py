@@ -8,7 +8,7 @@ import sqlite3
 import httpx
 
 from polar_mitm.reconstruct.source import Selection
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.helpers import MESSAGES_URL, sse_events
 
 LONG = [{"match": "", "text": " ".join(f"word{i}" for i in range(300))}]
@@ -148,7 +148,7 @@ async def test_a_new_database_and_its_wal_files_are_private(tmp_path):
     import os
     import stat
 
-    from polar_mitm.store.db import Store
+    from polar_mitm.store.writer import Store
 
     path = tmp_path / "runs.sqlite"
     old = os.umask(0o022)  # the usual umask, which would leave them readable by everyone
@@ -169,7 +169,8 @@ async def test_an_existing_database_keeps_its_mode(tmp_path):
     import os
     import stat
 
-    from polar_mitm.store.db import Store, init_db
+    from polar_mitm.store.connection import init_db
+    from polar_mitm.store.writer import Store
 
     path = tmp_path / "shared.sqlite"
     init_db(path)

@@ -4,7 +4,6 @@ provider (in-process: a real httpx client, mitmproxy, the addon and SQLite)."""
 
 from __future__ import annotations
 
-import glob
 import json
 import sqlite3
 import time
@@ -37,8 +36,10 @@ from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA
 from polar_mitm.sse import SSEEvent
 from polar_mitm.sse import parse as parse_sse
-from polar_mitm.store.db import Store, Turn
-from tests.helpers import BASH, COMPLETION, MESSAGES_URL, stream_bytes
+from polar_mitm.store.requests import RequestReader
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
+from tests.helpers import BASH, COMPLETION, MESSAGES_URL, stored_bytes, stream_bytes
 
 KEY = "sk-ant-api03-HARVEST-SECRET-0123456789abcdef"
 URL = MESSAGES_URL
@@ -703,7 +704,7 @@ async def harvest_proxy(tmp_path, certs_dir):
 
 
 def db_bytes(db: str) -> bytes:
-    return b"".join(Path(f).read_bytes() for f in sorted(glob.glob(db + "*")))
+    return stored_bytes(db)
 
 
 def message_body(**kw) -> dict:
@@ -769,9 +770,9 @@ async def test_requests_reach_the_upstream_unchanged_and_only_model_calls_are_st
     assert got[0]["headers"]["x-api-key"] == KEY and got[0]["body"] == message_body()  # credentials forwarded
 
     con = sqlite3.connect(proxy.config.db)
-    rows = con.execute("SELECT session_id, path, status, request FROM turns").fetchall()
+    rows = con.execute("SELECT session_id, path, status, id FROM turns").fetchall()
     assert [(s, p, st) for s, p, st, _ in rows] == [("sess-a", "/v1/messages?beta=true", "ok")]
-    assert json.loads(rows[0][3]) == message_body()
+    assert json.loads(RequestReader(con).request(rows[0][3])) == message_body()  # stored compressed
     assert con.execute("SELECT mode FROM sessions WHERE id = 'sess-a'").fetchone() == ("harvest",)
     con.close()
     raw = db_bytes(proxy.config.db)
@@ -1002,7 +1003,7 @@ async def test_a_proxy_stopped_right_after_a_reply_still_stores_it(
     wait for that, here on a store that takes half a second to write (a slow disk)."""
     import asyncio
 
-    from polar_mitm.store.db import Store
+    from polar_mitm.store.writer import Store
 
     insert = Store.insert_turn
 

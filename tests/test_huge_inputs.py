@@ -20,7 +20,7 @@ from polar_mitm.backends.large_inputs import PooledTokenizer, longest_token_byte
 from polar_mitm.backends.render import render_full
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import Message
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.conftest import STYLE_ENDPOINTS, start_gateway_rig
 from tests.helpers import VALID_REQUESTS, error_message
 

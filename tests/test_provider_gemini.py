@@ -24,7 +24,7 @@ from polar_mitm.neutral import (
     Usage,
 )
 from polar_mitm.providers import gemini
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.helpers import stream_bytes
 
 STREAM_PATH = "/v1beta/models/gemini-3.1-pro-preview:streamGenerateContent?alt=sse"

@@ -3,7 +3,7 @@
 import pytest
 
 from polar_mitm import providers
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 
 
 async def test_a_declared_host_is_answered_in_its_style_and_recorded(make_stack):

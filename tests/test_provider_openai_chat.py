@@ -20,7 +20,7 @@ from polar_mitm.neutral import (
     Usage,
 )
 from polar_mitm.providers import openai_chat, route
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.helpers import stream_bytes
 
 SHELL = {

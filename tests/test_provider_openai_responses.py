@@ -20,7 +20,7 @@ from polar_mitm.neutral import (
     Usage,
 )
 from polar_mitm.providers import openai_responses as responses
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.helpers import sse_events, stream_bytes
 
 EXEC_COMMAND = {

@@ -14,7 +14,7 @@ import pytest
 from polar_mitm.backends.render import render_full
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.providers import anthropic
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.helpers import BASH, MESSAGES_URL, sse_events
 
 URL = MESSAGES_URL

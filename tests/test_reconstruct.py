@@ -13,7 +13,7 @@ from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import Trajectory
-from polar_mitm.store.db import Turn
+from polar_mitm.store.turn import Turn
 
 # Logprobs exactly representable in float32, so rows compare with ==.
 A, B, C, D, E = -0.5, -0.25, -1.0, -0.125, -2.0

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from polar_mitm import redact
-from polar_mitm.store.db import Store
+from polar_mitm.store.writer import Store
 
 KEYS = [
     "sk-ant-api03-abcdefghijklmnopqrstuvwxyz",

@@ -25,7 +25,7 @@ from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.client import AsyncRolloutClient, RolloutClient, RolloutError
 from polar_mitm.service.node import GatewayNode, NodeConfig, spawn_node, stop_node
 from polar_mitm.service.server import RolloutServer
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 from tests.e2e.harness import POLAR, FakeBackend, free_port
 from tests.test_rollout import MODEL_CALL

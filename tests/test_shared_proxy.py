@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import FakeBackend, free_port
-from tests.helpers import MESSAGES_URL
+from tests.helpers import MESSAGES_URL, stored_bytes
 
 URL = MESSAGES_URL
 
@@ -77,7 +77,7 @@ def test_shared_proxy_keeps_sessions_apart(shared_proxy):
             assert c.post(URL, json=body("hi")).status_code == 200
     sessions = [t.session_id for t in read_turns(db)]
     assert sessions == ["worker-1", "worker-2", "worker-1"]
-    assert b"secret-token" not in db.read_bytes()
+    assert b"secret-token" not in stored_bytes(db)
 
 
 # Streamed from the backend, so the proxy dies while the reply is still being sampled.

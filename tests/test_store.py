@@ -3,13 +3,19 @@
 import asyncio
 import json
 import sqlite3
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from polar_mitm import redact
-from polar_mitm.store.db import Store, Turn, read_turns
 from polar_mitm.store.migrations import MIGRATIONS, migrate
 from polar_mitm.store.packing import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
+from polar_mitm.store.reader import read_turns
+from polar_mitm.store.requests import RequestReader
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
 
 
 def test_ids_roundtrip():
@@ -35,7 +41,7 @@ def test_migrations_are_recorded_and_idempotent(tmp_path):
 
 
 def test_readers_write_nothing_to_a_current_database_and_bring_an_old_one_up_to_date(tmp_path):
-    from polar_mitm.store.db import connect, init_db
+    from polar_mitm.store.connection import connect, init_db
     from polar_mitm.store.migrations import pending
 
     current = tmp_path / "current.sqlite"
@@ -280,9 +286,9 @@ async def test_requests_are_stored_as_what_changed_and_read_back_byte_identical(
     await store.close()
 
     con = sqlite3.connect(path)
-    stored = dict(
-        con.execute("SELECT id, COALESCE(LENGTH(request), 0) + COALESCE(LENGTH(request_delta), 0) FROM turns")
-    )
+    # Characters of request text each row holds (before compression: this is about references).
+    reader = RequestReader(con)
+    stored = {tid: len(reader.stored_text(tid)) for (tid,) in con.execute("SELECT id FROM turns")}
     refs = dict(con.execute("SELECT id, request_ref FROM turns"))
     con.close()
     assert refs["t00"] is None and refs["side"] is None  # nothing earlier of their kind
@@ -358,9 +364,9 @@ async def test_a_turn_reads_back_as_it_was_written(tmp_path):
 
 
 def test_a_turn_that_begins_the_next_one_is_kept_as_a_view_of_it():
-    from polar_mitm.store.db import _SequenceCache
+    from polar_mitm.store.sequences import SequenceCache
 
-    cache = _SequenceCache(compact=True, hot_tokens=1_000)
+    cache = SequenceCache(compact=True, hot_tokens=1_000)
     first = list(range(100, 140))
     cache.put("t1", first, 30)
     second = first + [7, 8, 9]
@@ -431,3 +437,186 @@ async def test_a_write_is_one_transaction_rolled_back_whole_when_a_statement_fai
         await store.close()
     seen = sqlite3.connect(tmp_path / "w.sqlite").execute("SELECT count(*) FROM sessions").fetchone()[0]
     assert seen == 21  # durable: another connection reads them after close
+
+
+# ---- request text compressed, headers as what changed (m006) ------------------------------------
+
+FIXTURE = Path(__file__).resolve().parents[1] / "bench" / "fixtures" / "claude_code_session.jsonl.zst"
+
+
+def _captured_turns() -> list[dict]:
+    """The captured real Claude Code session (bench/capture_session.py), one dict per turn."""
+    from polar_mitm.store.requests import zstd
+
+    return [json.loads(line) for line in zstd.decompress(FIXTURE.read_bytes()).decode().splitlines() if line]
+
+
+async def _replay(path, turns: list[dict], **store_kw) -> None:
+    store = await Store.open(path, **store_kw)
+    try:
+        for t in turns:
+            fields = {k: v for k, v in t.items() if k not in ("prompt_suffix", "prompt_len")}
+            base = (
+                (await store.sequence(t["prompt_ref"]))[0][: t["prompt_ref_len"]] if t["prompt_ref"] else []
+            )
+            await store.insert_turn(Turn(**fields, prompt_ids=base + t["prompt_suffix"]))
+    finally:
+        await store.close()
+
+
+def _reads(path) -> dict[str, tuple]:
+    """Each turn's request, headers (and their order) and ids, through every reader."""
+    from polar_mitm.store.queries import text_turns, turn_facts
+
+    out = {}
+    for t in read_turns(path, with_raw=True, include_text_only=True):
+        out[t.id] = (t.request, t.request_headers, list(t.request_headers), t.prompt_ids, t.output_ids)
+    sessions = {sid for (sid,) in sqlite3.connect(path).execute("SELECT DISTINCT session_id FROM turns")}
+    for sid in sessions:
+        for t in text_turns(path, sid):
+            assert t.request == out[t.id][0]
+        for f in turn_facts(path, session=sid):
+            assert json.loads(f.request_headers) == out[f.id][1]
+            assert list(json.loads(f.request_headers)) == out[f.id][2]
+    return out
+
+
+async def test_a_real_claude_code_session_costs_at_most_twice_its_minimum(tmp_path):
+    """Issue 21's goal on the captured session: the turns' own pages ≤ 2 × (zstd of the last
+    request + 4 B per unique prompt token + 8 B per sampled token); before m006 it was above."""
+    import pyarrow as pa
+
+    turns = _captured_turns()
+    last = max(turns, key=lambda t: t["prompt_len"])["request"].encode()
+    minimum = (
+        len(pa.compress(last, codec="zstd", asbytes=True))
+        + 4 * sum(len(t["prompt_suffix"]) for t in turns)
+        + 8 * sum(len(t["output_ids"]) for t in turns)
+    )
+
+    def pages(path) -> int:
+        db = sqlite3.connect(path)
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (n,) = db.execute(
+            "SELECT SUM(pgsize) FROM dbstat WHERE name = 'turns' OR name IN"
+            " (SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'turns')"
+        ).fetchone()
+        db.close()
+        return n
+
+    await _replay(tmp_path / "before.sqlite", turns, compress=False)
+    await _replay(tmp_path / "after.sqlite", turns)
+    before, after = pages(tmp_path / "before.sqlite"), pages(tmp_path / "after.sqlite")
+    # Before m006 this session's pages were 2.01× its minimum; now 1.40×.
+    assert before > 2 * minimum and after <= 2 * minimum and after < 0.8 * before, (before, after, minimum)
+    got = _reads(tmp_path / "after.sqlite")
+    assert got == _reads(tmp_path / "before.sqlite")
+    for t in turns:
+        assert got[t["id"]][:3] == (t["request"], t["request_headers"], list(t["request_headers"]))
+    con = sqlite3.connect(tmp_path / "after.sqlite")
+    zstd_rows, dict_rows, header_refs = con.execute(
+        "SELECT SUM(request_zstd), COUNT(request_dict), COUNT(headers_ref) FROM turns"
+    ).fetchone()
+    con.close()
+    assert zstd_rows == len(turns) and dict_rows == len(turns) - 1 and header_refs == len(turns) - 1
+
+
+async def test_a_store_written_before_m006_opens_and_reads_identically(tmp_path):
+    """An old store (schema up to m005, rows as that writer left them: text plain, headers whole)
+    is migrated by its first reader and reads back exactly what a new store of the same turns does."""
+    turns = _captured_turns()[:8]
+    await _replay(tmp_path / "plain.sqlite", turns, compress=False)
+    await _replay(tmp_path / "new.sqlite", turns)
+    old = tmp_path / "old.sqlite"
+    raw = sqlite3.connect(old)
+    raw.execute("CREATE TABLE _migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    for fn in MIGRATIONS[:5]:
+        fn(raw)
+        raw.execute("INSERT INTO _migrations VALUES (?, 0)", (fn.__name__,))
+    assert MIGRATIONS[5].__name__ == "m006_request_zstd"
+    columns = [r[1] for r in raw.execute("PRAGMA table_info(turns)")]
+    assert "request_zstd" not in columns
+    raw.execute("ATTACH DATABASE ? AS plain", (str(tmp_path / "plain.sqlite"),))
+    raw.execute("INSERT INTO sessions SELECT * FROM plain.sessions")
+    raw.execute(f"INSERT INTO turns ({', '.join(columns)}) SELECT {', '.join(columns)} FROM plain.turns")
+    raw.commit()
+    raw.execute("DETACH DATABASE plain")
+    raw.close()
+    got = _reads(old)
+    assert got == _reads(tmp_path / "new.sqlite")
+    assert {tid: v[:3] for tid, v in got.items()} == {
+        t["id"]: (t["request"], t["request_headers"], list(t["request_headers"])) for t in turns
+    }
+
+
+_header_names = st.sampled_from(["accept", "x-request-id", "content-length", "user-agent", "x-a", "x-b"])
+_headers = st.dictionaries(_header_names, st.text(max_size=40), max_size=6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.sampled_from(["s1", "s2"]), st.sampled_from([None, "title"]), st.text(max_size=300), _headers
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    system=st.text(min_size=0, max_size=2000),
+)
+def test_requests_and_headers_read_back_as_written(tmp_path_factory, calls, system):
+    """Any sequence of requests (sharing a session's system prompt, as a harness's do, or not)
+    and headers, written by the store, reads back the same text and the same headers in the
+    same order through every reader."""
+    path = tmp_path_factory.mktemp("prop") / "runs.sqlite"
+    sent: dict[str, tuple] = {}
+    history: dict[str, str] = {}
+
+    async def write() -> None:
+        # Room for about one session's dictionary: the other's is dropped and picked again.
+        store = await Store.open(path, dict_chars=3000)
+        try:
+            for i, (session, tag, text, headers) in enumerate(calls):
+                history[session] = history.get(session, system) + text
+                req = history[session] if tag is None else text + system
+                tid = f"t{i:02d}"
+                await store.insert_turn(
+                    Turn(
+                        id=tid,
+                        session_id=session,
+                        style="anthropic",
+                        tag=tag,
+                        path="/v1/messages",
+                        request=req,
+                        request_headers=headers,
+                        response="{}",
+                    )
+                )
+                sent[tid] = (req, headers, list(headers))
+        finally:
+            await store.close()
+
+    asyncio.run(write())
+    got = _reads(path)
+    assert {tid: v[:3] for tid, v in got.items()} == sent
+    con = sqlite3.connect(path)
+    for column in ("request_dict", "headers_ref", "request_ref"):  # a session's own turns only
+        crossed = f"SELECT COUNT(*) FROM turns t JOIN turns r ON r.id = t.{column} WHERE r.session_id != t.session_id"
+        assert con.execute(crossed).fetchone() == (0,)
+    con.close()
+
+
+async def test_a_credential_in_a_compressed_request_is_still_found_by_the_leak_checks(tmp_path):
+    """The tests that look for a secret in the store's bytes read through the readers
+    (`stored_bytes`): compressed, a secret in a request's text does not show in the file."""
+    from tests.helpers import stored_bytes
+
+    path = tmp_path / "runs.sqlite"
+    secret = "sk-ant-api03-leaked-0123456789"
+    body = json.dumps({"messages": [{"role": "user", "content": f"my key is {secret}, " + "pad " * 60}]})
+    store = await Store.open(path)
+    await store.insert_turn(Turn(id="t1", session_id="s", style="anthropic", request=body, response="{}"))
+    await store.close()
+    raw = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("runs.sqlite*")))
+    assert secret.encode() not in raw  # what a raw scan sees: nothing
+    assert secret.encode() in stored_bytes(path)

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 
 from polar_mitm.reconstruct import structure
 from polar_mitm.reconstruct.export import export, iter_trajectories
-from polar_mitm.store.db import Store, Turn
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
 
 
 def completion(*calls):

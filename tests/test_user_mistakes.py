@@ -254,7 +254,8 @@ def test_a_command_that_is_not_there_leaves_no_session(tmp_path, backend_process
 
 async def fill_store(path: Path, sessions: dict[str, int], prompt_len: int = 8) -> None:
     """Sessions (oldest first) with that many one-turn-each generations of `prompt_len` tokens."""
-    from polar_mitm.store.db import Store, Turn
+    from polar_mitm.store.turn import Turn
+    from polar_mitm.store.writer import Store
 
     store = await Store.open(path)
     try:

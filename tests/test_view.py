@@ -17,8 +17,9 @@ from click.testing import CliRunner
 
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
-from polar_mitm.store.db import Store, Turn
 from polar_mitm.store.rollouts import RolloutLog
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
 from polar_mitm.view.server import ViewConfig, Viewer, allowed_hosts
 from polar_mitm.view.tokens import TokenPieces
 

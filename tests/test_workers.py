@@ -16,10 +16,10 @@ import pytest
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.proxy.embedded import ProxyConfig, ProxyStartError
 from polar_mitm.proxy.workers import WorkerPool, pick, session_of
-from polar_mitm.store.db import read_turns
 from polar_mitm.store.migrations import MIGRATIONS
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import FakeBackend, free_port
-from tests.helpers import MESSAGES_URL
+from tests.helpers import MESSAGES_URL, stored_bytes
 
 
 def _auth(session: str, token: str = "x") -> bytes:
@@ -249,7 +249,7 @@ def test_workers_share_the_busy_port_error(tmp_path, certs_dir, qwen_tokenizer_d
 
 
 def _open_at_once(path: str, barrier) -> None:
-    from polar_mitm.store.db import init_db
+    from polar_mitm.store.connection import init_db
 
     barrier.wait()
     init_db(path)
@@ -316,4 +316,4 @@ async def test_workers_harvest_exchanges_with_the_real_upstream(tmp_path, certs_
     )
     assert sorted(rows.fetchall()) == [(s, "ok", "harvest") for s in ("h0", "h1", "h2", "h3")]
     con.close()
-    assert b"sk-ant-secret" not in db.read_bytes()
+    assert b"sk-ant-secret" not in stored_bytes(db)

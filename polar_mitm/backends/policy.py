@@ -63,7 +63,8 @@ from polar_mitm.neutral import (
     Usage,
     new_turn_id,
 )
-from polar_mitm.store.db import Store, Turn
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
 
 log = logging.getLogger("polar_mitm.policy")
 

@@ -31,7 +31,7 @@ from polar_mitm.proxy.addons.tlswatch import TlsWatch
 from polar_mitm.proxy.certs import CA, ensure_ca
 from polar_mitm.proxy.exchange import parse_upstream
 from polar_mitm.proxy.gateway import Gateway
-from polar_mitm.store.db import Store
+from polar_mitm.store.writer import Store
 
 log = logging.getLogger("polar_mitm.proxy")
 

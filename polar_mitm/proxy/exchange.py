@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl, urlsplit
 from polar_mitm import redact, sse
 from polar_mitm.neutral import ChatRequest, ProviderError, new_turn_id
 from polar_mitm.providers import Style
-from polar_mitm.store.db import Turn
+from polar_mitm.store.turn import Turn
 
 # ---- the upstream's reply ------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from polar_mitm.reconstruct.trajectory import (
     output_arrays,
     token_array,
 )
-from polar_mitm.store.db import Turn
+from polar_mitm.store.turn import Turn
 
 STRATEGY = "per-request"
 

@@ -64,7 +64,7 @@ from polar_mitm.reconstruct.trajectory import (
     output_arrays,
     token_array,
 )
-from polar_mitm.store.db import Turn
+from polar_mitm.store.turn import Turn
 
 STRATEGY = "prefix-merge"
 _W = TOKEN_DTYPE.itemsize  # bytes per token id

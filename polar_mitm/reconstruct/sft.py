@@ -36,7 +36,7 @@ from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, Trajectory
 from polar_mitm.store import queries
-from polar_mitm.store.db import Turn
+from polar_mitm.store.turn import Turn
 
 # ---- a turn → a conversation ----------------------------------------------------------------------
 

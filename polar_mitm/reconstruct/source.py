@@ -1,6 +1,6 @@
 """Where reconstruction reads its turns: the store, filtered as the command line asks.
 
-`read_selected` wraps `store.db.read_turns` with the filters the store does not apply (side calls,
+`read_selected` wraps `store.reader.read_turns` with the filters the store does not apply (side calls,
 aborted turns) and counts what it leaves out. Everything else a selection needs (sessions in
 order, how many turns, rewards, setting a reward) is asked of `polar_mitm.store.queries`: no SQL
 lives here.
@@ -15,8 +15,9 @@ from pathlib import Path
 
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.store import queries
-from polar_mitm.store.db import Turn, read_turns
 from polar_mitm.store.queries import set_reward
+from polar_mitm.store.reader import read_turns
+from polar_mitm.store.turn import Turn
 
 __all__ = ["Selection", "count_turns", "parse_since", "read_selected", "session_ids", "set_reward"]
 

@@ -7,7 +7,7 @@ request is stored as a reference to an earlier turn's request, how many characte
 (`head`) and of its end (`tail`) to keep, and the text between them (the delta). Any text can be
 stored this way; one that shares little with the reference is stored whole.
 
-Pure functions here; `db.Store` picks the reference and writes, the readers resolve.
+Pure functions here; `writer.Store` picks the reference and writes, the readers resolve.
 """
 
 from __future__ import annotations

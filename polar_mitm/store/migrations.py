@@ -181,7 +181,29 @@ def m005_request_delta(db: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS: list[Migration] = [m001_initial, m002_rollouts, m003_service, m004_turns_seq, m005_request_delta]
+def m006_request_zstd(db: sqlite3.Connection) -> None:
+    """A turn's stored request text (`request`, or `request_delta` with a reference) may be a zstd
+    frame (`request_zstd` = 1, the column then holds a BLOB), compressed with the raw content of
+    `request_dict`'s full request as its dictionary (NULL: none); its `request_headers` may be
+    what changed since `headers_ref`'s headers (a JSON object, removed keys as null). Rows written
+    before keep 0 and NULLs and read as they did."""
+    db.executescript(
+        """
+        ALTER TABLE turns ADD COLUMN request_zstd INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE turns ADD COLUMN request_dict TEXT REFERENCES turns(id);
+        ALTER TABLE turns ADD COLUMN headers_ref TEXT REFERENCES turns(id);
+        """
+    )
+
+
+MIGRATIONS: list[Migration] = [
+    m001_initial,
+    m002_rollouts,
+    m003_service,
+    m004_turns_seq,
+    m005_request_delta,
+    m006_request_zstd,
+]
 
 
 def pending(db: sqlite3.Connection) -> list[str]:

@@ -3,11 +3,12 @@
 
 Reconstruction asks which sessions a selection covers, how many turns it reads, the rewards and
 the text of turns (the SFT export); the runtime asks how many turns and tokens a session made;
-the `reward` command sets a session's reward. Token ids are read by `db.read_turns`.
+the `reward` command sets a session's reward. Token ids are read by `reader.read_turns`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,14 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
-from polar_mitm.store.db import RequestReader, Turn, connect, turn_filter
+from polar_mitm.store.connection import connect
+from polar_mitm.store.reader import turn_filter
+from polar_mitm.store.requests import RequestReader
+from polar_mitm.store.turn import Turn
 
 
 def _where(*, with_text: bool = False, **filters: Any) -> tuple[str, list[object]]:
-    """A WHERE clause over `turns t JOIN sessions s`: `db.turn_filter`'s (the one `read_turns`
+    """A WHERE clause over `turns t JOIN sessions s`: `reader.turn_filter`'s (the one `read_turns`
     applies, so counts match what it reads); `with_text` keeps turns with a request and reply."""
     where, args = turn_filter(**filters)
     if with_text:
@@ -179,7 +183,7 @@ def set_reward(path: str | Path, session: str, value: float | None) -> None:
 _TEXT_COLUMNS = (
     "t.id, t.session_id, t.seq, t.created_at, t.style, t.path, t.model, t.tag, t.status, t.finish_reason,"
     " t.request, t.response, (t.prompt_len = 0 AND t.output_len = 0), s.task_id, s.reward,"
-    " t.request_ref, t.request_head, t.request_tail, t.request_delta"
+    " t.request_ref, t.request_head, t.request_tail, t.request_delta, t.request_zstd, t.request_dict"
 )
 _TEXT_FIELDS = (
     *("id", "session_id", "seq", "created_at", "style", "path", "model", "tag", "status", "finish_reason"),
@@ -384,21 +388,35 @@ _FACT_COLUMNS = ", ".join(f"t.{name}" for name in TurnFacts.model_fields)
 def turn_facts(
     path: str | Path, *, ids: list[str] | None = None, session: str | None = None
 ) -> list[TurnFacts]:
-    """The named turns' facts (in creation order), or every turn of `session`; no token ids."""
+    """The named turns' facts (in creation order), or every turn of `session`; no token ids.
+    Headers stored as what changed since an earlier turn's come back whole."""
     fields = list(TurnFacts.model_fields)
     out: list[TurnFacts] = []
     db = connect(path)
+    requests = RequestReader(db)
+
+    def fact(row: tuple) -> TurnFacts:
+        values = dict(zip(fields, row[:-1], strict=True))
+        if row[-1] is not None:
+            values["request_headers"] = json.dumps(
+                requests.headers(values["id"], values["request_headers"], row[-1])
+            )
+        return TurnFacts.model_construct(**values)
+
     try:
         if session is not None:
             rows = db.execute(
-                f"SELECT {_FACT_COLUMNS} FROM turns t WHERE t.session_id = ? ORDER BY t.seq", (session,)
+                f"SELECT {_FACT_COLUMNS}, t.headers_ref FROM turns t WHERE t.session_id = ? ORDER BY t.seq",
+                (session,),
             )
-            out = [TurnFacts.model_construct(**dict(zip(fields, r, strict=True))) for r in rows]
+            out = [fact(r) for r in rows]
         for start in range(0, len(ids or []), 500):
             chunk = (ids or [])[start : start + 500]
             marks = ",".join("?" * len(chunk))
-            rows = db.execute(f"SELECT {_FACT_COLUMNS} FROM turns t WHERE t.id IN ({marks})", chunk)
-            out += [TurnFacts.model_construct(**dict(zip(fields, r, strict=True))) for r in rows]
+            rows = db.execute(
+                f"SELECT {_FACT_COLUMNS}, t.headers_ref FROM turns t WHERE t.id IN ({marks})", chunk
+            )
+            out += [fact(r) for r in rows]
     finally:
         db.close()
     return sorted(out, key=lambda f: f.seq)

@@ -17,7 +17,8 @@ from typing import Any
 
 from polar_mitm import redact
 from polar_mitm.outcomes import FINAL, TRAINABLE
-from polar_mitm.store.db import Store, connect
+from polar_mitm.store.connection import connect
+from polar_mitm.store.writer import Store
 
 
 class RolloutLog:

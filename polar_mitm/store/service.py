@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.store.db import _connect_sync, init_db
+from polar_mitm.store.connection import connect_wal, init_db
 
 FINAL_TASK_STATES = ("done", "cancelled")
 
@@ -101,7 +101,7 @@ class ServiceStore:
     def __init__(self, path: str | Path):
         init_db(path)
         self.path = str(path)
-        self.db = _connect_sync(path)
+        self.db = connect_wal(path)
         self.db.execute("PRAGMA busy_timeout=10000")
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The viewer's web server: routes, reading the store (in threads), and the guards every page has.
 
 Reads go through the public readers (`export.iter_trajectories` via `show.find_rows`,
-`db.read_turns`, `queries`, `rollouts.read_samples`); nothing here writes the store. Rows are
+`reader.read_turns`, `queries`, `rollouts.read_samples`); nothing here writes the store. Rows are
 cached per store version, so paging through a long trajectory merges its session once.
 
 Guards: a page is served only to a Host header naming this server (a web page elsewhere cannot
@@ -37,7 +37,7 @@ from polar_mitm.reconstruct.source import Selection, parse_since
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import LOGPROB_DTYPE, Trajectory
 from polar_mitm.store import queries
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from polar_mitm.store.rollouts import read_samples
 from polar_mitm.view import pages
 from polar_mitm.view.html import Html, tag

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from polar_mitm.harness.install import cache_dir
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 
 POLAR = [sys.executable, "-m", "polar_mitm"]
 # Where scripts/install.sh links the commands of the Python harnesses (each in its own virtualenv).

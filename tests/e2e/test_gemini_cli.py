@@ -5,7 +5,8 @@ import sqlite3
 
 import pytest
 
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
+from polar_mitm.store.requests import RequestReader
 from tests.e2e.harness import (
     FakeBackend,
     assert_turns_match_backend,
@@ -96,9 +97,7 @@ def test_tool_call_is_executed_and_every_turn_is_captured_token_exact(tmp_path, 
     assert_turns_match_backend(backend, db)
 
     # The dummy API key went out as x-goog-api-key and was never stored.
-    headers = json.loads(
-        con.execute("SELECT request_headers FROM turns WHERE id = ?", (t1.id,)).fetchone()[0]
-    )
+    headers = RequestReader(con).headers(t1.id)  # stored as what changed since the side call's
     assert headers["x-goog-api-key"] == "[redacted]"
     assert con.execute("SELECT harness, exit_code FROM sessions WHERE id='gemini-e2e'").fetchone() == (
         "gemini-cli",

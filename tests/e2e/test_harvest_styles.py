@@ -20,7 +20,7 @@ import pytest
 from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
 from polar_mitm.proxy.gateway import Gateway
-from polar_mitm.store.db import Store
+from polar_mitm.store.writer import Store
 from tests.conftest import _self_signed
 from tests.e2e.harness import POLAR, harness_env, polar_run, require_binary
 

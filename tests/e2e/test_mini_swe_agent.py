@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import (
     FakeBackend,
     assert_turns_match_backend,

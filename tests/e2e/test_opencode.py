@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import (
     assert_turns_match_backend,
     harness_env,

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import (
     assert_turns_match_backend,
     harness_env,

@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import (
     FakeBackend,
     assert_turns_match_backend,

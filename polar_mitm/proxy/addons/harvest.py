@@ -21,7 +21,8 @@ from OpenSSL import SSL
 
 from polar_mitm import providers
 from polar_mitm.proxy.exchange import Exchange, Tagger, Upstream
-from polar_mitm.store.db import Store, Turn
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
 
 log = logging.getLogger("polar_mitm.proxy.exchange")
 

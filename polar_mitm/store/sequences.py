@@ -1,0 +1,104 @@
+"""A bounded cache of turns' full token sequences, which resolving prompt references reads."""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+
+class SequenceCache:
+    """Full sequences (prompt + output) of recent turns, bounded by total tokens.
+
+    `compact` keeps them as int32 arrays (4 B a token instead of ~36 B for a list of Python ints),
+    for the long-lived proxy; the offline reader keeps lists, which it slices on every turn. A
+    compact cache keeps its newest sequences (up to `hot_tokens`) as the lists they came as, since
+    the next turn of a conversation asks for them again: converting 30k ids to an array and back
+    every turn cost more than the rest of the store's work. Callers must not change what they get.
+
+    A compact cache also keeps a turn whose whole sequence begins the next turn's (`put`'s
+    `parent`: the usual turn of a growing conversation) as a view, the next turn's id and a
+    length, instead of as a sequence of its own: a conversation then holds one sequence, not one
+    per turn, and the hot tier holds conversations rather than turns. A view is read back as a
+    slice of what it points to, for the rare request that goes back to an earlier turn.
+    """
+
+    MAX_VIEWS = 1_000_000
+
+    def __init__(self, max_tokens: int = 8_000_000, *, compact: bool = False, hot_tokens: int = 1_000_000):
+        self.max_tokens = max_tokens
+        self.compact = compact
+        self.size = 0
+        self.items: OrderedDict[str, tuple[list[int] | array, int]] = OrderedDict()
+        self.hot_tokens = hot_tokens if compact else 0
+        self.hot_size = 0
+        self.hot: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
+        # turn id -> (id of the turn whose sequence begins with this one's, its length, prompt length)
+        self.views: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+
+    def get(self, turn_id: str) -> tuple[list[int], int] | None:
+        warm = self.hot.get(turn_id)
+        if warm is not None:
+            return warm
+        hit = self.items.get(turn_id)
+        if hit is not None:
+            self.items.move_to_end(turn_id)
+            seq, prompt_len = hit
+            return (seq.tolist() if isinstance(seq, array) else seq), prompt_len
+        view = self.views.get(turn_id)
+        if view is None:
+            return None
+        child_id, length, prompt_len = view
+        child = self.get(child_id)
+        if child is None or len(child[0]) < length:  # what it pointed to is gone
+            del self.views[turn_id]
+            return None
+        return child[0][:length], prompt_len
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.hot.clear()
+        self.views.clear()
+        self.size = self.hot_size = 0
+
+    def put(
+        self, turn_id: str, seq: list[int], prompt_len: int, parent: tuple[str, int] | None = None
+    ) -> None:
+        """Keep `seq`; with `parent` (a turn, and how many of its ids begin `seq`), that turn
+        becomes a view of this one when all of its sequence is `seq`'s beginning."""
+        if turn_id in self.items or turn_id in self.hot or turn_id in self.views:
+            return
+        if self.hot_tokens:
+            if parent is not None:
+                self._fold(parent[0], parent[1], turn_id, seq)
+            self.hot[turn_id] = (seq, prompt_len)
+            self.hot_size += len(seq)
+            while self.hot_size > self.hot_tokens and len(self.hot) > 1:
+                old_id, (old, old_len) = self.hot.popitem(last=False)
+                self.hot_size -= len(old)
+                self._keep(old_id, old, old_len)
+            return
+        self._keep(turn_id, seq, prompt_len)
+
+    def _fold(self, parent: str, spliced: int, child: str, seq: list[int]) -> None:
+        held = self.hot.get(parent)
+        if held is None:
+            return
+        old, old_len = held
+        n = len(old)
+        # All of the parent's sequence must begin the child's: the prompt was spliced from all of
+        # it. Its first and last ids are compared too, as a check on what the caller says.
+        start = max(n - 16, 0)
+        if not n or spliced != n or n > len(seq) or seq[start:n] != old[start:] or seq[0] != old[0]:
+            return
+        del self.hot[parent]
+        self.hot_size -= n
+        self.views[parent] = (child, n, old_len)
+        if len(self.views) > self.MAX_VIEWS:
+            self.views.popitem(last=False)
+
+    def _keep(self, turn_id: str, seq: list[int], prompt_len: int) -> None:
+        self.items[turn_id] = (array("i", seq) if self.compact else seq, prompt_len)
+        self.size += len(seq)
+        while self.size > self.max_tokens and len(self.items) > 1:
+            _, (old, _) = self.items.popitem(last=False)
+            self.size -= len(old)
