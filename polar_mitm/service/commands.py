@@ -345,7 +345,11 @@ def node(
         click.echo(
             f"polar-mitm node {gw.node_id} · server {server} · proxy {gw.proxy.url} · db {db}", err=True
         )
-        await gw.run()
+        # Started and registered already: serve (gw.run() would start it, and register, again).
+        try:
+            await gw.serve()
+        finally:
+            await asyncio.shield(gw.stop())
 
     _run_until_signal(main())
 
