@@ -19,7 +19,9 @@ class Observed(Protocol):
     (public parts only: metrics import nothing of the server)."""
 
     store: Any
-    heartbeats: dict[str, Any]
+
+    @property
+    def heartbeats(self) -> dict[str, Any]: ...
 
     def healthy_nodes(self) -> list[str]: ...
 

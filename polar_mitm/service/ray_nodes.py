@@ -34,7 +34,7 @@ def pin_to_loopback() -> None:
     os.environ[SINGLE_NODE_ENV] = "0"
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
-        constants.ENABLE_RAY_CLUSTER = False
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]
 
 
 def _ray():
