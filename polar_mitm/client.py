@@ -315,13 +315,33 @@ class AsyncRolloutClient:
         _raise(r)
         return _group(r.json(), index, view or await self.status(task_id))
 
+    async def parquet(self, task_id: str, *, normalize: str = "std") -> bytes:
+        r = await self.http.get(
+            f"/v1/tasks/{task_id}/results", params={"format": "parquet", "normalize": normalize}
+        )
+        _raise(r)
+        return r.content
+
     async def cancel(self, task_id: str) -> TaskView:
         r = await self.http.delete(f"/v1/tasks/{task_id}")
         _raise(r)
         return TaskView.model_validate(r.json())
 
-    async def wait(self, task_ids: Iterable[str], *, poll: float = 1.0) -> AsyncIterator[Group]:
+    async def pause(self, timeout: float = 60.0) -> dict[str, Any]:
+        r = await self.http.post("/v1/admin/pause", json={"timeout_seconds": timeout}, timeout=timeout + 30)
+        _raise(r)
+        return r.json()
+
+    async def resume(self, weight_version: str | None = None) -> dict[str, Any]:
+        r = await self.http.post("/v1/admin/resume", json={"weight_version": weight_version})
+        _raise(r)
+        return r.json()
+
+    async def wait(
+        self, task_ids: Iterable[str], *, poll: float = 1.0, timeout: float | None = None
+    ) -> AsyncIterator[Group]:
         pending = {t: i for i, t in enumerate(task_ids)}
+        deadline = time.monotonic() + timeout if timeout else None
         while pending:
             for task_id, index in list(pending.items()):
                 view = await self.status(task_id)
@@ -329,6 +349,8 @@ class AsyncRolloutClient:
                     del pending[task_id]
                     yield await self.results(task_id, index=index, view=view)
             if pending:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(pending)} tasks unfinished after {timeout} s")
                 await asyncio.sleep(poll)
 
     async def rollout(

@@ -7,6 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from polar_mitm.service.ray_nodes import pin_to_loopback
+
+# --- Ray (polar_mitm.service.ray_nodes) ----------------------------------------------------------
+# Every Ray a test starts listens on 127.0.0.1 only, also where a test calls ray.init itself.
+pin_to_loopback()
+# --- end Ray --------------------------------------------------------------------------------------
+
 # --- tokenizers (polar_mitm.backends.tokenizer, tokenizer_build) --------------------------------
 # Built once into the polar-mitm cache ($POLAR_MITM_CACHE or ~/.cache/polar-mitm) and reused by
 # later runs: the Qwen build takes a few seconds, the tiny one a fraction of a second.

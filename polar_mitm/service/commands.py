@@ -132,8 +132,9 @@ def node_options(f):
     "--ray",
     "ray_address",
     default=None,
-    metavar="ADDRESS|auto",
-    help="Place the nodes as Ray actors on this cluster.",
+    metavar="ADDRESS|auto|local",
+    help="Place the nodes as Ray actors on this cluster (auto: the one running here; local: a Ray of"
+    " this server's own, on 127.0.0.1 only).",
 )
 @click.option(
     "--node-timeout",
@@ -228,9 +229,12 @@ def serve(
         actors = []
         try:
             if ray_address:
-                from polar_mitm.service.ray_nodes import start_ray_nodes
+                from polar_mitm.service.ray_nodes import RayUnavailable, start_ray_nodes
 
-                actors = start_ray_nodes(ray_address, nodes, cfg)
+                try:
+                    actors = start_ray_nodes(ray_address, nodes, cfg)
+                except RayUnavailable as e:
+                    raise click.ClickException(str(e)) from None
             else:
                 for i in range(nodes):
                     # A process per node: each proxy has a core to itself, and each node writes its
@@ -341,7 +345,11 @@ def node(
         click.echo(
             f"polar-mitm node {gw.node_id} · server {server} · proxy {gw.proxy.url} · db {db}", err=True
         )
-        await gw.run()
+        # Started and registered already: serve (gw.run() would start it, and register, again).
+        try:
+            await gw.serve()
+        finally:
+            await asyncio.shield(gw.stop())
 
     _run_until_signal(main())
 

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 
 class Observed(Protocol):
-    """What the gauges read at scrape time: the server's store, last heartbeats and healthy nodes."""
+    """What the gauges read at scrape time: the server's store, last heartbeats and healthy nodes
+    (public parts only: metrics import nothing of the server)."""
 
     store: Any
-    heartbeats: dict[str, Any]
+
+    @property
+    def heartbeats(self) -> dict[str, Any]: ...
 
     def healthy_nodes(self) -> list[str]: ...
 
@@ -86,3 +90,8 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        """`GET /metrics`."""
+        body, ctype = self.render()
+        return web.Response(body=body, headers={"content-type": ctype})
