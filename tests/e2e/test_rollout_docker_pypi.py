@@ -8,7 +8,7 @@ harness runs as the unprivileged harness user, with no network but its channel t
 forwarder runs on the mounted interpreter), and honours HTTPS_PROXY and our CA through the
 recipe's variables. The fake backend answers "run: CMD" with a call to the harness's shell tool
 (mini-swe-agent's `bash`, Kimi's `Shell`, OpenHands' `terminal`); aider has no tools, so its
-script writes the file in aider's whole-file edit format, and its commit message is a side call.
+script writes the file in aider's default (diff) edit format, and its commit message is a side call.
 """
 
 from __future__ import annotations
@@ -32,8 +32,12 @@ MINI = [{"match": "<tool_response>", "shell": "echo COMPLETE_TASK_AND_SUBMIT_FIN
 COMMIT = "feat: add answer.txt"
 AIDER = [
     {"match": "one-line Git commit messages", "in": "prompt", "text": COMMIT},
-    # aider's whole-file edit format: the file name, then its whole content fenced.
-    {"match": r"[Cc]reate ([^\s\"'`]+) containing ([^\s\"'`]+)", "text": "\\1\n```\n\\2\n```"},
+    # aider's `diff` edit format (its default for gpt-4o): the file name, then a fenced
+    # SEARCH/REPLACE block; an empty SEARCH creates the file.
+    {
+        "match": r"[Cc]reate ([^\s\"'`]+) containing ([^\s\"'`]+)",
+        "text": "\\1\n```\n<<<<<<< SEARCH\n=======\n\\2\n>>>>>>> REPLACE\n```",
+    },
 ]
 SHELL_TASK = "run: echo 42 > answer.txt"
 
