@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from polar_mitm import recipes
 from polar_mitm.recipes import Recipe
 from polar_mitm.tasks.model import Task
 
@@ -57,24 +58,39 @@ print(json.dumps(out))
 """
 
 
-def make_harness(tmp_path: Path) -> tuple[Path, Path]:
+def make_harness(tmp_path: Path, *, alias: bool = False) -> tuple[Path, Path, Path]:
     """A virtualenv on this interpreter's base installation with one entry script, `probe`,
-    written as pip writes them (its `#!` names the venv's interpreter by absolute path)."""
+    written as pip writes them (its `#!` names the venv's interpreter by absolute path). With
+    `alias`, the venv reaches its interpreter through a symlinked directory (`pyalias` -> the
+    installation), as a pyenv version reached through another name would. Returns the venv,
+    the installation and the path the venv names it by."""
     venv = tmp_path / "venvs" / "probe"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    base = Path(sys.base_prefix).resolve()
+    named = base
+    if alias:
+        named = tmp_path / "pyalias"
+        named.symlink_to(base)
+        (venv / "bin" / version).unlink()
+        (venv / "bin" / version).symlink_to(named / "bin" / version)
+        cfg = venv / "pyvenv.cfg"
+        cfg.write_text(
+            "".join(f"home = {named}/bin\n" if line.startswith("home") else line + "\n"
+                    for line in cfg.read_text().splitlines())
+        )  # fmt: skip
     script = venv / "bin" / "probe"
     script.write_text(f"#!{venv}/bin/{version}\n{PROBE}")
     script.chmod(0o755)
-    return venv, Path(sys.base_prefix).resolve()
+    return venv, base, named
 
 
 def test_the_mount_is_the_venv_and_its_interpreter_at_their_own_paths(tmp_path, monkeypatch):
     from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
 
     if Path(sys.base_prefix).resolve() in (Path("/usr"), Path("/usr/local")):
-        pytest.skip("this interpreter is the system's own: a container cannot be shown it (see next test)")
-    venv, base = make_harness(tmp_path)
+        pytest.skip("this interpreter is the system's own: a container cannot be shown it")
+    venv, base, _ = make_harness(tmp_path)
     monkeypatch.setenv("PATH", f"{venv}/bin:/usr/bin:/bin")
     monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path / "cache"))
     mount = harness_mount(Recipe(name="probe", binaries=["probe"], pypi="probe"))
@@ -93,10 +109,40 @@ def test_the_mount_is_the_venv_and_its_interpreter_at_their_own_paths(tmp_path, 
         harness_mount(Recipe(name="probe", binaries=["probe"], pypi="probe"))
 
 
+def test_a_missing_virtualenv_is_named_with_its_install_command(tmp_path, monkeypatch):
+    """A PyPI harness whose virtualenv is gone (its link in the cache's bin dangles) is refused
+    before any container starts, with the command that installs it."""
+    from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "mini").symlink_to(tmp_path / "venvs" / "mini-swe-agent" / "bin" / "mini")
+    monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with pytest.raises(HarnessNotInstalled, match=r"pip install mini-swe-agent") as e:
+        harness_mount(recipes.get("mini-swe-agent"))
+    assert "scripts/install.sh" in str(e.value)
+
+
+def test_apptainer_binds_the_trees_read_only_at_their_own_paths(tmp_path, monkeypatch, certs_dir):
+    from polar_mitm.harness.install import harness_mount
+    from polar_mitm.proxy.certs import ensure_ca
+    from polar_mitm.sandbox import apptainer
+    from polar_mitm.sandbox.base import NPM_MODULES, SandboxSpec
+
+    venv, base, _ = make_harness(tmp_path)
+    monkeypatch.setenv("PATH", f"{venv}/bin:/usr/bin:/bin")
+    monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path / "cache"))
+    mount = harness_mount(Recipe(name="probe", binaries=["probe"], pypi="probe"))
+    binds = apptainer.binds(SandboxSpec("s", tmp_path / "s", ensure_ca(certs_dir), mount))
+    assert f"{venv}:{venv}:ro" in binds and f"{base}:{sys.base_prefix}:ro" in binds
+    assert not any(NPM_MODULES in b for b in binds)
+
+
 @pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.parametrize("alias", [False, True], ids=["direct", "through-a-symlinked-dir"])
 async def test_a_python_harness_runs_unprivileged_and_cannot_change_its_installation(
-    tmp_path, docker_client, certs_dir, monkeypatch
+    tmp_path, docker_client, certs_dir, monkeypatch, alias
 ):
     from polar_mitm.harness.install import harness_mount
     from polar_mitm.proxy.certs import ensure_ca
@@ -112,10 +158,12 @@ async def test_a_python_harness_runs_unprivileged_and_cannot_change_its_installa
 
     server = await asyncio.start_server(answer, "127.0.0.1", 0)
     channel = await Channel("s_pyh", "tok", server.sockets[0].getsockname()[1]).start()
-    venv, base = make_harness(tmp_path)
+    venv, base, named = make_harness(tmp_path, alias=alias)
     monkeypatch.setenv("PATH", f"{venv}/bin:/usr/bin:/bin")
     monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path / "cache"))
     mount = harness_mount(Recipe(name="probe", binaries=["probe"], pypi="probe"))
+    # One host directory, shown at each name the venv and the binary's RUNPATH use.
+    assert {inside for host, inside in mount.trees if host == base} == {str(named), str(base)}
     spec = SandboxSpec(
         name=f"polar-pyharness-{time.time_ns()}", session_dir=tmp_path / "s", ca=ensure_ca(certs_dir),
         harness=mount, channel=channel.socket_path, labels={"polar-mitm.rollout": "pyharness-test"},
@@ -137,7 +185,8 @@ async def test_a_python_harness_runs_unprivileged_and_cannot_change_its_installa
     u, r = json.loads(user.output.strip().splitlines()[-1]), json.loads(root.output.strip().splitlines()[-1])
     # It ran from the links, as the harness user, on the mounted interpreter, with its ssl.
     assert u["uid"] == 1000 and r["uid"] == 0
-    assert u["prefix"] == str(venv) and Path(u["base"]).resolve() == base and u["ssl"].startswith("OpenSSL")
+    assert u["prefix"] == str(venv) and u["base"] in (str(named), sys.base_prefix)
+    assert u["ssl"].startswith("OpenSSL")
     assert u["dont_write_bytecode"] is True
     # Nothing it wrote lands in the installation, as the harness user or as root.
     for probe in (u, r):
@@ -147,7 +196,9 @@ async def test_a_python_harness_runs_unprivileged_and_cannot_change_its_installa
     assert not list(venv.rglob("pwned*")) and "import os" not in (venv / "bin" / "probe").read_text()[-20:]
     # The directories above the trees can be passed through, not listed; nothing else is there.
     assert u["list_root"] == "failed: Permission denied"
-    assert u["list_versions"] == [base.name] and r["list_venvs"] == ["probe"]
+    assert r["list_venvs"] == ["probe"]
+    if not alias:
+        assert u["list_versions"] == [base.name]
     trees = {inside for _, inside in mount.trees}
     mounted = {m["Destination"]: m["RW"] for m in attrs["Mounts"]}
     assert trees <= set(mounted) and not any(mounted[t] for t in trees)

@@ -185,20 +185,21 @@ def _python_mount(recipe: Recipe, venv_real: Path, hint: str) -> HarnessMount:
         shebang = _shebang_interpreter(script)
         if shebang is None:
             raise HarnessNotInstalled(f"{recipe.name}: {script} has no #! line naming its interpreter")
-        venv_inside = _venv_root(Path(shebang)) and str(Path(shebang).parent.parent)
-        if not venv_inside or Path(venv_inside).resolve() != venv_real:
+        inside = _venv_root(Path(shebang))  # the virtualenv as its scripts name it
+        if inside is None or inside.resolve() != venv_real:
             raise HarnessNotInstalled(
                 f"{recipe.name}: {script} runs {shebang}, which is not the interpreter of its virtualenv "
                 f"{venv_real}; reinstall it{hint}"
             )
-        trees[venv_inside] = venv_real
-        links[name] = f"{venv_inside}/{script.relative_to(venv_real)}"
+        trees[str(inside)] = venv_real
+        links[name] = f"{inside}/{script.relative_to(venv_real)}"
         interpreter = interpreter or shebang
     assert interpreter is not None  # harness_mount found one of the binaries in this virtualenv
-    # The interpreter: every installation its link chain passes through and the one pyvenv.cfg's
-    # `home` names (a pyenv version reached through a symlinked directory is shown at each name).
+    # The interpreter: every installation its link chain passes through, its real one (where the
+    # binary's RPATH finds libpython) and the one pyvenv.cfg's `home` names (a pyenv version
+    # reached through a symlinked directory is shown at each of its names).
     home = _pyvenv_cfg(venv_real).get("home")
-    prefixes = {_prefix_of(p) for p in _symlink_chain(interpreter)}
+    prefixes = {_prefix_of(p) for p in [*_symlink_chain(interpreter), os.path.realpath(interpreter)]}
     prefixes.add(_prefix_of(f"{home}/python") if home else None)
     for prefix in sorted(p for p in prefixes if p and p not in trees):
         host = Path(prefix).resolve()

@@ -8,9 +8,9 @@ Isolation: the container has no network (`--network none`). Its one way out is t
 Unix socket to the proxy (`sandbox/channel.py`), bound in read-only, with a forwarder inside on
 127.0.0.1:FORWARD_PORT as the container's entrypoint (node, the binary we mount for JavaScript
 harnesses, else the interpreter we mount for a Python harness, else the image's python3; without
-a channel the entrypoint is `sleep infinity`). Every capability is dropped but the five root's own steps need (setup, scoring: chown,
-reading and writing others' files, switching users), no-new-privileges, a pids limit, the task's
-memory and CPU. The harness runs as an unprivileged user (HARNESS_USER, its workdir and HOME
+a channel the entrypoint is `sleep infinity`). Every capability is dropped but the five root's
+own steps need (setup, scoring: chown, reading and writing others' files, switching users),
+no-new-privileges, a pids limit, the task's memory and CPU. The harness runs as an unprivileged user (HARNESS_USER, its workdir and HOME
 handed to it) and has no capability at all; when it ends, or overruns, the container is killed
 (SIGKILL, no grace period: every process in it is gone whatever the image holds) and started
 again, the same filesystem, for scoring.
@@ -523,11 +523,18 @@ class DockerRuntime:
             volumes[str(spec.channel)] = {"bind": CHANNEL_SOCKET, "mode": "ro"}
             volumes[str(FORWARDER_DIR)] = {"bind": FORWARDER_ROOT, "mode": "ro"}
         prefix: list[str] = []
+        mounts: list[Any] = []
         if agent and spec.harness is not None:
             if spec.harness.modules is not None:
                 volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
-            for host, inside in spec.harness.trees:  # a PyPI harness: at the host's own paths
-                volumes[str(host)] = {"bind": inside, "mode": "ro"}
+            # A PyPI harness's trees, at the host's own paths (one host directory may be shown at
+            # two: `volumes` holds one bind per host path, `mounts` any number).
+            import docker.types
+
+            mounts = [
+                docker.types.Mount(inside, str(host), type="bind", read_only=True)
+                for host, inside in spec.harness.trees
+            ]
             volumes[str(spec.harness.bin)] = {"bind": HARNESS_BIN, "mode": "ro"}
             prefix.append(HARNESS_BIN)
             if spec.harness.node is not None:
@@ -546,6 +553,7 @@ class DockerRuntime:
             detach=True,
             network_mode=self.network if agent else "none",
             volumes=volumes,
+            mounts=mounts,
             environment=task.env,
             cap_drop=["ALL"],
             cap_add=ROOT_CAPS,
@@ -612,7 +620,7 @@ class DockerRuntime:
     def _verifier_options(self) -> dict[str, Any]:
         """A verifier's container: nothing of ours mounted (no session directory, CA or harness),
         no network, and the image's own user, binaries and environment."""
-        return {"network_mode": "none", "volumes": {}}
+        return {"network_mode": "none", "volumes": {}, "mounts": []}
 
     async def remove(self, container: Any) -> None:
         import docker.errors

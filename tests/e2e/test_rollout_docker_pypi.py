@@ -91,17 +91,3 @@ def test_pypi_harness_solves_a_task_in_docker(tmp_path, qwen_tokenizer_dir, dock
         assert leftovers(docker_client) == []
     finally:
         backend.stop()
-
-
-def test_a_missing_virtualenv_is_named_with_its_install_command(tmp_path, monkeypatch):
-    """A PyPI harness whose virtualenv is gone (its link in the cache's bin dangles) is refused
-    before any container starts, with the command that installs it."""
-    from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
-
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "mini").symlink_to(tmp_path / "venvs" / "mini-swe-agent" / "bin" / "mini")
-    monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path))
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    with pytest.raises(HarnessNotInstalled, match=r"pip install mini-swe-agent") as e:
-        harness_mount(recipes.get("mini-swe-agent"))
-    assert "scripts/install.sh" in str(e.value)
