@@ -1,10 +1,20 @@
 """The host's harness installation, prepared for mounting read-only into container sandboxes.
 
-The harness CLIs are npm packages installed on the host (`npm install -g`). A container gets the
-npm prefix's `lib/node_modules`, a small directory of links named after the recipe's binaries
-(`claude -> ../lib/node_modules/@anthropic-ai/claude-code/bin/claude.exe`), and the node binary
-the JavaScript harnesses run on. Nothing is copied; images need only a C library compatible with
-the host's node (and libstdc++), or the harness installed themselves.
+npm harnesses (`npm install -g`): a container gets the npm prefix's `lib/node_modules`, a small
+directory of links named after the recipe's binaries (`claude ->
+../lib/node_modules/@anthropic-ai/claude-code/bin/claude.exe`), and the node binary the JavaScript
+harnesses run on.
+
+PyPI harnesses (each in a virtualenv of its own, `scripts/install.sh`): a container gets the
+virtualenv and the interpreter installation it was built on (a pyenv version, say), each at the
+same absolute path as on the host — entry scripts name their interpreter by absolute path in their
+`#!` line, and the interpreter finds its standard library from `pyvenv.cfg`'s `home` — and the same
+directory of links, here to the entry scripts. A virtualenv built on the system's own Python (whose
+installation is /usr) cannot be shown this way: mounting the host's /usr would replace the image's.
+
+Nothing is copied; images need only a C library compatible with the host's node or Python (and
+the shared libraries the interpreter was built against: libssl, libffi, libsqlite3, zlib, …), or
+the harness installed themselves.
 """
 
 from __future__ import annotations
@@ -12,10 +22,17 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from polar_mitm.recipes import Recipe
 from polar_mitm.sandbox.base import HarnessMount
+
+# Interpreter installations that are the system's own: a container's image has its own of each.
+SYSTEM_PREFIXES = {"/", "/usr", "/usr/local", "/bin", "/opt"}
+# What a Python harness needs in a sandbox whose installation is mounted read-only: no attempt
+# to write bytecode next to the sources (the host's __pycache__ is still read).
+PYTHON_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 class HarnessNotInstalled(RuntimeError):
@@ -34,21 +51,65 @@ def _modules_root(real: Path) -> Path | None:
     return None
 
 
+def _venv_root(real: Path) -> Path | None:
+    """The virtualenv (the directory holding `pyvenv.cfg`) a resolved entry script lives in."""
+    return next((p for p in real.parents if (p / "pyvenv.cfg").is_file()), None)
+
+
+def _install_hint(recipe: Recipe) -> str:
+    if recipe.npm:
+        return f" (npm install -g {recipe.npm})"
+    if recipe.pypi:
+        return (
+            f" (bash scripts/install.sh puts it in {cache_dir() / 'venvs'} and links it into "
+            f"{cache_dir() / 'bin'}; or python3 -m venv VENV && VENV/bin/pip install {recipe.pypi})"
+        )
+    return ""
+
+
+def _find(recipe: Recipe, name: str) -> str | None:
+    """`name` on PATH; for a PyPI harness also where scripts/install.sh links its commands."""
+    found = shutil.which(name)
+    if found is None and recipe.pypi:
+        found = shutil.which(name, path=str(cache_dir() / "bin"))
+    return found
+
+
+def _link_dir(target: Path | str, links: dict[str, str]) -> Path:
+    """A cached directory of symbolic links name -> target, made once per content."""
+    key = hashlib.sha256(repr((str(target), sorted(links.items()))).encode()).hexdigest()[:16]
+    bin_dir = cache_dir() / "harness-bin" / key
+    if not bin_dir.is_dir():
+        tmp = bin_dir.with_name(bin_dir.name + f".{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, dest in links.items():
+            (tmp / name).unlink(missing_ok=True)
+            (tmp / name).symlink_to(dest)
+        try:
+            tmp.rename(bin_dir)
+        except OSError:  # made meanwhile by another process
+            shutil.rmtree(tmp, ignore_errors=True)
+    return bin_dir
+
+
 def harness_mount(recipe: Recipe, binary: str | None = None) -> HarnessMount:
     """Where `recipe`'s binaries are installed on the host, as a HarnessMount.
 
-    Raises HarnessNotInstalled (with the npm command to run) when none of them is on PATH or the
-    binary is not part of an npm installation.
+    Raises HarnessNotInstalled (with the command that installs it) when none of them is on PATH,
+    or the binary is part of neither an npm installation nor a virtualenv a container can run.
     """
     names = [binary] if binary else recipe.binaries
-    found = next(((n, shutil.which(n)) for n in names if shutil.which(n)), None)
-    hint = f" (npm install -g {recipe.npm})" if recipe.npm else ""
+    found = next(((n, p) for n in names if (p := _find(recipe, n))), None)
+    hint = _install_hint(recipe)
     if found is None:
         raise HarnessNotInstalled(f"{recipe.name}: none of {', '.join(names)} is on PATH{hint}")
+    real = Path(found[1]).resolve()
+    if _modules_root(real) is None and (venv := _venv_root(real)) is not None:
+        return _python_mount(recipe, venv, hint)
     modules: Path | None = None
     links: dict[str, str] = {}
     for name in recipe.binaries:
-        path = shutil.which(name)
+        path = _find(recipe, name)
         if path is None:
             continue
         real = Path(path).resolve()
@@ -61,20 +122,123 @@ def harness_mount(recipe: Recipe, binary: str | None = None) -> HarnessMount:
             links[name] = f"../lib/node_modules/{real.relative_to(root)}"
     if modules is None:
         raise HarnessNotInstalled(
-            f"{recipe.name}: {found[1]} is not inside an npm installation (lib/node_modules); "
-            f"install it with npm{hint} or use an image that has it"
+            f"{recipe.name}: {found[1]} is inside neither an npm installation (lib/node_modules) "
+            f"nor a virtualenv (pyvenv.cfg); install it{hint} or use an image that has it"
         )
-    key = hashlib.sha256(repr((str(modules), sorted(links.items()))).encode()).hexdigest()[:16]
-    bin_dir = cache_dir() / "harness-bin" / key
-    if not bin_dir.is_dir():
-        tmp = bin_dir.with_name(bin_dir.name + f".{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        for name, target in links.items():
-            (tmp / name).unlink(missing_ok=True)
-            (tmp / name).symlink_to(target)
-        try:
-            tmp.rename(bin_dir)
-        except OSError:  # made meanwhile by another process
-            shutil.rmtree(tmp, ignore_errors=True)
     node = shutil.which("node")
-    return HarnessMount(modules=modules, bin=bin_dir, node=Path(node).resolve() if node else None)
+    return HarnessMount(
+        modules=modules, bin=_link_dir(modules, links), node=Path(node).resolve() if node else None
+    )
+
+
+def _shebang_interpreter(script: Path) -> str | None:
+    """The interpreter an entry script names: its `#!` line, or the `'''exec' PATH` line pip
+    writes under `#!/bin/sh` when the path is too long for the kernel."""
+    try:
+        with script.open("rb") as f:
+            head = f.read(4096).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    if not head or not head[0].startswith("#!"):
+        return None
+    first = head[0][2:].strip().split()
+    if first and first[0] == "/bin/sh" and len(head) > 1 and head[1].startswith("'''exec' "):
+        return head[1].split()[1]
+    return first[0] if first else None
+
+
+def _symlink_chain(path: str) -> list[str]:
+    """`path` and every absolute path its symbolic links pass through, to the real file."""
+    chain = [os.path.abspath(path)]
+    for _ in range(40):
+        try:
+            target = os.readlink(chain[-1])
+        except OSError:  # not a link (or gone): the end
+            break
+        chain.append(os.path.normpath(os.path.join(os.path.dirname(chain[-1]), target)))
+    return chain
+
+
+def _prefix_of(interpreter: str) -> str | None:
+    """An interpreter's installation: the directory above its `bin`."""
+    p = Path(interpreter)
+    return str(p.parent.parent) if p.parent.name == "bin" else None
+
+
+def _readable_by_others(path: Path) -> bool:
+    mode = path.stat().st_mode
+    need = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+    return mode & need == need
+
+
+def _python_mount(recipe: Recipe, venv_real: Path, hint: str) -> HarnessMount:
+    """A PyPI harness's virtualenv and the interpreter installation it was built on, each shown at
+    the path(s) its scripts and links name, and a bin directory of links to its entry scripts."""
+    trees: dict[str, Path] = {}  # path in the sandbox -> host directory
+    links: dict[str, str] = {}
+    interpreter: str | None = None
+    for name in recipe.binaries:
+        path = _find(recipe, name)
+        if path is None or _venv_root(Path(path).resolve()) != venv_real:
+            continue
+        script = Path(path).resolve()
+        shebang = _shebang_interpreter(script)
+        if shebang is None:
+            raise HarnessNotInstalled(f"{recipe.name}: {script} has no #! line naming its interpreter")
+        inside = _venv_root(Path(shebang))  # the virtualenv as its scripts name it
+        if inside is None or inside.resolve() != venv_real:
+            raise HarnessNotInstalled(
+                f"{recipe.name}: {script} runs {shebang}, which is not the interpreter of its virtualenv "
+                f"{venv_real}; reinstall it{hint}"
+            )
+        trees[str(inside)] = venv_real
+        links[name] = f"{inside}/{script.relative_to(venv_real)}"
+        interpreter = interpreter or shebang
+    assert interpreter is not None  # harness_mount found one of the binaries in this virtualenv
+    # The interpreter: every installation its link chain passes through, its real one (where the
+    # binary's RPATH finds libpython) and the one pyvenv.cfg's `home` names (a pyenv version
+    # reached through a symlinked directory is shown at each of its names).
+    home = _pyvenv_cfg(venv_real).get("home")
+    prefixes = {_prefix_of(p) for p in [*_symlink_chain(interpreter), os.path.realpath(interpreter)]}
+    prefixes.add(_prefix_of(f"{home}/python") if home else None)
+    for prefix in sorted(p for p in prefixes if p and p not in trees):
+        host = Path(prefix).resolve()
+        if prefix in SYSTEM_PREFIXES or str(host) in SYSTEM_PREFIXES:
+            raise HarnessNotInstalled(
+                f"{recipe.name}: {venv_real} is built on the system's Python ({prefix}), which a "
+                "container cannot be shown without hiding its own; build the virtualenv on a "
+                f"Python installed in a directory of its own (pyenv, uv python install){hint}"
+            )
+        if not (host / "lib").is_dir():
+            raise HarnessNotInstalled(
+                f"{recipe.name}: the interpreter of {venv_real} ({interpreter}) is not inside an "
+                "installation (PREFIX/bin, PREFIX/lib) a container can be shown"
+            )
+        trees[prefix] = host
+    if len(trees) < 2:
+        raise HarnessNotInstalled(
+            f"{recipe.name}: found no interpreter installation for {venv_real} (pyvenv.cfg home = {home})"
+        )
+    for host in trees.values():
+        if not _readable_by_others(host):
+            raise HarnessNotInstalled(
+                f"{recipe.name}: {host} is not readable by other users (the harness runs as an "
+                f"unprivileged user in the container): chmod -R o+rX {host}"
+            )
+    return HarnessMount(
+        modules=None,
+        bin=_link_dir(venv_real, links),
+        node=None,
+        trees=sorted((host, inside) for inside, host in trees.items()),
+        python=interpreter,
+        env=dict(PYTHON_ENV),
+    )
+
+
+def _pyvenv_cfg(venv: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in (venv / "pyvenv.cfg").read_text(errors="replace").splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out

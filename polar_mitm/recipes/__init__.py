@@ -82,6 +82,9 @@ class Recipe(BaseModel):
     name: str
     description: str = ""
     npm: str | None = None
+    # The PyPI requirement of a Python harness (each lives in a virtualenv of its own; see
+    # harness/install.py for how a container runs it); named in "not installed" messages.
+    pypi: str | None = None
     binaries: list[str] = Field(default_factory=list)
     status: str = "planned"
     example: str | None = None

@@ -476,6 +476,8 @@ class Pipeline:
         base = {"HOME": home, "CI": "1", "TERM": "dumb", "LANG": "C.UTF-8"}
         if not self.runtime.isolated:  # a host process: keep the host's PATH and the like
             base = {**host_env(), **base}
+        elif self._harness is not None:  # what the mounted installation needs (PyPI: no .pyc writes)
+            base.update(self._harness.env)
         address = job.sandbox.proxy_address
         if address is not None:
             url = proxy_url(*address, job.session_id, self.proxy.session_token(job.session_id))

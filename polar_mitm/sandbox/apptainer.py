@@ -165,7 +165,10 @@ def binds(spec: SandboxSpec) -> list[str]:
         out.append(bind_option(spec.channel, CHANNEL_SOCKET, read_only=True))
         out.append(bind_option(FORWARDER_DIR.resolve(), FORWARDER_ROOT, read_only=True))
     if spec.harness is not None and spec.purpose == "agent":
-        out.append(bind_option(spec.harness.modules.resolve(), NPM_MODULES, read_only=True))
+        if spec.harness.modules is not None:
+            out.append(bind_option(spec.harness.modules.resolve(), NPM_MODULES, read_only=True))
+        for host, inside in spec.harness.trees:  # a PyPI harness: at the host's own paths
+            out.append(bind_option(host.resolve(), inside, read_only=True))
         out.append(bind_option(spec.harness.bin.resolve(), HARNESS_BIN, read_only=True))
         if spec.harness.node is not None:
             out.append(bind_option(spec.harness.node.resolve().parent, NODE_BIN, read_only=True))
@@ -367,9 +370,12 @@ class ApptainerSandbox:
         for proc in list(self._procs):
             kill_group(proc.pid)
 
-    async def start_forwarder(self, node: bool) -> None:
-        """The forwarder on 127.0.0.1:FORWARD_PORT to the channel socket (see `sandbox/docker.py`)."""
+    async def start_forwarder(self, node: bool, python: str | None = None) -> None:
+        """The forwarder on 127.0.0.1:FORWARD_PORT to the channel socket (see `sandbox/docker.py`):
+        on our node, else the Python harness's mounted interpreter, else the image's python3."""
         tries = [[f"{NODE_BIN}/node", f"{FORWARDER_ROOT}/forward.js"]] if node else []
+        if python:
+            tries.append([python, f"{FORWARDER_ROOT}/forward.py"])
         tries.append(["python3", f"{FORWARDER_ROOT}/forward.py"])
         for argv in tries:
             r = await self.exec([*argv, CHANNEL_SOCKET, str(FORWARD_PORT)], workdir="/", timeout=30)
@@ -550,7 +556,10 @@ class ApptainerRuntime:
             )
         if spec.channel is not None and spec.purpose == "agent":
             try:
-                await sandbox.start_forwarder(node=spec.harness is not None and spec.harness.node is not None)
+                await sandbox.start_forwarder(
+                    node=spec.harness is not None and spec.harness.node is not None,
+                    python=spec.harness.python if spec.harness is not None else None,
+                )
             except BaseException:
                 await sandbox.stop()
                 raise

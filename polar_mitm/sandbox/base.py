@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal, Protocol
 
 from polar_mitm.proxy.certs import CA
@@ -167,14 +167,35 @@ async def run_process(
 class HarnessMount:
     """The host's harness installation, shown read-only inside a container sandbox.
 
-    `modules` is the npm prefix's `lib/node_modules`; `bin` a host directory of relative links
-    (`claude -> ../lib/node_modules/...`) made for it; `node` the node binary the JavaScript
-    harnesses run on. Inside the sandbox they appear at NPM_MODULES, HARNESS_BIN and NODE_BIN.
+    npm harnesses: `modules` is the npm prefix's `lib/node_modules`; `bin` a host directory of
+    relative links (`claude -> ../lib/node_modules/...`) made for it; `node` the node binary the
+    JavaScript harnesses run on. Inside the sandbox they appear at NPM_MODULES, HARNESS_BIN and
+    NODE_BIN.
+
+    PyPI harnesses: `trees` are (host directory, sandbox path) pairs shown at the same absolute
+    paths as on the host — the harness's virtualenv and the interpreter installation it was built
+    on, since entry scripts and the venv's `pyvenv.cfg` name them by absolute path; `bin` holds
+    links to the entry scripts there (at HARNESS_BIN); `python` is that interpreter (the
+    forwarder's, where there is no node); `env` what the harness needs on top in the sandbox.
     """
 
-    modules: Path
+    modules: Path | None
     bin: Path
     node: Path | None
+    trees: list[tuple[Path, str]] = field(default_factory=list)
+    python: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def traversed(self) -> list[str]:
+        """The sandbox directories above the trees, which the harness's unprivileged user must be
+        able to pass through (an image's /root is 0700; docker makes the missing ones 0755)."""
+        inside = [PurePosixPath(p) for _, p in self.trees]
+        out: set[str] = set()
+        for p in inside:
+            for parent in p.parents:
+                if str(parent) != "/" and not any(parent == q or parent.is_relative_to(q) for q in inside):
+                    out.add(str(parent))
+        return sorted(out)
 
 
 @dataclass

@@ -7,14 +7,16 @@ by the content of its build context so a rebuild happens only when something cha
 Isolation: the container has no network (`--network none`). Its one way out is the sample's own
 Unix socket to the proxy (`sandbox/channel.py`), bound in read-only, with a forwarder inside on
 127.0.0.1:FORWARD_PORT as the container's entrypoint (node, the binary we mount for JavaScript
-harnesses, else the image's python3; without a channel the entrypoint is `sleep infinity`). Every capability is dropped but the five root's own steps need (setup, scoring: chown,
-reading and writing others' files, switching users), no-new-privileges, a pids limit, the task's
-memory and CPU. The harness runs as an unprivileged user (HARNESS_USER, its workdir and HOME
+harnesses, else the interpreter we mount for a Python harness, else the image's python3; without
+a channel the entrypoint is `sleep infinity`). Every capability is dropped but the five root's
+own steps need (setup, scoring: chown, reading and writing others' files, switching users),
+no-new-privileges, a pids limit, the task's memory and CPU. The harness runs as an unprivileged user (HARNESS_USER, its workdir and HOME
 handed to it) and has no capability at all; when it ends, or overruns, the container is killed
 (SIGKILL, no grace period: every process in it is gone whatever the image holds) and started
 again, the same filesystem, for scoring.
 
-Mounted: the sample's `home` (read-write), our CA, the harness installation, the forwarder and
+Mounted: the sample's `home` (read-write), our CA, the harness installation (npm's modules and
+node, or a PyPI harness's virtualenv and interpreter at the host's own paths), the forwarder and
 the socket (read-only). Containers carry labels naming their rollout, so a crashed run's
 leftovers can be found and removed.
 
@@ -97,14 +99,15 @@ def _tar_of(src: Path, arcname: str) -> bytes:
     return buf.getvalue()
 
 
-def forwarder_argv(*, node: bool) -> list[str]:
+def forwarder_argv(*, node: bool, python: str | None = None) -> list[str]:
     """The container's entrypoint when it has a channel: the forwarder, in front for the
-    container's life (restarted with it), on our node when mounted, else the image's python3.
-    Root runs it: the unprivileged harness cannot stop it."""
+    container's life (restarted with it), on our node when mounted, else on the Python harness's
+    own interpreter when mounted, else the image's python3. Root runs it: the unprivileged
+    harness cannot stop it."""
     if node:
         script = [f"{NODE_BIN}/node", f"{FORWARDER_ROOT}/forward.js"]
     else:
-        script = ["python3", f"{FORWARDER_ROOT}/forward.py"]
+        script = [python or "python3", f"{FORWARDER_ROOT}/forward.py"]
     return [*script, CHANNEL_SOCKET, str(FORWARD_PORT), "serve"]
 
 
@@ -121,6 +124,7 @@ class DockerSandbox:
         user: str | None = None,
         proxy_address: tuple[str, int] | None = None,
         home: str | None = None,
+        traversed: list[str] | None = None,
     ):
         self.runtime = runtime
         self.container = container
@@ -132,6 +136,7 @@ class DockerSandbox:
         self.user = user  # the harness's user, when it is not root
         self.proxy_address = proxy_address
         self.home = home
+        self.traversed = traversed or []  # directories above the harness's trees (HarnessMount)
         self._stopped = False
         self._halted = False
 
@@ -261,7 +266,21 @@ class DockerSandbox:
             self.user = None
             return None
         await self._name_user()
+        await self._open_traversed()
         return owner
+
+    async def _open_traversed(self) -> None:
+        """Let the harness user pass through the directories above a PyPI harness's trees
+        (search permission only, no listing): an image's /root is 0700, and the trees sit at the
+        host's own paths, often under /root. Nothing in them becomes writable or listable."""
+        if not self.traversed:
+            return
+        r = await self.exec(
+            ["sh", "-c", 'for d; do [ -d "$d" ] && chmod o+x -- "$d"; done; true', "sh", *self.traversed],
+            workdir="/",
+        )
+        if r.exit_code != 0:
+            log.warning("container %s: opening %s: %s", self.name, self.traversed, r.output[-300:])
 
     async def _name_user(self) -> None:
         """Give the harness user a name in the image's /etc/passwd and /etc/group where it has
@@ -504,15 +523,28 @@ class DockerRuntime:
             volumes[str(spec.channel)] = {"bind": CHANNEL_SOCKET, "mode": "ro"}
             volumes[str(FORWARDER_DIR)] = {"bind": FORWARDER_ROOT, "mode": "ro"}
         prefix: list[str] = []
+        mounts: list[Any] = []
         if agent and spec.harness is not None:
-            volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
+            if spec.harness.modules is not None:
+                volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
+            # A PyPI harness's trees, at the host's own paths (one host directory may be shown at
+            # two: `volumes` holds one bind per host path, `mounts` any number).
+            import docker.types
+
+            mounts = [
+                docker.types.Mount(inside, str(host), type="bind", read_only=True)
+                for host, inside in spec.harness.trees
+            ]
             volumes[str(spec.harness.bin)] = {"bind": HARNESS_BIN, "mode": "ro"}
             prefix.append(HARNESS_BIN)
             if spec.harness.node is not None:
                 volumes[str(spec.harness.node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
                 prefix.append(NODE_BIN)
         kwargs: dict[str, Any] = dict(
-            entrypoint=forwarder_argv(node=spec.harness is not None and spec.harness.node is not None)
+            entrypoint=forwarder_argv(
+                node=spec.harness is not None and spec.harness.node is not None,
+                python=spec.harness.python if spec.harness is not None else None,
+            )
             if channel
             else ["sleep", "infinity"],
             command=[],
@@ -521,6 +553,7 @@ class DockerRuntime:
             detach=True,
             network_mode=self.network if agent else "none",
             volumes=volumes,
+            mounts=mounts,
             environment=task.env,
             cap_drop=["ALL"],
             cap_add=ROOT_CAPS,
@@ -563,6 +596,7 @@ class DockerRuntime:
             user=spec.user if agent else None,
             proxy_address=("127.0.0.1", FORWARD_PORT) if channel else None,
             home=home,
+            traversed=spec.harness.traversed() if agent and spec.harness is not None else None,
         )
         try:
             r = await sb.exec(["mkdir", "-p", task.workdir], workdir="/")
@@ -586,7 +620,7 @@ class DockerRuntime:
     def _verifier_options(self) -> dict[str, Any]:
         """A verifier's container: nothing of ours mounted (no session directory, CA or harness),
         no network, and the image's own user, binaries and environment."""
-        return {"network_mode": "none", "volumes": {}}
+        return {"network_mode": "none", "volumes": {}, "mounts": []}
 
     async def remove(self, container: Any) -> None:
         import docker.errors

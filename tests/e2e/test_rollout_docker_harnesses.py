@@ -3,8 +3,7 @@
 OpenCode (the npm ones: the host's installation is mounted read-only, as for Claude Code), through
 `polar-mitm rollout` with each recipe's headless command, the files its recipe writes into the
 sample's fresh HOME, and a Harbor task scored by its own test. The PyPI harnesses (mini-swe-agent,
-aider, Kimi CLI) live in host virtualenvs that a container cannot run: their images must have them
-installed.
+aider, Kimi CLI, OpenHands) are in tests/e2e/test_rollout_docker_pypi.py.
 """
 
 from __future__ import annotations

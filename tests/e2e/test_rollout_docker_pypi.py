@@ -1,0 +1,93 @@
+"""Rollouts in real Docker containers of the PyPI harnesses: mini-swe-agent, aider, Kimi CLI and
+OpenHands, through `polar-mitm rollout` with each recipe's headless command and a Harbor task
+scored by its own test.
+
+Each harness's virtualenv and the pyenv interpreter it was built on are mounted read-only at the
+host's own paths (harness/install.py), with a bin directory of links to its entry scripts; the
+harness runs as the unprivileged harness user, with no network but its channel to the proxy (the
+forwarder runs on the mounted interpreter), and honours HTTPS_PROXY and our CA through the
+recipe's variables. The fake backend answers "run: CMD" with a call to the harness's shell tool
+(mini-swe-agent's `bash`, Kimi's `Shell`, OpenHands' `terminal`); aider has no tools, so its
+script writes the file in aider's default (diff) edit format, and its commit message is a side call.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pyarrow.parquet as pq
+import pytest
+
+from polar_mitm import recipes
+from polar_mitm.store.db import read_turns
+from tests.e2e.harness import FakeBackend, assert_turns_match_backend, harness_env, require_binary
+from tests.e2e.test_rollout_docker import ANSWER_TEST, harbor_task, leftovers, policy_args, rollout
+
+pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow]
+
+RUN = {"match": "run: (.+)", "shell": "\\1"}
+# mini-swe-agent ends only on its submit command (a reply in text is a format error to it).
+MINI = [{"match": "<tool_response>", "shell": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}, RUN]
+COMMIT = "feat: add answer.txt"
+AIDER = [
+    {"match": "one-line Git commit messages", "in": "prompt", "text": COMMIT},
+    # aider's `diff` edit format (its default for gpt-4o): the file name, then a fenced
+    # SEARCH/REPLACE block; an empty SEARCH creates the file.
+    {
+        "match": r"[Cc]reate ([^\s\"'`]+) containing ([^\s\"'`]+)",
+        "text": "\\1\n```\n<<<<<<< SEARCH\n=======\n\\2\n>>>>>>> REPLACE\n```",
+    },
+]
+SHELL_TASK = "run: echo 42 > answer.txt"
+
+CASES = {
+    # harness: (binary, the fake's script (None: its default), instruction, the main turns' tool)
+    "mini-swe-agent": ("mini", MINI, SHELL_TASK, "bash"),
+    "aider": ("aider", AIDER, "Create answer.txt containing 42", None),
+    "kimi-cli": ("kimi", None, SHELL_TASK, "Shell"),
+    "openhands": ("openhands", None, SHELL_TASK, "terminal"),
+}
+
+
+@pytest.mark.parametrize("harness", list(CASES))
+def test_pypi_harness_solves_a_task_in_docker(tmp_path, qwen_tokenizer_dir, docker_client, harness):
+    binary, script, instruction, tool = CASES[harness]
+    require_binary(binary)
+    extra: list[str] = []
+    if script is not None:
+        (tmp_path / "script.json").write_text(json.dumps(script))
+        extra = ["--script", str(tmp_path / "script.json")]
+    backend = FakeBackend(qwen_tokenizer_dir, *extra)
+    try:
+        tasks = tmp_path / "tasks"
+        harbor_task(tasks, "answer", instruction, ANSWER_TEST)
+        db, out = tmp_path / "runs.sqlite", tmp_path / "groups.parquet"
+        r = rollout(
+            [str(tasks), "--harness", harness, "--runtime", "docker", "--samples", "2",
+             *policy_args(backend, qwen_tokenizer_dir, db), "--out", str(out)],
+            cwd=tmp_path, env=harness_env(tmp_path / "home"),
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = pq.read_table(out).to_pylist()
+        assert {row["reward"] for row in rows} == {1.0} and {row["sample_index"] for row in rows} == {0, 1}, (
+            [(row["status"], row["reward"]) for row in rows],
+            r.stderr[-3000:],
+        )
+        assert all(row["status"] == "completed" and sum(row["loss_mask"]) > 0 for row in rows)
+        assert all(row["role"] == "main" for row in rows)  # side calls are tagged, not trajectories
+        assert_turns_match_backend(backend, db)  # token-exact: ids and logprobs are the engine's
+        turns = read_turns(db, with_raw=True)
+        con = sqlite3.connect(db)
+        assert con.execute("SELECT COUNT(DISTINCT session_id) FROM turns").fetchone() == (2,)
+        hosts = {h for (h,) in con.execute("SELECT DISTINCT host FROM turns")}
+        assert hosts and hosts <= set(recipes.get(harness).hosts)  # the harness's own provider host
+        if tool is not None:  # each sample's first turn called the harness's shell tool
+            firsts = [t for t in turns if t.tag is None and t.finish_reason == "tool_calls"]
+            assert len({t.session_id for t in firsts}) == 2
+            assert {json.loads(t.response)["tool_calls"][0]["name"] for t in firsts} == {tool}
+        else:  # aider: one main turn per sample, and its commit message tagged as a side call
+            assert sorted(t.tag or "main" for t in turns) == ["commit-message"] * 2 + ["main"] * 2
+        assert leftovers(docker_client) == []
+    finally:
+        backend.stop()
