@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import polar_mitm.rollout.pipeline as pipeline_module
 from polar_mitm.reconstruct.export import export
 from polar_mitm.reconstruct.groups import advantages
 from polar_mitm.reconstruct.report import rollout_reports
@@ -138,6 +139,51 @@ async def test_sandbox_failures_are_retried_then_recorded_as_failed_never_droppe
     assert [r[2:5] for r in rows] == [(0, "retried", None), (1, "failed", 0.0)]
     assert "sandbox start: the daemon refused" in rows[-1][5]
     assert result.samples[0].status == "failed"
+
+
+class BuggyRuntime(TempdirRuntime):
+    """A runtime with a bug: an exception no stage expects, at sandbox start or in the harness run."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    async def start(self, task, spec):
+        if self.where == "start":
+            raise ValueError("a bug in the runtime's start")
+        box = await super().start(task, spec)
+        if self.where == "run":
+
+            async def broken(*a, **k):
+                raise KeyError("a bug in the harness run")
+
+            box.exec_harness = broken
+        return box
+
+
+@pytest.mark.parametrize("where", ["start", "run", "score"])
+async def test_an_unexpected_error_in_a_stage_fails_the_sample_and_the_rollout_ends(
+    make_stack, tmp_path, where, monkeypatch
+):
+    """A bug in one stage must not end the worker that runs it: the rollout would wait forever for
+    a sample no worker holds. The sample is recorded failed with the error, the rest goes on."""
+    stack = await make_stack()
+    tasks = [shell_task("t", "x", "true")]
+    if where == "score":
+
+        async def broken_score(*a, **k):
+            raise ZeroDivisionError("a bug in the scoring")
+
+        monkeypatch.setattr(pipeline_module.verify, "score", broken_score)
+    _, result = await asyncio.wait_for(
+        run_pipeline(
+            stack, tasks, tmp_path, runtime=BuggyRuntime(where), retries=0, samples=2, harness_cmd=sh("true")
+        ),
+        30,
+    )
+    rows = samples_of(stack.db)
+    assert sorted(r[3] for r in rows) == ["failed", "failed"]
+    assert all("a bug in the" in r[5] and "internal error" in r[5] for r in rows), rows
+    assert [s.status for s in result.samples] == ["failed", "failed"]
 
 
 async def test_early_stop_cancels_the_rest_of_the_group(make_stack, tmp_path):

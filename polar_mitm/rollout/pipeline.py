@@ -407,6 +407,9 @@ class Pipeline:
             except (SandboxError, EvaluatorError, OSError, TimeoutError, RuntimeError) as e:
                 await self._infra_failure(job, f"sandbox start: {_describe(e)}")
                 continue
+            except Exception as e:
+                await self._internal_error(job, "sandbox start", e)
+                continue
             self._move(job, "ready")
             assert self._ready is not None
             await self._ready.put(job)  # blocks while the READY buffer is full
@@ -458,6 +461,9 @@ class Pipeline:
                 continue
             except (SandboxError, OSError, RuntimeError) as e:
                 await self._infra_failure(job, f"harness run: {_describe(e)}")
+                continue
+            except Exception as e:
+                await self._internal_error(job, "harness run", e)
                 continue
             self._move(job, "scoring")
             self._post_q.put_nowait(job)
@@ -537,6 +543,9 @@ class Pipeline:
                 else:
                     await self._finish_job(job, "failed", reward=0.0, cause=f"evaluator: {_describe(e)}")
                 continue
+            except Exception as e:
+                await self._internal_error(job, "scoring", e)
+                continue
             assert job.outcome is not None
             if job.outcome.timed_out:
                 # Trainable: the harness did work until it was stopped; it gets no credit for it.
@@ -570,6 +579,13 @@ class Pipeline:
             self._init_q.put_nowait(job)
             return
         await self._finish_job(job, "failed", reward=0.0, cause=cause)
+
+    async def _internal_error(self, job: SampleJob, stage: str, e: Exception) -> None:
+        """An exception no stage expects (a bug): the sample fails with it, logged with its
+        traceback, and the worker goes on. Not retried, since a bug comes back; and a worker that
+        ended here would leave the rollout waiting for a sample no worker holds."""
+        log.error("task %s sample %d: %s: internal error", job.task.id, job.index, stage, exc_info=e)
+        await self._finish_job(job, "failed", reward=0.0, cause=f"{stage}: internal error: {_describe(e)}")
 
     async def _cancel(self, job: SampleJob, reason: str) -> None:
         await self._finish_job(job, "cancelled", reward=None, cause=reason)
