@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import aiohttp
 from pydantic import BaseModel, Field
 
 from polar_mitm import api as m
-from polar_mitm import auth
+from polar_mitm import auth, procs
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.outcomes import trainable
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
@@ -392,13 +391,7 @@ def spawn_node(config: NodeConfig, *, log: Path | None = None) -> subprocess.Pop
 
 def stop_node(proc: subprocess.Popen, timeout: float = 15.0) -> None:
     """SIGTERM (the node cancels what runs and reports it), then SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    procs.stop(proc, timeout, group=True)
 
 
 def node_db(db: str | Path, name: str) -> str:
