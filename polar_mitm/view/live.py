@@ -90,13 +90,10 @@ class LiveRelay:
                         raise RuntimeError(f"HTTP {r.status}")
                     self._broadcast("status", {"connected": True})
                     delay = 0.5
-                    buf = ""
+                    reader = sse.Reader()
                     async for chunk in r.content.iter_any():
-                        buf += chunk.decode("utf-8", errors="replace")
-                        while "\n\n" in buf:
-                            block, buf = buf.split("\n\n", 1)
-                            for ev in sse.parse(block + "\n\n"):
-                                self._relay(ev)
+                        for ev in reader.feed(chunk):
+                            self._relay(ev)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the service went away: say so, and try again
