@@ -62,3 +62,26 @@ def test_environment_fallbacks_still_apply(monkeypatch):
     monkeypatch.setenv("POLAR_MITM_TOKENIZER", "/models/tok")
     got = config()
     assert (got.backend_url, got.tokenizer) == ("http://10.0.0.9:30000", "/models/tok")
+
+
+def test_strategy_and_normalize_choices_are_the_enums_everywhere():
+    """Every command's --strategy / --builder / --group-normalize offers the enum's values, and
+    the service's wire model takes the same names: one spelling of each."""
+    from polar_mitm import api
+    from polar_mitm.strategies import Normalize, Strategy, choices
+
+    want = {
+        "--strategy": choices(Strategy),
+        "--builder": choices(Strategy),
+        "--group-normalize": choices(Normalize),
+    }
+    seen = set()
+    for name, command in main.commands.items():
+        for p in command.params:
+            for flag in set(p.opts) & set(want):
+                assert isinstance(p.type, click.Choice), (name, flag)
+                assert list(p.type.choices) == want[flag], (name, flag)
+                seen.add((name, flag))
+    assert {("export", "--strategy"), ("rollout", "--group-normalize"), ("submit", "--builder")} <= seen
+    schema = api.TaskRequest.model_json_schema()
+    assert schema["$defs"]["Strategy"]["enum"] == choices(Strategy)

@@ -12,9 +12,8 @@ from pathlib import Path
 import click
 
 from polar_mitm.cli_options import make_policy_config, policy_options
-from polar_mitm.reconstruct.export import STRATEGIES
-from polar_mitm.reconstruct.groups import NORMALIZE
 from polar_mitm.sandbox import RUNTIMES
+from polar_mitm.strategies import Normalize, Strategy, choices
 
 EXIT_INTERRUPTED = 130
 
@@ -115,11 +114,13 @@ def worker_options(f):
 @click.option(
     "--out", type=click.Path(path_type=Path), default=None, help="Write the groups here as parquet."
 )
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="prefix-merge", show_default=True)
+@click.option(
+    "--strategy", type=click.Choice(choices(Strategy)), default=Strategy.PREFIX_MERGE.value, show_default=True
+)
 @click.option(
     "--group-normalize",
-    type=click.Choice(NORMALIZE),
-    default="std",
+    type=click.Choice(choices(Normalize)),
+    default=Normalize.STD.value,
     show_default=True,
     help="The advantage column: std = (r - mean) / std; loo = r - mean of the others.",
 )

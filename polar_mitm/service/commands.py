@@ -12,6 +12,7 @@ import click
 
 from polar_mitm.cli_options import is_loopback, make_policy_config, policy_options, split_listen
 from polar_mitm.rollout.commands import task_options, worker_options
+from polar_mitm.strategies import Strategy, choices
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
 TOKEN_HELP = (
@@ -371,7 +372,7 @@ def _run_until_signal(coro) -> None:
 @token_options
 @click.option("--priority", type=int, default=0, show_default=True)
 @click.option(
-    "--builder", type=click.Choice(["prefix-merge", "per-request"]), default="prefix-merge", show_default=True
+    "--builder", type=click.Choice(choices(Strategy)), default=Strategy.PREFIX_MERGE.value, show_default=True
 )
 @click.option("--callback-url", default=None, help="POST each finished group here (retried with backoff).")
 @click.option(
