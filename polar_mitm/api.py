@@ -151,6 +151,9 @@ class Submitted(BaseModel):
 
 
 class SampleView(BaseModel):
+    """The service's one model of a sample for a trainer: its state and outcome within a task
+    (`TaskView.samples`, `client.Group.outcomes`). The rows are fetched apart (`/results`)."""
+
     index: int
     state: SampleState
     stage: str | None = None
@@ -251,7 +254,9 @@ class LeaseReply(BaseModel):
 
 
 class SampleResult(BaseModel):
-    """A node's report of one finished sample (its rows built by the request's builder)."""
+    """A node's report of one finished sample to the server (its rows built by the request's
+    builder), under the sample's lease; the server keeps it as a `store.service.SampleRow` and
+    shows it as a `SampleView`. Not the pipeline's in-process `rollout.pipeline.SampleOutcome`."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

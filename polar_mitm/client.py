@@ -45,7 +45,9 @@ class RolloutError(RuntimeError):
 
 @dataclass
 class Sample:
-    """One trajectory row of a sample, in the shape trainers use (slime's Sample fields).
+    """One trajectory row of a sample, in the shape trainers use (slime's Sample fields): made
+    here from a `/results` row, not a wire model. A sample's status and outcome are the wire
+    model `api.SampleView` (`Group.outcomes`).
 
     `tokens` is prompt + response; `loss_mask` and `rollout_logprobs` cover the response only
     (`response_length` tokens). `remove_sample` is True for samples that must not be trained

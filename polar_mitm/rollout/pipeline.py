@@ -134,7 +134,11 @@ class GroupState:
 
 
 @dataclass
-class SampleResult:
+class SampleOutcome:
+    """How one sample of a `rollout` ended, in process (what `RolloutResult` lists and the rollout
+    command prints). Its rows are in the store; the service's wire models of a sample are
+    `api.SampleView` (its status, to a trainer) and `api.SampleResult` (a node's report)."""
+
     task_id: str
     group_id: str
     index: int
@@ -150,12 +154,12 @@ class SampleResult:
 class RolloutResult:
     rollout_id: str
     db: str
-    samples: list[SampleResult]
+    samples: list[SampleOutcome]
     interrupted: bool = False
     seconds: float = 0.0
 
-    def by_task(self) -> dict[str, list[SampleResult]]:
-        out: dict[str, list[SampleResult]] = {}
+    def by_task(self) -> dict[str, list[SampleOutcome]]:
+        out: dict[str, list[SampleOutcome]] = {}
         for s in self.samples:
             out.setdefault(s.task_id, []).append(s)
         return out
@@ -658,9 +662,9 @@ class Pipeline:
         await self.runtime.cleanup({ROLLOUT_LABEL: self.rollout_id})
         await self._log.end_rollout(self.rollout_id, "interrupted" if interrupted else "done")
 
-    def _results(self) -> list[SampleResult]:
+    def _results(self) -> list[SampleOutcome]:
         return [
-            SampleResult(
+            SampleOutcome(
                 task_id=j.task.id,
                 group_id=j.group.id,
                 index=j.index,
