@@ -36,10 +36,12 @@ from polar_mitm.outcomes import trainable
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
+from polar_mitm.retry import retry_async
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
 from polar_mitm.sandbox import make_runtime
 
 log = logging.getLogger("polar_mitm.node")
+REPORT_ATTEMPTS = 5  # a finished sample's report to an unreachable server, pauses 0.5, 1, 2, 4 s
 
 
 class NodeConfig(BaseModel):
@@ -295,16 +297,22 @@ class GatewayNode:
         return [r.to_row() for r in rows]
 
     async def _send(self, result: m.SampleResult) -> None:
-        for attempt in range(5):
-            try:
-                await self._post(f"/v1/nodes/{self.node_id}/results", result)
-                return
-            except NodeRefused as e:
-                log.warning("server refused %s#%d: %s", result.task_id, result.index, e)
-                return  # stale lease (re-dispatched elsewhere) or a bad report: never retried
-            except (aiohttp.ClientError, TimeoutError) as e:
-                log.warning("reporting %s#%d failed (%s); retrying", result.task_id, result.index, e)
-                await asyncio.sleep(0.5 * 2**attempt)
+        """Report a finished sample; an unreachable server is tried again (5 times in ~8 s), and
+        after that the report is dropped (logged): the server re-dispatches an expired lease."""
+        try:
+            await retry_async(
+                lambda: self._post(f"/v1/nodes/{self.node_id}/results", result),
+                what=f"reporting {result.task_id}#{result.index}",
+                attempts=REPORT_ATTEMPTS,
+                first=0.5,
+                retry_on=(aiohttp.ClientError, TimeoutError),
+                log=log,
+            )
+        except NodeRefused as e:
+            log.warning("server refused %s#%d: %s", result.task_id, result.index, e)
+            # stale lease (re-dispatched elsewhere) or a bad report: never retried
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # given up, and logged so
 
     # -- control --------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from polar_mitm import auth
 from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.providers import fields
 from polar_mitm.reconstruct.groups import advantages
+from polar_mitm.retry import retry_async
 from polar_mitm.service.metrics import Metrics
 from polar_mitm.service.openapi import openapi
 from polar_mitm.store.service import NodeRow, SampleRow, ServiceStore, TaskRow, TaskSummary
@@ -56,6 +57,10 @@ TOKEN_HINT = (
     "a control token is required: Authorization: Bearer TOKEN (serve writes it to"
     f" {auth.default_token_file()} unless given one; clients read it there, or from {auth.TOKEN_ENV})"
 )
+
+
+class CallbackFailed(Exception):
+    """One callback POST that did not land (the text is what the task's callback_error shows)."""
 
 
 class ApiError(Exception):
@@ -868,24 +873,31 @@ class RolloutServer:
             "task": self.view(self._summary(task_id)).model_dump(mode="json"),
             "rows": self.rows(task_id),
         }
-        delay = self.callback_backoff
-        error = None
-        for attempt in range(1, self.callback_attempts + 1):
+        http, url = self._http, req.callback_url
+
+        async def post() -> None:
             try:
                 # No redirects: only the allowed host is ever posted to.
-                async with self._http.post(req.callback_url, json=payload, allow_redirects=False) as r:
-                    if r.status < 300:
-                        self.store.set_callback(task_id, "delivered")
-                        return
-                    error = f"HTTP {r.status}"
+                async with http.post(url, json=payload, allow_redirects=False) as r:
+                    if r.status >= 300:
+                        raise CallbackFailed(f"HTTP {r.status}")
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                error = f"{e.__class__.__name__}: {e}"
-            log.warning("callback for %s (attempt %d) failed: %s", task_id, attempt, error)
-            if attempt < self.callback_attempts:
-                self.store.set_callback(task_id, "pending", error)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 60)
-        self.store.set_callback(task_id, "failed", error)
+                raise CallbackFailed(f"{e.__class__.__name__}: {e}") from e
+
+        try:
+            await retry_async(
+                post,
+                what=f"callback for {task_id}",
+                attempts=self.callback_attempts,
+                first=self.callback_backoff,
+                retry_on=(CallbackFailed,),
+                on_retry=lambda _, e: self.store.set_callback(task_id, "pending", str(e)),
+                log=log,
+            )
+        except CallbackFailed as e:
+            self.store.set_callback(task_id, "failed", str(e))
+        else:
+            self.store.set_callback(task_id, "delivered")
 
     # -- plain endpoints ------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 import time
 from array import array
@@ -25,6 +26,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from polar_mitm import redact
+from polar_mitm.retry import retry
 from polar_mitm.store import deltas
 from polar_mitm.store.migrations import migrate, pending
 from polar_mitm.store.packing import (
@@ -82,15 +84,20 @@ def _connect_sync(path: str | Path, **kw: Any) -> sqlite3.Connection:
     db = sqlite3.connect(str(path), **kw)
     # Switching a new file to WAL takes an exclusive lock without waiting for it: processes that
     # open a new file together (a proxy's workers, nodes) retry while another one switches it.
-    for attempt in range(100):
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            break
-        except sqlite3.OperationalError as e:
-            if "locked" not in str(e) or attempt == 99:
-                db.close()
-                raise
-            time.sleep(0.05)
+    try:
+        retry(
+            lambda: db.execute("PRAGMA journal_mode=WAL"),
+            what=f"switching {path} to WAL",
+            attempts=100,
+            first=0.05,
+            factor=1.0,
+            retry_on=(sqlite3.OperationalError,),
+            when=lambda e: "locked" in str(e),
+            level=logging.DEBUG,
+        )
+    except sqlite3.OperationalError:
+        db.close()
+        raise
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute("PRAGMA foreign_keys=ON")
     return db
