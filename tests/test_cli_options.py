@@ -85,3 +85,28 @@ def test_strategy_and_normalize_choices_are_the_enums_everywhere():
     assert {("export", "--strategy"), ("rollout", "--group-normalize"), ("submit", "--builder")} <= seen
     schema = api.TaskRequest.model_json_schema()
     assert schema["$defs"]["Strategy"]["enum"] == choices(Strategy)
+
+
+def test_the_pipeline_sizes_are_options_of_rollout_serve_and_node_made_from_rollout_options():
+    """--retries, --init-workers, … are RolloutOptions' fields: declared once, bounded as the field
+    is, and only those given reach the model (its defaults hold for the rest)."""
+    from polar_mitm.cli_options import given
+    from polar_mitm.rollout.commands import WORKER_FIELDS, worker_options
+    from polar_mitm.rollout.options import RolloutOptions
+
+    for command in ("rollout", "serve", "node"):
+        params = {p.name: p for p in main.commands[command].params}
+        for field in WORKER_FIELDS:
+            [bound] = [m.ge for m in RolloutOptions.model_fields[field].metadata]
+            assert isinstance(params[field].type, click.IntRange), (command, field)
+            assert params[field].type.min == bound, (command, field)
+
+    @click.command()
+    @worker_options
+    def sizes(**options):
+        click.echo(RolloutOptions(harness="pi", **given(options, WORKER_FIELDS)).model_dump_json())
+
+    got = RolloutOptions.model_validate_json(CliRunner().invoke(sizes, ["--run-workers", "3"]).output)
+    assert (got.run_workers, got.retries, got.ready_size) == (3, 2, None)
+    bad = CliRunner().invoke(sizes, ["--init-workers", "0"])
+    assert bad.exit_code == 2 and "--init-workers" in bad.output
