@@ -4,7 +4,7 @@ for the node's reports to the server, the server's callbacks, and a store's firs
 Each failure but the last is logged (at `level`) with the pause that follows it; the last one,
 the give-up, always at WARNING with the number of attempts, and then raised: whoever called
 decides what giving up means (a report dropped, a callback marked failed). Standard library only
-(core floor): an async variant for the event loop, a sync one for threads and start-up.
+(core floor): `Backoff.call_async` for the event loop, `Backoff.call` for threads and start-up.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 _log = logging.getLogger("polar_mitm.retry")
 
@@ -25,110 +26,69 @@ def delays(first: float, factor: float = 2.0, cap: float = 60.0) -> Iterator[flo
         delay = min(delay * factor, cap)
 
 
-class _Policy:
-    """What `retry` and `retry_async` share: which failures are retried, and the logging."""
+@dataclass(frozen=True)
+class Backoff:
+    """How to try again: `call` (blocking) or `call_async` runs `fn()` until it returns, at most
+    `attempts` times, pausing `delays(first, factor, cap)` between tries. A failure not in
+    `retry_on` (or that `when` refuses) is raised at once; `on_retry(attempt, error)` runs before
+    each pause (to record the failure somewhere); the last failure is logged and raised."""
 
-    def __init__(
-        self,
-        what: str,
-        attempts: int,
-        retry_on: tuple[type[BaseException], ...],
-        when: Callable[[BaseException], bool] | None,
-        log: logging.Logger,
-        level: int,
-    ) -> None:
-        if attempts < 1:
-            raise ValueError(f"attempts must be at least 1, not {attempts}")
-        self.what, self.attempts, self.retry_on, self.when = what, attempts, retry_on, when
-        self.log, self.level = log, level
+    what: str  # what is tried, for the log: "reporting t1#0"
+    attempts: int
+    first: float
+    factor: float = 2.0
+    cap: float = 60.0
+    retry_on: tuple[type[BaseException], ...] = (Exception,)
+    when: Callable[[BaseException], bool] | None = None
+    on_retry: Callable[[int, BaseException], None] | None = None
+    log: logging.Logger = _log
+    level: int = logging.WARNING  # of each failure before the last (the give-up is a WARNING)
 
-    def retried(self, e: BaseException) -> bool:
-        return isinstance(e, self.retry_on) and (self.when is None or self.when(e))
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1, not {self.attempts}")
 
-    def failed(self, attempt: int, e: BaseException, pause: float) -> bool:
-        """Log attempt `attempt`'s failure; True when it was the last (give up)."""
+    def call[T](self, fn: Callable[[], T]) -> T:
+        pauses = delays(self.first, self.factor, self.cap)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except BaseException as e:
+                pause = self._failed(attempt, e, pauses)
+            time.sleep(pause)
+
+    async def call_async[T](self, fn: Callable[[], Awaitable[T]]) -> T:
+        pauses = delays(self.first, self.factor, self.cap)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await fn()
+            except BaseException as e:
+                pause = self._failed(attempt, e, pauses)
+            await asyncio.sleep(pause)
+
+    def _failed(self, attempt: int, e: BaseException, pauses: Iterator[float]) -> float:
+        """Called while `e` is handled: re-raises it unless it is retried; else logs it and
+        returns the pause before the next attempt."""
+        if not isinstance(e, self.retry_on) or (self.when is not None and not self.when(e)):
+            raise  # noqa: PLE0704 - re-raises `e`, which the caller is handling
+        why = str(e) or type(e).__name__
         if attempt >= self.attempts:
-            self.log.warning("%s: giving up after %d attempts: %s", self.what, self.attempts, _why(e))
-            return True
+            self.log.warning("%s: giving up after %d attempts: %s", self.what, self.attempts, why)
+            raise  # noqa: PLE0704
+        pause = next(pauses)
         self.log.log(
             self.level,
             "%s failed (attempt %d of %d): %s; again in %.2g s",
             self.what,
             attempt,
             self.attempts,
-            _why(e),
+            why,
             pause,
         )
-        return False
-
-
-def _why(e: BaseException) -> str:
-    return str(e) or type(e).__name__
-
-
-async def retry_async[T](
-    fn: Callable[[], Awaitable[T]],
-    *,
-    what: str,
-    attempts: int,
-    first: float,
-    factor: float = 2.0,
-    cap: float = 60.0,
-    retry_on: tuple[type[BaseException], ...] = (Exception,),
-    when: Callable[[BaseException], bool] | None = None,
-    on_retry: Callable[[int, BaseException], None] | None = None,
-    log: logging.Logger = _log,
-    level: int = logging.WARNING,
-) -> T:
-    """`await fn()` until it returns, at most `attempts` times, pausing `delays(first, factor, cap)`
-    between tries. A failure not in `retry_on` (or that `when` refuses) is raised at once;
-    `on_retry(attempt, error)` runs before each pause (to record the failure somewhere)."""
-    policy = _Policy(what, attempts, retry_on, when, log, level)
-    pauses = delays(first, factor, cap)
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return await fn()
-        except BaseException as e:
-            if not policy.retried(e):
-                raise
-            pause = next(pauses)
-            if policy.failed(attempt, e, pause):
-                raise
-            if on_retry is not None:
-                on_retry(attempt, e)
-        await asyncio.sleep(pause)
-
-
-def retry[T](
-    fn: Callable[[], T],
-    *,
-    what: str,
-    attempts: int,
-    first: float,
-    factor: float = 2.0,
-    cap: float = 60.0,
-    retry_on: tuple[type[BaseException], ...] = (Exception,),
-    when: Callable[[BaseException], bool] | None = None,
-    on_retry: Callable[[int, BaseException], None] | None = None,
-    log: logging.Logger = _log,
-    level: int = logging.WARNING,
-) -> T:
-    """`retry_async` for a blocking call: `fn()` with `time.sleep` pauses."""
-    policy = _Policy(what, attempts, retry_on, when, log, level)
-    pauses = delays(first, factor, cap)
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn()
-        except BaseException as e:
-            if not policy.retried(e):
-                raise
-            pause = next(pauses)
-            if policy.failed(attempt, e, pause):
-                raise
-            if on_retry is not None:
-                on_retry(attempt, e)
-        time.sleep(pause)
+        if self.on_retry is not None:
+            self.on_retry(attempt, e)
+        return pause

@@ -9,8 +9,16 @@ import time
 
 import pytest
 
-from polar_mitm.retry import delays, retry, retry_async
+from polar_mitm.retry import Backoff, delays
 from polar_mitm.store.db import _connect_sync
+
+
+def retry(fn, **kw):
+    return Backoff(**kw).call(fn)
+
+
+def retry_async(fn, **kw):
+    return Backoff(**kw).call_async(fn)
 
 
 class Flaky:

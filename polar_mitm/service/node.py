@@ -36,7 +36,7 @@ from polar_mitm.outcomes import trainable
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
-from polar_mitm.retry import retry_async
+from polar_mitm.retry import Backoff
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
 from polar_mitm.sandbox import make_runtime
 
@@ -300,14 +300,13 @@ class GatewayNode:
         """Report a finished sample; an unreachable server is tried again (5 times in ~8 s), and
         after that the report is dropped (logged): the server re-dispatches an expired lease."""
         try:
-            await retry_async(
-                lambda: self._post(f"/v1/nodes/{self.node_id}/results", result),
-                what=f"reporting {result.task_id}#{result.index}",
+            await Backoff(
+                f"reporting {result.task_id}#{result.index}",
                 attempts=REPORT_ATTEMPTS,
                 first=0.5,
                 retry_on=(aiohttp.ClientError, TimeoutError),
                 log=log,
-            )
+            ).call_async(lambda: self._post(f"/v1/nodes/{self.node_id}/results", result))
         except NodeRefused as e:
             log.warning("server refused %s#%d: %s", result.task_id, result.index, e)
             # stale lease (re-dispatched elsewhere) or a bad report: never retried

@@ -35,7 +35,7 @@ from polar_mitm import auth
 from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.providers import fields
 from polar_mitm.reconstruct.groups import advantages
-from polar_mitm.retry import retry_async
+from polar_mitm.retry import Backoff
 from polar_mitm.service.metrics import Metrics
 from polar_mitm.service.openapi import openapi
 from polar_mitm.store.service import NodeRow, SampleRow, ServiceStore, TaskRow, TaskSummary
@@ -885,15 +885,14 @@ class RolloutServer:
                 raise CallbackFailed(f"{e.__class__.__name__}: {e}") from e
 
         try:
-            await retry_async(
-                post,
-                what=f"callback for {task_id}",
+            await Backoff(
+                f"callback for {task_id}",
                 attempts=self.callback_attempts,
                 first=self.callback_backoff,
                 retry_on=(CallbackFailed,),
                 on_retry=lambda _, e: self.store.set_callback(task_id, "pending", str(e)),
                 log=log,
-            )
+            ).call_async(post)
         except CallbackFailed as e:
             self.store.set_callback(task_id, "failed", str(e))
         else:

@@ -26,7 +26,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from polar_mitm import redact
-from polar_mitm.retry import retry
+from polar_mitm.retry import Backoff
 from polar_mitm.store import deltas
 from polar_mitm.store.migrations import migrate, pending
 from polar_mitm.store.packing import (
@@ -85,16 +85,15 @@ def _connect_sync(path: str | Path, **kw: Any) -> sqlite3.Connection:
     # Switching a new file to WAL takes an exclusive lock without waiting for it: processes that
     # open a new file together (a proxy's workers, nodes) retry while another one switches it.
     try:
-        retry(
-            lambda: db.execute("PRAGMA journal_mode=WAL"),
-            what=f"switching {path} to WAL",
+        Backoff(
+            f"switching {path} to WAL",
             attempts=100,
             first=0.05,
             factor=1.0,
             retry_on=(sqlite3.OperationalError,),
             when=lambda e: "locked" in str(e),
             level=logging.DEBUG,
-        )
+        ).call(lambda: db.execute("PRAGMA journal_mode=WAL"))
     except sqlite3.OperationalError:
         db.close()
         raise
