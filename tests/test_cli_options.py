@@ -91,8 +91,8 @@ def test_the_pipeline_sizes_are_options_of_rollout_serve_and_node_made_from_roll
     """--retries, --init-workers, … are RolloutOptions' fields: declared once, bounded as the field
     is, and only those given reach the model (its defaults hold for the rest)."""
     from polar_mitm.cli_options import given
-    from polar_mitm.rollout.commands import WORKER_FIELDS, worker_options
-    from polar_mitm.rollout.options import RolloutOptions
+    from polar_mitm.rollout.commands import worker_options
+    from polar_mitm.rollout.options import WORKER_FIELDS, RolloutOptions
 
     for command in ("rollout", "serve", "node"):
         params = {p.name: p for p in main.commands[command].params}

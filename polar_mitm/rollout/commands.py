@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from polar_mitm.cli_options import Flag, given, make_policy_config, model_options, policy_options
-from polar_mitm.rollout.options import RolloutOptions, default_workers
+from polar_mitm.rollout.options import WORKER_FIELDS, RolloutOptions, default_workers
 from polar_mitm.sandbox import RUNTIMES
 from polar_mitm.strategies import Normalize, Strategy, choices
 
@@ -68,8 +68,7 @@ def task_options(f):
     return f
 
 
-# The pipeline's sizes, for `rollout` and for every node (`serve`, `node`): RolloutOptions' fields.
-WORKER_FIELDS = ("retries", "init_workers", "run_workers", "postrun_workers", "ready_size")
+# The pipeline's sizes (WORKER_FIELDS), for `rollout` and for every node: RolloutOptions' fields.
 WORKER_FLAGS = {
     "retries": Flag("Retries per sample after a sandbox failure."),
     "init_workers": Flag("Sandboxes starting at once.", default=str(default_workers()[0])),

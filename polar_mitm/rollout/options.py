@@ -17,6 +17,10 @@ def default_workers() -> tuple[int, int, int]:
     return 4, run, 4
 
 
+# The pipeline's sizes: options of `rollout` and of every node (`serve`, `node`; NodeConfig's).
+WORKER_FIELDS = ("retries", "init_workers", "run_workers", "postrun_workers", "ready_size")
+
+
 class RolloutOptions(BaseModel):
     """How a rollout runs. Task fields (timeouts) apply unless overridden here."""
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 
 from polar_mitm.cli_options import given, is_loopback, make_policy_config, policy_options, split_listen
-from polar_mitm.rollout.commands import WORKER_FIELDS, task_options, worker_options
+from polar_mitm.rollout.commands import task_options, worker_options
+from polar_mitm.rollout.options import WORKER_FIELDS
 from polar_mitm.strategies import Strategy, choices
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"

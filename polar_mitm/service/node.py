@@ -37,6 +37,7 @@ from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.retry import Backoff
+from polar_mitm.rollout.options import WORKER_FIELDS
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
 from polar_mitm.sandbox import make_runtime
 
@@ -53,6 +54,7 @@ class NodeConfig(BaseModel):
     db: str = "polar-mitm-node.sqlite"
     certs_dir: Path | None = None
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    # The pipeline's sizes (rollout.options.WORKER_FIELDS): None keeps RolloutOptions' default.
     init_workers: int | None = None
     run_workers: int | None = None
     postrun_workers: int | None = None
@@ -214,18 +216,16 @@ class GatewayNode:
         key = (a.harness, a.runtime, tuple(a.harness_cmd or ()))
         p = self.pipelines.get(key)
         if p is None:
-            fields: dict[str, Any] = dict(
+            sizes = {f: v for f in WORKER_FIELDS if (v := getattr(self.config, f)) is not None}
+            options = RolloutOptions(
                 harness=a.harness,
                 harness_cmd=a.harness_cmd,
                 runtime=a.runtime,
-                retries=self.config.retries,
                 keep_workdirs=self.config.keep_workdirs,
+                **sizes,
             )
-            for name in ("init_workers", "run_workers", "postrun_workers", "ready_size"):
-                if getattr(self.config, name) is not None:
-                    fields[name] = getattr(self.config, name)
             p = Pipeline(
-                RolloutOptions(**fields),
+                options,
                 self.proxy,
                 make_runtime(a.runtime),
                 work_dir=self._work_dir / f"p{len(self.pipelines)}",
