@@ -110,3 +110,30 @@ def test_a_store_opened_while_another_holds_the_wal_switch_waits_for_it(tmp_path
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     db.close()
     holder.close()
+
+
+async def test_a_report_the_server_never_takes_is_given_up_in_the_log(tmp_path, caplog, monkeypatch):
+    """A node whose server is gone tries its report again, then says that it dropped it (it
+    used to stop trying without a word)."""
+    import socket
+
+    import aiohttp
+
+    from polar_mitm import api
+    from polar_mitm.service import node as node_module
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(node_module, "REPORT_ATTEMPTS", 2, raising=False)
+    config = node_module.NodeConfig(
+        server=f"http://127.0.0.1:{port}", node_token="x", db=str(tmp_path / "n.sqlite"), work_dir=tmp_path
+    )
+    gw = node_module.GatewayNode(config)
+    gw._http = aiohttp.ClientSession()
+    try:
+        with caplog.at_level(logging.WARNING):
+            await gw._send(api.SampleResult(task_id="t1", index=0, lease="l1", status="completed"))
+    finally:
+        await gw._http.close()
+    assert "reporting t1#0: giving up after 2 attempts" in caplog.text
