@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polar_mitm import procs
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -51,13 +53,7 @@ class Proc:
         return total / 1e9
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGINT)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        procs.stop(self.popen, 10, sig=signal.SIGINT)
 
 
 def _start(argv: list[str], ready: str, log: Path, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
@@ -218,11 +214,7 @@ class Profile:
 
     def __exit__(self, *exc: object) -> None:
         assert self.popen is not None
-        self.popen.send_signal(signal.SIGINT)
-        try:
-            self.popen.wait(30)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
+        procs.stop(self.popen, 30, sig=signal.SIGINT)
 
     def top(self, n: int = 30) -> list[tuple[str, float, float]]:
         """(frame, inclusive share, self share) of the n frames with most inclusive samples,

@@ -23,6 +23,7 @@ from pydantic import (
 
 from polar_mitm.outcomes import FINAL
 from polar_mitm.recipes import all_recipes
+from polar_mitm.strategies import Strategy
 from polar_mitm.tasks.model import RUNTIMES, EvaluatorSpec, Task
 
 TASK_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}")
@@ -43,7 +44,6 @@ Seconds = Annotated[float, Field(gt=0, le=WEEK, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=1_000_000_000)]
 Text = Annotated[str, StringConstraints(max_length=10_000)]
 Short = Annotated[str, StringConstraints(max_length=200)]
-Builder = Literal["prefix-merge", "per-request"]
 SampleState = Literal["queued", "dispatched", "cancelling", "finished"]
 TaskState = Literal["queued", "running", "done", "cancelled"]
 
@@ -84,7 +84,7 @@ class TaskRequest(BaseModel):
     harness_cmd: list[Text] | None = Field(None, max_length=1000)
     runtime: str = "docker"
     evaluator: BoundedEvaluator | None = Field(None, description="Replaces the task's evaluator")
-    builder: Builder = "prefix-merge"
+    builder: Strategy = Strategy.PREFIX_MERGE
     priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="Higher runs first")
     early_stop_min_usable: int | None = Field(None, ge=1, le=1024)
     timeout_seconds: Seconds | None = Field(None, description="Per sample: sandbox start to score")
@@ -151,6 +151,9 @@ class Submitted(BaseModel):
 
 
 class SampleView(BaseModel):
+    """The service's one model of a sample for a trainer: its state and outcome within a task
+    (`TaskView.samples`, `client.Group.outcomes`). The rows are fetched apart (`/results`)."""
+
     index: int
     state: SampleState
     stage: str | None = None
@@ -187,7 +190,7 @@ class Assignment(BaseModel):
     harness: str
     harness_cmd: list[str] | None = None
     runtime: str
-    builder: Builder
+    builder: Strategy
     num_samples: int
     agent_timeout_seconds: float | None = None
     timeout_seconds: float | None = None
@@ -251,7 +254,9 @@ class LeaseReply(BaseModel):
 
 
 class SampleResult(BaseModel):
-    """A node's report of one finished sample (its rows built by the request's builder)."""
+    """A node's report of one finished sample to the server (its rows built by the request's
+    builder), under the sample's lease; the server keeps it as a `store.service.SampleRow` and
+    shows it as a `SampleView`. Not the pipeline's in-process `rollout.pipeline.SampleOutcome`."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

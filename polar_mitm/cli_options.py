@@ -1,10 +1,12 @@
 """Options several commands share (the policy's: backend, tokenizer, parsers, store, CA), so
 `run`, `proxy` and `rollout` read them the same way.
 
-The policy's options are made from `PolicyConfig`'s fields: every field is an option (named after
-the field unless `FLAGS` names it otherwise), typed and defaulted by the field, and
-`make_policy_config` passes every one given through. A new field is a new option; `FLAGS` only
-adds what the field cannot say (help, an environment variable, a check).
+Options that configure a model are made from the model's fields (`model_options`): every field is
+an option (named after the field unless its `Flag` names it otherwise), typed, bounded and
+defaulted by the field, and only the options given are passed on (the field's own default holds
+otherwise). The policy's are `PolicyConfig`'s (`policy_options`, `make_policy_config`); the
+pipeline's sizes are `RolloutOptions`' (`rollout/commands.py`'s `worker_options`). A new field is
+a new option; a `Flag` only adds what the field cannot say (help, an environment variable, a check).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import ipaddress
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import annotated_types
 import click
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from polar_mitm.backends.parsers import (
@@ -46,7 +50,7 @@ def _parser_name(check):
 
 @dataclass(frozen=True)
 class Flag:
-    """What the command line adds to one PolicyConfig field."""
+    """What the command line adds to one field of a model."""
 
     help: str
     name: str | None = None  # the option, when not --field-name
@@ -152,24 +156,29 @@ FLAGS: dict[str, Flag] = {
 }
 
 
-def _click_type(field: str, annotation: Any) -> click.ParamType:
-    """The click type of a field's annotation (`X | None` reads as X: None is the field's default)."""
+def _click_type(field: str, annotation: Any, metadata: Iterable[Any] = ()) -> click.ParamType:
+    """The click type of a field's annotation (`X | None` reads as X: None is the field's default);
+    an int with a lower bound (`Field(ge=1)`) is a click.IntRange, refused on the command line."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return click.Choice([str(a) for a in typing.get_args(annotation)])
     if origin in (typing.Union, types.UnionType) and len(args) == 1:
-        return _click_type(field, args[0])
+        return _click_type(field, args[0], metadata)
+    if annotation is int:
+        low = [m.ge for m in metadata if isinstance(m, annotated_types.Ge)]
+        if low:
+            return click.IntRange(min=low[0])
     if annotation in (str, int, float, bool):
         return click.types.convert_type(annotation)
-    raise TypeError(f"PolicyConfig.{field}: no command-line type for {annotation!r}; declare one here")
+    raise TypeError(f"{field}: no command-line type for {annotation!r}; declare one in cli_options")
 
 
-def _option(field: str, info: FieldInfo) -> Callable[[Any], Any]:
-    flag = FLAGS.get(field, Flag(field.replace("_", " ").capitalize() + "."))
+def _option(field: str, info: FieldInfo, flags: dict[str, Flag]) -> Callable[[Any], Any]:
+    flag = flags.get(field, Flag(field.replace("_", " ").capitalize() + "."))
     default = flag.default if flag.default is not None else info.default
     env = f"env {flag.envvar}; " if flag.envvar else ""
-    kind = _click_type(field, info.annotation)
+    kind = _click_type(field, info.annotation, info.metadata)
     return click.option(
         flag.name or "--" + field.replace("_", "-"),
         field,
@@ -191,6 +200,27 @@ BACKEND_TIMEOUT = click.option(
 )
 
 
+def model_options(
+    model: type[BaseModel], flags: dict[str, Flag], fields: Iterable[str] | None = None
+) -> Callable[[Any], Any]:
+    """A decorator adding `fields` of `model` (all of them when None) as options, in that order;
+    each passes None when not given (see `given`)."""
+    names = list(model.model_fields) if fields is None else list(fields)
+
+    def decorate(f):
+        for field in reversed(names):
+            f = _option(field, model.model_fields[field], flags)(f)
+        return f
+
+    return decorate
+
+
+def given(options: dict[str, Any], fields: Iterable[str]) -> dict[str, Any]:
+    """Take `fields` out of a command's keyword arguments: those given on the command line (not
+    None), to pass to the model, whose own defaults hold for the rest."""
+    return {f: v for f in fields if (v := options.pop(f, None)) is not None}
+
+
 def policy_options(f):
     """Every PolicyConfig field as an option (in the field order), then --backend-timeout, --db, --certs."""
     f = click.option("--certs", type=click.Path(path_type=Path), default=None, help="CA directory.")(f)
@@ -198,9 +228,7 @@ def policy_options(f):
         "--db", envvar="POLAR_MITM_DB", default="polar-mitm.sqlite", show_default=True, help=DB_HELP
     )(f)
     f = BACKEND_TIMEOUT(f)
-    for field, info in reversed(PolicyConfig.model_fields.items()):
-        f = _option(field, info)(f)
-    return f
+    return model_options(PolicyConfig, FLAGS)(f)
 
 
 def make_policy_config(backend_timeout: float | None = None, **options: Any) -> PolicyConfig:

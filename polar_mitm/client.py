@@ -33,6 +33,7 @@ import httpx
 from polar_mitm.api import SampleView, Submitted, TaskRequest, TaskView
 from polar_mitm.auth import find_token
 from polar_mitm.outcomes import TRAINABLE
+from polar_mitm.strategies import Normalize
 from polar_mitm.tasks.model import Task
 
 
@@ -44,7 +45,9 @@ class RolloutError(RuntimeError):
 
 @dataclass
 class Sample:
-    """One trajectory row of a sample, in the shape trainers use (slime's Sample fields).
+    """One trajectory row of a sample, in the shape trainers use (slime's Sample fields): made
+    here from a `/results` row, not a wire model. A sample's status and outcome are the wire
+    model `api.SampleView` (`Group.outcomes`).
 
     `tokens` is prompt + response; `loss_mask` and `rollout_logprobs` cover the response only
     (`response_length` tokens). `remove_sample` is True for samples that must not be trained
@@ -205,14 +208,14 @@ class RolloutClient:
         return TaskView.model_validate(r.json())
 
     def results(
-        self, task_id: str, *, normalize: str = "std", index: int = 0, view: TaskView | None = None
+        self, task_id: str, *, normalize: str = Normalize.STD, index: int = 0, view: TaskView | None = None
     ) -> Group:
         """The group's rows; `view` is a finished task's status when the caller has it already."""
         r = self.http.get(f"/v1/tasks/{task_id}/results", params={"normalize": normalize})
         _raise(r)
         return _group(r.json(), index, view or self.status(task_id))
 
-    def parquet(self, task_id: str, *, normalize: str = "std") -> bytes:
+    def parquet(self, task_id: str, *, normalize: str = Normalize.STD) -> bytes:
         r = self.http.get(
             f"/v1/tasks/{task_id}/results", params={"format": "parquet", "normalize": normalize}
         )
@@ -309,7 +312,7 @@ class AsyncRolloutClient:
         return TaskView.model_validate(r.json())
 
     async def results(
-        self, task_id: str, *, normalize: str = "std", index: int = 0, view: TaskView | None = None
+        self, task_id: str, *, normalize: str = Normalize.STD, index: int = 0, view: TaskView | None = None
     ) -> Group:
         r = await self.http.get(f"/v1/tasks/{task_id}/results", params={"normalize": normalize})
         _raise(r)

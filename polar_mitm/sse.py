@@ -1,5 +1,6 @@
-"""Server-sent events: the one writer every API style renders with, and the one reader that
-harvest mode (and the tests) read a recorded stream with.
+"""Server-sent events: the one writer every API style renders with, and the one reader: `parse`
+for a whole recorded body (harvest mode, the tests), `Reader` for a stream as it arrives (the
+SGLang client's reply stream, the viewer's live feed of the service's events).
 
 Styles differ only in whether an event names itself (`event:` lines: Anthropic, Responses) and
 in the line ending (Google ends events with CRLF CRLF); both are arguments here.
@@ -68,3 +69,44 @@ def json_events(body: str | bytes) -> list[JsonEvent]:
         if isinstance(data, dict):
             out.append((ev.event, data))
     return out
+
+
+class Reader:
+    """An SSE stream read as its chunks arrive: `feed` (events) or `data` (their data lines only,
+    as bytes: the engine client's hot path, no decoding) with each chunk returns what the chunk
+    completed; a partial event waits for the next chunk.
+
+    Events end with a blank line written LF LF, as the engines and our service write them (a
+    CRLF stream, Google's, is read whole with `parse`).
+    """
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def _complete(self, chunk: bytes) -> bytes:
+        buf = self._buf
+        buf += chunk
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            return b""
+        events = bytes(buf[:end])
+        del buf[: end + 2]
+        return events
+
+    def data(self, chunk: bytes) -> list[bytes]:
+        """The `data:` lines of the events `chunk` completed, each stripped, in order."""
+        buf = self._buf  # `_complete` written out: this runs once per chunk of every reply
+        buf += chunk
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            return []
+        events = bytes(buf[:end])
+        del buf[: end + 2]
+        return [line[5:].strip() for line in events.split(b"\n") if line.startswith(b"data:")]
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """The events `chunk` completed (as `parse` reads them)."""
+        events = self._complete(chunk)
+        return parse(events.decode("utf-8", "replace") + "\n\n") if events else []

@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 
+from polar_mitm import procs
 from tests.e2e.harness import free_port
 
 
@@ -86,9 +87,4 @@ class Router:
             raise RuntimeError(f"router did not take worker {worker_url}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        procs.stop(self.proc, 10)

@@ -62,3 +62,51 @@ def test_environment_fallbacks_still_apply(monkeypatch):
     monkeypatch.setenv("POLAR_MITM_TOKENIZER", "/models/tok")
     got = config()
     assert (got.backend_url, got.tokenizer) == ("http://10.0.0.9:30000", "/models/tok")
+
+
+def test_strategy_and_normalize_choices_are_the_enums_everywhere():
+    """Every command's --strategy / --builder / --group-normalize offers the enum's values, and
+    the service's wire model takes the same names: one spelling of each."""
+    from polar_mitm import api
+    from polar_mitm.strategies import Normalize, Strategy, choices
+
+    want = {
+        "--strategy": choices(Strategy),
+        "--builder": choices(Strategy),
+        "--group-normalize": choices(Normalize),
+    }
+    seen = set()
+    for name, command in main.commands.items():
+        for p in command.params:
+            for flag in set(p.opts) & set(want):
+                assert isinstance(p.type, click.Choice), (name, flag)
+                assert list(p.type.choices) == want[flag], (name, flag)
+                seen.add((name, flag))
+    assert {("export", "--strategy"), ("rollout", "--group-normalize"), ("submit", "--builder")} <= seen
+    schema = api.TaskRequest.model_json_schema()
+    assert schema["$defs"]["Strategy"]["enum"] == choices(Strategy)
+
+
+def test_the_pipeline_sizes_are_options_of_rollout_serve_and_node_made_from_rollout_options():
+    """--retries, --init-workers, … are RolloutOptions' fields: declared once, bounded as the field
+    is, and only those given reach the model (its defaults hold for the rest)."""
+    from polar_mitm.cli_options import given
+    from polar_mitm.rollout.commands import worker_options
+    from polar_mitm.rollout.options import WORKER_FIELDS, RolloutOptions
+
+    for command in ("rollout", "serve", "node"):
+        params = {p.name: p for p in main.commands[command].params}
+        for field in WORKER_FIELDS:
+            [bound] = [m.ge for m in RolloutOptions.model_fields[field].metadata]
+            assert isinstance(params[field].type, click.IntRange), (command, field)
+            assert params[field].type.min == bound, (command, field)
+
+    @click.command()
+    @worker_options
+    def sizes(**options):
+        click.echo(RolloutOptions(harness="pi", **given(options, WORKER_FIELDS)).model_dump_json())
+
+    got = RolloutOptions.model_validate_json(CliRunner().invoke(sizes, ["--run-workers", "3"]).output)
+    assert (got.run_workers, got.retries, got.ready_size) == (3, 2, None)
+    bad = CliRunner().invoke(sizes, ["--init-workers", "0"])
+    assert bad.exit_code == 2 and "--init-workers" in bad.output

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from polar_mitm import sse
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.fake import (
     DEFAULT_TEXT,
@@ -100,7 +101,7 @@ def chatml(*messages: tuple[str, str], tools: list[dict] | None = None) -> str:
 
 
 def sse_events(body: str) -> list[str]:
-    return [e[len("data: ") :] for e in body.split("\n\n") if e.startswith("data: ")]
+    return [e.data for e in sse.parse(body)]
 
 
 @pytest.fixture

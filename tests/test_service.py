@@ -7,7 +7,6 @@ tests/e2e/test_service_docker.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -23,6 +22,7 @@ import pytest
 
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.client import AsyncRolloutClient, RolloutClient, RolloutError
+from polar_mitm.procs import kill_group
 from polar_mitm.service.node import GatewayNode, NodeConfig, spawn_node, stop_node
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.store.reader import read_turns
@@ -481,8 +481,7 @@ def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backe
         [g] = list(client.wait([tid], poll=0.2, timeout=90))
     finally:
         for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+            kill_group(p.pid)
     assert [o.status for o in g.outcomes] == ["completed", "completed"]
     assert {o.node_id for o in g.outcomes} <= {"doomed", "rescuer"}
     assert max(o.dispatches for o in g.outcomes) == 2  # re-dispatched once
@@ -523,8 +522,7 @@ def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_toke
         groups = list(client.wait(ids, poll=0.3, timeout=120))
     finally:
         for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+            kill_group(p.pid)
     assert sorted(g.task_id for g in groups) == ["t0", "t1"]
     for g in groups:
         assert [o.status for o in g.outcomes] == ["completed"] * 3, log.read_text()[-3000:]

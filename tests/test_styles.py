@@ -59,6 +59,30 @@ def test_the_sse_writer_reads_back():
         assert sse.json_events(raw) == [("x", {"type": "x", "n": "é"})]
 
 
+def test_the_stream_reader_reads_what_parse_reads_whatever_the_chunking():
+    """`sse.Reader` (the SGLang client's and the live viewer's) gives, chunk by chunk, the events
+    `parse` gives for the whole body: cut anywhere, inside a line, a `\\n\\n`, or a UTF-8 character."""
+    raw = (
+        sse.comment("ping")
+        + sse.encode({"text": "é€", "n": 1}, event="a")
+        + sse.encode({"text": "x"})
+        + b"data: line one\ndata: line two\n\n"
+        + sse.encode("[DONE]")
+    )
+    whole = sse.parse(raw.decode())
+    assert len(whole) == 4
+    for step in (1, 2, 3, 7, len(raw)):
+        events, payloads = sse.Reader(), sse.Reader()
+        got: list[sse.SSEEvent] = []
+        data: list[bytes] = []
+        for i in range(0, len(raw), step):
+            got += events.feed(raw[i : i + step])
+            data += payloads.data(raw[i : i + step])
+        assert got == whole, step
+        assert data == [p for e in whole for p in e.data.encode().split(b"\n")], step
+    assert sse.Reader().feed(b"data: no end yet\n") == []
+
+
 @pytest.mark.parametrize("style", [anthropic, gemini, openai_chat, openai_responses], ids=lambda s: s.NAME)
 def test_a_rendered_reply_parses_back_to_the_completion(style):
     messages, finish = style.parse_reply(style.render_response(COMPLETION, None))

@@ -32,6 +32,7 @@ from array import array
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
+from polar_mitm import procs
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import Message, ProviderError
 
@@ -179,11 +180,7 @@ class _Worker:
             self.stdin.close()  # the worker's loop ends
         except OSError:
             pass
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        procs.wait_or_kill(self.process, 5)
         self.stdout.close()
 
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import aiohttp
 from pydantic import BaseModel
 
+from polar_mitm import sse
 from polar_mitm.neutral import ProviderError, Sampling
 
 # The header SGLang's router (0.3.x, "SMG") reads for sticky routing under `--policy manual`.
@@ -509,18 +510,12 @@ class GenerateStream:
             self._news.set()
 
     async def _read_events(self, content: aiohttp.StreamReader) -> None:
-        buf = bytearray()
+        reader = sse.Reader()
         done = False
         async for data in content.iter_any():
             if done:
                 continue  # drain to the end, so the connection can be reused
-            buf += data
-            end = buf.rfind(b"\n\n")
-            if end < 0:
-                continue
-            events = bytes(buf[:end])
-            del buf[: end + 2]
-            payloads = [line[5:].strip() for line in events.split(b"\n") if line.startswith(b"data:")]
+            payloads = reader.data(data)
             if payloads and payloads[-1] == b"[DONE]":
                 done = True
                 payloads.pop()

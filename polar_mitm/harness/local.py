@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel
 
+from polar_mitm import procs
 from polar_mitm.harness import node_proxy
 from polar_mitm.proxy.certs import CA
 from polar_mitm.proxy.embedded import PolarProxy
@@ -203,11 +204,11 @@ async def run_harness(
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
             if own_group:
-                _signal_group(proc.pid, signal.SIGKILL)  # leftovers of the harness, if any
+                procs.kill_group(proc.pid)  # leftovers of the harness, if any
         untrusted = verdict.get("untrusted", False)
         if proxy.tls.connections == 0:
             _say_no_connection(cmd, recipe)
-        exit_code = EXIT_UNTRUSTED if untrusted else (128 - code if code < 0 else code)
+        exit_code = EXIT_UNTRUSTED if untrusted else procs.exit_code(code)
         await proxy.store.end_session(session_id, exit_code)
     finally:
         for sig in forwarded:
@@ -245,13 +246,6 @@ def _command_not_found(name: str, recipe: Recipe) -> None:
     print(f"polar-mitm: command not found: {name}{hint}", file=sys.stderr)
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class _Target:
     """Where forwarded signals go: the harness (or its process group) once it is running."""
 
@@ -263,21 +257,13 @@ class _Target:
     def attach(self, proc: asyncio.subprocess.Process, own_group: bool) -> None:
         self.proc, self.own_group = proc, own_group
         for sig in self.pending:
-            _forward(proc, sig, own_group)
+            procs.send_async(proc, sig, group=own_group)
 
     def forward(self, sig: int) -> None:
         if self.proc is None:
             self.pending.append(sig)
         else:
-            _forward(self.proc, sig, self.own_group)
-
-
-def _forward(proc: asyncio.subprocess.Process, sig: int, own_group: bool) -> None:
-    if proc.returncode is None:
-        if own_group:
-            _signal_group(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
+            procs.send_async(self.proc, sig, group=self.own_group)
 
 
 async def _watchdog(
@@ -308,11 +294,7 @@ async def _watchdog(
                 file=sys.stderr,
             )
             verdict["untrusted"] = True
-            _forward(proc, signal.SIGTERM, own_group)
-            try:
-                await asyncio.wait_for(proc.wait(), 5)
-            except TimeoutError:
-                _forward(proc, signal.SIGKILL, own_group)
+            await procs.stop_async(proc, 5, group=own_group)
             return
     except asyncio.CancelledError:
         return

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import zlib
 
+from polar_mitm import procs
 from polar_mitm.proxy.addons.sessions import session_from_auth
 from polar_mitm.proxy.certs import CA, ensure_ca
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, ProxyStartError, listen_socket, proxy_url
@@ -222,11 +223,7 @@ class WorkerPool:
         for p in self._procs:
             if p is None:
                 continue
-            try:
-                await loop.run_in_executor(None, p.wait, 15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                await loop.run_in_executor(None, p.wait)
+            await loop.run_in_executor(None, procs.wait_or_kill, p, 15)
 
     def session_url(self, session: str) -> str:
         return proxy_url(self.config.listen_host, self.port, session, self.config.token)

@@ -23,16 +23,15 @@ from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.export import (
     FORMATS,
     REWARD_TO,
-    STRATEGIES,
     SinkOptions,
     compute_stats,
     iter_trajectories,
 )
 from polar_mitm.reconstruct.export import export as export_rows
-from polar_mitm.reconstruct.groups import NORMALIZE
 from polar_mitm.reconstruct.report import render_table, rollout_reports
 from polar_mitm.reconstruct.show import find_rows, render_header, render_list, render_sequence
 from polar_mitm.reconstruct.source import Selection, check_session, parse_since, set_reward
+from polar_mitm.strategies import Normalize, Strategy, choices
 
 F = Callable[..., Any]
 
@@ -153,8 +152,8 @@ def _guarded(f: F) -> F:
 @_db_option
 @click.option(
     "--strategy",
-    type=click.Choice(STRATEGIES),
-    default="prefix-merge",
+    type=click.Choice(choices(Strategy)),
+    default=Strategy.PREFIX_MERGE.value,
     show_default=True,
     help="prefix-merge: one row per trajectory; per-request: one row per generation.",
 )
@@ -172,7 +171,7 @@ def _guarded(f: F) -> F:
 )
 @click.option(
     "--group-normalize",
-    type=click.Choice(NORMALIZE),
+    type=click.Choice(choices(Normalize)),
     default=None,
     help="Add a GRPO advantage per rollout sample: std = (reward - group mean) / group std; "
     "loo = reward - mean of the group's other samples.",
@@ -284,7 +283,9 @@ def stats(db: Path, selection: Selection, tokenizer: Path | None, as_json: bool,
 @_db_option
 @click.argument("trajectory_id", required=False)
 @_tokenizer_option("Tokenizer directory, to show text instead of token ids.")
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="prefix-merge", show_default=True)
+@click.option(
+    "--strategy", type=click.Choice(choices(Strategy)), default=Strategy.PREFIX_MERGE.value, show_default=True
+)
 @click.option(
     "--include-side-calls/--no-include-side-calls",
     default=False,
@@ -346,7 +347,7 @@ def show(
 
     if (url := running_url(db)) is not None:
         for row in rows:
-            query = "" if strategy == "prefix-merge" else f"?strategy={strategy}"
+            query = "" if strategy == Strategy.PREFIX_MERGE else f"?strategy={strategy}"
             click.echo(f"view: {url}/trajectory/{quote(row.trajectory_id, safe='')}{query}", err=True)
 
 
@@ -390,7 +391,9 @@ def reward(db: Path, session: str, value: float | None, clear: bool) -> None:
     help="Exported rows (repeatable). Without it, rows are read from --db.",
 )
 @_db_option
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="prefix-merge", show_default=True)
+@click.option(
+    "--strategy", type=click.Choice(choices(Strategy)), default=Strategy.PREFIX_MERGE.value, show_default=True
+)
 @_selection_options
 @click.option("--tolerance", type=float, default=1e-3, show_default=True, help="Absolute logprob difference.")
 @click.option(

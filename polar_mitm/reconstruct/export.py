@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from polar_mitm.reconstruct import sft
 from polar_mitm.reconstruct.breaks import TokenText
-from polar_mitm.reconstruct.groups import Normalize, annotate, group_advantages
+from polar_mitm.reconstruct.groups import annotate, group_advantages
 from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
 from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids
@@ -40,8 +40,8 @@ from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA, Trajectory, to_table
 from polar_mitm.store.queries import session_rewards, tool_calls
 from polar_mitm.store.rollouts import read_samples
+from polar_mitm.strategies import Normalize, Strategy, choices
 
-STRATEGIES = ("prefix-merge", "per-request")
 RewardTo = Literal["all", "main"]
 REWARD_TO = ("all", "main")
 TOKEN_COLUMNS = ("prompt_ids", "response_ids", "loss_mask", "response_logprobs")
@@ -183,7 +183,7 @@ FORMATS: dict[str, Callable[[str | Path, SinkOptions], Sink]] = {
 def iter_trajectories(
     path: str | Path,
     *,
-    strategy: str = "prefix-merge",
+    strategy: str = Strategy.PREFIX_MERGE,
     selection: Selection | None = None,
     stats: ReconstructStats | None = None,
     text: TokenText | None = None,
@@ -203,7 +203,7 @@ def iter_trajectories(
     rewards = session_rewards(path)
     samples = read_samples(path, rollout=selection.rollout)
     advantage = group_advantages(samples, normalize) if normalize else {}
-    if strategy == "per-request":
+    if strategy == Strategy.PER_REQUEST:
         # Arrays, not lists: a per-request row repeats its whole prompt, and a Python int per
         # token cost more than the rest of the export.
         rows = per_request(
@@ -211,7 +211,7 @@ def iter_trajectories(
             rewards=rewards,
             stats=stats,
         )
-    elif strategy == "prefix-merge":
+    elif strategy == Strategy.PREFIX_MERGE:
         rows = (
             row
             for session in session_ids(path, selection)
@@ -224,7 +224,7 @@ def iter_trajectories(
             )
         )
     else:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(choices(Strategy))}")
     if retokenize is not None:
         rows = itertools.chain(
             rows,
@@ -257,7 +257,7 @@ def export(
     path: str | Path,
     out: str | Path,
     *,
-    strategy: str = "prefix-merge",
+    strategy: str = Strategy.PREFIX_MERGE,
     fmt: str = "parquet",
     selection: Selection | None = None,
     text: TokenText | None = None,

@@ -18,15 +18,12 @@ Pure: `advantages` works on plain numbers; `annotate` on one row.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
 
 import numpy as np
 
 from polar_mitm.reconstruct.trajectory import Trajectory
 from polar_mitm.store.rollouts import SampleInfo
-
-Normalize = Literal["std", "loo"]
-NORMALIZE: tuple[str, ...] = ("std", "loo")
+from polar_mitm.strategies import Normalize, choices
 
 
 def advantages(rewards: Mapping[str, float], mode: Normalize) -> dict[str, float]:
@@ -36,13 +33,13 @@ def advantages(rewards: Mapping[str, float], mode: Normalize) -> dict[str, float
     n = len(r)
     if n == 0:
         return {}
-    if mode == "std":
+    if mode == Normalize.STD:
         std = float(r.std())
         adv = (r - r.mean()) / std if std > 1e-12 else np.zeros(n)
-    elif mode == "loo":
+    elif mode == Normalize.LOO:
         adv = r - (r.sum() - r) / (n - 1) if n > 1 else np.zeros(n)
     else:
-        raise ValueError(f"unknown normalization {mode!r}; choose one of {', '.join(NORMALIZE)}")
+        raise ValueError(f"unknown normalization {mode!r}; choose one of {', '.join(choices(Normalize))}")
     return {k: float(a) for k, a in zip(keys, adv, strict=True)}
 
 

@@ -20,8 +20,9 @@ from polar_mitm.reconstruct.trajectory import (
     token_array,
 )
 from polar_mitm.store.turn import Turn
+from polar_mitm.strategies import Strategy
 
-STRATEGY = "per-request"
+STRATEGY = Strategy.PER_REQUEST.value
 
 
 def per_request(

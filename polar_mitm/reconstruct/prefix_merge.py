@@ -65,8 +65,9 @@ from polar_mitm.reconstruct.trajectory import (
     token_array,
 )
 from polar_mitm.store.turn import Turn
+from polar_mitm.strategies import Strategy
 
-STRATEGY = "prefix-merge"
+STRATEGY = Strategy.PREFIX_MERGE.value
 _W = TOKEN_DTYPE.itemsize  # bytes per token id
 
 

@@ -37,6 +37,7 @@ from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, Trajectory
 from polar_mitm.store import queries
 from polar_mitm.store.turn import Turn
+from polar_mitm.strategies import Strategy, choices
 
 # ---- a turn → a conversation ----------------------------------------------------------------------
 
@@ -125,15 +126,15 @@ def _kept(
 def conversations(
     path: str | Path,
     *,
-    strategy: str = "prefix-merge",
+    strategy: str = Strategy.PREFIX_MERGE,
     selection: Selection | None = None,
     stats: ReconstructStats | None = None,
     harvested_only: bool = False,
     on_turn: Callable[[], object] | None = None,
 ) -> Iterator[Conversation]:
     """The store's conversations, one session at a time (see the module docstring)."""
-    if strategy not in ("prefix-merge", "per-request"):
-        raise ValueError(f"unknown strategy {strategy!r}; choose prefix-merge or per-request")
+    if strategy not in choices(Strategy):
+        raise ValueError(f"unknown strategy {strategy!r}; choose {' or '.join(choices(Strategy))}")
     sel = selection or Selection()
     stats = stats if stats is not None else ReconstructStats()
     sessions = queries.session_ids(
@@ -148,7 +149,7 @@ def conversations(
         turns = functools.partial(
             queries.text_turns, path, session, task=sel.task, since=sel.since, text_only=harvested_only
         )
-        if strategy == "per-request":
+        if strategy == Strategy.PER_REQUEST:
             for turn in turns():
                 if (conv := _kept(turn, sel, stats, on_turn)) is not None:
                     yield conv
@@ -198,7 +199,7 @@ def openai_message(m: Message) -> dict[str, Any]:
     return out
 
 
-def sft_record(conv: Conversation, *, strategy: str = "prefix-merge") -> dict[str, Any]:
+def sft_record(conv: Conversation, *, strategy: str = Strategy.PREFIX_MERGE) -> dict[str, Any]:
     return {
         "messages": [openai_message(m) for m in conv.messages],
         "tools": [t.to_template() for t in conv.tools],
@@ -221,7 +222,7 @@ def sft_record(conv: Conversation, *, strategy: str = "prefix-merge") -> dict[st
 def sft_records(
     path: str | Path,
     *,
-    strategy: str = "prefix-merge",
+    strategy: str = Strategy.PREFIX_MERGE,
     selection: Selection | None = None,
     stats: ReconstructStats | None = None,
     on_turn: Callable[[], object] | None = None,
@@ -319,7 +320,7 @@ def retokenized_trajectories(
     path: str | Path,
     *,
     tokenizer: str | Path,
-    strategy: str = "prefix-merge",
+    strategy: str = Strategy.PREFIX_MERGE,
     selection: Selection | None = None,
     stats: ReconstructStats | None = None,
     on_turn: Callable[[], object] | None = None,
@@ -331,7 +332,7 @@ def retokenized_trajectories(
     """
     tok = Tokenizer.load(tokenizer)
     stats = stats if stats is not None else ReconstructStats()
-    train = "last" if strategy == "per-request" else "all"
+    train = "last" if strategy == Strategy.PER_REQUEST else "all"
     for conv in conversations(
         path, strategy=strategy, selection=selection, stats=stats, harvested_only=True, on_turn=on_turn
     ):

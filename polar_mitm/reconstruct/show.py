@@ -19,6 +19,7 @@ from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import Trajectory
 from polar_mitm.store.queries import session_of_turn
+from polar_mitm.strategies import Strategy
 
 # Brackets around trained spans when there is no colour to show them.
 TRAINED_OPEN, TRAINED_CLOSE = "«", "»"
@@ -28,7 +29,7 @@ def find_rows(
     path: str | Path,
     ident: str,
     *,
-    strategy: str = "prefix-merge",
+    strategy: str = Strategy.PREFIX_MERGE,
     selection: Selection | None = None,
     text: TokenText | None = None,
 ) -> list[Trajectory]:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.cli_options import make_policy_config, policy_options
-from polar_mitm.reconstruct.export import STRATEGIES
-from polar_mitm.reconstruct.groups import NORMALIZE
+from polar_mitm.cli_options import Flag, given, make_policy_config, model_options, policy_options
+from polar_mitm.rollout.options import WORKER_FIELDS, RolloutOptions, default_workers
 from polar_mitm.sandbox import RUNTIMES
+from polar_mitm.strategies import Normalize, Strategy, choices
 
 EXIT_INTERRUPTED = 130
 
@@ -68,45 +68,15 @@ def task_options(f):
     return f
 
 
-def worker_options(f):
-    """The pipeline's sizes, for `rollout` and for every node (`serve`, `node`)."""
-    for opt in reversed(
-        [
-            click.option(
-                "--retries",
-                type=click.IntRange(min=0),
-                default=2,
-                show_default=True,
-                help="Retries per sample after a sandbox failure.",
-            ),
-            click.option(
-                "--init-workers",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Sandboxes starting at once [default 4].",
-            ),
-            click.option(
-                "--run-workers",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Harnesses running at once [default: by CPUs, 2 here].",
-            ),
-            click.option(
-                "--postrun-workers",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Samples scored at once [default 4].",
-            ),
-            click.option(
-                "--ready-size",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Warm sandboxes kept ready [default: --run-workers].",
-            ),
-        ]
-    ):
-        f = opt(f)
-    return f
+# The pipeline's sizes (WORKER_FIELDS), for `rollout` and for every node: RolloutOptions' fields.
+WORKER_FLAGS = {
+    "retries": Flag("Retries per sample after a sandbox failure."),
+    "init_workers": Flag("Sandboxes starting at once.", default=str(default_workers()[0])),
+    "run_workers": Flag("Harnesses running at once.", default=f"by CPUs, {default_workers()[1]} here"),
+    "postrun_workers": Flag("Samples scored at once.", default=str(default_workers()[2])),
+    "ready_size": Flag("Warm sandboxes kept ready.", default="--run-workers"),
+}
+worker_options = model_options(RolloutOptions, WORKER_FLAGS, WORKER_FIELDS)
 
 
 @click.command()
@@ -115,11 +85,13 @@ def worker_options(f):
 @click.option(
     "--out", type=click.Path(path_type=Path), default=None, help="Write the groups here as parquet."
 )
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="prefix-merge", show_default=True)
+@click.option(
+    "--strategy", type=click.Choice(choices(Strategy)), default=Strategy.PREFIX_MERGE.value, show_default=True
+)
 @click.option(
     "--group-normalize",
-    type=click.Choice(NORMALIZE),
-    default="std",
+    type=click.Choice(choices(Normalize)),
+    default=Normalize.STD.value,
     show_default=True,
     help="The advantage column: std = (r - mean) / std; loo = r - mean of the others.",
 )
@@ -154,13 +126,8 @@ def rollout(
     strategy,
     group_normalize,
     early_stop,
-    retries,
     agent_timeout,
     total_timeout,
-    init_workers,
-    run_workers,
-    postrun_workers,
-    ready_size,
     extra_env,
     keep_workdirs,
     harness_user,
@@ -189,7 +156,7 @@ def rollout(
     from polar_mitm.harness.preflight import EXIT_CONFIG, PreflightError, check_policy
     from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
     from polar_mitm.reconstruct.report import render_table, rollout_reports
-    from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, new_token
+    from polar_mitm.rollout.pipeline import Pipeline, new_token
     from polar_mitm.rollout.progress import Progress
     from polar_mitm.sandbox import make_runtime
     from polar_mitm.sandbox.base import RuntimeUnavailable, SandboxError
@@ -211,28 +178,19 @@ def rollout(
         if not sep or not k:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--env")
         env[k] = v
-    fields = dict(
+    opts = RolloutOptions(
         harness=harness,
         harness_cmd=shlex.split(harness_cmd) if harness_cmd else None,
         runtime=runtime,
         samples=samples,
         early_stop=early_stop,
-        retries=retries,
         agent_timeout=agent_timeout,
         total_timeout=total_timeout,
-        ready_size=ready_size,
         env=env,
         keep_workdirs=keep_workdirs,
         harness_user=None if harness_user in ("root", "0", "0:0") else harness_user,
+        **given(policy, WORKER_FIELDS),  # the pipeline's sizes, out of the policy's options
     )
-    for name, value in (
-        ("init_workers", init_workers),
-        ("run_workers", run_workers),
-        ("postrun_workers", postrun_workers),
-    ):
-        if value is not None:
-            fields[name] = value
-    opts = RolloutOptions(**fields)
     rt = make_runtime(runtime)
     work_dir = Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     proxy = PolarProxy(

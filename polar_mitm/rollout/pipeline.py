@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
-
 from polar_mitm import recipes
 from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
 from polar_mitm.harness.local import child_env
@@ -49,6 +47,7 @@ from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.proxy.embedded import PolarProxy, proxy_url
 from polar_mitm.rollout import verify
 from polar_mitm.rollout.evaluators import EvaluatorError, HarnessOutcome, Score
+from polar_mitm.rollout.options import RolloutOptions
 from polar_mitm.rollout.verify import VerifierUnavailable
 from polar_mitm.sandbox.base import (
     HOME_DIR,
@@ -69,35 +68,6 @@ Stage = Literal["queued", "starting", "ready", "running", "scoring", "done"]
 STAGES: tuple[Stage, ...] = ("queued", "starting", "ready", "running", "scoring", "done")
 ROLLOUT_LABEL = "polar-mitm.rollout"
 FORWARDER_START_SEC = 30.0  # a sandbox's forwarder says it listens within this
-
-
-def default_workers() -> tuple[int, int, int]:
-    """INIT / RUN / POSTRUN worker counts for this machine: Polar's 4 / 2 / 4, fewer harnesses at
-    once on a small machine (a harness is a busy node process)."""
-    cpus = os.cpu_count() or 2
-    run = max(1, min(8, cpus // 2)) if cpus >= 4 else max(1, min(2, cpus))
-    return 4, run, 4
-
-
-class RolloutOptions(BaseModel):
-    """How a rollout runs. Task fields (timeouts) apply unless overridden here."""
-
-    harness: str = Field(description="recipe name: claude-code, codex, gemini-cli, qwen-code, pi, opencode")
-    harness_cmd: list[str] | None = None  # overrides the recipe's headless command
-    runtime: str = "docker"
-    samples: int = Field(1, ge=1)
-    init_workers: int = Field(default_factory=lambda: default_workers()[0], ge=1)
-    run_workers: int = Field(default_factory=lambda: default_workers()[1], ge=1)
-    postrun_workers: int = Field(default_factory=lambda: default_workers()[2], ge=1)
-    ready_size: int | None = Field(None, ge=1)  # default: run_workers
-    early_stop: int | None = Field(None, ge=1)
-    retries: int = Field(2, ge=0)  # per sample, for sandbox and infrastructure failures
-    agent_timeout: float | None = None
-    total_timeout: float | None = None
-    env: dict[str, str] = Field(default_factory=dict)  # extra environment for every harness
-    keep_workdirs: bool = False
-    # Who the harness runs as in a container ("UID:GID"); None: the image's user (root).
-    harness_user: str | None = "1000:1000"
 
 
 @dataclass(eq=False)
@@ -134,7 +104,11 @@ class GroupState:
 
 
 @dataclass
-class SampleResult:
+class SampleOutcome:
+    """How one sample of a `rollout` ended, in process (what `RolloutResult` lists and the rollout
+    command prints). Its rows are in the store; the service's wire models of a sample are
+    `api.SampleView` (its status, to a trainer) and `api.SampleResult` (a node's report)."""
+
     task_id: str
     group_id: str
     index: int
@@ -150,12 +124,12 @@ class SampleResult:
 class RolloutResult:
     rollout_id: str
     db: str
-    samples: list[SampleResult]
+    samples: list[SampleOutcome]
     interrupted: bool = False
     seconds: float = 0.0
 
-    def by_task(self) -> dict[str, list[SampleResult]]:
-        out: dict[str, list[SampleResult]] = {}
+    def by_task(self) -> dict[str, list[SampleOutcome]]:
+        out: dict[str, list[SampleOutcome]] = {}
         for s in self.samples:
             out.setdefault(s.task_id, []).append(s)
         return out
@@ -676,9 +650,9 @@ class Pipeline:
         await self.runtime.cleanup({ROLLOUT_LABEL: self.rollout_id})
         await self._log.end_rollout(self.rollout_id, "interrupted" if interrupted else "done")
 
-    def _results(self) -> list[SampleResult]:
+    def _results(self) -> list[SampleOutcome]:
         return [
-            SampleResult(
+            SampleOutcome(
                 task_id=j.task.id,
                 group_id=j.group.id,
                 index=j.index,

@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from polar_mitm.procs import kill_group
 from polar_mitm.sandbox.base import (
     CHANNEL_SOCKET,
     FORWARDER_ROOT,
@@ -48,7 +49,6 @@ from polar_mitm.sandbox.base import (
     SandboxError,
     SandboxSpec,
     ca_mounts,
-    kill_group,
     run_process,
     sandbox_ca,
 )

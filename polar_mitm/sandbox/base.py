@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, Protocol
 
+from polar_mitm.procs import EXIT_TIMEOUT, exit_code, kill_group
 from polar_mitm.proxy.certs import CA
 from polar_mitm.tasks.model import Task
 
@@ -102,16 +102,6 @@ def tail(data: bytes | str | None, limit: int = OUTPUT_TAIL) -> str:
     return text[-limit:]
 
 
-EXIT_TIMEOUT = 124  # as coreutils' timeout
-
-
-def kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 async def run_process(
     argv: list[str],
     *,
@@ -159,7 +149,7 @@ async def run_process(
         kill_group(proc.pid)  # helpers the command left behind
     rc = proc.returncode
     assert rc is not None  # communicate() returned: the process has ended
-    code = EXIT_TIMEOUT if timed_out else (128 - rc if rc < 0 else rc)
+    code = EXIT_TIMEOUT if timed_out else exit_code(rc)
     return ExecResult(code, tail(out), timed_out=timed_out, seconds=time.monotonic() - t0)
 
 

@@ -17,6 +17,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from polar_mitm.procs import kill_group
 from polar_mitm.proxy.certs import CA
 from polar_mitm.sandbox.base import (
     ExecResult,
@@ -24,7 +25,6 @@ from polar_mitm.sandbox.base import (
     SandboxError,
     SandboxSpec,
     host_env,
-    kill_group,
     run_process,
 )
 from polar_mitm.tasks.model import Task

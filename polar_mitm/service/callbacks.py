@@ -15,9 +15,14 @@ from typing import Any
 import aiohttp
 
 from polar_mitm import api as m
+from polar_mitm.retry import Backoff
 from polar_mitm.store.service import ServiceStore
 
 log = logging.getLogger("polar_mitm.service")
+
+
+class CallbackFailed(Exception):
+    """One callback POST that did not land (the text is what the task's callback_error shows)."""
 
 
 class Callbacks:
@@ -67,21 +72,27 @@ class Callbacks:
         req = m.TaskRequest.model_validate_json(row.request)
         assert req.callback_url and self._http is not None
         payload = self.payload(task_id)
-        delay = self.backoff
-        error = None
-        for attempt in range(1, self.attempts + 1):
+        http, url = self._http, req.callback_url
+
+        async def post() -> None:
             try:
                 # No redirects: only the allowed host is ever posted to.
-                async with self._http.post(req.callback_url, json=payload, allow_redirects=False) as r:
-                    if r.status < 300:
-                        self.store.set_callback(task_id, "delivered")
-                        return
-                    error = f"HTTP {r.status}"
+                async with http.post(url, json=payload, allow_redirects=False) as r:
+                    if r.status >= 300:
+                        raise CallbackFailed(f"HTTP {r.status}")
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                error = f"{e.__class__.__name__}: {e}"
-            log.warning("callback for %s (attempt %d) failed: %s", task_id, attempt, error)
-            if attempt < self.attempts:
-                self.store.set_callback(task_id, "pending", error)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 60)
-        self.store.set_callback(task_id, "failed", error)
+                raise CallbackFailed(f"{e.__class__.__name__}: {e}") from e
+
+        try:
+            await Backoff(
+                f"callback for {task_id}",
+                attempts=self.attempts,
+                first=self.backoff,
+                retry_on=(CallbackFailed,),
+                on_retry=lambda _, e: self.store.set_callback(task_id, "pending", str(e)),
+                log=log,
+            ).call_async(post)
+        except CallbackFailed as e:
+            self.store.set_callback(task_id, "failed", str(e))
+        else:
+            self.store.set_callback(task_id, "delivered")

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.cli_options import is_loopback, make_policy_config, policy_options, split_listen
+from polar_mitm.cli_options import given, is_loopback, make_policy_config, policy_options, split_listen
 from polar_mitm.rollout.commands import task_options, worker_options
+from polar_mitm.rollout.options import WORKER_FIELDS
+from polar_mitm.strategies import Strategy, choices
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
 TOKEN_HELP = (
@@ -158,12 +160,7 @@ def serve(
     nodes,
     ray_address,
     node_timeout,
-    init_workers,
-    run_workers,
-    postrun_workers,
-    ready_size,
     capacity,
-    retries,
     db,
     certs,
     **policy,
@@ -204,6 +201,7 @@ def serve(
             raise click.ClickException(str(e)) from None
         token_note = f"control token {'written to' if created else 'read from'} {path}"
     allow = [h.strip() for item in callback_allow for h in item.split(",") if h.strip()]
+    workers = given(policy, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
     policy_cfg = make_policy_config(**policy)
 
     async def main() -> None:
@@ -222,8 +220,8 @@ def serve(
             err=True,
         )
         cfg = dict(
-            server=url, node_token=server.node_token, db=str(db), certs_dir=certs, policy=policy_cfg, init_workers=init_workers,
-            run_workers=run_workers, postrun_workers=postrun_workers, ready_size=ready_size, capacity=capacity, retries=retries,
+            server=url, node_token=server.node_token, db=str(db), certs_dir=certs, policy=policy_cfg, capacity=capacity,
+            **workers,
         )  # fmt: skip
         local: list[subprocess.Popen] = []
         actors = []
@@ -291,12 +289,7 @@ def node(
     print_credential,
     node_id,
     config_file,
-    init_workers,
-    run_workers,
-    postrun_workers,
-    ready_size,
     capacity,
-    retries,
     db,
     certs,
     **policy,
@@ -329,9 +322,10 @@ def node(
     if print_credential:
         click.echo(credential)
         return
+    workers = given(policy, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
     fields = dict(
         server=server, node_token=credential, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
-        init_workers=init_workers, run_workers=run_workers, postrun_workers=postrun_workers, ready_size=ready_size, capacity=capacity, retries=retries,
+        capacity=capacity, **workers,
     )  # fmt: skip
     if node_id:
         fields["node_id"] = node_id
@@ -379,7 +373,7 @@ def _run_until_signal(coro) -> None:
 @token_options
 @click.option("--priority", type=int, default=0, show_default=True)
 @click.option(
-    "--builder", type=click.Choice(["prefix-merge", "per-request"]), default="prefix-merge", show_default=True
+    "--builder", type=click.Choice(choices(Strategy)), default=Strategy.PREFIX_MERGE.value, show_default=True
 )
 @click.option("--callback-url", default=None, help="POST each finished group here (retried with backoff).")
 @click.option(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,16 +30,19 @@ import aiohttp
 from pydantic import BaseModel, Field
 
 from polar_mitm import api as m
-from polar_mitm import auth
+from polar_mitm import auth, procs
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.outcomes import trainable
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
+from polar_mitm.retry import Backoff
+from polar_mitm.rollout.options import WORKER_FIELDS
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
 from polar_mitm.sandbox import make_runtime
 
 log = logging.getLogger("polar_mitm.node")
+REPORT_ATTEMPTS = 5  # a finished sample's report to an unreachable server, pauses 0.5, 1, 2, 4 s
 
 
 class NodeConfig(BaseModel):
@@ -52,6 +54,7 @@ class NodeConfig(BaseModel):
     db: str = "polar-mitm-node.sqlite"
     certs_dir: Path | None = None
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    # The pipeline's sizes (rollout.options.WORKER_FIELDS): None keeps RolloutOptions' default.
     init_workers: int | None = None
     run_workers: int | None = None
     postrun_workers: int | None = None
@@ -213,18 +216,16 @@ class GatewayNode:
         key = (a.harness, a.runtime, tuple(a.harness_cmd or ()))
         p = self.pipelines.get(key)
         if p is None:
-            fields: dict[str, Any] = dict(
+            sizes = {f: v for f in WORKER_FIELDS if (v := getattr(self.config, f)) is not None}
+            options = RolloutOptions(
                 harness=a.harness,
                 harness_cmd=a.harness_cmd,
                 runtime=a.runtime,
-                retries=self.config.retries,
                 keep_workdirs=self.config.keep_workdirs,
+                **sizes,
             )
-            for name in ("init_workers", "run_workers", "postrun_workers", "ready_size"):
-                if getattr(self.config, name) is not None:
-                    fields[name] = getattr(self.config, name)
             p = Pipeline(
-                RolloutOptions(**fields),
+                options,
                 self.proxy,
                 make_runtime(a.runtime),
                 work_dir=self._work_dir / f"p{len(self.pipelines)}",
@@ -296,16 +297,21 @@ class GatewayNode:
         return [r.to_row() for r in rows]
 
     async def _send(self, result: m.SampleResult) -> None:
-        for attempt in range(5):
-            try:
-                await self._post(f"/v1/nodes/{self.node_id}/results", result)
-                return
-            except NodeRefused as e:
-                log.warning("server refused %s#%d: %s", result.task_id, result.index, e)
-                return  # stale lease (re-dispatched elsewhere) or a bad report: never retried
-            except (aiohttp.ClientError, TimeoutError) as e:
-                log.warning("reporting %s#%d failed (%s); retrying", result.task_id, result.index, e)
-                await asyncio.sleep(0.5 * 2**attempt)
+        """Report a finished sample; an unreachable server is tried again (5 times in ~8 s), and
+        after that the report is dropped (logged): the server re-dispatches an expired lease."""
+        try:
+            await Backoff(
+                f"reporting {result.task_id}#{result.index}",
+                attempts=REPORT_ATTEMPTS,
+                first=0.5,
+                retry_on=(aiohttp.ClientError, TimeoutError),
+                log=log,
+            ).call_async(lambda: self._post(f"/v1/nodes/{self.node_id}/results", result))
+        except NodeRefused as e:
+            log.warning("server refused %s#%d: %s", result.task_id, result.index, e)
+            # stale lease (re-dispatched elsewhere) or a bad report: never retried
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # given up, and logged so
 
     # -- control --------------------------------------------------------------------------------
 
@@ -392,13 +398,7 @@ def spawn_node(config: NodeConfig, *, log: Path | None = None) -> subprocess.Pop
 
 def stop_node(proc: subprocess.Popen, timeout: float = 15.0) -> None:
     """SIGTERM (the node cancels what runs and reports it), then SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    procs.stop(proc, timeout, group=True)
 
 
 def node_db(db: str | Path, name: str) -> str:

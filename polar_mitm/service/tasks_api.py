@@ -26,6 +26,7 @@ from polar_mitm.service.events import Events
 from polar_mitm.service.http import ApiError, body_of, forbid
 from polar_mitm.service.metrics import Metrics
 from polar_mitm.store.service import SampleRow, ServiceStore, TaskRow, TaskSummary
+from polar_mitm.strategies import Normalize, choices
 from polar_mitm.tasks import TaskFileError, load_tasks
 from polar_mitm.tasks.model import Task
 
@@ -262,7 +263,7 @@ class Tasks:
             [self.view(r, samples.get(r.id, [])).model_dump(mode="json") for r in self.store.summaries()]
         )
 
-    def rows(self, task_id: str, normalize: str | None = "std") -> list[dict[str, Any]]:
+    def rows(self, task_id: str, normalize: str | None = Normalize.STD) -> list[dict[str, Any]]:
         """The group's rows, with the GRPO advantage over its usable samples."""
         samples = [s for s in self.store.samples(task_id) if s.state == "finished"]
         rewards = {s.idx: s.reward or 0.0 for s in samples if s.status in TRAINABLE}
@@ -286,9 +287,13 @@ class Tasks:
     async def results(self, request: web.Request) -> web.StreamResponse:
         row = self.task(request.match_info["task_id"])
         fmt = request.query.get("format", "json")
-        normalize = request.query.get("normalize", "std")
-        if normalize not in ("std", "loo", "none"):
-            raise ApiError(422, "invalid_request", f"normalize: {normalize!r} is not one of std, loo, none")
+        normalize = request.query.get("normalize", Normalize.STD)
+        if normalize not in (*choices(Normalize), "none"):
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"normalize: {normalize!r} is not one of {', '.join(choices(Normalize))}, none",
+            )
         rows = self.rows(row.id, None if normalize == "none" else normalize)
         if fmt == "json":
             return web.json_response({"task_id": row.id, "state": row.state, "rows": rows})

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
+from polar_mitm.retry import Backoff
 from polar_mitm.store.migrations import migrate, pending
 
 
@@ -16,15 +17,19 @@ def connect_wal(path: str | Path, **kw: Any) -> sqlite3.Connection:
     db = sqlite3.connect(str(path), **kw)
     # Switching a new file to WAL takes an exclusive lock without waiting for it: processes that
     # open a new file together (a proxy's workers, nodes) retry while another one switches it.
-    for attempt in range(100):
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            break
-        except sqlite3.OperationalError as e:
-            if "locked" not in str(e) or attempt == 99:
-                db.close()
-                raise
-            time.sleep(0.05)
+    try:
+        Backoff(
+            f"switching {path} to WAL",
+            attempts=100,
+            first=0.05,
+            factor=1.0,
+            retry_on=(sqlite3.OperationalError,),
+            when=lambda e: "locked" in str(e),
+            level=logging.DEBUG,
+        ).call(lambda: db.execute("PRAGMA journal_mode=WAL"))
+    except sqlite3.OperationalError:
+        db.close()
+        raise
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute("PRAGMA foreign_keys=ON")
     return db

@@ -114,6 +114,10 @@ class RolloutLog:
 
 @dataclass(frozen=True)
 class SampleInfo:
+    """One attempt of a `rollout` sample as its store (the `samples` table) keeps it: what the
+    export and the viewer read to group, reward and mask rows. The service's samples are
+    `store.service.SampleRow`; on the wire, `api.SampleView`."""
+
     session_id: str
     rollout_id: str
     group_id: str

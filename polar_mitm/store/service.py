@@ -24,6 +24,9 @@ FINAL_TASK_STATES = ("done", "cancelled")
 
 @dataclass
 class SampleRow:
+    """One sample of a service task as the server's store keeps it (lease, dispatches, the rows
+    a node reported); served as `api.SampleView`. A `rollout` sample is `store.rollouts.SampleInfo`."""
+
     task_id: str
     idx: int
     state: str
@@ -52,6 +55,9 @@ _SAMPLE_VIEW_COLS = _SAMPLE_COLS.replace(" rows,", " NULL,")
 
 @dataclass
 class TaskRow:
+    """One service task as the server's store keeps it (its request and callback state); its
+    samples are `SampleRow`s."""
+
     id: str
     request: str
     task: str

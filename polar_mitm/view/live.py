@@ -20,6 +20,7 @@ from urllib.parse import quote
 import aiohttp
 
 from polar_mitm import sse
+from polar_mitm.retry import delays
 
 log = logging.getLogger("polar_mitm.view")
 
@@ -82,27 +83,23 @@ class LiveRelay:
 
     async def _upstream(self) -> None:
         """Follow the service's event stream; reconnect (with a pause) when it drops."""
-        delay = 0.5
+        pauses = delays(0.5, cap=5.0)
         while True:
             try:
                 async with self._session().get(self.server + "/v1/events", headers=self.headers) as r:
                     if r.status != 200:
                         raise RuntimeError(f"HTTP {r.status}")
                     self._broadcast("status", {"connected": True})
-                    delay = 0.5
-                    buf = ""
+                    pauses = delays(0.5, cap=5.0)
+                    reader = sse.Reader()
                     async for chunk in r.content.iter_any():
-                        buf += chunk.decode("utf-8", errors="replace")
-                        while "\n\n" in buf:
-                            block, buf = buf.split("\n\n", 1)
-                            for ev in sse.parse(block + "\n\n"):
-                                self._relay(ev)
+                        for ev in reader.feed(chunk):
+                            self._relay(ev)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the service went away: say so, and try again
                 self._broadcast("status", {"connected": False, "error": str(e) or type(e).__name__})
-            await asyncio.sleep(delay)
-            delay = min(5.0, delay * 2)
+            await asyncio.sleep(next(pauses))
 
     def _relay(self, ev: sse.SSEEvent) -> None:
         try:

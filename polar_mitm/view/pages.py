@@ -15,6 +15,7 @@ from polar_mitm.reconstruct.report import STAGE_COLUMNS, TaskReport
 from polar_mitm.reconstruct.trajectory import Trajectory
 from polar_mitm.store.queries import SessionListing, TurnFacts
 from polar_mitm.store.rollouts import SampleInfo
+from polar_mitm.strategies import Strategy
 from polar_mitm.view import plots
 from polar_mitm.view.html import (
     Html,
@@ -163,7 +164,7 @@ def _rows_tree(rows: Sequence[Trajectory], strategy: str, query: dict[str, Any])
 
 
 def _nondefault(strategy: str) -> str | None:
-    return None if strategy == "prefix-merge" else strategy
+    return None if strategy == Strategy.PREFIX_MERGE else strategy
 
 
 def strategy_switch(base: tuple[str, ...], strategy: str) -> Html:
@@ -172,12 +173,16 @@ def strategy_switch(base: tuple[str, ...], strategy: str) -> Html:
         join(
             [
                 "rows: ",
-                link(path(*base), "prefix-merge", class_="on" if strategy == "prefix-merge" else None),
+                link(
+                    path(*base),
+                    Strategy.PREFIX_MERGE,
+                    class_="on" if strategy == Strategy.PREFIX_MERGE else None,
+                ),
                 " · ",
                 link(
-                    path(*base, strategy="per-request"),
-                    "per-request",
-                    class_="on" if strategy == "per-request" else None,
+                    path(*base, strategy=Strategy.PER_REQUEST),
+                    Strategy.PER_REQUEST,
+                    class_="on" if strategy == Strategy.PER_REQUEST else None,
                 ),
             ]
         ),

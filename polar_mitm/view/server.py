@@ -29,7 +29,7 @@ from aiohttp import web
 from polar_mitm import sse
 from polar_mitm.cli_options import is_loopback
 from polar_mitm.reconstruct.breaks import TokenText
-from polar_mitm.reconstruct.export import STRATEGIES, iter_trajectories
+from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.groups import group_advantages
 from polar_mitm.reconstruct.report import task_reports
 from polar_mitm.reconstruct.show import find_rows
@@ -39,6 +39,7 @@ from polar_mitm.reconstruct.trajectory import LOGPROB_DTYPE, Trajectory
 from polar_mitm.store import queries
 from polar_mitm.store.reader import read_turns
 from polar_mitm.store.rollouts import read_samples
+from polar_mitm.strategies import Normalize, Strategy, choices
 from polar_mitm.view import pages
 from polar_mitm.view.html import Html, tag
 from polar_mitm.view.live import LiveRelay
@@ -295,10 +296,12 @@ class Viewer:
         )
 
     def _strategy(self, request: web.Request) -> str:
-        strategy = request.query.get("strategy", "prefix-merge")
-        if strategy not in STRATEGIES:
+        strategy = request.query.get("strategy", Strategy.PREFIX_MERGE)
+        if strategy not in choices(Strategy):
             raise PageError(
-                400, "Bad strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}"
+                400,
+                "Bad strategy",
+                f"unknown strategy {strategy!r}; choose one of {', '.join(choices(Strategy))}",
             )
         return strategy
 
@@ -336,7 +339,7 @@ class Viewer:
         ident = request.match_info["id"]
         strategy = self._strategy(request)
         selection, query = self._selection(request)
-        if strategy != "prefix-merge":
+        if strategy != Strategy.PREFIX_MERGE:
             query["strategy"] = strategy
         asked = request.query.get("page")
 
@@ -496,7 +499,7 @@ class Viewer:
                 )
             members = list(samples.values())
             reports = task_reports(members)
-            return members, group_advantages(samples, "std"), reports[0] if reports else None
+            return members, group_advantages(samples, Normalize.STD), reports[0] if reports else None
 
         members, advantage, report = await self._thread(read)
         return _html(pages.group(gid, members, advantage, report))

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from polar_mitm import procs
 from polar_mitm.harness.install import cache_dir
 from polar_mitm.store.reader import read_turns
 
@@ -90,11 +91,7 @@ class FakeBackend:
             return json.loads(r.read())
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        procs.stop(self.proc, 10)
 
 
 class Lines:

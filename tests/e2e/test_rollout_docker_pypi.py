@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_mitm import recipes
-from polar_mitm.store.db import read_turns
+from polar_mitm.store.reader import read_turns
 from tests.e2e.harness import FakeBackend, assert_turns_match_backend, harness_env, require_binary
 from tests.e2e.test_rollout_docker import ANSWER_TEST, harbor_task, leftovers, policy_args, rollout
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from polar_mitm import procs
 from tests.e2e.harness import POLAR, FakeBackend, free_port, harness_env, polar_run, require_binary
 
 pytestmark = pytest.mark.e2e
@@ -79,11 +80,7 @@ def viewer(db: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[
                 time.sleep(0.1)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        procs.stop(proc, 10)
 
 
 def shot(driver, tmp_path: Path, name: str) -> None:
@@ -323,5 +320,5 @@ def test_live_page_follows_a_service_rollout_without_a_reload(
         try:
             serve.wait(20)
         except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
+            procs.kill_group(serve.pid)
         log.close()

@@ -1,0 +1,42 @@
+"""How a rollout runs (`RolloutOptions`): a model of its own, light (pydantic only), so the
+command line generates its options from the fields without loading the pipeline (and mitmproxy).
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, Field
+
+
+def default_workers() -> tuple[int, int, int]:
+    """INIT / RUN / POSTRUN worker counts for this machine: Polar's 4 / 2 / 4, fewer harnesses at
+    once on a small machine (a harness is a busy node process)."""
+    cpus = os.cpu_count() or 2
+    run = max(1, min(8, cpus // 2)) if cpus >= 4 else max(1, min(2, cpus))
+    return 4, run, 4
+
+
+# The pipeline's sizes: options of `rollout` and of every node (`serve`, `node`; NodeConfig's).
+WORKER_FIELDS = ("retries", "init_workers", "run_workers", "postrun_workers", "ready_size")
+
+
+class RolloutOptions(BaseModel):
+    """How a rollout runs. Task fields (timeouts) apply unless overridden here."""
+
+    harness: str = Field(description="recipe name: claude-code, codex, gemini-cli, qwen-code, pi, opencode")
+    harness_cmd: list[str] | None = None  # overrides the recipe's headless command
+    runtime: str = "docker"
+    samples: int = Field(1, ge=1)
+    init_workers: int = Field(default_factory=lambda: default_workers()[0], ge=1)
+    run_workers: int = Field(default_factory=lambda: default_workers()[1], ge=1)
+    postrun_workers: int = Field(default_factory=lambda: default_workers()[2], ge=1)
+    ready_size: int | None = Field(None, ge=1)  # default: run_workers
+    early_stop: int | None = Field(None, ge=1)
+    retries: int = Field(2, ge=0)  # per sample, for sandbox and infrastructure failures
+    agent_timeout: float | None = None
+    total_timeout: float | None = None
+    env: dict[str, str] = Field(default_factory=dict)  # extra environment for every harness
+    keep_workdirs: bool = False
+    # Who the harness runs as in a container ("UID:GID"); None: the image's user (root).
+    harness_user: str | None = "1000:1000"
