@@ -81,7 +81,7 @@ class PolarMitm:
         self.handoff.default_session = ctx.options.polar_session
 
     async def running(self) -> None:
-        from polar_mitm.cli_options import make_policy_config
+        from polar_mitm.cli.options import make_policy_config
         from polar_mitm.store.writer import Store
 
         if not ctx.options.polar_backend or not ctx.options.polar_tokenizer:

@@ -5,7 +5,7 @@ from click.testing import CliRunner
 
 from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.cli import main
-from polar_mitm.cli_options import make_policy_config, policy_options
+from polar_mitm.cli.options import make_policy_config, policy_options
 
 
 @click.command()
@@ -90,8 +90,8 @@ def test_strategy_and_normalize_choices_are_the_enums_everywhere():
 def test_the_pipeline_sizes_are_options_of_rollout_serve_and_node_made_from_rollout_options():
     """--retries, --init-workers, … are RolloutOptions' fields: declared once, bounded as the field
     is, and only those given reach the model (its defaults hold for the rest)."""
-    from polar_mitm.cli_options import given
-    from polar_mitm.rollout.commands import worker_options
+    from polar_mitm.cli.options import given
+    from polar_mitm.cli.rollout import worker_options
     from polar_mitm.rollout.options import WORKER_FIELDS, RolloutOptions
 
     for command in ("rollout", "serve", "node"):

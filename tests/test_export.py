@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from polar_mitm.cli.data import COMMANDS
 from polar_mitm.reconstruct import export as export_mod
-from polar_mitm.reconstruct.commands import COMMANDS
 from polar_mitm.reconstruct.export import ParquetSink, SinkOptions, export, iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA

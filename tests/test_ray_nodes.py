@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.cli_options import is_loopback
+from polar_mitm.netaddr import is_loopback
 from polar_mitm.service.ray_nodes import SINGLE_NODE_ENV
 from tests.e2e.harness import POLAR
 

@@ -409,12 +409,12 @@ def test_show_prints_the_viewer_url_when_a_viewer_runs_over_the_store(
     store: Path, tmp_path: Path, monkeypatch
 ) -> None:
     from polar_mitm.cli import main
-    from polar_mitm.view import commands
+    from polar_mitm.reconstruct import viewers
 
     monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path / "cache"))
     r = CliRunner().invoke(main, ["show", "--db", str(store), "t3"])
     assert r.exit_code == 0 and "view:" not in r.stderr
-    commands._register(store, "http://127.0.0.1:8790")  # as a running `view` does (this process)
+    viewers.register(store, "http://127.0.0.1:8790")  # as a running `view` does (this process)
     r = CliRunner().invoke(main, ["show", "--db", str(store), "t3"])
     assert r.exit_code == 0 and "view: http://127.0.0.1:8790/trajectory/t3" in r.stderr
     r = CliRunner().invoke(main, ["show", "--db", str(store), "t1", "--strategy", "per-request"])
@@ -423,5 +423,5 @@ def test_show_prints_the_viewer_url_when_a_viewer_runs_over_the_store(
     other.write_bytes(store.read_bytes())
     r = CliRunner().invoke(main, ["show", "--db", str(other), "t3"])
     assert "view:" not in r.stderr  # a viewer of another store is not named
-    commands._register(store, "http://127.0.0.1:8790", remove=True)
-    assert commands.running_url(store) is None
+    viewers.register(store, "http://127.0.0.1:8790", remove=True)
+    assert viewers.running_url(store) is None

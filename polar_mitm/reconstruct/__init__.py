@@ -1,7 +1,7 @@
 """Offline reconstruction: stored turns → training rows (per-request or prefix-merged) → files.
 
 `per_request` and `prefix_merge` are pure functions over `Turn`s; `export` streams a store
-through one of them into parquet or JSON lines; `commands` holds the click commands.
+through one of them into parquet or JSON lines. Its commands are in `polar_mitm/cli/data.py`.
 """
 
 from polar_mitm.reconstruct.per_request import per_request

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from polar_mitm.cli_options import is_loopback
+from polar_mitm.netaddr import is_loopback
 
 # Ray's single-node switch (the mode it runs in on macOS and Windows), read when ray is imported.
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

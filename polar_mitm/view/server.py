@@ -27,7 +27,7 @@ import numpy as np
 from aiohttp import web
 
 from polar_mitm import sse
-from polar_mitm.cli_options import is_loopback
+from polar_mitm.netaddr import is_loopback
 from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.groups import group_advantages

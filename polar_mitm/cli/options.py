@@ -5,13 +5,12 @@ Options that configure a model are made from the model's fields (`model_options`
 an option (named after the field unless its `Flag` names it otherwise), typed, bounded and
 defaulted by the field, and only the options given are passed on (the field's own default holds
 otherwise). The policy's are `PolicyConfig`'s (`policy_options`, `make_policy_config`); the
-pipeline's sizes are `RolloutOptions`' (`rollout/commands.py`'s `worker_options`). A new field is
+pipeline's sizes are `RolloutOptions`' (`cli/rollout.py`'s `worker_options`). A new field is
 a new option; a `Flag` only adds what the field cannot say (help, an environment variable, a check).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -171,7 +170,7 @@ def _click_type(field: str, annotation: Any, metadata: Iterable[Any] = ()) -> cl
             return click.IntRange(min=low[0])
     if annotation in (str, int, float, bool):
         return click.types.convert_type(annotation)
-    raise TypeError(f"{field}: no command-line type for {annotation!r}; declare one in cli_options")
+    raise TypeError(f"{field}: no command-line type for {annotation!r}; declare one in cli/options.py")
 
 
 def _option(field: str, info: FieldInfo, flags: dict[str, Flag]) -> Callable[[Any], Any]:
@@ -255,13 +254,3 @@ def split_listen(value: str, example: str = "127.0.0.1:8080") -> tuple[str, int]
 def listen_option(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
     """`split_listen` as a click callback."""
     return split_listen(value)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine's loopback (what a server may bind without TLS)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

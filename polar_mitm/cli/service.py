@@ -10,8 +10,9 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.cli_options import given, is_loopback, make_policy_config, policy_options, split_listen
-from polar_mitm.rollout.commands import task_options, worker_options
+from polar_mitm.cli.options import given, make_policy_config, policy_options, split_listen
+from polar_mitm.cli.rollout import task_options, worker_options
+from polar_mitm.netaddr import is_loopback
 from polar_mitm.rollout.options import WORKER_FIELDS
 from polar_mitm.strategies import Strategy, choices
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.cli_options import listen_option, make_policy_config, policy_options
+from polar_mitm.cli.options import listen_option, make_policy_config, policy_options
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -388,14 +388,14 @@ def tokenizer_build(kind, out) -> None:
     click.echo(str(path))
 
 
-from polar_mitm.fake.cli import fake_backend  # noqa: E402
+from polar_mitm.cli.fake import fake_backend  # noqa: E402
 
 main.add_command(fake_backend)
 
-from polar_mitm.reconstruct.commands import COMMANDS  # noqa: E402
-from polar_mitm.rollout.commands import rollout  # noqa: E402
-from polar_mitm.service.commands import COMMANDS as SERVICE_COMMANDS  # noqa: E402
-from polar_mitm.view.commands import COMMANDS as VIEW_COMMANDS  # noqa: E402
+from polar_mitm.cli.data import COMMANDS  # noqa: E402
+from polar_mitm.cli.rollout import rollout  # noqa: E402
+from polar_mitm.cli.service import COMMANDS as SERVICE_COMMANDS  # noqa: E402
+from polar_mitm.cli.view import COMMANDS as VIEW_COMMANDS  # noqa: E402
 
 main.add_command(rollout)
 for _c in SERVICE_COMMANDS:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.cli_options import is_loopback, split_listen
+from polar_mitm.cli.options import split_listen
+from polar_mitm.netaddr import is_loopback
 from polar_mitm.reconstruct.viewers import register as _register
 from polar_mitm.reconstruct.viewers import running_url  # noqa: F401  (show asks it)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from polar_mitm.cli_options import Flag, given, make_policy_config, model_options, policy_options
+from polar_mitm.cli.options import Flag, given, make_policy_config, model_options, policy_options
 from polar_mitm.rollout.options import WORKER_FIELDS, RolloutOptions, default_workers
 from polar_mitm.sandbox import RUNTIMES
 from polar_mitm.strategies import Normalize, Strategy, choices
