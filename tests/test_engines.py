@@ -20,9 +20,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.fake import STATE, FakeBackendConfig, Fault, start_fake_backend
 from polar_mitm.harness.preflight import PreflightError, check_policy
+from polar_mitm.policy import Policy, PolicyConfig
 from polar_mitm.store.db import Store
 from tests.conftest import GatewayRig
 from tests.routers import Router, require_router

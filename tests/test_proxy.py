@@ -334,7 +334,7 @@ async def test_tokenizer_defaults_to_the_servers_model_info(make_stack, qwen_tok
     async with stack.client() as c:
         r = await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
     assert r.status_code == 200
-    assert stack.proxy.policy._tok.path == str(qwen_tokenizer_dir)
+    assert stack.proxy.policy.discovery._tok.path == str(qwen_tokenizer_dir)
 
 
 async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_stack):
@@ -342,7 +342,7 @@ async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_s
 
     stack = await make_stack(policy={"tokenizer": None})
     # A real SGLang server often reports a hub id, which is not a directory on this machine.
-    stack.proxy.policy._info = ModelInfo(model_path="Qwen/Qwen3-8B", tokenizer_path="Qwen/Qwen3-8B")
+    stack.proxy.policy.discovery._info = ModelInfo(model_path="Qwen/Qwen3-8B", tokenizer_path="Qwen/Qwen3-8B")
     async with stack.client() as c:
         r = await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
     assert r.status_code == 500
