@@ -399,6 +399,28 @@ async def test_reasoning_tokens_are_counted_up_to_the_closing_tag(make_stack, qw
     )
 
 
+async def test_reasoning_tokens_are_counted_up_to_the_parsers_own_closing_marker(
+    make_stack, qwen_tokenizer_dir
+):
+    """The bug: the count looked for `</think>` whatever the reasoning parser, so kimi's
+    ◁think▷…◁/think▷ (several tokens in the vocabulary) counted the whole reply as reasoning."""
+    stack = await make_stack(
+        backend={"script": [{"match": "", "text": "◁think▷Weigh the options.◁/think▷The answer is 4."}]},
+        policy={"reasoning_parser": "kimi", "tool_parser": "none"},
+    )
+    async with stack.client() as c:
+        r = await c.post("https://api.openai.com/v1/responses", json={"model": "gpt-x", "input": "2+2?"})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    [turn] = list(read_turns(stack.db))
+    tok = Tokenizer.load(qwen_tokenizer_dir)
+    n = usage["output_tokens_details"]["reasoning_tokens"]
+    assert tok.token_id("◁/think▷") is None  # several tokens: found by text, not by id
+    assert tok.decode(turn.output_ids[:n]).endswith("◁/think▷")
+    assert "◁/think▷" not in tok.decode(turn.output_ids[: n - 1])
+    assert 0 < n < usage["output_tokens"] == len(turn.output_ids)
+
+
 CODER_CALL = [
     {
         "match": "",
