@@ -278,6 +278,35 @@ async def test_a_hung_scheduler_fails_the_turn_after_engine_dead_after_not_the_f
         await runner.cleanup()
 
 
+async def test_chat_mode_waits_through_the_same_loop_pings_then_fails_a_hung_engine_after_engine_dead_after(
+    tmp_path, qwen_tokenizer_dir
+):
+    """Chat mode shares render mode's wait loop: a slow reply keeps the harness alive with pings,
+    and a stuck scheduler fails the turn by its health check, not the first-token timeout."""
+    runner, url = await fake(qwen_tokenizer_dir, first_token_delay=1.0)
+    try:
+        async with Rig(
+            tmp_path,
+            qwen_tokenizer_dir,
+            url,
+            backend_mode="chat",
+            engine_dead_after=1.0,
+            engine_probe_interval=0.25,
+        ) as rig:
+            body = {"model": MODEL, "max_tokens": 64, "stream": True, "messages": [user("say hi")]}
+            status, _, raw = await rig.gw.post("anthropic", body)
+            assert status == 200 and raw.count(b"event: ping") >= 3, raw[:500]  # ping_interval 0.2 s
+            assert b"message_stop" in raw
+            runner.app[STATE].faults.append(Fault(mode="hang", path="/v1/chat/completions"))
+            t0 = time.monotonic()
+            status, reply = await rig.turn([user("say hi again")])
+            took = time.monotonic() - t0
+            assert status == 529 and "failed its health check (/health_generate)" in json.dumps(reply)
+            assert 0.9 < took < 3.5, took
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_slow_but_live_engine_keeps_the_whole_first_token_timeout(tmp_path, qwen_tokenizer_dir):
     runner, url = await fake(qwen_tokenizer_dir, first_token_delay=2.0)
     try:
