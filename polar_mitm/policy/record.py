@@ -60,9 +60,11 @@ def turn_record(
     """The stored form of one generation; post_hash lets a later echo of the reply find it.
 
     Built without validation: every value is ours or already checked (a 30k-token prompt would
-    otherwise be validated id by id on every turn)."""
+    otherwise be validated id by id on every turn). `created_at` is given rather than left to its
+    default factory, whose signature pydantic would inspect on every turn."""
     return Turn.model_construct(
         id=turn_id,
+        created_at=time.time(),
         session_id=ctx.session_id,
         style=req.style,
         host=ctx.host,
