@@ -19,6 +19,8 @@ from polar_mitm.policy.config import PolicyConfig
 
 
 class Discovery:
+    """The engines' model info, tokenizer and parsers, each asked for once and kept."""
+
     def __init__(self, config: PolicyConfig, client: SGLangClient, engines: EnginePool):
         self.config = config
         self.client = client

@@ -21,6 +21,8 @@ from polar_mitm.store.db import Store
 
 
 class Policy:
+    """A neutral request in, a stream of neutral events out, every turn stored; one per proxy."""
+
     def __init__(self, config: PolicyConfig, store: Store):
         self.config = config
         self.store = store

@@ -12,6 +12,8 @@ from polar_mitm.neutral import Event, Ping, Started
 
 
 class WeightGate:
+    """Open unless paused; counts the generations under way."""
+
     def __init__(self, ping_interval: float):
         self.ping_interval = ping_interval
         self.event = asyncio.Event()  # set: open

@@ -97,6 +97,8 @@ def _finish(chunk: GenerateState | None, has_tool_calls: bool) -> tuple[str, str
 
 
 class Generation:
+    """Runs turns: the prompt, the engine call, the wait loop, the parse and the stored record."""
+
     def __init__(
         self,
         config: PolicyConfig,

@@ -40,6 +40,8 @@ def template_kwargs(req: ChatRequest) -> dict[str, Any]:
 
 
 class Prompts:
+    """Prompt ids for requests, and the per-conversation caches that make the next turn cheap."""
+
     # New messages up to this size are rendered on the event loop (about a millisecond).
     INLINE_RENDER_CHARS = 16_000
     # Serialized sequences kept for splicing (bytes, ~6 per token): a few sessions' worth each.
