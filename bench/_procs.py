@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -183,6 +184,12 @@ def workdir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
+def _py_spy() -> str:
+    """py-spy beside the interpreter, else the one on PATH (e.g. installed apart from the venv)."""
+    here = VENV_BIN / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy") or str(here)
+
+
 class Profile:
     """`py-spy record` on a process while the `with` block runs; `top()` gives the frames that
     hold the most samples (inclusive), from py-spy's raw (collapsed-stack) output."""
@@ -194,7 +201,7 @@ class Profile:
     def __enter__(self) -> Profile:
         self.popen = subprocess.Popen(
             [
-                str(VENV_BIN / "py-spy"),
+                _py_spy(),
                 "record",
                 "--pid",
                 str(self.pid),

@@ -34,8 +34,8 @@ from _procs import start_fake, workdir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from polar_mitm.backends.policy import Policy, PolicyConfig  # noqa: E402
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
+from polar_mitm.policy import Policy, PolicyConfig  # noqa: E402
 from polar_mitm.proxy.gateway import Gateway  # noqa: E402
 from polar_mitm.store.writer import Store  # noqa: E402
 from tests.conftest import GatewayRig  # noqa: E402

@@ -28,9 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+from polar_mitm.policy import PolicyConfig
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, proxy_url
 from polar_mitm.sandbox.base import HarnessMount, SandboxSpec
 from polar_mitm.sandbox.channel import Channel

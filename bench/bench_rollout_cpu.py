@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _procs import start_fake  # noqa: E402
 
-from polar_mitm.backends.policy import PolicyConfig  # noqa: E402
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
+from polar_mitm.policy import PolicyConfig  # noqa: E402
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig  # noqa: E402
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions  # noqa: E402
 from polar_mitm.sandbox import make_runtime  # noqa: E402

@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 from polar_mitm.client import AsyncRolloutClient
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+from polar_mitm.policy import PolicyConfig
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
 from polar_mitm.sandbox.tempdir import TempdirRuntime

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+from polar_mitm.policy import PolicyConfig
 from polar_mitm.providers import anthropic
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.store.reader import read_turns

@@ -74,8 +74,8 @@ class Stack:
 @pytest.fixture
 async def make_stack(tmp_path, certs_dir, qwen_tokenizer_dir):
     """await make_stack(backend=dict(...), policy=dict(...), backend_up=True) -> Stack."""
-    from polar_mitm.backends.policy import PolicyConfig
     from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+    from polar_mitm.policy import PolicyConfig
     from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 
     started: list[Stack] = []
@@ -177,8 +177,8 @@ async def start_gateway_rig(
     """(rig, close): a GatewayRig and the coroutine function that stops everything it started."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from polar_mitm.backends.policy import Policy, PolicyConfig
     from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+    from polar_mitm.policy import Policy, PolicyConfig
     from polar_mitm.proxy.gateway import Gateway
     from polar_mitm.store.writer import Store
 

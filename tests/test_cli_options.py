@@ -3,9 +3,9 @@
 import click
 from click.testing import CliRunner
 
-from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.cli import main
 from polar_mitm.cli.options import make_policy_config, policy_options
+from polar_mitm.policy import PolicyConfig
 
 
 @click.command()

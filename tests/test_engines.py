@@ -20,9 +20,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.fake import STATE, FakeBackendConfig, Fault, start_fake_backend
 from polar_mitm.harness.preflight import PreflightError, check_policy
+from polar_mitm.policy import Policy, PolicyConfig
 from polar_mitm.store.writer import Store
 from tests.conftest import GatewayRig
 from tests.routers import Router, require_router
@@ -274,6 +274,35 @@ async def test_a_hung_scheduler_fails_the_turn_after_engine_dead_after_not_the_f
             assert 0.9 < took < 3.5, took
             async with aiohttp.ClientSession() as http, http.get(url + "/health") as r:
                 assert r.status == 200  # the HTTP process is up all along: /health alone would not tell
+    finally:
+        await runner.cleanup()
+
+
+async def test_chat_mode_waits_through_the_same_loop_pings_then_fails_a_hung_engine_after_engine_dead_after(
+    tmp_path, qwen_tokenizer_dir
+):
+    """Chat mode shares render mode's wait loop: a slow reply keeps the harness alive with pings,
+    and a stuck scheduler fails the turn by its health check, not the first-token timeout."""
+    runner, url = await fake(qwen_tokenizer_dir, first_token_delay=1.0)
+    try:
+        async with Rig(
+            tmp_path,
+            qwen_tokenizer_dir,
+            url,
+            backend_mode="chat",
+            engine_dead_after=1.0,
+            engine_probe_interval=0.25,
+        ) as rig:
+            body = {"model": MODEL, "max_tokens": 64, "stream": True, "messages": [user("say hi")]}
+            status, _, raw = await rig.gw.post("anthropic", body)
+            assert status == 200 and raw.count(b"event: ping") >= 3, raw[:500]  # ping_interval 0.2 s
+            assert b"message_stop" in raw
+            runner.app[STATE].faults.append(Fault(mode="hang", path="/v1/chat/completions"))
+            t0 = time.monotonic()
+            status, reply = await rig.turn([user("say hi again")])
+            took = time.monotonic() - t0
+            assert status == 529 and "failed its health check (/health_generate)" in json.dumps(reply)
+            assert 0.9 < took < 3.5, took
     finally:
         await runner.cleanup()
 

@@ -280,8 +280,8 @@ def test_timeouts_have_defaults_for_real_engines_and_command_line_options():
     import click
     from click.testing import CliRunner
 
-    from polar_mitm.backends.policy import PolicyConfig
     from polar_mitm.cli.options import make_policy_config, policy_options
+    from polar_mitm.policy import PolicyConfig
 
     assert (PolicyConfig().first_token_timeout, PolicyConfig().idle_timeout) == (600, 120)
 

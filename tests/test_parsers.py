@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from polar_mitm.backends.parsers import REASONING_PARSERS, TOOL_PARSERS, OutputParser
-from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.backends.sglang import ModelInfo
 from polar_mitm.neutral import ProviderError, ReasoningDelta, TextDelta, Tool, ToolCallEvent
+from polar_mitm.policy import Policy, PolicyConfig
 
 SAMPLE = (
     "<think>\nI should list files.\n</think>\n\nLet me look.\n"
@@ -336,7 +336,7 @@ def test_a_parser_the_server_reports_that_we_do_not_implement_is_a_provider_erro
     async def model_info():
         return ModelInfo(tool_call_parser="pythonic")
 
-    policy.model_info = model_info
+    policy.discovery.model_info = model_info
     with pytest.raises(ProviderError, match="unknown tool parser 'pythonic'") as e:
         asyncio.run(policy.parsers())
     assert (e.value.kind, e.value.status) == ("api_error", 500)

@@ -334,7 +334,7 @@ async def test_tokenizer_defaults_to_the_servers_model_info(make_stack, qwen_tok
     async with stack.client() as c:
         r = await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
     assert r.status_code == 200
-    assert stack.proxy.policy._tok.path == str(qwen_tokenizer_dir)
+    assert stack.proxy.policy.discovery._tok.path == str(qwen_tokenizer_dir)
 
 
 async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_stack):
@@ -342,7 +342,7 @@ async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_s
 
     stack = await make_stack(policy={"tokenizer": None})
     # A real SGLang server often reports a hub id, which is not a directory on this machine.
-    stack.proxy.policy._info = ModelInfo(model_path="Qwen/Qwen3-8B", tokenizer_path="Qwen/Qwen3-8B")
+    stack.proxy.policy.discovery._info = ModelInfo(model_path="Qwen/Qwen3-8B", tokenizer_path="Qwen/Qwen3-8B")
     async with stack.client() as c:
         r = await c.post(URL, json=body([{"role": "user", "content": "hi"}]))
     assert r.status_code == 500
@@ -397,6 +397,28 @@ async def test_reasoning_tokens_are_counted_up_to_the_closing_tag(make_stack, qw
         < usage["output_tokens"]
         == len(turn.output_ids)
     )
+
+
+async def test_reasoning_tokens_are_counted_up_to_the_parsers_own_closing_marker(
+    make_stack, qwen_tokenizer_dir
+):
+    """The bug: the count looked for `</think>` whatever the reasoning parser, so kimi's
+    ◁think▷…◁/think▷ (several tokens in the vocabulary) counted the whole reply as reasoning."""
+    stack = await make_stack(
+        backend={"script": [{"match": "", "text": "◁think▷Weigh the options.◁/think▷The answer is 4."}]},
+        policy={"reasoning_parser": "kimi", "tool_parser": "none"},
+    )
+    async with stack.client() as c:
+        r = await c.post("https://api.openai.com/v1/responses", json={"model": "gpt-x", "input": "2+2?"})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    [turn] = list(read_turns(stack.db))
+    tok = Tokenizer.load(qwen_tokenizer_dir)
+    n = usage["output_tokens_details"]["reasoning_tokens"]
+    assert tok.token_id("◁/think▷") is None  # several tokens: found by text, not by id
+    assert tok.decode(turn.output_ids[:n]).endswith("◁/think▷")
+    assert "◁/think▷" not in tok.decode(turn.output_ids[: n - 1])
+    assert 0 < n < usage["output_tokens"] == len(turn.output_ids)
 
 
 CODER_CALL = [

@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.client import AsyncRolloutClient, RolloutClient, RolloutError
+from polar_mitm.policy import PolicyConfig
 from polar_mitm.procs import kill_group
 from polar_mitm.service.node import GatewayNode, NodeConfig, spawn_node, stop_node
 from polar_mitm.service.server import RolloutServer

@@ -78,9 +78,9 @@ def test_run_with_a_tokenizer_directory_lacking_tokenizer_json_says_so(tmp_path,
 async def test_check_policy_refuses_a_backend_tokenizer_path_that_is_not_here(tiny_tokenizer_dir):
     import pytest
 
-    from polar_mitm.backends.policy import PolicyConfig
     from polar_mitm.fake import STATE, FakeBackendConfig, start_fake_backend
     from polar_mitm.harness.preflight import PreflightError, check_policy
+    from polar_mitm.policy import PolicyConfig
 
     runner, url = await start_fake_backend(FakeBackendConfig(tokenizer_path=str(tiny_tokenizer_dir)))
     try:
@@ -214,7 +214,7 @@ async def test_a_port_taken_after_the_check_fails_the_start_at_once(
 
     import pytest
 
-    from polar_mitm.backends.policy import PolicyConfig
+    from polar_mitm.policy import PolicyConfig
     from polar_mitm.proxy import embedded as proxy
     from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, ProxyStartError
 

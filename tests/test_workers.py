@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polar_mitm.backends.policy import PolicyConfig
+from polar_mitm.policy import PolicyConfig
 from polar_mitm.proxy.embedded import ProxyConfig, ProxyStartError
 from polar_mitm.proxy.workers import WorkerPool, pick, session_of
 from polar_mitm.store.migrations import MIGRATIONS

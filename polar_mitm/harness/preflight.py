@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.backends.sglang import ModelInfo, NoWorkers, SGLangClient
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import ProviderError
+from polar_mitm.policy import PolicyConfig
 
 EXIT_CONFIG = 78  # EX_CONFIG: the backend or the tokenizer is not usable; nothing was started
 BUILD_HINT = "build one with `polar-mitm tokenizer build --kind qwen --out {dir}`"

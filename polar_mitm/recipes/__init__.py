@@ -37,7 +37,10 @@ class CallText:
         users = [m.content for m in self.req.messages if m.role == "user"]
         return users[-1] if users else None
 
-    def system_contains(self, needle: str) -> bool:
+    @cached_property
+    def _found(self) -> dict[str, bool]:
+        """What is known of this system prompt, looked up once per request: each lookup of a new
+        request's prompt compares its whole text with the one remembered."""
         found = _system_found.get(self.system)
         if found is None:
             found = _system_found[self.system] = {}
@@ -45,6 +48,10 @@ class CallText:
                 _system_found.popitem(last=False)
         else:
             _system_found.move_to_end(self.system)
+        return found
+
+    def system_contains(self, needle: str) -> bool:
+        found = self._found
         hit = found.get(needle)
         if hit is None:
             hit = found[needle] = needle in self.system

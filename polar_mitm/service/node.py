@@ -31,8 +31,8 @@ from pydantic import BaseModel, Field
 
 from polar_mitm import api as m
 from polar_mitm import auth, procs
-from polar_mitm.backends.policy import PolicyConfig
 from polar_mitm.outcomes import trainable
+from polar_mitm.policy import PolicyConfig
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection

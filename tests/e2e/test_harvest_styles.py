@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.backends.policy import Policy, PolicyConfig
 from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+from polar_mitm.policy import Policy, PolicyConfig
 from polar_mitm.proxy.gateway import Gateway
 from polar_mitm.store.writer import Store
 from tests.conftest import _self_signed

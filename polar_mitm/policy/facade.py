@@ -1,0 +1,105 @@
+"""`Policy`: the one object the gateway and the service hold — a neutral ChatRequest in, a stream
+of neutral events out. It wires the rooms of this package together and keeps their public
+surface in one place: discovery (what the engines are), the weight-sync gate, prompts (render,
+splice, their caches), generation (render and chat mode) and the turn record."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from polar_mitm.backends.engines import EnginePool
+from polar_mitm.backends.sglang import ModelInfo, SGLangClient
+from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.neutral import ChatRequest, Completion, Done, Event, ProviderError
+from polar_mitm.policy.config import PolicyConfig, TurnContext
+from polar_mitm.policy.discovery import Discovery
+from polar_mitm.policy.gate import WeightGate
+from polar_mitm.policy.generate import Generation
+from polar_mitm.policy.prompt import Prompts
+from polar_mitm.store.writer import Store
+
+
+class Policy:
+    """A neutral request in, a stream of neutral events out, every turn stored; one per proxy."""
+
+    def __init__(self, config: PolicyConfig, store: Store):
+        self.config = config
+        self.store = store
+        # Info requests (/model_info …) are small: the idle limit bounds them too.
+        urls = config.backend_urls or [config.backend_url]
+        self.client = SGLangClient(
+            urls[0], timeout=config.idle_timeout, api_key=config.backend_api_key, kind=config.backend_kind
+        )
+        self.engines = EnginePool(
+            urls,
+            self.client.alive,
+            kind="vllm" if config.backend_kind == "vllm" else "sglang",
+            interval=config.engine_probe_interval or 5.0,
+        )
+        self.discovery = Discovery(config, self.client, self.engines)
+        self.weights = WeightGate(config.ping_interval)
+        self.prompts = Prompts(config, store, self.discovery)
+        self.generation = Generation(
+            config, store, self.client, self.engines, self.discovery, self.prompts, self.weights
+        )
+
+    # -- weight sync -----------------------------------------------------------------------------
+
+    @property
+    def gate(self) -> asyncio.Event:
+        """Set while generations may start."""
+        return self.weights.event
+
+    @property
+    def generating(self) -> int:
+        """Generations under way."""
+        return self.weights.generating
+
+    def pause(self) -> None:
+        """Start no new generation until `resume` (those under way finish)."""
+        self.weights.pause()
+
+    def resume(self) -> None:
+        self.weights.resume()
+
+    # -- what the engines are --------------------------------------------------------------------
+
+    async def model_info(self) -> ModelInfo:
+        return await self.discovery.model_info()
+
+    async def engine_kind(self) -> str:
+        return await self.discovery.engine_kind()
+
+    async def context_length(self) -> int | None:
+        return await self.discovery.context_length()
+
+    async def tokenizer(self) -> Tokenizer:
+        return await self.discovery.tokenizer()
+
+    async def parsers(self) -> tuple[str | None, str | None]:
+        return await self.discovery.parsers()
+
+    # -- prompts and generation ------------------------------------------------------------------
+
+    async def prompt(self, req: ChatRequest, session_id: str) -> tuple[list[int], str | None, int, list[str]]:
+        """(prompt ids, referenced turn, tokens reused from it, conversation hashes)."""
+        return await self.prompts.prompt(req, session_id)
+
+    async def count_tokens(self, req: ChatRequest) -> int:
+        return await self.prompts.count_tokens(req)
+
+    def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+        if self.config.backend_mode == "chat":
+            return self.generation.stream_chat(req, ctx)
+        return self.generation.stream(req, ctx)
+
+    async def complete(self, req: ChatRequest, ctx: TurnContext) -> Completion:
+        async for ev in self.stream(req, ctx):
+            if isinstance(ev, Done):
+                return ev.completion
+        raise ProviderError("api_error", "generation ended without a result", 500)
+
+    async def close(self) -> None:
+        await self.engines.close()
+        await self.client.close()

@@ -1,0 +1,433 @@
+"""One generation, from a neutral request to a stream of neutral events, in either backend mode:
+render (we render the prompt ids and stream `/generate`, parsing the text as it comes) or chat
+(the server renders, and its whole reply comes at once).
+
+Both wait on the engine through one loop (`paced`): keep-alive pings while nothing arrives, the
+first-token and idle limits, and the engine's liveness probes until its first token. Both commit
+the turn to the store before the final event is yielded, so the harness never sees the end of a
+reply that is not on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
+from polar_mitm.backends.engines import Engine, EnginePool
+from polar_mitm.backends.parsers import OutputParser, new_call_id
+from polar_mitm.backends.render import PromptIds
+from polar_mitm.backends.sglang import (
+    EngineUnreachable,
+    GenerateState,
+    SGLangClient,
+    ids_json,
+    sampling_params,
+    vllm_params,
+)
+from polar_mitm.neutral import (
+    ChatRequest,
+    Completion,
+    Done,
+    Event,
+    Ping,
+    ProviderError,
+    ReasoningDelta,
+    Started,
+    TextDelta,
+    ToolCallEvent,
+    Usage,
+    new_turn_id,
+)
+from polar_mitm.policy.config import PolicyConfig, TurnContext
+from polar_mitm.policy.discovery import Discovery
+from polar_mitm.policy.gate import WeightGate
+from polar_mitm.policy.prompt import Prompts, join_ids
+from polar_mitm.policy.record import reasoning_token_count, turn_record
+from polar_mitm.store.turn import Turn
+from polar_mitm.store.writer import Store
+
+log = logging.getLogger("polar_mitm.policy")
+
+T = TypeVar("T")
+
+
+def _aborted(fr: Any) -> bool:
+    return isinstance(fr, dict) and fr.get("type") == "abort"
+
+
+def abort_error(fr: dict[str, Any], backend_url: str) -> ProviderError:
+    """What the harness is told when the engine aborted its generation (SGLang's finish_reason
+    `{"type": "abort"}`: a weight update, a scheduler restart, an operator's /abort_request).
+
+    The reply is incomplete, so it is an error, never a finished turn: a retryable one in the
+    style's own shape, unless the engine says the request itself was at fault."""
+    detail = fr.get("message") or "aborted"
+    if fr.get("status_code") in (400, 422):
+        return ProviderError("invalid_request", f"policy backend aborted the request: {detail}", 400)
+    return ProviderError(
+        "overloaded",
+        f"policy backend {backend_url} aborted the generation ({detail}); retry the request",
+        529,
+    )
+
+
+def _chat_abort(data: Any) -> dict[str, Any] | None:
+    """SGLang's abort finish reason in a chat completion (the choice's, or its meta_info's)."""
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        return None
+    fr = (choice.get("meta_info") or {}).get("finish_reason")
+    if _aborted(fr):
+        return fr
+    return {"type": "abort"} if choice.get("finish_reason") == "abort" else None
+
+
+def _finish(chunk: GenerateState | None, has_tool_calls: bool) -> tuple[str, str | None]:
+    fr = (chunk.finish_reason if chunk else None) or {}
+    kind = fr.get("type")
+    if kind == "length":
+        return "length", None
+    matched = fr.get("matched")
+    stop_seq = matched if isinstance(matched, str) else None
+    return ("tool_calls" if has_tool_calls else "stop"), stop_seq
+
+
+class Generation:
+    """Runs turns: the prompt, the engine call, the wait loop, the parse and the stored record."""
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        store: Store,
+        client: SGLangClient,
+        engines: EnginePool,
+        discovery: Discovery,
+        prompts: Prompts,
+        gate: WeightGate,
+    ):
+        self.config = config
+        self.store = store
+        self.client = client
+        self.engines = engines
+        self.discovery = discovery
+        self.prompts = prompts
+        self.gate = gate
+
+    # -- waiting on the engine -------------------------------------------------------------------
+
+    async def paced(
+        self,
+        receive: Callable[[float], Awaitable[T | None]],
+        engine: Engine,
+        waiting_first: Callable[[], bool],
+    ) -> AsyncIterator[T | None]:
+        """What `receive(timeout)` brings, and None each `ping_interval` that brought nothing (the
+        caller pings the harness). While `waiting_first()` the first-token limit applies and the
+        engine's liveness is watched; after, the idle limit since the last arrival. Raises the
+        retryable error when a limit passes or the engine fails its probes. Close it (aclosing)."""
+        loop = asyncio.get_running_loop()
+        heard = loop.time()  # when the request went out, then when the last chunk came
+        watch = self._first_token_watch(engine)
+        try:
+            while True:
+                first = waiting_first()
+                limit = self.config.first_token_timeout if first else self.config.idle_timeout
+                left = heard + limit - loop.time() if limit else None
+                last_wait = left is not None and left <= self.config.ping_interval
+                got = await receive(max(left, 0.0) if last_wait else self.config.ping_interval)
+                if got is None:
+                    if last_wait:
+                        raise self.silence(first_token=first, url=engine.url)
+                    if watch is not None and watch.done() and first:
+                        raise self.engine_dead(engine)
+                    yield None
+                    continue
+                heard = loop.time()
+                if watch is not None:
+                    watch.cancel()
+                    watch = None
+                yield got
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def _first_token_watch(self, engine: Engine) -> asyncio.Task | None:
+        """A task that ends when `engine` has failed its liveness probes for engine_dead_after
+        seconds (None when probing is off)."""
+        if not self.config.engine_dead_after or not self.config.engine_probe_interval:
+            return None
+        return asyncio.ensure_future(self.engines.watch(engine, self.config.engine_dead_after))
+
+    def engine_dead(self, engine: Engine) -> ProviderError:
+        """The retryable error for a turn whose engine stopped passing its liveness check."""
+        self.engines.mark_dead(engine, "failed its health check")
+        return ProviderError(
+            "overloaded",
+            f"policy backend {engine.url} failed its health check ({self.engines.health_path}) for "
+            f"{self.config.engine_dead_after:g} s (--engine-dead-after); retry the request",
+            529,
+        )
+
+    def silence(self, first_token: bool, url: str | None = None) -> ProviderError:
+        """The retryable error for a backend that went quiet for longer than it may."""
+        if first_token:
+            what, limit, option = "sent no token", self.config.first_token_timeout, "--first-token-timeout"
+        else:
+            what, limit, option = "stopped sending tokens", self.config.idle_timeout, "--idle-timeout"
+        return ProviderError(
+            "overloaded",
+            f"policy backend {url or self.config.backend_url} {what} for {limit:g} s ({option}); "
+            "retry the request",
+            529,
+        )
+
+    # -- render mode -----------------------------------------------------------------------------
+
+    async def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+        t0 = time.perf_counter()
+        tok = await self.discovery.tokenizer()
+        prompt_ids, ref, ref_len, hashes = await self.prompts.prompt(req, ctx.session_id)
+        tool_parser, reasoning_parser = await self.discovery.parsers()
+        parser = OutputParser(
+            tool_parser if req.tools else None,
+            reasoning_parser,
+            in_reasoning=await self.prompts.reasoning_open(req, reasoning_parser),
+            id_prefix=ctx.id_prefix,
+            tools=req.tools,  # formats with text values (qwen3_coder, glm45) type them by the schema
+        )
+        max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
+        if self.config.max_tokens_cap and max_tokens > self.config.max_tokens_cap:
+            max_tokens = self.config.max_tokens_cap
+        context = await self.discovery.context_length()
+        if context:
+            if len(prompt_ids) >= context:
+                raise ProviderError(
+                    "invalid_request",
+                    f"prompt is too long: {len(prompt_ids)} tokens > {context - 1} maximum of the policy",
+                    400,
+                )
+            # Harnesses ask for their provider's limits (Claude Code: 32k-64k); fit the policy's.
+            max_tokens = min(max_tokens, context - len(prompt_ids))
+        vllm = await self.discovery.engine_kind() == "vllm"
+        params = (vllm_params if vllm else sampling_params)(
+            req.sampling.model_copy(update={"max_tokens": max_tokens}),
+            default_max_tokens=self.config.default_max_tokens,
+        )
+        turn_id = new_turn_id()
+        committed = False
+        error: str | None = None
+        streamed, cumulative = await self.discovery.backend_streaming()
+        sent_ids = self.prompts.serialized(prompt_ids, ref, ref_len)
+        if isinstance(prompt_ids, PromptIds):
+            prompt_ids = prompt_ids[:]  # a plain list: array() and others take their fast path
+        key = self.prompts.routing_key(req, ctx.session_id, hashes, ref)
+        engine = self.engines.pick(key)
+        if vllm:
+            gen = self.client.complete_ids(sent_ids, params, stream=streamed, url=engine.url, routing_key=key)
+        else:
+            gen = self.client.generate(
+                sent_ids, params, stream=streamed, cumulative=cumulative, url=engine.url, routing_key=key
+            )
+        state = gen.state
+
+        def record(status: str, completion: Completion | None, finish_reason: str | None = None) -> Turn:
+            return turn_record(
+                turn_id,
+                req,
+                ctx,
+                status=status,
+                completion=completion,
+                prompt_ids=prompt_ids,
+                ref=ref,
+                ref_len=ref_len,
+                output_ids=state.output_ids,
+                output_logprobs=state.output_logprobs,
+                weight_version=state.weight_version,
+                msg_hash=hashes[-1],
+                error=error,
+                started=t0,
+                finish_reason=finish_reason,
+            )
+
+        async def receive(timeout: float) -> str | None:
+            return await gen.next(timeout, self.config.chunk_interval)
+
+        started = False
+        counted = False
+        try:
+            async for ev in self.gate.through(turn_id, len(prompt_ids)):
+                started = True
+                yield ev
+            self.gate.generating += 1
+            counted = True
+            # Until a first chunk (in whole mode: until the reply), the first-token limit.
+            async with contextlib.aclosing(self.paced(receive, engine, lambda: not state.chunks)) as deltas:
+                async for delta in deltas:
+                    if delta is None:
+                        if not started:
+                            started = True
+                            yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
+                        yield Ping()
+                        continue
+                    if not state.chunks:
+                        break  # the stream ended without a chunk
+                    if _aborted(state.finish_reason):
+                        break  # before Started: an abort on the first chunk sends the harness nothing
+                    if not started:
+                        started = True
+                        yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
+                    for ev in parser.feed(delta):
+                        yield ev
+                    if state.finish_reason is not None or gen.finished:
+                        break
+            if _aborted(state.finish_reason):
+                aborted = abort_error(state.finish_reason, engine.url)
+                error = aborted.message
+                # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
+                await asyncio.shield(self.store.insert_turn(record("aborted", None, finish_reason="abort")))
+                committed = True
+                raise aborted
+            for ev in parser.finish():
+                yield ev
+            finish, stop_seq = _finish(state if state.chunks else None, bool(parser.tool_calls))
+            completion = Completion(
+                turn_id=turn_id,
+                model=req.model,
+                text=parser.text,
+                reasoning=parser.reasoning,
+                tool_calls=parser.tool_calls,
+                finish_reason=finish,
+                stop_sequence=stop_seq,
+                usage=Usage(
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=len(state.output_ids),
+                    cached_tokens=state.cached_tokens or 0,
+                    reasoning_tokens=reasoning_token_count(
+                        tok, state.output_ids, reasoning_parser, bool(parser.reasoning)
+                    ),
+                ),
+            )
+            await asyncio.shield(self.store.insert_turn(record("ok", completion)))
+            committed = True
+            self.prompts.keep_key(turn_id, key)
+            self.prompts.keep_sent(
+                turn_id,
+                ref,
+                len(prompt_ids) + len(state.output_ids),
+                join_ids(sent_ids, ids_json(state.output_ids)),
+            )
+            yield Done(completion=completion)
+        except ProviderError as e:
+            error = e.message
+            if isinstance(e, EngineUnreachable):
+                self.engines.mark_dead(engine, e.message)
+            raise
+        finally:
+            if counted:
+                self.gate.generating -= 1
+            await gen.aclose()
+            if not committed and state.chunks:
+                status = "error" if error else "aborted"
+                try:
+                    await asyncio.shield(self.store.insert_turn(record(status, None)))
+                except Exception:  # never mask the original failure
+                    log.exception("could not record %s turn %s", status, turn_id)
+
+    # -- chat mode -------------------------------------------------------------------------------
+
+    async def stream_chat(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+        t0 = time.perf_counter()
+        turn_id = new_turn_id()
+        max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
+        if self.config.max_tokens_cap:
+            max_tokens = min(max_tokens, self.config.max_tokens_cap)
+        gated = False
+        async for ev in self.gate.through(turn_id, 0):
+            gated = True
+            yield ev
+        hashes, echo = await self.prompts.echoed_turn(req, ctx.session_id)
+        key = self.prompts.routing_key(req, ctx.session_id, hashes, echo[0] if echo is not None else None)
+        engine = self.engines.pick(key)
+        task = asyncio.ensure_future(
+            self.client.chat(chat_body(req, max_tokens), url=engine.url, routing_key=key)
+        )
+        gate = self.gate
+        gate.generating += 1
+        task.add_done_callback(lambda _: setattr(gate, "generating", gate.generating - 1))
+
+        async def receive(timeout: float) -> asyncio.Future | None:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            return task if done else None
+
+        try:
+            if not gated:
+                yield Started(turn_id=turn_id, prompt_tokens=0)
+            # The reply arrives whole: the first-token limit bounds it, the engine is watched throughout.
+            async with contextlib.aclosing(self.paced(receive, engine, lambda: True)) as waits:
+                async for done in waits:
+                    if done is not None:
+                        break
+                    yield Ping()
+            try:
+                data = task.result()
+            except EngineUnreachable as e:
+                self.engines.mark_dead(engine, e.message)
+                raise
+            result = parse_chat_result(data)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        abort = _chat_abort(data)
+        aborted = abort_error(abort, engine.url) if abort is not None else None
+        ref, ref_len = (
+            await self.prompts.extends(result.prompt_ids, echo[0]) if echo is not None else (None, 0)
+        )
+        calls = [c.model_copy(update={"id": new_call_id(ctx.id_prefix)}) for c in result.tool_calls]
+        completion = Completion(
+            turn_id=turn_id,
+            model=req.model,
+            text=result.text,
+            reasoning=result.reasoning,
+            tool_calls=calls,
+            finish_reason="tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason,
+            stop_sequence=result.stop_sequence,
+            usage=Usage(
+                prompt_tokens=len(result.prompt_ids),
+                completion_tokens=len(result.output_ids),
+                cached_tokens=result.cached_tokens,
+            ),
+        )
+        rec = turn_record(
+            turn_id,
+            req,
+            ctx,
+            status="aborted" if aborted else "ok",
+            completion=None if aborted else completion,
+            prompt_ids=result.prompt_ids,
+            ref=ref,
+            ref_len=ref_len,
+            output_ids=result.output_ids,
+            output_logprobs=result.output_logprobs,
+            weight_version=result.weight_version,
+            msg_hash=hashes[-1],
+            error=aborted.message if aborted else None,
+            started=t0,
+            finish_reason="abort" if aborted else None,
+        )
+        await asyncio.shield(self.store.insert_turn(rec))
+        if aborted is not None:
+            raise aborted  # an incomplete reply: the harness retries, the sampled tokens are kept
+        self.prompts.keep_key(turn_id, key)
+        if completion.reasoning:
+            yield ReasoningDelta(text=completion.reasoning)
+        if completion.text:
+            yield TextDelta(text=completion.text)
+        for c in calls:
+            yield ToolCallEvent(call=c)
+        yield Done(completion=completion)
