@@ -13,7 +13,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from polar_mitm.cli import main
-from tests.e2e.harness import Lines, free_port
+from tests.e2e.harness import Lines, free_port, port_of, printed_url
 
 POLAR = [sys.executable, "-m", "polar_mitm"]
 
@@ -120,13 +120,14 @@ def test_the_harness_flags_pass_through_with_or_without_double_dash(tmp_path, ba
 def test_proxy_prints_the_lines_each_harness_needs_and_they_work(tmp_path, backend_process, certs_dir):
     from polar_mitm.harness import node_proxy
 
-    port, db = free_port(), tmp_path / "shared.sqlite"
-    args = ["proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend_process.url, "--db", str(db)]
+    db = tmp_path / "shared.sqlite"
+    args = ["proxy", "--listen", "127.0.0.1:0", "--backend", backend_process.url, "--db", str(db)]
     proc = subprocess.Popen(
         [*POLAR, *args, "--certs", str(certs_dir), "--token", "tok"], stderr=subprocess.PIPE, text=True
     )
     try:
         printed = Lines(proc.stderr)
+        port = port_of(printed_url(printed.until("polar-mitm proxy on")))
         printed.until("# claude-code: ")
         claude = printed.next()
         printed.until("# generic: ")  # the other recipes, generic last

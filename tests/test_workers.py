@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,8 +17,8 @@ from polar_mitm.proxy.embedded import ProxyConfig, ProxyStartError
 from polar_mitm.proxy.workers import WorkerPool, pick, session_of
 from polar_mitm.store.db import read_turns
 from polar_mitm.store.migrations import MIGRATIONS
-from tests.e2e.harness import FakeBackend, free_port
-from tests.helpers import MESSAGES_URL
+from tests.e2e.harness import FakeBackend, port_of, printed_url
+from tests.helpers import MESSAGES_URL, wait_until
 
 
 def _auth(session: str, token: str = "x") -> bytes:
@@ -188,12 +187,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _gone(pids: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
+    return wait_until(
+        lambda: not any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids),
+        timeout,
+        message=f"processes {pids} to end",
+    )
 
 
 def _state(pid: int) -> str:
@@ -205,15 +203,15 @@ def _state(pid: int) -> str:
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_workers_end_with_the_front(tmp_path, certs_dir, qwen_tokenizer_dir, backend, how):
-    port = free_port()
     proc = subprocess.Popen(
-        _proxy_argv(port, backend, qwen_tokenizer_dir, tmp_path / "w.sqlite", certs_dir),
+        _proxy_argv(0, backend, qwen_tokenizer_dir, tmp_path / "w.sqlite", certs_dir),
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         line = proc.stderr.readline()
         assert "polar-mitm proxy on" in line and "2 workers" in line, line
+        port = port_of(printed_url(line))
         workers = _children(proc.pid)
         assert len(workers) == 2
         with httpx.Client(

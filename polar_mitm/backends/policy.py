@@ -268,6 +268,7 @@ class Policy:
         self.gate = asyncio.Event()
         self.gate.set()
         self.generating = 0
+        self._at_gate = 0
         # The serialized ids (`ids_json`) of recent turns' full sequences, so a spliced prompt is
         # sent as that text plus its new ids instead of re-serializing the whole conversation.
         self._sent_ids: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
@@ -281,16 +282,26 @@ class Policy:
     def resume(self) -> None:
         self.gate.set()
 
+    @property
+    def at_gate(self) -> int:
+        """How many turns are waiting at the closed gate now (read-only: a paused service, or a
+        test, sees that a call arrived and is held rather than guessing from elapsed time)."""
+        return self._at_gate
+
     async def _through_gate(self, turn_id: str, prompt_tokens: int) -> AsyncIterator[Event]:
         """While paused: the turn starts for the harness and keeps it alive with pings."""
         if self.gate.is_set():
             return
-        yield Started(turn_id=turn_id, prompt_tokens=prompt_tokens)
-        while not self.gate.is_set():
-            try:
-                await asyncio.wait_for(self.gate.wait(), self.config.ping_interval)
-            except TimeoutError:
-                yield Ping()
+        self._at_gate += 1
+        try:
+            yield Started(turn_id=turn_id, prompt_tokens=prompt_tokens)
+            while not self.gate.is_set():
+                try:
+                    await asyncio.wait_for(self.gate.wait(), self.config.ping_interval)
+                except TimeoutError:
+                    yield Ping()
+        finally:
+            self._at_gate -= 1
 
     async def close(self) -> None:
         await self.engines.close()
