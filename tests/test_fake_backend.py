@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonschema
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from polar_mitm.backends.parsers import OutputParser
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.fake import (
     DEFAULT_TEXT,
@@ -369,9 +371,55 @@ def test_the_scripted_model_answers_whatever_the_tool_schema(schema, where):
         params[where] = schema
     for name in ("Bash", "exec"):
         tool = {"type": "function", "function": {"name": name, "parameters": params}}
-        scripted_reply([Rule(match="run: (.+)", shell=r"\1")], chatml(("user", "run: ls"), tools=[tool]))
+        reply = scripted_reply(
+            [Rule(match="run: (.+)", shell=r"\1")], chatml(("user", "run: ls"), tools=[tool])
+        )
+        assert_runs_ls_with(name, params, reply)
     json.dumps(minimal_json_instance(schema))
-    scripted_reply([], "x", json_schema=schema if isinstance(schema, dict) else None)
+    answer = scripted_reply([], "x", json_schema=schema if isinstance(schema, dict) else None)
+    if isinstance(schema, dict) and _checked_schema(schema):
+        jsonschema.validate(json.loads(answer), schema)  # constrained decoding's answer is an instance
+
+
+def _checked_schema(schema: Any) -> bool:
+    """Whether `schema` is a JSON Schema its own metaschema accepts (only then can an instance be
+    checked against it)."""
+    if not isinstance(schema, dict):
+        return False
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except (jsonschema.SchemaError, TypeError, ValueError):
+        return False
+    return True
+
+
+def assert_runs_ls_with(name: str, params: Any, reply: str) -> None:
+    """The scripted reply to "run: ls" with one tool `name` offered: a call the proxy's own parser
+    reads, to that tool, running `ls` in one of the shell conventions; its other arguments valid
+    under the offered schema where that is a schema. A tool not recognised as a shell gets text."""
+    parser = OutputParser("qwen25", None)
+    parser.feed(reply)
+    parser.finish()
+    if not parser.tool_calls:
+        assert name != "Bash", reply  # Claude Code's shell tool is always recognised
+        assert reply == "I would run: ls"
+        return
+    [call] = parser.tool_calls
+    assert call.name == name and isinstance(call.arguments, dict), reply
+    args = call.arguments
+    key = next(k for k in ("command", "cmd", "commands", "input") if k in args)
+    assert {
+        "command": lambda v: v in ("ls", ["bash", "-lc", "ls"]),
+        "cmd": lambda v: v == "ls",
+        "commands": lambda v: v in ("ls", ["ls"]),
+        "input": lambda v: 'tools.exec_command({cmd: "ls"})' in v,
+    }[key](args[key]), args
+    if _checked_schema(params):
+        # The command is written in the shell tool's convention, which a schema may contradict;
+        # everything else (the other required arguments, no extra keys) follows the schema.
+        validator = jsonschema.validators.validator_for(params)(params)
+        errors = [e.message for e in validator.iter_errors(args) if list(e.path)[:1] != [key]]
+        assert not errors, (params, args, errors)
 
 
 # --- pure: models --------------------------------------------------------------------------------
