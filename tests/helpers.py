@@ -7,10 +7,20 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from types import ModuleType
 
 from polar_mitm import sse
 from polar_mitm.neutral import ChatRequest, Completion, Event, ProviderError, ToolCall, Usage
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` no longer runs: gone, or a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def wait_until[T](

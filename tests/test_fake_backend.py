@@ -359,6 +359,7 @@ def test_odd_tool_schemas_get_a_shell_call_not_a_crash(schema):
     minimal_json_instance(schema)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(schema=json_values, where=st.sampled_from(["schema", "properties", "required", "command"]))
 def test_the_scripted_model_answers_whatever_the_tool_schema(schema, where):

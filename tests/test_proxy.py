@@ -171,6 +171,7 @@ async def test_backend_garbage_or_errors_are_reported_and_nothing_is_written(mak
 LONG = [{"match": "", "text": " ".join(f"word{i}" for i in range(300))}]
 
 
+@pytest.mark.slow
 async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack):
     # Streamed from SGLang's default cumulative chunks (by default the policy asks for whole replies).
     stack = await make_stack(
@@ -198,6 +199,7 @@ async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack)
     assert turn.output_logprobs == [t[0] for t in full["meta_info"]["output_token_logprobs"][:n]]
 
 
+@pytest.mark.slow
 async def test_backend_dying_mid_stream_ends_the_stream_with_an_error_event(make_stack):
     stack = await make_stack(
         backend={"token_delay": 0.005, "script": LONG}, policy={"backend_stream": "stream"}
@@ -349,6 +351,7 @@ async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_s
     assert "pass --tokenizer" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 async def test_replies_stream_as_generated_with_pings_while_the_backend_is_silent(make_stack):
     import time
 

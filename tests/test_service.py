@@ -28,7 +28,7 @@ from polar_mitm.service.server import RolloutServer
 from polar_mitm.store.db import read_turns
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 from tests.e2e.harness import POLAR, FakeBackend, port_of, printed_url
-from tests.helpers import wait_until, wait_until_async
+from tests.helpers import process_gone, wait_until, wait_until_async
 from tests.test_rollout import MODEL_CALL
 
 ANSWER = "grep -q pass out.txt"
@@ -136,6 +136,7 @@ async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_groups_come_back_scored_through_the_client_with_exact_tokens(service, tmp_path):
     svc = await service(nodes=2)
     async with AsyncRolloutClient(svc.url) as client:
@@ -168,6 +169,7 @@ async def test_groups_come_back_scored_through_the_client_with_exact_tokens(serv
             assert s.weight_versions == ["0"]
 
 
+@pytest.mark.slow
 async def test_results_as_parquet_and_the_api_documents_itself(service):
     svc = await service(nodes=1)
 
@@ -239,6 +241,7 @@ async def test_bad_requests_get_the_field_named_and_tokens_are_checked(service):
     assert (await AsyncRolloutClient(svc.url, token="s3cret").status("t")).num_samples == 2
 
 
+@pytest.mark.slow
 async def test_cancelling_a_task_stops_its_samples_everywhere(service):
     svc = await service(nodes=1)
     async with AsyncRolloutClient(svc.url) as client:
@@ -268,6 +271,7 @@ async def test_cancelling_a_task_stops_its_samples_everywhere(service):
     assert pipeline.counts["running"] == 0 and pipeline.counts["done"] == 3
 
 
+@pytest.mark.slow
 async def test_early_stop_cancels_the_rest_of_a_group(service):
     svc = await service(nodes=1)
     async with AsyncRolloutClient(svc.url) as client:
@@ -292,6 +296,7 @@ async def test_early_stop_cancels_the_rest_of_a_group(service):
     assert {o.cause for o in g.outcomes if o.status == "cancelled"} == {"early stop: 1 usable samples in"}
 
 
+@pytest.mark.slow
 async def test_callback_delivers_each_group_with_retries(service):
     from aiohttp import web
 
@@ -328,6 +333,7 @@ async def test_callback_delivers_each_group_with_retries(service):
     assert view.callback == "delivered"
 
 
+@pytest.mark.slow
 async def test_pause_drains_generations_and_resume_brings_the_new_weight_version(service, tmp_path):
     """Each sample makes two model calls. Pause while the first is generating (slowly): the pause
     returns once it finished; the second call waits at the gate (its stream kept alive) until
@@ -363,6 +369,7 @@ async def test_pause_drains_generations_and_resume_brings_the_new_weight_version
     assert sorted(s.weight_versions for s in g.samples) == [["0"], ["7"]]
 
 
+@pytest.mark.slow
 async def test_max_staleness_masks_samples_that_span_too_many_versions(service):
     svc = await service(nodes=1, backend={"token_delay": 0.02})
     two_calls = [
@@ -442,6 +449,7 @@ def node_args(server: str, backend, tokenizer, db: Path, node_id: str) -> list[s
     ]
 
 
+@pytest.mark.slow
 def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backend_proc, qwen_tokenizer_dir):
     log = tmp_path / "log.txt"
     server = spawn(
@@ -493,6 +501,7 @@ def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backe
     assert sorted(s.index for s in g.samples) == [0, 1]  # one row per sample, no duplicate
 
 
+@pytest.mark.slow
 def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_tokenizer_dir):
     log = tmp_path / "log.txt"
     serve = ["serve", "--listen", "127.0.0.1:0", "--nodes", "0", "--allow-local-runtime",
@@ -536,6 +545,7 @@ def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_toke
     assert con.execute("SELECT COUNT(*), SUM(dispatches) FROM service_samples").fetchone() == (6, 6)
 
 
+@pytest.mark.slow
 def test_ray_places_nodes_as_actors_and_completes_a_task(
     tmp_path, backend_proc, qwen_tokenizer_dir, certs_dir
 ):
@@ -582,13 +592,7 @@ def children(pid: int) -> list[int]:
     return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
 
 
-def zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except OSError:
-        return True
-
-
+@pytest.mark.slow
 def test_submit_command_waits_and_writes_parquet(tmp_path, backend_proc, qwen_tokenizer_dir):
     log = tmp_path / "log.txt"
     db = tmp_path / "s.sqlite"
@@ -626,11 +630,9 @@ def test_submit_command_waits_and_writes_parquet(tmp_path, backend_proc, qwen_to
         os.killpg(proc.pid, signal.SIGKILL)
     # A node whose `serve` was killed stops by itself: nothing is left running.
     wait_until(
-        lambda: not Path(f"/proc/{nodes[0]}").exists() or zombie(nodes[0]),
-        timeout=20,
-        message="the node to stop once its server is killed",
+        lambda: process_gone(nodes[0]), timeout=20, message="the node to stop once its server is killed"
     )
-    assert not Path(f"/proc/{nodes[0]}").exists() or zombie(nodes[0]), "the node outlived its server"
+    assert process_gone(nodes[0]), "the node outlived its server"
     assert r.returncode == 0, r.stderr + log.read_text()[-2000:]
     assert r.stdout.strip() == "a"
     assert "[1/1] a: done · 2/2 usable · mean reward 1.00" in r.stderr
@@ -652,6 +654,7 @@ def test_json_rows_survive_the_trip_bit_for_bit():
     assert back.to_row() == t.to_row()
 
 
+@pytest.mark.slow
 async def test_events_stream_and_a_drained_node_takes_no_new_samples(service):
     svc = await service(nodes=1)
     seen: list[dict] = []

@@ -296,6 +296,7 @@ def _streamed_post(port: int, path: str, total: int, headers: dict[str, str], ch
         return int(line.split()[1]) if line.startswith(b"HTTP/") else 0
 
 
+@pytest.mark.slow
 def test_health_answers_within_100_ms_while_a_maximal_body_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     proc = spawn(["serve", "--listen", "127.0.0.1:0", "--nodes", "0", "--db", str(tmp_path / "s.sqlite")],
@@ -333,6 +334,7 @@ def test_health_answers_within_100_ms_while_a_maximal_body_is_refused(tmp_path, 
 # --- the token: generated, kept 0600, found by the clients; never on the wire in clear ----------
 
 
+@pytest.mark.slow
 def test_serve_generates_a_0600_token_file_that_the_client_and_submit_find(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.delenv("POLAR_MITM_SERVICE_TOKEN", raising=False)
@@ -391,6 +393,7 @@ def test_serve_generates_a_0600_token_file_that_the_client_and_submit_find(tmp_p
         proc.wait(20)
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_non_loopback_listen_without_insecure_listen(tmp_path, monkeypatch):
     """Only the refusal is exercised: nothing ever binds a non-loopback address here."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))

@@ -69,6 +69,7 @@ def body(text, stream=False):
     }
 
 
+@pytest.mark.slow
 def test_shared_proxy_keeps_sessions_apart(shared_proxy):
     port, db, _, certs = shared_proxy
     for session in ("worker-1", "worker-2", "worker-1"):
@@ -80,6 +81,7 @@ def test_shared_proxy_keeps_sessions_apart(shared_proxy):
 
 
 # Streamed from the backend, so the proxy dies while the reply is still being sampled.
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_proxy", [["--backend-stream", "stream"]], indirect=True)
 def test_a_killed_proxy_leaves_the_database_consistent_with_what_the_harness_saw(shared_proxy):
     port, db, proc, certs = shared_proxy
@@ -103,6 +105,7 @@ def test_a_killed_proxy_leaves_the_database_consistent_with_what_the_harness_saw
     assert json.loads(rows[0][1])["text"] == done["content"][0]["text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_proxy", [["--token", "secret-token"]], indirect=True)
 def test_a_proxy_with_a_token_refuses_clients_without_it(shared_proxy):
     port, db, _, certs = shared_proxy

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from polar_mitm.cli import main
@@ -51,6 +52,7 @@ def test_run_without_the_tokenizer_directory_says_how_to_build_one(tmp_path, bac
     assert "polar-mitm tokenizer build --kind qwen --out ./qwen3-tok" in r.stderr
 
 
+@pytest.mark.slow
 def test_run_with_nothing_at_the_backend_url_says_connection_refused(tmp_path, tiny_tokenizer_dir):
     url = f"http://127.0.0.1:{free_port()}"
     r, took = run_until_checked(tmp_path, "--backend", url, "--tokenizer", str(tiny_tokenizer_dir))
@@ -58,6 +60,7 @@ def test_run_with_nothing_at_the_backend_url_says_connection_refused(tmp_path, t
     assert f"cannot reach the policy backend at {url}: connection refused" in r.stderr
 
 
+@pytest.mark.slow
 def test_run_with_a_backend_url_without_scheme_says_so(tmp_path):
     r, _ = run_until_checked(tmp_path, "--backend", "127.0.0.1:30000")
     assert "--backend '127.0.0.1:30000' has no scheme: pass http://127.0.0.1:30000" in r.stderr
@@ -194,6 +197,7 @@ def test_proxy_on_a_busy_port_says_so_in_one_line_and_exits(tmp_path, backend_pr
     ]
 
 
+@pytest.mark.slow
 def test_fake_backend_on_a_busy_port_says_so_in_one_line_and_exits(tiny_tokenizer_dir):
     sock, port = busy_port()
     with sock:
@@ -290,6 +294,7 @@ async def test_stats_and_export_name_a_session_that_is_not_there(tmp_path):
     assert r.exit_code == 1 and "no session 'nope'" in r.output  # as it always said
 
 
+@pytest.mark.slow
 async def test_export_into_a_pipe_closed_early_ends_quietly(tmp_path):
     db = tmp_path / "runs.sqlite"
     await fill_store(db, {"big": 400}, prompt_len=400)  # far more than a pipe holds

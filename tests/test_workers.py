@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +17,7 @@ from polar_mitm.proxy.workers import WorkerPool, pick, session_of
 from polar_mitm.store.db import read_turns
 from polar_mitm.store.migrations import MIGRATIONS
 from tests.e2e.harness import FakeBackend, port_of, printed_url
-from tests.helpers import MESSAGES_URL, wait_until
+from tests.helpers import MESSAGES_URL, process_gone, wait_until
 
 
 def _auth(session: str, token: str = "x") -> bytes:
@@ -98,6 +97,7 @@ def backend(qwen_tokenizer_dir):
     b.stop()
 
 
+@pytest.mark.slow
 async def test_workers_serve_every_session_on_its_own_worker(
     tmp_path, certs_dir, qwen_tokenizer_dir, backend
 ):
@@ -142,6 +142,7 @@ async def test_workers_serve_every_session_on_its_own_worker(
     assert len({t.seq for t in stored}) == len(stored)  # two writers, one sequence
 
 
+@pytest.mark.slow
 async def test_a_worker_that_dies_is_started_again_and_its_sessions_go_on(
     tmp_path, certs_dir, qwen_tokenizer_dir, backend
 ):
@@ -170,6 +171,7 @@ async def test_a_worker_that_dies_is_started_again_and_its_sessions_go_on(
     assert [t.session_id for t in read_turns(db)] == ["s", "s"]
 
 
+@pytest.mark.slow
 async def test_a_worker_that_cannot_start_is_one_error_and_leaves_nothing(
     tmp_path, certs_dir, qwen_tokenizer_dir, backend
 ):
@@ -187,20 +189,10 @@ def _children(pid: int) -> list[int]:
 
 
 def _gone(pids: list[int], timeout: float) -> bool:
-    return wait_until(
-        lambda: not any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids),
-        timeout,
-        message=f"processes {pids} to end",
-    )
+    return wait_until(lambda: all(process_gone(p) for p in pids), timeout, message=f"processes {pids} to end")
 
 
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_workers_end_with_the_front(tmp_path, certs_dir, qwen_tokenizer_dir, backend, how):
     proc = subprocess.Popen(
@@ -228,6 +220,7 @@ def test_workers_end_with_the_front(tmp_path, certs_dir, qwen_tokenizer_dir, bac
     assert [t.session_id for t in read_turns(tmp_path / "w.sqlite")] == ["k", "k"]
 
 
+@pytest.mark.slow
 def test_workers_share_the_busy_port_error(tmp_path, certs_dir, qwen_tokenizer_dir, backend):
     import socket
 
@@ -253,6 +246,7 @@ def _open_at_once(path: str, barrier) -> None:
     init_db(path)
 
 
+@pytest.mark.slow
 def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
     """Workers start together on a new file: switching it to WAL and migrating it must not race."""
     import multiprocessing
@@ -275,6 +269,7 @@ def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
         con.close()
 
 
+@pytest.mark.slow
 async def test_workers_harvest_exchanges_with_the_real_upstream(tmp_path, certs_dir, fake_provider):
     """Harvest mode behind the front: the request reaches the upstream, the exchange is stored."""
     import asyncio
