@@ -15,7 +15,7 @@ from polar_mitm.backends.render import render_full
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.providers import anthropic
 from polar_mitm.store.db import read_turns
-from tests.helpers import BASH, MESSAGES_URL, sse_events
+from tests.helpers import BASH, MESSAGES_URL, sse_events, wait_until_async
 
 URL = MESSAGES_URL
 
@@ -69,6 +69,32 @@ async def test_streamed_turn_is_stored_token_exact(make_stack, qwen_tokenizer_di
     assert turn.output_logprobs == [t[0] for t in again["meta_info"]["output_token_logprobs"]]
     assert turn.output_ids[-1] == tok.token_id("<|im_end|>")  # the stop token the engine returned
     assert turn.status == "ok" and turn.finish_reason == "stop"
+
+
+async def test_a_turn_waits_at_the_closed_gate_with_pings_until_resume(make_stack):
+    """Weight sync: while the policy is paused a turn starts for the harness, is counted as
+    waiting at the gate (`at_gate`, what a pausing service or a test watches) and generates
+    nothing; resumed, it is answered and leaves the gate."""
+    stack = await make_stack()
+    policy = stack.proxy.policy
+    policy.pause()
+    async with stack.client() as c:
+        turn = asyncio.ensure_future(
+            c.post(
+                URL, json=body([{"role": "user", "content": "hi"}], stream=True), headers={"x-api-key": "k"}
+            )
+        )
+        await wait_until_async(lambda: policy.at_gate == 1, timeout=20, message="the turn at the gate")
+        await asyncio.sleep(0.3)  # past a ping interval (0.2 s): still held
+        assert policy.at_gate == 1 and policy.generating == 0 and not turn.done()
+        assert list(read_turns(stack.db)) == []
+        policy.resume()
+        r = await asyncio.wait_for(turn, 30)
+    assert r.status_code == 200 and policy.at_gate == 0
+    events = sse_events(r.text)
+    assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    assert ("ping", {"type": "ping"}) in events  # the harness was kept alive meanwhile
+    assert len(list(read_turns(stack.db))) == 1
 
 
 async def test_sampling_params_use_sglang_names(make_stack):
