@@ -555,11 +555,7 @@ def test_ray_places_nodes_as_actors_and_completes_a_task(
     async def main():
         server = RolloutServer(tmp_path / "s.sqlite", allow_local_runtime=True)
         await server.start()
-        # On loopback: by default Ray binds its GCS and workers to the machine's own address.
-        ray.init(
-            num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-        )  # fmt: skip
+        ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
         actors = []
         try:
             cfg = dict(
