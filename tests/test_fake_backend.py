@@ -39,6 +39,7 @@ from polar_mitm.fake import (
     start_fake_backend,
     truncation_mask,
 )
+from tests.helpers import wait_until_async
 from tests.strategies import json_values
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -971,9 +972,8 @@ async def test_abort_request_and_weight_update_abort_in_flight_streams(fake, htt
     }
 
     async def abort_soon(path: str, payload: dict[str, Any]) -> None:
-        while "slow" not in state.in_flight:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: "slow" in state.in_flight, timeout=10, message="the stream in flight")
+        await asyncio.sleep(0.1)  # a few tokens out
         await post(http, url + path, payload)
 
     for path, payload in (

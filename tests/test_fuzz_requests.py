@@ -183,6 +183,7 @@ OK_REPLY = {
 STATUSES = {200, 400, 413, 503, 529}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", STYLE_NAMES)
 @settings(
     max_examples=GATEWAY_EXAMPLES,

@@ -211,11 +211,11 @@ async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack)
                     deltas += 1
                     if deltas == 5:
                         break  # the harness dies: the connection closes
-    for _ in range(100):
-        rows = sqlite3.connect(stack.db).execute("SELECT status, output_len FROM turns").fetchall()
-        if rows:
-            break
-        await asyncio.sleep(0.05)
+    rows = await wait_until_async(
+        lambda: sqlite3.connect(stack.db).execute("SELECT status, output_len FROM turns").fetchall(),
+        timeout=5,
+        message="the aborted turn stored",
+    )
     [(status, n)] = rows
     assert status == "aborted"
     [turn] = list(read_turns(stack.db, include_text_only=True))

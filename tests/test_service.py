@@ -669,7 +669,7 @@ async def test_events_stream_and_a_drained_node_takes_no_new_samples(service):
                     seen.append(json.loads(line[6:]))
 
     listener = asyncio.create_task(listen())
-    await asyncio.sleep(0.2)
+    await wait_until_async(lambda: svc.server.events.queues, timeout=10, message="the listener subscribed")
     async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient(base_url=svc.url, headers=AUTH) as h:
         tid = await client.submit(
             task("e", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=harness()

@@ -244,6 +244,7 @@ def test_encode_and_decode_match_transformers(request: pytest.FixtureRequest, hf
     assert auto.eos_token_id in ours.eos_token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen", "tiny"])
 @pytest.mark.parametrize("template_kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
