@@ -9,7 +9,7 @@ import pytest
 
 # --- what a test costs: `slow` ----------------------------------------------------------------------
 # `pytest -m "not slow and not e2e"` is the quick suite. A test is `slow` when it starts processes
-# or containers or takes more than about 5 s: marked where it is written, and here for whatever
+# or containers or takes more than about a second: marked where it is written, and here for whatever
 # uses a fixture that stands for processes (so a new test using one is counted without a mark).
 
 PROCESS_FIXTURES = frozenset({"docker_client", "backend_process"})
