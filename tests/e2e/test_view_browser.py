@@ -14,15 +14,13 @@ import os
 import shutil
 import signal
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import POLAR, FakeBackend, free_port, harness_env, polar_run, require_binary
-from tests.helpers import wait_until
+from tests.e2e.harness import POLAR, FakeBackend, Lines, harness_env, polar_run, printed_url, require_binary
 from tests.test_service import served_url
 
 pytestmark = pytest.mark.e2e
@@ -58,28 +56,16 @@ def browser() -> Iterator[object]:
 
 @contextmanager
 def viewer(db: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`polar-mitm view` as a user starts it, on a free loopback port; yields its URL."""
-    port = free_port()
+    """`polar-mitm view` as a user starts it, on port 0; yields the URL it printed once listening."""
     proc = subprocess.Popen(
-        [*POLAR, "view", "--db", str(db), "--listen", f"127.0.0.1:{port}", *args],
+        [*POLAR, "view", "--db", str(db), "--listen", "127.0.0.1:0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-
-        def up() -> bool:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1):
-                    return True
-            except OSError:
-                if proc.poll() is not None:
-                    raise AssertionError(f"the viewer did not start: {proc.stdout.read()}") from None
-                return False
-
-        wait_until(up, timeout=30, interval=0.1, message="the viewer to start")
+        url = printed_url(Lines(proc.stdout).until("polar-mitm view on", timeout=30))
         yield url
     finally:
         proc.terminate()
