@@ -23,6 +23,16 @@ def process_gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+def open_db_at_once(path: str, barrier) -> None:
+    """A spawned process's work in the test of workers opening one new database together: the
+    target lives here because a spawned child imports the target's module, and this one is light
+    (a test module would cost each child its whole import)."""
+    from polar_mitm.store.db import init_db
+
+    barrier.wait()
+    init_db(path)
+
+
 def wait_until[T](
     predicate: Callable[[], T], timeout: float = 30, interval: float = 0.05, message: str = "the condition"
 ) -> T:

@@ -13,7 +13,7 @@ import aiohttp
 import jsonschema
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from polar_mitm.backends.parsers import OutputParser
@@ -363,6 +363,15 @@ def test_odd_tool_schemas_get_a_shell_call_not_a_crash(schema):
 @pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(schema=json_values, where=st.sampled_from(["schema", "properties", "required", "command"]))
+@example(  # a shell tool with other required parameters, each with bounds of its own
+    schema={
+        "type": "object",
+        "properties": {"command": {"type": "string"}, "cwd": {"type": "string", "minLength": 3},
+                       "timeout": {"type": "integer", "minimum": 5}, "env": {"type": "object"}},
+        "required": ["command", "cwd", "timeout"],
+    },
+    where="schema",
+)  # fmt: skip
 def test_the_scripted_model_answers_whatever_the_tool_schema(schema, where):
     params: Any = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
     if where == "schema":
@@ -379,26 +388,29 @@ def test_the_scripted_model_answers_whatever_the_tool_schema(schema, where):
         assert_runs_ls_with(name, params, reply)
     json.dumps(minimal_json_instance(schema))
     answer = scripted_reply([], "x", json_schema=schema if isinstance(schema, dict) else None)
-    if isinstance(schema, dict) and _checked_schema(schema):
-        jsonschema.validate(json.loads(answer), schema)  # constrained decoding's answer is an instance
+    if isinstance(schema, dict):
+        json.loads(answer)  # constrained decoding answers JSON, whatever the schema
 
 
-def _checked_schema(schema: Any) -> bool:
-    """Whether `schema` is a JSON Schema its own metaschema accepts (only then can an instance be
-    checked against it)."""
+def _admits_an_instance(schema: Any) -> bool:
+    """Whether `schema` is a JSON Schema (its metaschema accepts it) that the fake knows an
+    instance of (its `minimal_json_instance` validates). Only then can a value be held to it: a
+    generated schema may admit nothing (`{"enum": []}`) or loop (a `$ref` to itself)."""
     if not isinstance(schema, dict):
         return False
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
-    except (jsonschema.SchemaError, TypeError, ValueError):
+        jsonschema.validate(minimal_json_instance(schema), schema)
+    except (jsonschema.SchemaError, jsonschema.ValidationError, RecursionError, TypeError, ValueError):
         return False
     return True
 
 
 def assert_runs_ls_with(name: str, params: Any, reply: str) -> None:
     """The scripted reply to "run: ls" with one tool `name` offered: a call the proxy's own parser
-    reads, to that tool, running `ls` in one of the shell conventions; its other arguments valid
-    under the offered schema where that is a schema. A tool not recognised as a shell gets text."""
+    reads, to that tool, running `ls` in one of the shell conventions, with every other parameter
+    the schema requires and nothing else, each valid under its own schema where that is one the
+    fake knows an instance of. A tool not recognised as a shell gets text."""
     parser = OutputParser("qwen25", None)
     parser.feed(reply)
     parser.finish()
@@ -416,12 +428,20 @@ def assert_runs_ls_with(name: str, params: Any, reply: str) -> None:
         "commands": lambda v: v in ("ls", ["ls"]),
         "input": lambda v: 'tools.exec_command({cmd: "ls"})' in v,
     }[key](args[key]), args
-    if _checked_schema(params):
-        # The command is written in the shell tool's convention, which a schema may contradict;
-        # everything else (the other required arguments, no extra keys) follows the schema.
-        validator = jsonschema.validators.validator_for(params)(params)
-        errors = [e.message for e in validator.iter_errors(args) if list(e.path)[:1] != [key]]
-        assert not errors, (params, args, errors)
+    if key == "input":  # Codex's code-mode exec: one script, nothing else
+        assert list(args) == ["input"], args
+        return
+    schema = params if isinstance(params, dict) else {}
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = (
+        [r for r in schema.get("required", []) if isinstance(r, str)]
+        if isinstance(schema.get("required"), list)
+        else []
+    )
+    assert set(args) == {key, *required}, (params, args)
+    for other in set(required) - {key}:
+        if _admits_an_instance(props.get(other)):
+            jsonschema.validate(args[other], props[other])
 
 
 # --- pure: models --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from polar_mitm.proxy.workers import WorkerPool, pick, session_of
 from polar_mitm.store.db import read_turns
 from polar_mitm.store.migrations import MIGRATIONS
 from tests.e2e.harness import FakeBackend, port_of, printed_url
-from tests.helpers import MESSAGES_URL, process_gone, wait_until
+from tests.helpers import MESSAGES_URL, open_db_at_once, process_gone, wait_until
 
 
 def _auth(session: str, token: str = "x") -> bytes:
@@ -239,13 +239,6 @@ def test_workers_share_the_busy_port_error(tmp_path, certs_dir, qwen_tokenizer_d
     assert "Traceback" not in r.stderr
 
 
-def _open_at_once(path: str, barrier) -> None:
-    from polar_mitm.store.db import init_db
-
-    barrier.wait()
-    init_db(path)
-
-
 @pytest.mark.slow
 def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
     """Workers start together on a new file: switching it to WAL and migrating it must not race."""
@@ -256,7 +249,7 @@ def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
     for i in range(5):
         path = str(tmp_path / f"new-{i}.sqlite")
         barrier = ctx.Barrier(4)
-        procs = [ctx.Process(target=_open_at_once, args=(path, barrier)) for _ in range(4)]
+        procs = [ctx.Process(target=open_db_at_once, args=(path, barrier)) for _ in range(4)]
         for p in procs:
             p.start()
         for p in procs:
