@@ -14,6 +14,23 @@ from polar_mitm.service.ray_nodes import pin_to_loopback
 pin_to_loopback()
 # --- end Ray --------------------------------------------------------------------------------------
 
+# --- what a test costs: `slow` ----------------------------------------------------------------------
+# `pytest -m "not slow and not e2e"` is the quick suite. A test is `slow` when it starts processes
+# or containers or takes more than about a second: marked where it is written, and here for whatever
+# uses a fixture that stands for processes (so a new test using one is counted without a mark).
+
+PROCESS_FIXTURES = frozenset({"docker_client", "backend_process"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = set(getattr(item, "fixturenames", ()))
+        if (uses & PROCESS_FIXTURES or item.get_closest_marker("docker")) and not item.get_closest_marker(
+            "slow"
+        ):
+            item.add_marker(pytest.mark.slow)
+
+
 # --- tokenizers (polar_mitm.backends.tokenizer, tokenizer_build) --------------------------------
 # Built once into the polar-mitm cache ($POLAR_MITM_CACHE or ~/.cache/polar-mitm) and reused by
 # later runs: the Qwen build takes a few seconds, the tiny one a fraction of a second.

@@ -1,13 +1,74 @@
-"""Helpers shared by the tests: request constants and reading what a stream renderer sends."""
+"""Helpers shared by the tests: request constants, reading what a stream renderer sends, and
+waiting for an event with a deadline."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
 from polar_mitm import sse
 from polar_mitm.neutral import ChatRequest, Completion, Event, ProviderError, ToolCall, Usage
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` no longer runs: gone, or a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def open_db_at_once(path: str, barrier) -> None:
+    """A spawned process's work in the test of workers opening one new database together: the
+    target lives here because a spawned child imports the target's module, and this one is light
+    (a test module would cost each child its whole import)."""
+    from polar_mitm.store.connection import init_db
+
+    barrier.wait()
+    init_db(path)
+
+
+def wait_until[T](
+    predicate: Callable[[], T], timeout: float = 30, interval: float = 0.05, message: str = "the condition"
+) -> T:
+    """Call `predicate` every `interval` s until it returns something true, and return that; fail
+    the test naming `message` (and the last value seen) after `timeout` s. One deadline loop for
+    every test that waits for a process, a file or a count, so none waits a fixed time that can
+    pass before the event it means, and none times out silently."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message} (last: {value!r})")
+        time.sleep(interval)
+
+
+async def wait_until_async[T](
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout: float = 30,
+    interval: float = 0.05,
+    message: str = "the condition",
+) -> T:
+    """`wait_until` inside an event loop: sleeps with `asyncio.sleep` (so the servers in this loop
+    keep running), and `predicate` may be a coroutine function (a status call, say)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message} (last: {value!r})")
+        await asyncio.sleep(interval)
+
 
 MESSAGES_URL = "https://api.anthropic.com/v1/messages"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -19,6 +18,7 @@ import pytest
 
 from polar_mitm import procs
 from tests.e2e.harness import free_port
+from tests.helpers import wait_until
 
 
 def require_router() -> None:
@@ -54,16 +54,17 @@ class Router:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        deadline = time.time() + 30
-        while time.time() < deadline:
+
+        def up() -> bool:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1):
-                    return
+                    return True
             except OSError:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"router exited: {self.proc.stderr.read().decode()[-2000:]}") from None
-                time.sleep(0.1)
-        raise RuntimeError("router did not start")
+                return False
+
+        wait_until(up, timeout=30, interval=0.1, message="the router to start")
 
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=10) as r:
@@ -78,13 +79,14 @@ class Router:
         with urllib.request.urlopen(req, timeout=10):
             pass
         if wait:
-            deadline = time.time() + 20
-            while time.time() < deadline:
-                urls = [w["url"] for w in self.get("/workers")["workers"] if w.get("is_healthy")]
-                if worker_url in urls:
-                    return
-                time.sleep(0.1)
-            raise RuntimeError(f"router did not take worker {worker_url}")
+            wait_until(
+                lambda: (
+                    worker_url in [w["url"] for w in self.get("/workers")["workers"] if w.get("is_healthy")]
+                ),
+                timeout=20,
+                interval=0.1,
+                message=f"the router to take worker {worker_url}",
+            )
 
     def stop(self) -> None:
         procs.stop(self.proc, 10)

@@ -25,6 +25,7 @@ from polar_mitm.sandbox.base import (
     SandboxSpec,
 )
 from polar_mitm.tasks.model import Task
+from tests.helpers import process_gone, wait_until_async
 
 
 def make_ca(d: Path) -> CA:
@@ -345,14 +346,6 @@ def _calls(state: Path) -> list[str]:
     return (state / "argv.log").read_text().splitlines()
 
 
-def _dead(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 async def test_sandbox_lifecycle_against_fake_apptainer(tmp_path, fake_apptainer):
     """Checks our process handling (start, exec with env and timeout, put, read, alive, stop,
     cleanup) with a fake `apptainer` that runs commands on the host: not Apptainer itself."""
@@ -386,11 +379,8 @@ async def test_sandbox_lifecycle_against_fake_apptainer(tmp_path, fake_apptainer
     r = await sb.exec(["sh", "-c", f"sleep 30 & echo $! > {pidfile}; wait"], timeout=0.5)
     assert (r.exit_code, r.timed_out) == (124, True) and r.seconds < 10
     bg = int(pidfile.read_text())
-    for _ in range(50):
-        if _dead(bg):
-            break
-        await asyncio.sleep(0.05)
-    assert _dead(bg), "the timeout left the command's background child running"
+    await wait_until_async(lambda: process_gone(bg), timeout=2.5, message="the background child to end")
+    assert process_gone(bg), "the timeout left the command's background child running"
 
     src = tmp_path / "hello.txt"
     src.write_bytes(b"hello\x00\xff")
@@ -429,10 +419,7 @@ async def test_stop_kills_running_exec_and_cleanup_stops_by_label(tmp_path, fake
     )
     marker = tmp_path / "started"
     running = asyncio.create_task(a.exec(["sh", "-c", f"touch {marker}; exec sleep 30"]))
-    for _ in range(100):
-        if marker.exists():
-            break
-        await asyncio.sleep(0.05)
+    await wait_until_async(marker.exists, timeout=5, message="the command started")
     await a.stop()
     r = await asyncio.wait_for(running, 5)
     assert r.exit_code == 137 and not r.timed_out

@@ -166,6 +166,7 @@ async def test_a_whole_reply_keeps_the_harness_alive_with_pings_then_streams_it(
     assert [s for (s,) in sqlite3.connect(stack.db).execute("SELECT status FROM turns")] == ["ok"]
 
 
+@pytest.mark.slow
 async def test_a_whole_reply_may_take_no_longer_than_the_first_token_timeout(make_stack):
     stack = await make_stack(
         backend={"token_delay": 0.01, "script": LONG}, policy={"first_token_timeout": 0.5}

@@ -8,6 +8,8 @@ import runpy
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from polar_mitm.bridges.slime import generate_rollout
 from polar_mitm.bridges.verl import PolarAgentLoop, PolarLoopOutput, agent_loop_class
 from tests.test_service import harness, service  # noqa: F401  (the fixture)
@@ -24,6 +26,7 @@ def task_file(tmp_path: Path, name: str, word: str) -> str:
     return str(p)
 
 
+@pytest.mark.slow
 async def test_slime_rollout_function_fills_groups_and_flags_failures(service, tmp_path):  # noqa: F811
     svc = await service(nodes=1)
     example = runpy.run_path(str(EXAMPLES / "slime_rollout.py"))
@@ -49,6 +52,7 @@ async def test_slime_rollout_function_fills_groups_and_flags_failures(service, t
         assert len(s.rollout_log_probs) == s.response_length and s.weight_versions == ["0"]
 
 
+@pytest.mark.slow
 async def test_slime_marks_samples_that_failed_and_keeps_them(service, tmp_path):  # noqa: F811
     svc = await service(nodes=1)
     example = runpy.run_path(str(EXAMPLES / "slime_rollout.py"))
@@ -65,6 +69,7 @@ async def test_slime_marks_samples_that_failed_and_keeps_them(service, tmp_path)
         assert s.response_length > 0 and s.loss_mask == [0] * s.response_length
 
 
+@pytest.mark.slow
 async def test_verl_agent_loop_returns_agent_loop_output_fields(service, tmp_path):  # noqa: F811
     svc = await service(nodes=1)
     # With verl installed its subclass takes verl's worker arguments; the run is PolarAgentLoop's.
@@ -90,6 +95,7 @@ async def test_verl_agent_loop_returns_agent_loop_output_fields(service, tmp_pat
     assert out.reward_score == 0.0 and out.extra_fields["polar_status"] == "completed"
 
 
+@pytest.mark.slow
 async def test_client_example_prints_each_group(service, tmp_path, capsys, monkeypatch):  # noqa: F811
     svc = await service(nodes=1)
     example = runpy.run_path(str(EXAMPLES / "client_rollout.py"))

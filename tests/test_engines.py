@@ -25,6 +25,7 @@ from polar_mitm.harness.preflight import PreflightError, check_policy
 from polar_mitm.policy import Policy, PolicyConfig
 from polar_mitm.store.writer import Store
 from tests.conftest import GatewayRig
+from tests.helpers import wait_until_async
 from tests.routers import Router, require_router
 
 MODEL = "claude-sonnet-4-5"
@@ -99,6 +100,7 @@ async def test_an_engine_is_found_as_one(tmp_path, qwen_tokenizer_dir):
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_behind_the_real_router_run_waits_for_a_worker_then_reads_a_workers_server_info(
     tmp_path, qwen_tokenizer_dir
 ):
@@ -162,6 +164,7 @@ async def test_every_turn_and_retry_of_a_conversation_carries_one_routing_key(tm
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_under_the_routers_manual_policy_each_conversation_stays_on_one_engine(
     tmp_path, qwen_tokenizer_dir
 ):
@@ -257,6 +260,7 @@ async def test_each_fake_engine_caches_the_prompts_and_replies_it_has_seen(tmp_p
 # --- liveness while a turn waits -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_hung_scheduler_fails_the_turn_after_engine_dead_after_not_the_first_token_timeout(
     tmp_path, qwen_tokenizer_dir
 ):
@@ -278,6 +282,7 @@ async def test_a_hung_scheduler_fails_the_turn_after_engine_dead_after_not_the_f
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_chat_mode_waits_through_the_same_loop_pings_then_fails_a_hung_engine_after_engine_dead_after(
     tmp_path, qwen_tokenizer_dir
 ):
@@ -307,6 +312,7 @@ async def test_chat_mode_waits_through_the_same_loop_pings_then_fails_a_hung_eng
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_a_slow_but_live_engine_keeps_the_whole_first_token_timeout(tmp_path, qwen_tokenizer_dir):
     runner, url = await fake(qwen_tokenizer_dir, first_token_delay=2.0)
     try:
@@ -318,6 +324,7 @@ async def test_a_slow_but_live_engine_keeps_the_whole_first_token_timeout(tmp_pa
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_a_sigstopped_engine_is_detected_within_engine_dead_after(tmp_path, qwen_tokenizer_dir):
     from tests.e2e.harness import FakeBackend
 
@@ -500,8 +507,13 @@ async def test_an_engine_killed_mid_turn_behind_the_router_moves_its_conversatio
             (key,) = {q["routing_key"] for e in engines for q in await requests_of(e.url)}
             (victim,) = [e for e in engines if await requests_of(e.url)]
             survivor = next(e for e in engines if e is not victim)
+            before = len(await requests_of(victim.url))
             turn = asyncio.ensure_future(rig.turn(messages))
-            await asyncio.sleep(0.3)  # the turn is waiting for its first token on the victim
+
+            async def asked() -> bool:  # the turn is waiting for its first token on the victim
+                return len(await requests_of(victim.url)) > before
+
+            await wait_until_async(asked, timeout=20, message="the second turn at the victim")
             victim.proc.kill()
             status, reply = await turn
             assert status in (500, 529), reply  # both retryable for Anthropic's clients
@@ -524,6 +536,7 @@ async def test_an_engine_killed_mid_turn_behind_the_router_moves_its_conversatio
             e.stop()
 
 
+@pytest.mark.slow
 async def test_turns_waiting_on_one_engine_share_its_prober(tmp_path, qwen_tokenizer_dir):
     """Probing costs the engine a token per probe (SGLang's /health_generate): 20 turns waiting on
     one engine make one probe an interval, not twenty."""

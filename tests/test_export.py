@@ -136,6 +136,7 @@ def test_parquet_loads_in_polars(db: Path, tmp_path: Path) -> None:
     assert df["response_ids"].to_list()[1] == [20, 9, 21]
 
 
+@pytest.mark.slow
 def test_parquet_loads_in_hf_datasets_offline_without_our_code(db: Path, tmp_path: Path) -> None:
     out = tmp_path / "traj.parquet"
     export(db, out)

@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonschema
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from polar_mitm import sse
+from polar_mitm.backends.parsers import OutputParser
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.fake import (
     DEFAULT_TEXT,
@@ -38,6 +40,7 @@ from polar_mitm.fake import (
     start_fake_backend,
     truncation_mask,
 )
+from tests.helpers import wait_until_async
 from tests.strategies import json_values
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -358,8 +361,18 @@ def test_odd_tool_schemas_get_a_shell_call_not_a_crash(schema):
     minimal_json_instance(schema)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(schema=json_values, where=st.sampled_from(["schema", "properties", "required", "command"]))
+@example(  # a shell tool with other required parameters, each with bounds of its own
+    schema={
+        "type": "object",
+        "properties": {"command": {"type": "string"}, "cwd": {"type": "string", "minLength": 3},
+                       "timeout": {"type": "integer", "minimum": 5}, "env": {"type": "object"}},
+        "required": ["command", "cwd", "timeout"],
+    },
+    where="schema",
+)  # fmt: skip
 def test_the_scripted_model_answers_whatever_the_tool_schema(schema, where):
     params: Any = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
     if where == "schema":
@@ -370,9 +383,66 @@ def test_the_scripted_model_answers_whatever_the_tool_schema(schema, where):
         params[where] = schema
     for name in ("Bash", "exec"):
         tool = {"type": "function", "function": {"name": name, "parameters": params}}
-        scripted_reply([Rule(match="run: (.+)", shell=r"\1")], chatml(("user", "run: ls"), tools=[tool]))
+        reply = scripted_reply(
+            [Rule(match="run: (.+)", shell=r"\1")], chatml(("user", "run: ls"), tools=[tool])
+        )
+        assert_runs_ls_with(name, params, reply)
     json.dumps(minimal_json_instance(schema))
-    scripted_reply([], "x", json_schema=schema if isinstance(schema, dict) else None)
+    answer = scripted_reply([], "x", json_schema=schema if isinstance(schema, dict) else None)
+    if isinstance(schema, dict):
+        json.loads(answer)  # constrained decoding answers JSON, whatever the schema
+
+
+def _admits_an_instance(schema: Any) -> bool:
+    """Whether `schema` is a JSON Schema (its metaschema accepts it) that the fake knows an
+    instance of (its `minimal_json_instance` validates). Only then can a value be held to it: a
+    generated schema may admit nothing (`{"enum": []}`) or loop (a `$ref` to itself)."""
+    if not isinstance(schema, dict):
+        return False
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+        jsonschema.validate(minimal_json_instance(schema), schema)
+    except (jsonschema.SchemaError, jsonschema.ValidationError, RecursionError, TypeError, ValueError):
+        return False
+    return True
+
+
+def assert_runs_ls_with(name: str, params: Any, reply: str) -> None:
+    """The scripted reply to "run: ls" with one tool `name` offered: a call the proxy's own parser
+    reads, to that tool, running `ls` in one of the shell conventions, with every other parameter
+    the schema requires and nothing else, each valid under its own schema where that is one the
+    fake knows an instance of. A tool not recognised as a shell gets text."""
+    parser = OutputParser("qwen25", None)
+    parser.feed(reply)
+    parser.finish()
+    if not parser.tool_calls:
+        assert name != "Bash", reply  # Claude Code's shell tool is always recognised
+        assert reply == "I would run: ls"
+        return
+    [call] = parser.tool_calls
+    assert call.name == name and isinstance(call.arguments, dict), reply
+    args = call.arguments
+    key = next(k for k in ("command", "cmd", "commands", "input") if k in args)
+    assert {
+        "command": lambda v: v in ("ls", ["bash", "-lc", "ls"]),
+        "cmd": lambda v: v == "ls",
+        "commands": lambda v: v in ("ls", ["ls"]),
+        "input": lambda v: 'tools.exec_command({cmd: "ls"})' in v,
+    }[key](args[key]), args
+    if key == "input":  # Codex's code-mode exec: one script, nothing else
+        assert list(args) == ["input"], args
+        return
+    schema = params if isinstance(params, dict) else {}
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = (
+        [r for r in schema.get("required", []) if isinstance(r, str)]
+        if isinstance(schema.get("required"), list)
+        else []
+    )
+    assert set(args) == {key, *required}, (params, args)
+    for other in set(required) - {key}:
+        if _admits_an_instance(props.get(other)):
+            jsonschema.validate(args[other], props[other])
 
 
 # --- pure: models --------------------------------------------------------------------------------
@@ -923,9 +993,8 @@ async def test_abort_request_and_weight_update_abort_in_flight_streams(fake, htt
     }
 
     async def abort_soon(path: str, payload: dict[str, Any]) -> None:
-        while "slow" not in state.in_flight:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: "slow" in state.in_flight, timeout=10, message="the stream in flight")
+        await asyncio.sleep(0.1)  # a few tokens out
         await post(http, url + path, payload)
 
     for path, payload in (

@@ -106,6 +106,7 @@ def _safe_downstream(req: ChatRequest) -> None:
 # ---- parsing -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", STYLE_NAMES)
 @settings(max_examples=PARSE_EXAMPLES, deadline=None, derandomize=True, database=None)
 @given(data=st.data())
@@ -138,6 +139,7 @@ def _parsed(module, raw: bytes, style: str, memo=None) -> tuple[str, str]:
     return "request", json.dumps(req.model_dump(), allow_nan=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", STYLE_NAMES)
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(data=st.data())
@@ -181,6 +183,7 @@ OK_REPLY = {
 STATUSES = {200, 400, 413, 503, 529}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", STYLE_NAMES)
 @settings(
     max_examples=GATEWAY_EXAMPLES,
@@ -268,6 +271,7 @@ def _read(reader, raw: bytes) -> tuple[str, str]:
         return "error", e.message
 
 
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None, derandomize=True, database=None)
 @given(
     json_values

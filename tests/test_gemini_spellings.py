@@ -148,6 +148,7 @@ body = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(body=body, picks=st.lists(st.booleans(), min_size=1, max_size=64))
 def test_a_body_and_its_snake_case_twin_read_the_same(body, picks):

@@ -6,6 +6,7 @@ import glob
 import sqlite3
 
 import httpx
+import pytest
 
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.store.reader import read_turns
@@ -46,6 +47,7 @@ def rows(db: str, columns: str = "status, finish_reason") -> list[tuple]:
 # --- an engine that aborts a generation -----------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_backend_abort_mid_stream_is_an_error_event_and_an_aborted_turn(make_stack):
     stack = await make_stack(backend={"token_delay": 0.002, "script": LONG})
     await inject(stack, "abort")
@@ -209,6 +211,7 @@ async def test_no_first_token_after_pings_ends_the_stream_with_an_error_event(ma
     assert rows(stack.db) == []  # nothing was sampled
 
 
+@pytest.mark.slow
 async def test_a_backend_that_stalls_mid_stream_fails_the_turn_and_keeps_it_as_error(make_stack):
     # Four tokens 1.5 s apart: without an idle limit the reply would just arrive slowly. The backend
     # streams incrementally, so the policy streams from it (it asks a cumulative one for whole replies).

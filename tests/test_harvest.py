@@ -716,6 +716,7 @@ def message_body(**kw) -> dict:
     }
 
 
+@pytest.mark.slow
 async def test_streamed_reply_reaches_the_harness_chunk_by_chunk(fake_provider, harvest_proxy):
     fake_provider.delay = 0.4  # 11 events: the upstream takes about 4 s to send its reply
     proxy = await harvest_proxy({"api.anthropic.com": fake_provider.url})
@@ -996,6 +997,7 @@ async def test_a_harvested_codex_session_with_a_freeform_or_shell_call_is_one_co
     assert row["messages"][-1]["content"] == "Done."
 
 
+@pytest.mark.slow
 async def test_a_proxy_stopped_right_after_a_reply_still_stores_it(
     fake_provider, tmp_path, certs_dir, monkeypatch
 ):

@@ -169,6 +169,7 @@ def test_a_worker_that_took_a_long_text_exits_and_gives_its_memory_back(pooled_t
     assert pooled.pool.started == started + 1 and pooled.pool.idle() == 1
 
 
+@pytest.mark.slow
 async def test_the_event_loop_runs_while_a_long_text_is_tokenized(qwen_tokenizer_dir):
     tok = Tokenizer.load(qwen_tokenizer_dir)
     pooled = PooledTokenizer(tok)
@@ -184,6 +185,7 @@ async def test_the_event_loop_runs_while_a_long_text_is_tokenized(qwen_tokenizer
     assert ticks > 20, ticks
 
 
+@pytest.mark.slow
 async def test_a_long_prompt_that_fits_is_answered_with_the_ids_tokenized_in_a_worker(
     gateway_rig, qwen_tokenizer_dir
 ):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "polar_mitm"
 
 # From the bottom up; a part may import parts of its own floor or below. Where two parts share a
@@ -107,6 +109,7 @@ def test_no_circle_between_modules():
     assert not circles, "circles:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
+@pytest.mark.slow
 def test_the_trainers_client_loads_no_proxy_no_server_and_no_policy():
     code = (
         "import sys, polar_mitm.client\n"

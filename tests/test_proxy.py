@@ -15,7 +15,7 @@ from polar_mitm.backends.render import render_full
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.providers import anthropic
 from polar_mitm.store.reader import read_turns
-from tests.helpers import BASH, MESSAGES_URL, sse_events
+from tests.helpers import BASH, MESSAGES_URL, sse_events, wait_until_async
 
 URL = MESSAGES_URL
 
@@ -69,6 +69,32 @@ async def test_streamed_turn_is_stored_token_exact(make_stack, qwen_tokenizer_di
     assert turn.output_logprobs == [t[0] for t in again["meta_info"]["output_token_logprobs"]]
     assert turn.output_ids[-1] == tok.token_id("<|im_end|>")  # the stop token the engine returned
     assert turn.status == "ok" and turn.finish_reason == "stop"
+
+
+async def test_a_turn_waits_at_the_closed_gate_with_pings_until_resume(make_stack):
+    """Weight sync: while the policy is paused a turn starts for the harness, is counted as
+    waiting at the gate (`at_gate`, what a pausing service or a test watches) and generates
+    nothing; resumed, it is answered and leaves the gate."""
+    stack = await make_stack()
+    policy = stack.proxy.policy
+    policy.pause()
+    async with stack.client() as c:
+        turn = asyncio.ensure_future(
+            c.post(
+                URL, json=body([{"role": "user", "content": "hi"}], stream=True), headers={"x-api-key": "k"}
+            )
+        )
+        await wait_until_async(lambda: policy.at_gate == 1, timeout=20, message="the turn at the gate")
+        await asyncio.sleep(0.3)  # past a ping interval (0.2 s): still held
+        assert policy.at_gate == 1 and policy.generating == 0 and not turn.done()
+        assert list(read_turns(stack.db)) == []
+        policy.resume()
+        r = await asyncio.wait_for(turn, 30)
+    assert r.status_code == 200 and policy.at_gate == 0
+    events = sse_events(r.text)
+    assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    assert ("ping", {"type": "ping"}) in events  # the harness was kept alive meanwhile
+    assert len(list(read_turns(stack.db))) == 1
 
 
 async def test_sampling_params_use_sglang_names(make_stack):
@@ -171,6 +197,7 @@ async def test_backend_garbage_or_errors_are_reported_and_nothing_is_written(mak
 LONG = [{"match": "", "text": " ".join(f"word{i}" for i in range(300))}]
 
 
+@pytest.mark.slow
 async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack):
     # Streamed from SGLang's default cumulative chunks (by default the policy asks for whole replies).
     stack = await make_stack(
@@ -184,11 +211,11 @@ async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack)
                     deltas += 1
                     if deltas == 5:
                         break  # the harness dies: the connection closes
-    for _ in range(100):
-        rows = sqlite3.connect(stack.db).execute("SELECT status, output_len FROM turns").fetchall()
-        if rows:
-            break
-        await asyncio.sleep(0.05)
+    rows = await wait_until_async(
+        lambda: sqlite3.connect(stack.db).execute("SELECT status, output_len FROM turns").fetchall(),
+        timeout=5,
+        message="the aborted turn stored",
+    )
     [(status, n)] = rows
     assert status == "aborted"
     [turn] = list(read_turns(stack.db, include_text_only=True))
@@ -198,6 +225,7 @@ async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack)
     assert turn.output_logprobs == [t[0] for t in full["meta_info"]["output_token_logprobs"][:n]]
 
 
+@pytest.mark.slow
 async def test_backend_dying_mid_stream_ends_the_stream_with_an_error_event(make_stack):
     stack = await make_stack(
         backend={"token_delay": 0.005, "script": LONG}, policy={"backend_stream": "stream"}
@@ -349,6 +377,7 @@ async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_s
     assert "pass --tokenizer" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 async def test_replies_stream_as_generated_with_pings_while_the_backend_is_silent(make_stack):
     import time
 

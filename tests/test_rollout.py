@@ -27,6 +27,7 @@ from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
 from polar_mitm.sandbox.base import SandboxError
 from polar_mitm.sandbox.tempdir import TempdirRuntime
 from polar_mitm.tasks.model import EvaluatorSpec, Task
+from tests.helpers import process_gone, wait_until_async
 
 
 def shell_task(task_id: str, instruction: str, check: str, **kw) -> Task:
@@ -97,16 +98,17 @@ async def test_groups_are_scored_recorded_and_reported(make_stack, tmp_path):
     assert not list((tmp_path / "work").iterdir())  # sample directories removed
 
 
+@pytest.mark.slow
 async def test_agent_timeout_is_trainable_with_reward_zero_and_kills_the_harness(make_stack, tmp_path):
     stack = await make_stack()
-    marker = tmp_path / "still-running"
+    marker, pid = tmp_path / "still-running", tmp_path / "child.pid"
     tasks = [shell_task("slow", "x", "true", agent_timeout_sec=0.5)]
-    _, result = await run_pipeline(
-        stack, tasks, tmp_path, harness_cmd=sh(f"(sleep 2; touch {marker}) & sleep 30")
-    )
+    child = f"sh -c 'echo $$ > {pid}; sleep 2; touch {marker}'"
+    _, result = await run_pipeline(stack, tasks, tmp_path, harness_cmd=sh(f"{child} & sleep 30"))
     [(_, _, _, status, reward, cause)] = samples_of(stack.db)
     assert (status, reward, cause) == ("agent_timeout", 0.0, "agent timeout")
-    await asyncio.sleep(2.5)
+    child_pid = int(pid.read_text())
+    await wait_until_async(lambda: process_gone(child_pid), timeout=2, message="the harness's child killed")
     assert not marker.exists()  # the harness's own children were killed too
 
 
@@ -209,8 +211,7 @@ async def test_cancelling_a_rollout_stops_everything_and_records_every_sample(ma
     options = RolloutOptions(harness="claude-code", runtime="local", samples=3, harness_cmd=sh("sleep 60"))
     p = Pipeline(options, stack.proxy, TempdirRuntime(), work_dir=tmp_path / "work")
     task = asyncio.create_task(p.run(tasks))
-    while p.counts["running"] < 2:
-        await asyncio.sleep(0.05)
+    await wait_until_async(lambda: p.counts["running"] >= 2, timeout=30, message="two samples running")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -239,6 +240,7 @@ MODEL_CALL = (
 )
 
 
+@pytest.mark.slow
 async def test_export_carries_groups_masks_failed_samples_and_normalizes(make_stack, tmp_path):
     """Each 'harness' makes one real model call through the proxy (so its sample has a row), then
     the first sample of a group writes 'pass' and the others 'fail'. The command of 'broken' writes a

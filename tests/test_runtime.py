@@ -6,13 +6,13 @@ import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from polar_mitm import recipes
 from polar_mitm.harness.local import child_env
 from polar_mitm.proxy.certs import ensure_ca
+from tests.helpers import process_gone, wait_until
 
 
 def test_ca_is_created_once_with_a_private_key_only_its_owner_reads(tmp_path):
@@ -150,10 +150,9 @@ def test_helpers_the_harness_spawned_do_not_outlive_the_run(tmp_path, certs_dir,
     grandchild = int(pidfile.read_text())
     p.send_signal(signal.SIGTERM)
     p.communicate(timeout=30)
-    time.sleep(0.3)
-    status = Path(f"/proc/{grandchild}/status")
     # Gone, or a zombie waiting for init to reap it: either way no longer running.
-    assert not status.exists() or "\nState:\tZ" in status.read_text()
+    wait_until(lambda: process_gone(grandchild), timeout=1, message="the grandchild to end")
+    assert process_gone(grandchild)
 
 
 def test_generic_harnesses_get_every_ca_variable_both_proxy_cases_and_a_dummy_key_per_provider(tmp_path):

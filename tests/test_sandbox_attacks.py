@@ -23,6 +23,7 @@ import pytest
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
 from polar_mitm.sandbox.tempdir import TempdirRuntime
 from polar_mitm.tasks.model import EvaluatorSpec, Task
+from tests.helpers import wait_until_async
 
 IMAGE = "polar-mitm/rollout-base:bookworm"
 NOKILL_IMAGE = "polar-mitm/test-nokill:1"
@@ -358,7 +359,7 @@ async def test_a_connection_keeps_the_session_it_opened_with(make_stack):
         return out
 
     assert await asyncio.to_thread(two_requests) == [200, 200]
-    await asyncio.sleep(0.2)
+    await wait_until_async(lambda: sum(turns_by_session(stack.db).values()) >= 2, message="two stored turns")
     assert turns_by_session(stack.db) == {"s_first": 2}
 
 

@@ -27,7 +27,8 @@ from polar_mitm.service.node import GatewayNode, NodeConfig, spawn_node, stop_no
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.store.reader import read_turns
 from polar_mitm.tasks.model import EvaluatorSpec, Task
-from tests.e2e.harness import POLAR, FakeBackend, free_port
+from tests.e2e.harness import POLAR, FakeBackend, port_of, printed_url
+from tests.helpers import process_gone, wait_until, wait_until_async
 from tests.test_rollout import MODEL_CALL
 
 ANSWER = "grep -q pass out.txt"
@@ -118,9 +119,9 @@ async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
         started.append((svc, runner))
         for i in range(nodes):
             await svc.add_node(tmp_path, qwen_tokenizer_dir, certs_dir, i, process=i > 0)
-        deadline = time.time() + 60
-        while len(server.healthy_nodes()) < nodes and time.time() < deadline:
-            await asyncio.sleep(0.1)
+        await wait_until_async(
+            lambda: len(server.healthy_nodes()) >= nodes, timeout=60, message=f"{nodes} healthy nodes"
+        )
         return svc
 
     yield make
@@ -135,6 +136,7 @@ async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_groups_come_back_scored_through_the_client_with_exact_tokens(service, tmp_path):
     svc = await service(nodes=2)
     async with AsyncRolloutClient(svc.url) as client:
@@ -167,6 +169,7 @@ async def test_groups_come_back_scored_through_the_client_with_exact_tokens(serv
             assert s.weight_versions == ["0"]
 
 
+@pytest.mark.slow
 async def test_results_as_parquet_and_the_api_documents_itself(service):
     svc = await service(nodes=1)
 
@@ -238,6 +241,7 @@ async def test_bad_requests_get_the_field_named_and_tokens_are_checked(service):
     assert (await AsyncRolloutClient(svc.url, token="s3cret").status("t")).num_samples == 2
 
 
+@pytest.mark.slow
 async def test_cancelling_a_task_stops_its_samples_everywhere(service):
     svc = await service(nodes=1)
     async with AsyncRolloutClient(svc.url) as client:
@@ -248,19 +252,18 @@ async def test_cancelling_a_task_stops_its_samples_everywhere(service):
             runtime="local",
             harness_cmd=["sh", "-c", "sleep 60", "h", "{instruction}"],
         )
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            view = await client.status(tid)
-            if any(s.stage == "running" for s in view.samples):
-                break
-            await asyncio.sleep(0.1)
+
+        async def running() -> bool:
+            return any(s.stage == "running" for s in (await client.status(tid)).samples)
+
+        await wait_until_async(running, timeout=20, message="a sample running")
         view = await client.cancel(tid)
         assert view.state == "cancelled"
-        deadline = time.time() + 20
-        while time.time() < deadline and any(
-            s.state != "finished" for s in (await client.status(tid)).samples
-        ):
-            await asyncio.sleep(0.1)
+
+        async def all_finished() -> bool:
+            return all(s.state == "finished" for s in (await client.status(tid)).samples)
+
+        await wait_until_async(all_finished, timeout=20, message="every sample finished")
         view = await client.status(tid)
     assert [s.status for s in view.samples] == ["cancelled"] * 3
     assert svc.nodes[0].jobs == {}  # the node let go of every one
@@ -268,6 +271,7 @@ async def test_cancelling_a_task_stops_its_samples_everywhere(service):
     assert pipeline.counts["running"] == 0 and pipeline.counts["done"] == 3
 
 
+@pytest.mark.slow
 async def test_early_stop_cancels_the_rest_of_a_group(service):
     svc = await service(nodes=1)
     async with AsyncRolloutClient(svc.url) as client:
@@ -292,6 +296,7 @@ async def test_early_stop_cancels_the_rest_of_a_group(service):
     assert {o.cause for o in g.outcomes if o.status == "cancelled"} == {"early stop: 1 usable samples in"}
 
 
+@pytest.mark.slow
 async def test_callback_delivers_each_group_with_retries(service):
     from aiohttp import web
 
@@ -319,9 +324,7 @@ async def test_callback_delivers_each_group_with_retries(service):
                 task("cb", "pass"), samples=2, harness="claude-code", runtime="local", harness_cmd=harness(),
                 callback_url=f"http://127.0.0.1:{port}/groups",
             )  # fmt: skip
-            deadline = time.time() + 30
-            while not got and time.time() < deadline:
-                await asyncio.sleep(0.1)
+            await wait_until_async(lambda: got, timeout=30, message="the delivered group")
             view = await client.status(tid)
     finally:
         await runner.cleanup()
@@ -330,6 +333,7 @@ async def test_callback_delivers_each_group_with_retries(service):
     assert view.callback == "delivered"
 
 
+@pytest.mark.slow
 async def test_pause_drains_generations_and_resume_brings_the_new_weight_version(service, tmp_path):
     """Each sample makes two model calls. Pause while the first is generating (slowly): the pause
     returns once it finished; the second call waits at the gate (its stream kept alive) until
@@ -347,13 +351,13 @@ async def test_pause_drains_generations_and_resume_brings_the_new_weight_version
             task("p", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=two_calls
         )
         node = svc.nodes[0]
-        deadline = time.time() + 20
-        while node.proxy.policy.generating == 0 and time.time() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: node.proxy.policy.generating, timeout=20, message="the first call")
         assert node.proxy.policy.generating == 1
         reply = await h.post(f"{svc.url}/v1/admin/pause", json={"timeout_seconds": 30})
         assert reply.json()["drained"] is True and node.proxy.policy.generating == 0
-        await asyncio.sleep(1.0)  # the second call is waiting at the gate
+        await wait_until_async(
+            lambda: node.proxy.policy.at_gate == 1, timeout=20, message="the second call waiting at the gate"
+        )
         assert node.proxy.policy.generating == 0 and (await client.status(tid)).state == "running"
         await h.post(f"{svc.backend_url}/update_weight_version", json={"new_version": "7"})
         await h.post(f"{svc.url}/v1/admin/resume", json={"weight_version": "7"})
@@ -365,6 +369,7 @@ async def test_pause_drains_generations_and_resume_brings_the_new_weight_version
     assert sorted(s.weight_versions for s in g.samples) == [["0"], ["7"]]
 
 
+@pytest.mark.slow
 async def test_max_staleness_masks_samples_that_span_too_many_versions(service):
     svc = await service(nodes=1, backend={"token_delay": 0.02})
     two_calls = [
@@ -380,8 +385,7 @@ async def test_max_staleness_masks_samples_that_span_too_many_versions(service):
             max_staleness=0, stale_action="mask",
         )  # fmt: skip
         node = svc.nodes[0]
-        while node.proxy.policy.generating == 0:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: node.proxy.policy.generating, timeout=20, message="the first call")
         await h.post(f"{svc.url}/v1/admin/pause", json={"timeout_seconds": 30})
         await h.post(f"{svc.backend_url}/update_weight_version", json={"new_version": "8"})
         await h.post(f"{svc.url}/v1/admin/resume", json={"weight_version": "8"})
@@ -400,15 +404,26 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def wait_http(url: str, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def up() -> bool:
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
+            return httpx.get(url + "/health", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
+            return False
+
+    wait_until(up, timeout=timeout, interval=0.1, message=f"{url} to come up")
+
+
+def served_url(log: Path, proc: subprocess.Popen, timeout: float = 30) -> str:
+    """The address a `serve` started with `--listen 127.0.0.1:0` printed to `log` once it
+    listened, after it answers `/health`."""
+
+    def printed() -> str | None:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        return next((ln for ln in log.read_text().splitlines() if "rollout server on" in ln), None)
+
+    url = printed_url(wait_until(printed, timeout=timeout, message="serve to print its address"))
+    wait_http(url, timeout)
+    return url
 
 
 @pytest.fixture
@@ -434,15 +449,14 @@ def node_args(server: str, backend, tokenizer, db: Path, node_id: str) -> list[s
     ]
 
 
+@pytest.mark.slow
 def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backend_proc, qwen_tokenizer_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path / "log.txt"
     server = spawn(
         [
             "serve",
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--nodes",
             "0",
             "--node-timeout",
@@ -455,7 +469,7 @@ def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backe
     )
     procs = [server]
     try:
-        wait_http(url)
+        url = served_url(log, server)
         doomed = spawn(node_args(url, backend_proc, qwen_tokenizer_dir, tmp_path / "a.sqlite", "doomed"), log)
         procs.append(doomed)
         client = RolloutClient(url)
@@ -470,9 +484,7 @@ def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backe
         tid = client.submit(
             task("k", "x"), samples=2, harness="claude-code", runtime="local", harness_cmd=cmd
         )
-        deadline = time.time() + 30
-        while time.time() < deadline and not (tmp_path / "once").exists():
-            time.sleep(0.1)
+        wait_until((tmp_path / "once").exists, timeout=30, message="sample 0's first attempt")
         assert (tmp_path / "once").exists()
         os.killpg(doomed.pid, signal.SIGKILL)
         procs.append(
@@ -488,16 +500,16 @@ def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backe
     assert sorted(s.index for s in g.samples) == [0, 1]  # one row per sample, no duplicate
 
 
+@pytest.mark.slow
 def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_tokenizer_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path / "log.txt"
-    serve = ["serve", "--listen", f"127.0.0.1:{port}", "--nodes", "0", "--allow-local-runtime",
+    serve = ["serve", "--listen", "127.0.0.1:0", "--nodes", "0", "--allow-local-runtime",
              "--db", str(tmp_path / "s.sqlite")]  # fmt: skip
     server = spawn(serve, log)
     procs = [server]
     try:
-        wait_http(url)
+        url = served_url(log, server)
+        serve[2] = f"127.0.0.1:{port_of(url)}"  # the restart takes the address the nodes know
         procs.append(
             spawn(node_args(url, backend_proc, qwen_tokenizer_dir, tmp_path / "n.sqlite", "steady"), log)
         )
@@ -509,11 +521,11 @@ def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_toke
             )
             for i in range(2)
         ]
-        deadline = time.time() + 30
-        while time.time() < deadline and not any(
-            s.state == "finished" for s in client.status(ids[0]).samples
-        ):
-            time.sleep(0.1)
+        wait_until(
+            lambda: any(s.state == "finished" for s in client.status(ids[0]).samples),
+            timeout=30,
+            message="a finished sample",
+        )
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         time.sleep(1.5)  # the node's reports fail meanwhile, and are retried
@@ -531,6 +543,7 @@ def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_toke
     assert con.execute("SELECT COUNT(*), SUM(dispatches) FROM service_samples").fetchone() == (6, 6)
 
 
+@pytest.mark.slow
 def test_ray_places_nodes_as_actors_and_completes_a_task(
     tmp_path, backend_proc, qwen_tokenizer_dir, certs_dir
 ):
@@ -549,9 +562,9 @@ def test_ray_places_nodes_as_actors_and_completes_a_task(
                 poll_interval=0.2, heartbeat_interval=0.5, work_dir=None,
             )  # fmt: skip
             actors = start_ray_nodes(None, 2, cfg)
-            deadline = time.time() + 90
-            while time.time() < deadline and len(server.healthy_nodes()) < 2:
-                await asyncio.sleep(0.2)
+            await wait_until_async(
+                lambda: len(server.healthy_nodes()) >= 2, timeout=90, interval=0.2, message="two Ray nodes"
+            )
             assert sorted(server.healthy_nodes()) == ["ray-0", "ray-1"]
             async with AsyncRolloutClient(server.url, token=server.token) as client:
                 tid = await client.submit(
@@ -577,23 +590,15 @@ def children(pid: int) -> list[int]:
     return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
 
 
-def zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except OSError:
-        return True
-
-
+@pytest.mark.slow
 def test_submit_command_waits_and_writes_parquet(tmp_path, backend_proc, qwen_tokenizer_dir):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path / "log.txt"
     db = tmp_path / "s.sqlite"
     proc = spawn(
         [
             "serve",
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--db",
             str(db),
             "--allow-local-runtime",
@@ -605,7 +610,7 @@ def test_submit_command_waits_and_writes_parquet(tmp_path, backend_proc, qwen_to
         log,
     )
     try:
-        wait_http(url)
+        url = served_url(log, proc)
         tasks = tmp_path / "t.toml"
         tasks.write_text(
             '[[tasks]]\nid = "a"\ninstruction = "pass"\nevaluator = {kind = "command", command = "grep -q pass out.txt"}\n'
@@ -622,10 +627,10 @@ def test_submit_command_waits_and_writes_parquet(tmp_path, backend_proc, qwen_to
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
     # A node whose `serve` was killed stops by itself: nothing is left running.
-    deadline = time.time() + 20
-    while time.time() < deadline and Path(f"/proc/{nodes[0]}").exists() and not zombie(nodes[0]):
-        time.sleep(0.2)
-    assert not Path(f"/proc/{nodes[0]}").exists() or zombie(nodes[0]), "the node outlived its server"
+    wait_until(
+        lambda: process_gone(nodes[0]), timeout=20, message="the node to stop once its server is killed"
+    )
+    assert process_gone(nodes[0]), "the node outlived its server"
     assert r.returncode == 0, r.stderr + log.read_text()[-2000:]
     assert r.stdout.strip() == "a"
     assert "[1/1] a: done · 2/2 usable · mean reward 1.00" in r.stderr
@@ -647,6 +652,7 @@ def test_json_rows_survive_the_trip_bit_for_bit():
     assert back.to_row() == t.to_row()
 
 
+@pytest.mark.slow
 async def test_events_stream_and_a_drained_node_takes_no_new_samples(service):
     svc = await service(nodes=1)
     seen: list[dict] = []
@@ -661,7 +667,7 @@ async def test_events_stream_and_a_drained_node_takes_no_new_samples(service):
                     seen.append(json.loads(line[6:]))
 
     listener = asyncio.create_task(listen())
-    await asyncio.sleep(0.2)
+    await wait_until_async(lambda: svc.server.events.queues, timeout=10, message="the listener subscribed")
     async with AsyncRolloutClient(svc.url) as client, httpx.AsyncClient(base_url=svc.url, headers=AUTH) as h:
         tid = await client.submit(
             task("e", "pass"), samples=1, harness="claude-code", runtime="local", harness_cmd=harness()

@@ -21,8 +21,8 @@ import pytest
 from polar_mitm.client import RolloutClient
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.tasks.model import EvaluatorSpec, Task
-from tests.e2e.harness import POLAR, free_port
-from tests.test_service import spawn, wait_http
+from tests.e2e.harness import POLAR, port_of
+from tests.test_service import served_url, spawn, wait_http
 
 
 def task(task_id: str = "t", **kw) -> dict:
@@ -296,14 +296,14 @@ def _streamed_post(port: int, path: str, total: int, headers: dict[str, str], ch
         return int(line.split()[1]) if line.startswith(b"HTTP/") else 0
 
 
+@pytest.mark.slow
 def test_health_answers_within_100_ms_while_a_maximal_body_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = spawn(["serve", "--listen", f"127.0.0.1:{port}", "--nodes", "0", "--db", str(tmp_path / "s.sqlite")],
+    proc = spawn(["serve", "--listen", "127.0.0.1:0", "--nodes", "0", "--db", str(tmp_path / "s.sqlite")],
                  tmp_path / "log.txt")  # fmt: skip
     try:
-        wait_http(url)
+        url = served_url(tmp_path / "log.txt", proc)
+        port = port_of(url)
         token_file = tmp_path / "config" / "polar-mitm" / "service-token"
         headers = bearer(token_file.read_text().strip() if token_file.exists() else None)
         for chunked in (False, True):
@@ -334,17 +334,16 @@ def test_health_answers_within_100_ms_while_a_maximal_body_is_refused(tmp_path, 
 # --- the token: generated, kept 0600, found by the clients; never on the wire in clear ----------
 
 
+@pytest.mark.slow
 def test_serve_generates_a_0600_token_file_that_the_client_and_submit_find(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.delenv("POLAR_MITM_SERVICE_TOKEN", raising=False)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path / "log.txt"
     proc = spawn(
-        ["serve", "--listen", f"127.0.0.1:{port}", "--nodes", "0", "--db", str(tmp_path / "s.sqlite")], log
+        ["serve", "--listen", "127.0.0.1:0", "--nodes", "0", "--db", str(tmp_path / "s.sqlite")], log
     )
     try:
-        wait_http(url)
+        url = served_url(log, proc)
         path = tmp_path / "config" / "polar-mitm" / "service-token"
         assert path.exists(), log.read_text()
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -373,7 +372,16 @@ def test_serve_generates_a_0600_token_file_that_the_client_and_submit_find(tmp_p
         proc.wait(20)
     # A restarted serve reuses the file: clients keep working.
     proc = spawn(
-        ["serve", "--listen", f"127.0.0.1:{port}", "--nodes", "0", "--db", str(tmp_path / "s.sqlite")], log
+        [
+            "serve",
+            "--listen",
+            f"127.0.0.1:{port_of(url)}",
+            "--nodes",
+            "0",
+            "--db",
+            str(tmp_path / "s.sqlite"),
+        ],
+        log,
     )
     try:
         wait_http(url)
@@ -385,6 +393,7 @@ def test_serve_generates_a_0600_token_file_that_the_client_and_submit_find(tmp_p
         proc.wait(20)
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_non_loopback_listen_without_insecure_listen(tmp_path, monkeypatch):
     """Only the refusal is exercised: nothing ever binds a non-loopback address here."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))

@@ -5,13 +5,12 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from polar_mitm.store.reader import read_turns
-from tests.e2e.harness import FakeBackend, free_port
+from tests.e2e.harness import FakeBackend, port_of, printed_url
 from tests.helpers import MESSAGES_URL, stored_bytes
 
 URL = MESSAGES_URL
@@ -21,7 +20,6 @@ URL = MESSAGES_URL
 def shared_proxy(request, tmp_path, certs_dir, qwen_tokenizer_dir):
     extra = getattr(request, "param", [])
     backend = FakeBackend(qwen_tokenizer_dir, "--token-delay", "0.02")
-    port = free_port()
     db = tmp_path / "shared.sqlite"
     proc = subprocess.Popen(
         [
@@ -30,7 +28,7 @@ def shared_proxy(request, tmp_path, certs_dir, qwen_tokenizer_dir):
             "polar_mitm",
             "proxy",
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--backend",
             backend.url,
             "--tokenizer",
@@ -46,6 +44,7 @@ def shared_proxy(request, tmp_path, certs_dir, qwen_tokenizer_dir):
     )
     line = proc.stderr.readline()
     assert "polar-mitm proxy on" in line, line
+    port = port_of(printed_url(line))
     yield port, db, proc, certs_dir
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -70,6 +69,7 @@ def body(text, stream=False):
     }
 
 
+@pytest.mark.slow
 def test_shared_proxy_keeps_sessions_apart(shared_proxy):
     port, db, _, certs = shared_proxy
     for session in ("worker-1", "worker-2", "worker-1"):
@@ -81,6 +81,7 @@ def test_shared_proxy_keeps_sessions_apart(shared_proxy):
 
 
 # Streamed from the backend, so the proxy dies while the reply is still being sampled.
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_proxy", [["--backend-stream", "stream"]], indirect=True)
 def test_a_killed_proxy_leaves_the_database_consistent_with_what_the_harness_saw(shared_proxy):
     port, db, proc, certs = shared_proxy
@@ -95,7 +96,7 @@ def test_a_killed_proxy_leaves_the_database_consistent_with_what_the_harness_saw
                     if line.startswith("event: content_block_delta"):
                         proc.send_signal(signal.SIGKILL)  # the proxy dies mid-reply
     assert not any("message_stop" in s for s in seen)
-    time.sleep(0.2)
+    proc.wait(20)  # the killed proxy is gone before the database is read
     con = sqlite3.connect(db)
     assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     rows = con.execute("SELECT status, response FROM turns").fetchall()
@@ -104,6 +105,7 @@ def test_a_killed_proxy_leaves_the_database_consistent_with_what_the_harness_saw
     assert json.loads(rows[0][1])["text"] == done["content"][0]["text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_proxy", [["--token", "secret-token"]], indirect=True)
 def test_a_proxy_with_a_token_refuses_clients_without_it(shared_proxy):
     port, db, _, certs = shared_proxy

@@ -16,6 +16,7 @@ from tests.helpers import COMPLETION
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_every_style_module_implements_the_style_protocol_by_type():
     """mypy checks each module in `providers.STYLES` against `Style` (signatures included)."""
     api = pytest.importorskip("mypy.api", reason="the type check needs mypy (the test extra)")

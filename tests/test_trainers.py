@@ -83,6 +83,7 @@ def test_build_fields_keeps_tool_results_untrained_and_failed_samples_out():
 # --- the HF engine --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_hf_engine_reports_its_models_own_logprobs_and_loads_new_weights(
     tiny_lm, qwen_tokenizer_dir, tmp_path
 ):
@@ -146,6 +147,7 @@ async def test_hf_engine_reports_its_models_own_logprobs_and_loads_new_weights(
 # --- the agreement check ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_check_logprobs_fails_loudly_on_an_off_by_one(tiny_lm, qwen_tokenizer_dir, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -187,6 +189,7 @@ async def test_check_logprobs_fails_loudly_on_an_off_by_one(tiny_lm, qwen_tokeni
 # --- verl's own types, slime's fields ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_verl_bridge_returns_verls_own_agent_loop_output_from_a_real_group(service):  # noqa: F811
     """verl 0.9.1 installed (--no-deps, as scripts/install.sh does): its AgentLoopOutput, and the
     loop in its own registry."""

@@ -10,10 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from polar_mitm.cli import main
-from tests.e2e.harness import Lines, free_port
+from tests.e2e.harness import Lines, free_port, port_of, printed_url
 
 POLAR = [sys.executable, "-m", "polar_mitm"]
 
@@ -51,6 +52,7 @@ def test_run_without_the_tokenizer_directory_says_how_to_build_one(tmp_path, bac
     assert "polar-mitm tokenizer build --kind qwen --out ./qwen3-tok" in r.stderr
 
 
+@pytest.mark.slow
 def test_run_with_nothing_at_the_backend_url_says_connection_refused(tmp_path, tiny_tokenizer_dir):
     url = f"http://127.0.0.1:{free_port()}"
     r, took = run_until_checked(tmp_path, "--backend", url, "--tokenizer", str(tiny_tokenizer_dir))
@@ -58,6 +60,7 @@ def test_run_with_nothing_at_the_backend_url_says_connection_refused(tmp_path, t
     assert f"cannot reach the policy backend at {url}: connection refused" in r.stderr
 
 
+@pytest.mark.slow
 def test_run_with_a_backend_url_without_scheme_says_so(tmp_path):
     r, _ = run_until_checked(tmp_path, "--backend", "127.0.0.1:30000")
     assert "--backend '127.0.0.1:30000' has no scheme: pass http://127.0.0.1:30000" in r.stderr
@@ -120,13 +123,14 @@ def test_the_harness_flags_pass_through_with_or_without_double_dash(tmp_path, ba
 def test_proxy_prints_the_lines_each_harness_needs_and_they_work(tmp_path, backend_process, certs_dir):
     from polar_mitm.harness import node_proxy
 
-    port, db = free_port(), tmp_path / "shared.sqlite"
-    args = ["proxy", "--listen", f"127.0.0.1:{port}", "--backend", backend_process.url, "--db", str(db)]
+    db = tmp_path / "shared.sqlite"
+    args = ["proxy", "--listen", "127.0.0.1:0", "--backend", backend_process.url, "--db", str(db)]
     proc = subprocess.Popen(
         [*POLAR, *args, "--certs", str(certs_dir), "--token", "tok"], stderr=subprocess.PIPE, text=True
     )
     try:
         printed = Lines(proc.stderr)
+        port = port_of(printed_url(printed.until("polar-mitm proxy on")))
         printed.until("# claude-code: ")
         claude = printed.next()
         printed.until("# generic: ")  # the other recipes, generic last
@@ -193,6 +197,7 @@ def test_proxy_on_a_busy_port_says_so_in_one_line_and_exits(tmp_path, backend_pr
     ]
 
 
+@pytest.mark.slow
 def test_fake_backend_on_a_busy_port_says_so_in_one_line_and_exits(tiny_tokenizer_dir):
     sock, port = busy_port()
     with sock:
@@ -290,6 +295,7 @@ async def test_stats_and_export_name_a_session_that_is_not_there(tmp_path):
     assert r.exit_code == 1 and "no session 'nope'" in r.output  # as it always said
 
 
+@pytest.mark.slow
 async def test_export_into_a_pipe_closed_early_ends_quietly(tmp_path):
     db = tmp_path / "runs.sqlite"
     await fill_store(db, {"big": 400}, prompt_len=400)  # far more than a pipe holds

@@ -22,6 +22,7 @@ from polar_mitm.store.turn import Turn
 from polar_mitm.store.writer import Store
 from polar_mitm.view.server import ViewConfig, Viewer, allowed_hosts
 from polar_mitm.view.tokens import TokenPieces
+from tests.helpers import wait_until_async
 
 # The harness writes this (a reply, a tool result); it must reach the page as text.
 EVIL = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
@@ -357,6 +358,7 @@ def test_the_command_refuses_a_non_loopback_listen(tmp_path: Path) -> None:
     assert r.exit_code == 0 and "polar-mitm view --db" in r.output
 
 
+@pytest.mark.slow
 async def test_live_page_relays_the_service_events_over_one_connection(view, tmp_path: Path) -> None:
     """Several browser tabs, one subscription to the service; an event the service publishes
     reaches every tab; without --server the page says how to get one."""
@@ -374,10 +376,7 @@ async def test_live_page_relays_the_service_events_over_one_connection(view, tmp
         assert r.status == 200 and 'id="tasks"' in await r.text()
         tabs = [await c.get("/live/events") for _ in range(3)]
         assert all(t.headers["content-type"] == "text/event-stream" for t in tabs)
-        for _ in range(100):
-            if len(server.events.queues) == 1:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until_async(lambda: server.events.queues, timeout=2, interval=0.02, message="a subscriber")
         assert len(server.events.queues) == 1  # three tabs, one upstream subscriber
         server.events.publish(
             m.Event(kind="sample", task_id="tk", index=0, state="finished", data={"status": "completed"})
@@ -393,14 +392,14 @@ async def test_live_page_relays_the_service_events_over_one_connection(view, tmp
     finally:
         for tab in tabs:
             tab.close()
+
         # The last tab gone, the relay leaves the service's stream: the service's handler finds
-        # the reader gone at its next write.
-        await asyncio.sleep(1.5)
-        server.events.publish(m.Event(kind="node", state="active"))
-        for _ in range(200):
-            if not server.events.queues:
-                break
-            await asyncio.sleep(0.02)
+        # the reader gone at its next write (so write until it does).
+        def left() -> bool:
+            server.events.publish(m.Event(kind="node", state="active"))
+            return not server.events.queues
+
+        await wait_until_async(left, timeout=10, message="the relay to leave the service's stream")
         assert not server.events.queues
         await server.stop()
 

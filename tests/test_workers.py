@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,8 +16,8 @@ from polar_mitm.proxy.embedded import ProxyConfig, ProxyStartError
 from polar_mitm.proxy.workers import WorkerPool, pick, session_of
 from polar_mitm.store.migrations import MIGRATIONS
 from polar_mitm.store.reader import read_turns
-from tests.e2e.harness import FakeBackend, free_port
-from tests.helpers import MESSAGES_URL, stored_bytes
+from tests.e2e.harness import FakeBackend, port_of, printed_url
+from tests.helpers import MESSAGES_URL, open_db_at_once, process_gone, stored_bytes, wait_until
 
 
 def _auth(session: str, token: str = "x") -> bytes:
@@ -99,6 +97,7 @@ def backend(qwen_tokenizer_dir):
     b.stop()
 
 
+@pytest.mark.slow
 async def test_workers_serve_every_session_on_its_own_worker(
     tmp_path, certs_dir, qwen_tokenizer_dir, backend
 ):
@@ -143,6 +142,7 @@ async def test_workers_serve_every_session_on_its_own_worker(
     assert len({t.seq for t in stored}) == len(stored)  # two writers, one sequence
 
 
+@pytest.mark.slow
 async def test_a_worker_that_dies_is_started_again_and_its_sessions_go_on(
     tmp_path, certs_dir, qwen_tokenizer_dir, backend
 ):
@@ -171,6 +171,7 @@ async def test_a_worker_that_dies_is_started_again_and_its_sessions_go_on(
     assert [t.session_id for t in read_turns(db)] == ["s", "s"]
 
 
+@pytest.mark.slow
 async def test_a_worker_that_cannot_start_is_one_error_and_leaves_nothing(
     tmp_path, certs_dir, qwen_tokenizer_dir, backend
 ):
@@ -188,32 +189,21 @@ def _children(pid: int) -> list[int]:
 
 
 def _gone(pids: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
+    return wait_until(lambda: all(process_gone(p) for p in pids), timeout, message=f"processes {pids} to end")
 
 
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_workers_end_with_the_front(tmp_path, certs_dir, qwen_tokenizer_dir, backend, how):
-    port = free_port()
     proc = subprocess.Popen(
-        _proxy_argv(port, backend, qwen_tokenizer_dir, tmp_path / "w.sqlite", certs_dir),
+        _proxy_argv(0, backend, qwen_tokenizer_dir, tmp_path / "w.sqlite", certs_dir),
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         line = proc.stderr.readline()
         assert "polar-mitm proxy on" in line and "2 workers" in line, line
+        port = port_of(printed_url(line))
         workers = _children(proc.pid)
         assert len(workers) == 2
         with httpx.Client(
@@ -230,6 +220,7 @@ def test_workers_end_with_the_front(tmp_path, certs_dir, qwen_tokenizer_dir, bac
     assert [t.session_id for t in read_turns(tmp_path / "w.sqlite")] == ["k", "k"]
 
 
+@pytest.mark.slow
 def test_workers_share_the_busy_port_error(tmp_path, certs_dir, qwen_tokenizer_dir, backend):
     import socket
 
@@ -248,13 +239,7 @@ def test_workers_share_the_busy_port_error(tmp_path, certs_dir, qwen_tokenizer_d
     assert "Traceback" not in r.stderr
 
 
-def _open_at_once(path: str, barrier) -> None:
-    from polar_mitm.store.connection import init_db
-
-    barrier.wait()
-    init_db(path)
-
-
+@pytest.mark.slow
 def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
     """Workers start together on a new file: switching it to WAL and migrating it must not race."""
     import multiprocessing
@@ -264,7 +249,7 @@ def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
     for i in range(5):
         path = str(tmp_path / f"new-{i}.sqlite")
         barrier = ctx.Barrier(4)
-        procs = [ctx.Process(target=_open_at_once, args=(path, barrier)) for _ in range(4)]
+        procs = [ctx.Process(target=open_db_at_once, args=(path, barrier)) for _ in range(4)]
         for p in procs:
             p.start()
         for p in procs:
@@ -277,6 +262,7 @@ def test_processes_that_open_a_new_database_together_all_succeed(tmp_path):
         con.close()
 
 
+@pytest.mark.slow
 async def test_workers_harvest_exchanges_with_the_real_upstream(tmp_path, certs_dir, fake_provider):
     """Harvest mode behind the front: the request reaches the upstream, the exchange is stored."""
     import asyncio

@@ -56,6 +56,12 @@ class Policy:
         """Generations under way."""
         return self.weights.generating
 
+    @property
+    def at_gate(self) -> int:
+        """Turns waiting at the closed gate now (read-only: a paused service, or a test, sees that
+        a call arrived and is held rather than guessing from elapsed time)."""
+        return self.weights.waiting
+
     def pause(self) -> None:
         """Start no new generation until `resume` (those under way finish)."""
         self.weights.pause()

@@ -19,6 +19,7 @@ class WeightGate:
         self.event = asyncio.Event()  # set: open
         self.event.set()
         self.generating = 0
+        self.waiting = 0  # turns held at the closed gate now
 
     def pause(self) -> None:
         """Start no new generation until `resume` (those under way finish)."""
@@ -31,9 +32,13 @@ class WeightGate:
         """While paused: the turn starts for the harness and keeps it alive with pings."""
         if self.event.is_set():
             return
-        yield Started(turn_id=turn_id, prompt_tokens=prompt_tokens)
-        while not self.event.is_set():
-            try:
-                await asyncio.wait_for(self.event.wait(), self.ping_interval)
-            except TimeoutError:
-                yield Ping()
+        self.waiting += 1
+        try:
+            yield Started(turn_id=turn_id, prompt_tokens=prompt_tokens)
+            while not self.event.is_set():
+                try:
+                    await asyncio.wait_for(self.event.wait(), self.ping_interval)
+                except TimeoutError:
+                    yield Ping()
+        finally:
+            self.waiting -= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import socket
 import sqlite3
@@ -31,9 +32,25 @@ PY_HARNESS_BIN = cache_dir() / "bin"
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now. Only for a port that must stay unused (to be
+    refused) or a server that cannot bind port 0 and say what it got (a third-party binary):
+    another process may take it before the server binds it. Our own servers bind port 0 and
+    print their address; read it with `printed_url`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def printed_url(line: str) -> str:
+    """The `http://HOST:PORT` a server started on port 0 printed once it listened (`polar-mitm
+    proxy on …`, `… rollout server on …`); fails the test naming the line where there is none."""
+    m = re.search(r"http://(\[[^\]]+\]|[^\s/:]+):(\d+)", line)
+    assert m is not None and m[2] != "0", f"no bound address in {line!r}"
+    return m[0]
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def _path_with_harnesses() -> str:
@@ -48,11 +65,11 @@ def require_binary(name: str) -> str:
 
 
 class FakeBackend:
-    """`polar-mitm fake-backend` in a subprocess on a free loopback port."""
+    """`polar-mitm fake-backend` in a subprocess on loopback. It binds port 0 and the test reads the
+    port it got from the line it prints once listening (a port picked here and bound there could
+    be taken in between)."""
 
     def __init__(self, tokenizer_dir: Path, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [
                 *POLAR,
@@ -60,24 +77,24 @@ class FakeBackend:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(self.port),
+                "0",
                 "--tokenizer",
                 str(tokenizer_dir),
                 *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            text=True,
         )
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1):
-                    return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"fake backend exited: {self.proc.stdout.read().decode()}") from None
-                time.sleep(0.1)
-        raise RuntimeError("fake backend did not start")
+        self.output = Lines(self.proc.stdout)  # drained by a thread, so the pipe never fills
+        try:
+            line = self.output.until("polar-mitm fake backend", timeout=60)
+        except AssertionError as e:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"fake backend did not start: {e}") from None
+        self.url = printed_url(line)
+        self.port = port_of(self.url)
 
     def post(self, path: str, body: dict) -> dict:
         req = urllib.request.Request(

@@ -10,6 +10,7 @@ the sample does, and the task's own tests decide its reward.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.e2e.harness import POLAR, assert_turns_match_backend, harness_env, require_binary
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 
@@ -285,12 +287,12 @@ def test_harness_timeout_and_a_sandbox_that_dies(tmp_path, docker_client, qwen_t
     p = subprocess.Popen([*POLAR, "rollout", *args, "--retries", "0"], cwd=tmp_path, env=harness_env(tmp_path / "h"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.time() + 60
-        while (
-            not (running := docker_client.containers.list(filters={"label": LABEL}))
-            and time.time() < deadline
-        ):
-            time.sleep(0.2)
+        running = wait_until(
+            lambda: docker_client.containers.list(filters={"label": LABEL}),
+            timeout=60,
+            interval=0.2,
+            message="a container started",
+        )
         assert running, "no container started"
         time.sleep(1.5)  # the harness is running in it
         running[0].kill()
@@ -319,9 +321,8 @@ def test_ctrl_c_stops_every_container_and_records_every_sample(
         cwd=tmp_path, env=harness_env(tmp_path / "h"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.time() + 60
-        while len(docker_client.containers.list(filters={"label": LABEL})) < 3 and time.time() < deadline:
-            time.sleep(0.2)
+        with contextlib.suppress(AssertionError):  # most samples started; what is checked comes below
+            wait_until(lambda: len(docker_client.containers.list(filters={"label": LABEL})) >= 3, 60, 0.2)
         time.sleep(1)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)

@@ -10,7 +10,6 @@ when one registers.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections import defaultdict
 
 import pytest
@@ -120,11 +119,16 @@ def test_run_started_before_the_router_has_workers_waits_then_works(tmp_path, en
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(3)
+        before: list[str] = []  # what run wrote until it said it waits
+        while "has no worker yet" not in (line := proc.stderr.readline()):
+            assert line, "run ended before waiting for a worker: " + "".join(before)
+            before.append(line)
+        before.append(line)
         assert proc.poll() is None  # still waiting, not refused
         for e in engines:
             router.add(e.url)
         out, err = proc.communicate(timeout=240)
+        err = "".join(before) + err
         assert proc.returncode == 0, err
         assert err.count("has no worker yet") == 1  # one line of progress
         assert (work / "out.txt").read_text() == "hi\n"

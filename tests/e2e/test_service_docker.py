@@ -8,16 +8,16 @@ import json
 import os
 import signal
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 
 from polar_mitm.client import RolloutClient
-from tests.e2e.harness import assert_turns_match_backend, free_port, require_binary
+from tests.e2e.harness import assert_turns_match_backend, require_binary
 from tests.e2e.test_rollout_docker import ANSWER_TEST, LABEL, harbor_task, leftovers
-from tests.test_service import spawn, wait_http
+from tests.helpers import wait_until
+from tests.test_service import served_url, spawn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 
@@ -56,23 +56,23 @@ def test_service_runs_claude_code_and_codex_groups_in_docker(
     right = harbor_task(tasks, "cc-right", "run: echo 42 > answer.txt", ANSWER_TEST)
     wrong = harbor_task(tasks, "cc-wrong", "run: echo 41 > answer.txt", ANSWER_TEST)
     codex = harbor_task(tasks, "codex-right", "run: echo 42 > answer.txt", ANSWER_TEST)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     db = tmp_path / "service.sqlite"
     proc = spawn(
-        ["serve", "--listen", f"127.0.0.1:{port}", "--nodes", "2", "--db", str(db), "--backend", backend.url,
+        ["serve", "--listen", "127.0.0.1:0", "--nodes", "2", "--db", str(db), "--backend", backend.url,
          "--tokenizer", str(qwen_tokenizer_dir), "--tool-parser", "qwen25", "--run-workers", "2",
          "--task-root", str(tasks), "--callback-allow", "127.0.0.1"],
         tmp_path / "serve.log",
     )  # fmt: skip
     receiver = Receiver()
     try:
-        wait_http(url)
+        url = served_url(tmp_path / "serve.log", proc)
         with RolloutClient(url) as client:
-            deadline = time.time() + 60
-            while len([n for n in client.http.get("/v1/nodes").json() if n["healthy"]]) < 2:
-                assert time.time() < deadline, "nodes did not register"
-                time.sleep(0.2)
+            wait_until(
+                lambda: len([n for n in client.http.get("/v1/nodes").json() if n["healthy"]]) >= 2,
+                timeout=60,
+                interval=0.2,
+                message="two nodes registered",
+            )
             ids = [
                 client.submit(str(right), samples=4, harness="claude-code", runtime="docker"),
                 client.submit(
@@ -97,9 +97,7 @@ def test_service_runs_claude_code_and_codex_groups_in_docker(
     # Token fidelity on both nodes' stores: every turn is what the backend sampled for its prompt.
     for i in range(2):
         assert_turns_match_backend(backend, Path(str(db).replace(".sqlite", f".node{i}.sqlite")))
-    deadline = time.time() + 30
-    while not receiver.bodies and time.time() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: receiver.bodies, timeout=30, interval=0.2, message="the callback's body")
     [body] = receiver.bodies
     assert body["task"]["task_id"] == "cc-wrong" and {r["reward"] for r in body["rows"]} == {0.0}
     assert leftovers(docker_client) == []

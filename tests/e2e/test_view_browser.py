@@ -14,8 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from polar_mitm import procs
-from tests.e2e.harness import POLAR, FakeBackend, free_port, harness_env, polar_run, require_binary
+from tests.e2e.harness import POLAR, FakeBackend, Lines, harness_env, polar_run, printed_url, require_binary
+from tests.test_service import served_url
 
 pytestmark = pytest.mark.e2e
 
@@ -58,26 +57,16 @@ def browser() -> Iterator[object]:
 
 @contextmanager
 def viewer(db: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`polar-mitm view` as a user starts it, on a free loopback port; yields its URL."""
-    port = free_port()
+    """`polar-mitm view` as a user starts it, on port 0; yields the URL it printed once listening."""
     proc = subprocess.Popen(
-        [*POLAR, "view", "--db", str(db), "--listen", f"127.0.0.1:{port}", *args],
+        [*POLAR, "view", "--db", str(db), "--listen", "127.0.0.1:0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise AssertionError(f"the viewer did not start: {proc.stdout.read()}") from None
-                time.sleep(0.1)
+        url = printed_url(Lines(proc.stdout).until("polar-mitm view on", timeout=30))
         yield url
     finally:
         procs.stop(proc, 10)
@@ -264,25 +253,16 @@ def test_live_page_follows_a_service_rollout_without_a_reload(
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    port = free_port()
-    service = f"http://127.0.0.1:{port}"
     env = {**harness_env(tmp_path / "home"), "POLAR_MITM_SERVICE_TOKEN": "view-e2e-token"}
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
-        [*POLAR, "serve", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "svc.sqlite"),
+        [*POLAR, "serve", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "svc.sqlite"),
          "--backend", backend_process.url, "--tokenizer", str(tiny_tokenizer_dir),
          "--allow-local-runtime"],  # the test's tasks run on the local runtime
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(service + "/health", timeout=1).close()
-                break
-            except OSError:
-                assert serve.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
-                time.sleep(0.2)
+        service = served_url(tmp_path / "serve.log", serve, timeout=60)
         task = tmp_path / "slow.toml"
         task.write_text(
             'id = "slow"\ninstruction = "x"\n[evaluator]\nkind = "command"\ncommand = "test -f made.txt"\n'
