@@ -80,7 +80,7 @@ class TaskRequest(BaseModel):
     task: BoundedTask | None = None
     task_path: str | None = Field(None, max_length=4096)
     num_samples: int = Field(1, ge=1, le=1024)
-    harness: str = Field(description="A recipe name: claude-code, codex, gemini-cli, qwen-code, pi, opencode")
+    harness: str = Field(description="A recipe name, e.g. claude-code (`polar-mitm recipes` lists them)")
     harness_cmd: list[Text] | None = Field(None, max_length=1000)
     runtime: str = "docker"
     evaluator: BoundedEvaluator | None = Field(None, description="Replaces the task's evaluator")

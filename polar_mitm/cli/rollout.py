@@ -27,7 +27,7 @@ def task_options(f):
             click.option(
                 "--harness",
                 required=True,
-                help="Harness recipe: claude-code, codex, gemini-cli, qwen-code, pi, opencode.",
+                help="Harness recipe, e.g. claude-code, codex, mini-swe-agent (`polar-mitm recipes` lists them).",
             ),
             click.option(
                 "--harness-cmd",

@@ -24,7 +24,7 @@ WORKER_FIELDS = ("retries", "init_workers", "run_workers", "postrun_workers", "r
 class RolloutOptions(BaseModel):
     """How a rollout runs. Task fields (timeouts) apply unless overridden here."""
 
-    harness: str = Field(description="recipe name: claude-code, codex, gemini-cli, qwen-code, pi, opencode")
+    harness: str = Field(description="a recipe name (`polar-mitm recipes` lists them)")
     harness_cmd: list[str] | None = None  # overrides the recipe's headless command
     runtime: str = "docker"
     samples: int = Field(1, ge=1)
