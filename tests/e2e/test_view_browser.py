@@ -250,8 +250,14 @@ def test_live_page_follows_a_service_rollout_without_a_reload(
     """`polar-mitm serve` with one local node; the live page is open before the task is
     submitted, and shows its sample go from dispatched (running) to finished, from the event
     stream alone: the page is never reloaded (a marker set in it survives)."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
+    def wait(seconds: float) -> WebDriverWait:
+        # The live page re-renders a sample's row on each event: a row found may be replaced
+        # before its attributes are read, which is a retry, not a failure.
+        return WebDriverWait(browser, seconds, ignored_exceptions=(StaleElementReferenceException,))
 
     env = {**harness_env(tmp_path / "home"), "POLAR_MITM_SERVICE_TOKEN": "view-e2e-token"}
     log = open(tmp_path / "serve.log", "w")
@@ -269,7 +275,7 @@ def test_live_page_follows_a_service_rollout_without_a_reload(
         )
         with viewer(tmp_path / "svc.sqlite", "--server", service, env=env) as url:
             browser.get(url + "/live")
-            WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "live-state").text == "live")
+            wait(20).until(lambda d: d.find_element(By.ID, "live-state").text == "live")
             browser.execute_script("window.__noReload = 1")
             r = subprocess.run(
                 [*POLAR, "submit", str(task), "--harness", "claude-code", "--runtime", "local", "--harness-cmd",
@@ -278,14 +284,14 @@ def test_live_page_follows_a_service_rollout_without_a_reload(
             )  # fmt: skip
             assert r.returncode == 0, r.stderr
             row = 'section.task[data-task] tr.sample[data-index="0"]'
-            WebDriverWait(browser, 60).until(
+            wait(60).until(
                 lambda d: any(
                     e.get_attribute("data-state") == "dispatched"
                     for e in d.find_elements(By.CSS_SELECTOR, row)
                 )
             )
             shot(browser, tmp_path, "live-running")
-            WebDriverWait(browser, 90).until(
+            wait(90).until(
                 lambda d: any(
                     e.get_attribute("data-state") == "finished"
                     and e.get_attribute("data-status") == "completed"
