@@ -20,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import docker
 import pyarrow.parquet as pq
 import pytest
 
@@ -294,8 +295,16 @@ def test_harness_timeout_and_a_sandbox_that_dies(tmp_path, docker_client, qwen_t
             message="a container started",
         )
         assert running, "no container started"
-        time.sleep(1.5)  # the harness is running in it
-        running[0].kill()
+        box = running[0]
+
+        def harness_runs() -> bool:
+            try:
+                return any("sleep 300" in " ".join(proc) for proc in box.top()["Processes"] or [])
+            except docker.errors.APIError:  # not running yet, or gone
+                return False
+
+        wait_until(harness_runs, timeout=60, interval=0.2, message="the harness running in the container")
+        box.kill()
         _, err = p.communicate(timeout=120)
     finally:
         p.kill()
