@@ -127,21 +127,34 @@ def test_claude_code_two_tasks_four_samples_each_in_docker(
     assert leftovers(docker_client) == []
 
 
-@pytest.mark.parametrize("harness,binary", [("codex", "codex"), ("gemini-cli", "gemini")])
-def test_other_harnesses_in_docker(tmp_path, backend, qwen_tokenizer_dir, docker_client, harness, binary):
-    require_binary(binary)
+def solve_answer_task(
+    tmp_path: Path, harness: str, backend, tokenizer_dir, instruction: str = "run: echo 42 > answer.txt"
+) -> tuple[Path, list[dict]]:
+    """`rollout` of one Harbor task (answer.txt must hold 42) x 2 samples with `harness` in Docker:
+    both samples completed, were trained on, and scored 1.0 by the task's own test. Returns the
+    store and the exported rows, for the caller's own checks."""
     tasks = tmp_path / "tasks"
-    harbor_task(tasks, "answer", "run: echo 42 > answer.txt", ANSWER_TEST)
+    harbor_task(tasks, "answer", instruction, ANSWER_TEST)
     db, out = tmp_path / "runs.sqlite", tmp_path / "groups.parquet"
     r = rollout(
         [str(tasks), "--harness", harness, "--runtime", "docker", "--samples", "2",
-         *policy_args(backend, qwen_tokenizer_dir, db), "--out", str(out)],
+         *policy_args(backend, tokenizer_dir, db), "--out", str(out)],
         cwd=tmp_path, env=harness_env(tmp_path / "home"),
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    rows = [row for row in pq.read_table(out).to_pylist()]
-    assert {row["reward"] for row in rows} == {1.0} and {row["sample_index"] for row in rows} == {0, 1}
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = pq.read_table(out).to_pylist()
+    assert {row["reward"] for row in rows} == {1.0} and {row["sample_index"] for row in rows} == {0, 1}, (
+        [(row["status"], row["reward"]) for row in rows],
+        r.stderr[-3000:],
+    )
     assert all(row["status"] == "completed" and sum(row["loss_mask"]) > 0 for row in rows)
+    return db, rows
+
+
+@pytest.mark.parametrize("harness,binary", [("codex", "codex"), ("gemini-cli", "gemini")])
+def test_other_harnesses_in_docker(tmp_path, backend, qwen_tokenizer_dir, docker_client, harness, binary):
+    require_binary(binary)
+    db, _ = solve_answer_task(tmp_path, harness, backend, qwen_tokenizer_dir)
     assert_turns_match_backend(backend, db)
     assert leftovers(docker_client) == []
 

@@ -8,11 +8,10 @@ aider, Kimi CLI, OpenHands) are in tests/e2e/test_rollout_docker_pypi.py.
 
 from __future__ import annotations
 
-import pyarrow.parquet as pq
 import pytest
 
-from tests.e2e.harness import assert_turns_match_backend, harness_env, require_binary
-from tests.e2e.test_rollout_docker import ANSWER_TEST, harbor_task, leftovers, policy_args, rollout
+from tests.e2e.harness import assert_turns_match_backend, require_binary
+from tests.e2e.test_rollout_docker import leftovers, solve_answer_task
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 
@@ -34,20 +33,7 @@ def test_harness_solves_a_task_in_docker(
     tmp_path, backend, qwen_tokenizer_dir, docker_client, harness, binary
 ):
     require_binary(binary)
-    tasks = tmp_path / "tasks"
-    harbor_task(tasks, "answer", "run: echo 42 > answer.txt", ANSWER_TEST)
-    db, out = tmp_path / "runs.sqlite", tmp_path / "groups.parquet"
-    r = rollout(
-        [str(tasks), "--harness", harness, "--runtime", "docker", "--samples", "2",
-         *policy_args(backend, qwen_tokenizer_dir, db), "--out", str(out)],
-        cwd=tmp_path, env=harness_env(tmp_path / "home"),
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = pq.read_table(out).to_pylist()
-    assert {row["reward"] for row in rows} == {1.0} and {row["sample_index"] for row in rows} == {0, 1}, [
-        (row["status"], row["reward"]) for row in rows
-    ]
-    assert all(row["status"] == "completed" and sum(row["loss_mask"]) > 0 for row in rows)
+    db, rows = solve_answer_task(tmp_path, harness, backend, qwen_tokenizer_dir)
     assert all(row["role"] == "main" for row in rows)  # side calls (titles) are tagged, not trajectories
     assert_turns_match_backend(backend, db)
     assert leftovers(docker_client) == []
