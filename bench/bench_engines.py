@@ -38,8 +38,8 @@ from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
 from polar_mitm.policy import Policy, PolicyConfig  # noqa: E402
 from polar_mitm.proxy.gateway import Gateway  # noqa: E402
 from polar_mitm.store.writer import Store  # noqa: E402
-from tests.conftest import GatewayRig  # noqa: E402
-from tests.routers import Router  # noqa: E402
+from tests.support.rig import GatewayRig  # noqa: E402
+from tests.support.routers import Router  # noqa: E402
 
 SYSTEM = "You are a coding agent working in a large repository; follow the house rules carefully. " * 40
 ENGINES = 4

@@ -30,7 +30,7 @@ from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
 from polar_mitm.store.connection import connect  # noqa: E402
 from polar_mitm.store.packing import unpack_ids, unpack_logprobs  # noqa: E402
 from polar_mitm.store.requests import RequestReader, zstd  # noqa: E402
-from tests.e2e.harness import FakeBackend, harness_env, polar_run  # noqa: E402
+from tests.support.harness import FakeBackend, harness_env, polar_run  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "fixtures" / "claude_code_session.jsonl.zst"
 # Source files the tool calls read (Read) or print (Bash), in this order: real code, a few kB each.

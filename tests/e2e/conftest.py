@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.e2e.harness import FakeBackend
+from tests.support.harness import FakeBackend
 
 
 @pytest.fixture

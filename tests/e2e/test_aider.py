@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from polar_mitm.store.reader import read_turns
-from tests.e2e.harness import (
+from tests.support.harness import (
     FakeBackend,
     assert_turns_match_backend,
     harness_env,

@@ -4,7 +4,7 @@ import sqlite3
 
 import pytest
 
-from tests.e2e.harness import (
+from tests.support.harness import (
     assert_turns_match_backend,
     harness_env,
     main_turns,
@@ -97,7 +97,7 @@ def test_a_longer_session_is_one_spliced_chain_and_one_trajectory(tmp_path, qwen
 
     import pyarrow.parquet as pq
 
-    from tests.e2e.harness import POLAR, FakeBackend
+    from tests.support.harness import POLAR, FakeBackend
 
     require_binary("claude")
     script = tmp_path / "script.json"
@@ -167,7 +167,7 @@ def test_the_lines_a_shared_proxy_prints_run_claude_code(
 ):
     """README's `proxy` example: paste the printed claude-code line into a shell, run claude there;
     with `--workers 2`, through the front that hands each connection to its session's worker."""
-    from tests.e2e.harness import assert_two_spliced_turns, claude_in_shell, shared_proxy
+    from tests.support.harness import assert_two_spliced_turns, claude_in_shell, shared_proxy
 
     require_binary("claude")
     db = tmp_path / "shared.sqlite"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.e2e.harness import POLAR, harness_env, main_turns, require_binary
+from tests.support.harness import POLAR, harness_env, main_turns, require_binary
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ import subprocess
 import pyarrow.parquet as pq
 import pytest
 
-from tests.e2e.harness import (
+from tests.support.harness import (
     POLAR,
     FakeBackend,
     assert_turns_match_backend,

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.harness import require_binary, run_tool_task
+from tests.support.harness import require_binary, run_tool_task
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.store.reader import read_turns
-from tests.e2e.harness import (
+from tests.support.harness import (
     FakeBackend,
     assert_turns_match_backend,
     harness_env,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from polar_mitm import recipes
-from tests.e2e.harness import harness_env, require_binary, run_tool_task
+from tests.support.harness import harness_env, require_binary, run_tool_task
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ import pytest
 
 from polar_mitm.store.reader import read_turns
 from polar_mitm.store.requests import RequestReader
-from tests.e2e.harness import (
+from tests.support.harness import (
     FakeBackend,
     assert_turns_match_backend,
     harness_env,
@@ -136,7 +136,7 @@ def test_thought_parts_and_keepalives_reach_the_real_cli(tmp_path, thinking_back
 def test_gemini_cli_through_a_shared_proxy_with_two_workers(tmp_path, backend, qwen_tokenizer_dir, certs_dir):
     """The gemini-cli line a `proxy --workers 2` prints, pasted into a shell: the front hands each
     of the CLI's connections to its session's worker, and the turns splice as through one proxy."""
-    from tests.e2e.harness import harness_in_shell, shared_proxy
+    from tests.support.harness import harness_in_shell, shared_proxy
 
     require_binary("gemini")
     db = tmp_path / "shared.sqlite"

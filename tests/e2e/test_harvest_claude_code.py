@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import POLAR, harness_env, polar_run, require_binary
+from tests.support.harness import POLAR, harness_env, polar_run, require_binary
 
 pytestmark = pytest.mark.e2e
 

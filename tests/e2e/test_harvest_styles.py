@@ -21,8 +21,8 @@ from polar_mitm.fake import FakeBackendConfig, start_fake_backend
 from polar_mitm.policy import Policy, PolicyConfig
 from polar_mitm.proxy.gateway import Gateway
 from polar_mitm.store.writer import Store
-from tests.conftest import _self_signed
-from tests.e2e.harness import POLAR, harness_env, polar_run, require_binary
+from tests.support.harness import POLAR, harness_env, polar_run, require_binary
+from tests.support.provider import self_signed
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ class ProviderStandIn:
 
     def __init__(self, tmp: Path, tokenizer_dir: Path, host: str):
         self.tmp, self.tokenizer_dir, self.host = tmp, tokenizer_dir, host
-        self.cert, self.key = _self_signed(tmp / "standin-cert")
+        self.cert, self.key = self_signed(tmp / "standin-cert")
         self.port = 0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

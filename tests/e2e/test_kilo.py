@@ -3,12 +3,12 @@ headless command: OpenAI Responses over SSE, its `bash` tool called by the fake'
 and its title call (a small model) tagged, so it is no second trajectory.
 
 Kilo sends the title call only some of the time (not on every fresh start, unlike OpenCode), so
-the run test checks that any call it made is tagged, and tests/test_recipe_side_calls.py checks
+the run test checks that any call it made is tagged, and tests/unit/test_recipe_side_calls.py checks
 the tag on the request Kilo sends."""
 
 import pytest
 
-from tests.e2e.harness import require_binary, run_tool_task
+from tests.support.harness import require_binary, run_tool_task
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ import pytest
 from polar_mitm import recipes
 from polar_mitm.harness.local import shell_exports
 from polar_mitm.proxy.certs import ensure_ca
-from tests.e2e.harness import Lines, assert_two_spliced_turns, claude_in_shell, free_port, require_binary
+from tests.support.harness import Lines, assert_two_spliced_turns, claude_in_shell, free_port, require_binary
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ run` with the recipe's headless command: litellm's OpenAI Chat Completions at th
 
 import pytest
 
-from tests.e2e.harness import require_binary, run_tool_task
+from tests.support.harness import require_binary, run_tool_task
 
 pytestmark = pytest.mark.e2e
 

@@ -18,44 +18,25 @@ import signal
 import sqlite3
 import subprocess
 import time
-from pathlib import Path
 
 import docker
 import pyarrow.parquet as pq
 import pytest
 
-from tests.e2e.harness import POLAR, assert_turns_match_backend, harness_env, require_binary
-from tests.helpers import wait_until
+from tests.support.docker_rollout import (
+    ANSWER_TEST,
+    LABEL,
+    TEST_IMAGE,
+    harbor_task,
+    leftovers,
+    policy_args,
+    rollout,
+    solve_answer_task,
+)
+from tests.support.harness import POLAR, assert_turns_match_backend, harness_env, require_binary
+from tests.support.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
-
-IMAGE = os.environ.get("POLAR_MITM_TEST_IMAGE", "polar-mitm/rollout-base:bookworm")
-LABEL = "polar-mitm.rollout"
-
-
-def leftovers(client) -> list:
-    return client.containers.list(all=True, filters={"label": LABEL})
-
-
-def harbor_task(root: Path, name: str, instruction: str, test_sh: str, **environment) -> Path:
-    d = root / name
-    (d / "tests").mkdir(parents=True)
-    (d / "instruction.md").write_text(instruction + "\n")
-    env = {"docker_image": IMAGE, **environment}
-    lines = ["[agent]", "timeout_sec = 180", "[verifier]", "timeout_sec = 60", "[environment]"]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in env.items()]
-    (d / "task.toml").write_text("\n".join(lines) + "\n")
-    (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + test_sh + "\n")
-    return d
-
-
-ANSWER_TEST = 'if [ "$(cat /app/answer.txt)" = 42 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt'
-
-
-def rollout(args: list[str], *, cwd: Path, env: dict, timeout: float = 600):
-    return subprocess.run(
-        [*POLAR, "rollout", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def table_rows(stderr: str) -> dict[str, list[str]]:
@@ -69,19 +50,6 @@ def table_rows(stderr: str) -> dict[str, list[str]]:
             break
         rows[cells[0]] = cells
     return rows
-
-
-def policy_args(backend, tokenizer, db: Path) -> list[str]:
-    return [
-        "--backend",
-        backend.url,
-        "--tokenizer",
-        str(tokenizer),
-        "--tool-parser",
-        "qwen25",
-        "--db",
-        str(db),
-    ]
 
 
 def test_claude_code_two_tasks_four_samples_each_in_docker(
@@ -127,30 +95,6 @@ def test_claude_code_two_tasks_four_samples_each_in_docker(
     assert leftovers(docker_client) == []
 
 
-def solve_answer_task(
-    tmp_path: Path, harness: str, backend, tokenizer_dir, instruction: str = "run: echo 42 > answer.txt"
-) -> tuple[Path, list[dict]]:
-    """`rollout` of one Harbor task (answer.txt must hold 42) x 2 samples with `harness` in Docker:
-    both samples completed, were trained on, and scored 1.0 by the task's own test. Returns the
-    store and the exported rows, for the caller's own checks."""
-    tasks = tmp_path / "tasks"
-    harbor_task(tasks, "answer", instruction, ANSWER_TEST)
-    db, out = tmp_path / "runs.sqlite", tmp_path / "groups.parquet"
-    r = rollout(
-        [str(tasks), "--harness", harness, "--runtime", "docker", "--samples", "2",
-         *policy_args(backend, tokenizer_dir, db), "--out", str(out)],
-        cwd=tmp_path, env=harness_env(tmp_path / "home"),
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = pq.read_table(out).to_pylist()
-    assert {row["reward"] for row in rows} == {1.0} and {row["sample_index"] for row in rows} == {0, 1}, (
-        [(row["status"], row["reward"]) for row in rows],
-        r.stderr[-3000:],
-    )
-    assert all(row["status"] == "completed" and sum(row["loss_mask"]) > 0 for row in rows)
-    return db, rows
-
-
 @pytest.mark.parametrize("harness,binary", [("codex", "codex"), ("gemini-cli", "gemini")])
 def test_other_harnesses_in_docker(tmp_path, backend, qwen_tokenizer_dir, docker_client, harness, binary):
     require_binary(binary)
@@ -193,7 +137,7 @@ def test_swebench_rows_against_a_locally_built_image(tmp_path, backend, qwen_tok
         (ctx / "repo" / name).parent.mkdir(parents=True, exist_ok=True)
         (ctx / "repo" / name).write_text(text)
     (ctx / "Dockerfile").write_text(
-        f"FROM {IMAGE}\nCOPY repo /testbed\nWORKDIR /testbed\n"
+        f"FROM {TEST_IMAGE}\nCOPY repo /testbed\nWORKDIR /testbed\n"
         "RUN git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm base\n"
     )
     tag = f"polar-mitm/test-swe:{os.getpid()}"
@@ -369,7 +313,7 @@ def test_a_sandbox_start_cancelled_midway_leaves_no_container(tmp_path, docker_c
 
     async def main() -> None:
         rt = DockerRuntime()
-        task = Task(id="c", instruction="x", image=IMAGE)
+        task = Task(id="c", instruction="x", image=TEST_IMAGE)
         await rt.prepare(task)
         spec = SandboxSpec(
             name=f"polar-cancel-{os.getpid()}", session_dir=tmp_path, ca=ensure_ca(tmp_path / "ca"),

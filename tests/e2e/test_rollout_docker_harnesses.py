@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.harness import assert_turns_match_backend, require_binary
-from tests.e2e.test_rollout_docker import leftovers, solve_answer_task
+from tests.support.docker_rollout import leftovers, solve_answer_task
+from tests.support.harness import assert_turns_match_backend, require_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 

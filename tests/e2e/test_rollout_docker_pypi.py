@@ -20,8 +20,8 @@ import pytest
 
 from polar_mitm import recipes
 from polar_mitm.store.reader import read_turns
-from tests.e2e.harness import FakeBackend, assert_turns_match_backend, require_binary
-from tests.e2e.test_rollout_docker import leftovers, solve_answer_task
+from tests.support.docker_rollout import leftovers, solve_answer_task
+from tests.support.harness import FakeBackend, assert_turns_match_backend, require_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker, pytest.mark.slow]
 

@@ -14,8 +14,8 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.harness import POLAR, FakeBackend, harness_env, main_turns, polar_run, require_binary
-from tests.routers import Router, require_router
+from tests.support.harness import POLAR, FakeBackend, harness_env, main_turns, polar_run, require_binary
+from tests.support.routers import Router, require_router
 
 pytestmark = pytest.mark.e2e
 

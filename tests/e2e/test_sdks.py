@@ -24,7 +24,7 @@ import pytest
 from polar_mitm.harness.install import cache_dir
 from polar_mitm.store.reader import read_turns
 from tests.e2e import sdk_clients as c
-from tests.e2e.harness import FakeBackend, assert_turns_match_backend, harness_env, polar_run
+from tests.support.harness import FakeBackend, assert_turns_match_backend, harness_env, polar_run
 
 pytestmark = pytest.mark.e2e
 

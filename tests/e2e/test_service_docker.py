@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.client import RolloutClient
-from tests.e2e.harness import assert_turns_match_backend, require_binary
-from tests.e2e.test_rollout_docker import ANSWER_TEST, LABEL, harbor_task, leftovers
-from tests.helpers import wait_until
-from tests.test_service import served_url, spawn
+from tests.support.docker_rollout import ANSWER_TEST, LABEL, harbor_task, leftovers
+from tests.support.harness import assert_turns_match_backend, require_binary
+from tests.support.helpers import wait_until
+from tests.support.service import served_url, spawn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.docker]
 

@@ -21,8 +21,16 @@ from pathlib import Path
 import pytest
 
 from polar_mitm import procs
-from tests.e2e.harness import POLAR, FakeBackend, Lines, harness_env, polar_run, printed_url, require_binary
-from tests.test_service import served_url
+from tests.support.harness import (
+    POLAR,
+    FakeBackend,
+    Lines,
+    harness_env,
+    polar_run,
+    printed_url,
+    require_binary,
+)
+from tests.support.service import served_url
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,56 @@
+"""Fixtures of the tests that start the rollout service."""
+
+from __future__ import annotations
+
+import pytest
+
+from polar_mitm.service.node import stop_node
+from polar_mitm.service.server import RolloutServer
+from tests.support.helpers import wait_until_async
+from tests.support.service import TOKEN, Service
+
+
+@pytest.fixture
+async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
+    from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+
+    # The clients of every module using this fixture find the token as users give it.
+    monkeypatch.setenv("POLAR_MITM_SERVICE_TOKEN", TOKEN)
+
+    started: list[tuple[Service, object]] = []
+
+    async def make(
+        nodes: int = 2, token: str | None = None, backend: dict | None = None, **server_kw
+    ) -> Service:
+        runner, url = await start_fake_backend(
+            FakeBackendConfig(tokenizer_path=str(qwen_tokenizer_dir), **(backend or {}))
+        )
+        # Local runtime, loopback callbacks and task paths under the test's directory on: the tests'
+        # harnesses are shell lines on this host.
+        server_kw = {
+            "allow_local_runtime": True,
+            "callback_allow": ["127.0.0.1"],
+            "task_root": tmp_path,
+            **server_kw,
+        }
+        server = RolloutServer(tmp_path / "service.sqlite", token=token or TOKEN, **server_kw)
+        await server.start()
+        svc = Service(server, url)
+        started.append((svc, runner))
+        for i in range(nodes):
+            await svc.add_node(tmp_path, qwen_tokenizer_dir, certs_dir, i, process=i > 0)
+        await wait_until_async(
+            lambda: len(server.healthy_nodes()) >= nodes, timeout=60, message=f"{nodes} healthy nodes"
+        )
+        return svc
+
+    yield make
+    for svc, runner in started:
+        for t in svc.loops:
+            t.cancel()
+        for n in svc.nodes:
+            await n.stop()
+        for p in svc.procs:
+            stop_node(p)
+        await svc.server.stop()
+        await runner.cleanup()

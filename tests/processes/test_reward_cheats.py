@@ -1,0 +1,207 @@
+"""Rewards the agent cannot forge: cheats a trained policy finds, run as the "harness" in a real
+Docker sandbox, against tasks the agent did not solve; each must get reward 0, while an honest
+solution still gets 1.0, scored in a fresh verification container.
+
+The "harness" is one shell script (`--harness-cmd`) that reads which cheat to try from its task's
+instruction, so every Harbor cheat (and the `command` variant) runs in one rollout. The cheats are
+those of issue 22, each of which got 1.0 when the verifier ran in the agent's own container:
+1. a `setsid` loop that keeps rewriting /logs/verifier/reward.txt while the verifier runs;
+2. /usr/bin/bash replaced (the verifier runs `bash /tests/test.sh`);
+3. a watcher that rewrites /tests/test.sh as soon as it is copied in;
+4. reward.txt written beforehand, when the verifier writes reward.json;
+plus `command` with a `reward_file` the agent writes, and a `conftest.py` the agent adds to a
+SWE-bench repository that turns every test into a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
+from polar_mitm.sandbox.docker import DockerRuntime
+from polar_mitm.tasks import load_tasks
+from polar_mitm.tasks.model import EvaluatorSpec, Task
+from tests.support.docker_rollout import TEST_IMAGE
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+LABEL = "polar-mitm.rollout"
+SOLVED = '[ "$(cat /app/answer.txt 2>/dev/null)" = 42 ]'
+TXT_TEST = f"if {SOLVED}; then echo 1; else echo 0; fi > /logs/verifier/reward.txt"
+JSON_TEST = f'if {SOLVED}; then r=1; else r=0; fi; echo "{{\\"reward\\": $r}}" > /logs/verifier/reward.json'
+
+# Background processes get their own session and no stdio, so they outlive the harness's exec.
+LOOP = "setsid sh -c '{body}' </dev/null >/dev/null 2>&1 &"
+CHEATS = {
+    # 1. keep rewriting the reward file (atomically, so a read never sees it half-written)
+    "loop": LOOP.format(
+        body="while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/.r;"
+        " mv /logs/verifier/.r /logs/verifier/reward.txt; sleep 0.01; done"
+    ),
+    # 2. the verifier's bash writes the reward instead of running the tests
+    "bash": "printf '#!/bin/sh\\nmkdir -p /logs/verifier\\necho 1 > /logs/verifier/reward.txt\\n'"
+    " > /usr/bin/bash",
+    # 3. rewrite the tests the moment they arrive
+    "watch": LOOP.format(
+        body="while :; do if [ -f /tests/test.sh ] && ! grep -q forged /tests/test.sh; then"
+        ' printf "#!/bin/bash\\n# forged\\necho 1 > /logs/verifier/reward.txt\\n" > /tests/test.sh;'
+        " fi; sleep 0.01; done"
+    ),
+    # 4. the verifier writes reward.json; a reward.txt waits for it
+    "json": "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt",
+    # the `command` evaluator's reward file, written by the agent in its workdir
+    "reward-file": "echo 1 > reward.txt",
+    # a conftest.py that reports every test as passed
+    "conftest": "printf '%s\\n' 'import pytest' '@pytest.hookimpl(hookwrapper=True)'"
+    " 'def pytest_runtest_makereport(item, call):' '    outcome = yield'"
+    " '    outcome.get_result().outcome = \"passed\"' > conftest.py",
+    "solve": "echo 42 > /app/answer.txt",
+    "fix": "sed -i 's/a - b/a + b/' calc.py",
+}
+HARNESS = "\n".join(
+    ['case "$1" in'] + [f"  *cheat:{name}*) {line} ;;" for name, line in CHEATS.items()] + ["esac", "exit 0"]
+)
+
+
+def harbor_task(root: Path, name: str, cheat: str, test_sh: str) -> Path:
+    d = root / name
+    (d / "tests").mkdir(parents=True)
+    (d / "instruction.md").write_text(f"Write 42 to /app/answer.txt. cheat:{cheat}\n")
+    (d / "task.toml").write_text(
+        "[agent]\ntimeout_sec = 60\n[verifier]\ntimeout_sec = 30\n"
+        f'[environment]\ndocker_image = "{TEST_IMAGE}"\nnetwork_mode = "no-network"\n'
+    )
+    (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + test_sh + "\n")
+    return d
+
+
+def command_task(name: str, cheat: str, reward_file: str) -> Task:
+    check = f'if [ "$(cat answer.txt 2>/dev/null)" = 42 ]; then echo 1 > {reward_file}; fi'
+    return Task(
+        id=name,
+        instruction=f"Write 42 to answer.txt. cheat:{cheat}",
+        image=TEST_IMAGE,
+        workdir="/app",
+        evaluator=EvaluatorSpec(kind="command", command=check, reward_file=reward_file, timeout_sec=30),
+    )
+
+
+def samples(db: str) -> dict[str, tuple[str, float, dict]]:
+    rows = sqlite3.connect(db).execute(
+        "SELECT g.task_id, s.status, s.reward, s.reward_detail, s.cause FROM samples s"
+        " JOIN rollout_groups g ON g.id = s.group_id"
+    )
+    return {t: (st, r, json.loads(d) if d else {"cause": c}) for t, st, r, d, c in rows}
+
+
+async def rollout(
+    stack, tasks: list[Task], tmp_path: Path, docker_client
+) -> dict[str, tuple[str, float, dict]]:
+    options = RolloutOptions(
+        harness="claude-code",
+        harness_cmd=["sh", "-c", HARNESS, "harness", "{instruction}"],
+        runtime="docker",
+        init_workers=4,
+        run_workers=4,
+        postrun_workers=4,
+        retries=0,
+    )
+    p = Pipeline(options, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
+    await p.run(tasks)
+    left = docker_client.containers.list(all=True, filters={"label": f"{LABEL}={p.rollout_id}"})
+    assert [c.name for c in left] == []  # neither the agents' containers nor the verifiers'
+    return samples(stack.db)
+
+
+def assert_fresh_verifier(detail: dict, image: str) -> None:
+    """Scored in a container of its own, started from the task's image after the agent's was stopped."""
+    v = detail["verifier"]
+    assert v["sandbox"] == "fresh", v
+    assert v["image"] == image and v["network"] == "none" and v["user"] == "root"
+    assert v["container"] != v["agent_sandbox"] and v["agent_stopped_first"] is True
+    assert v["copied"]["from"] == "/app" or v["copied"]["from"] == "/testbed"
+
+
+async def test_harbor_and_command_cheats_get_nothing_and_an_honest_solution_full_reward(
+    make_stack, tmp_path, docker_client
+):
+    root = tmp_path / "tasks"
+    for cheat in ("loop", "bash", "watch"):
+        harbor_task(root, f"cheat-{cheat}", cheat, TXT_TEST)
+    harbor_task(root, "cheat-json", "json", JSON_TEST)
+    harbor_task(root, "honest", "solve", TXT_TEST)
+    harbor_task(root, "honest-json", "solve", JSON_TEST)
+    tasks = [
+        *load_tasks([root]),
+        command_task("command-cheat", "reward-file", "/app/reward.txt"),
+        command_task("command-honest", "solve", "reward.txt"),  # in the workdir
+    ]
+    stack = await make_stack()
+    got = await rollout(stack, tasks, tmp_path, docker_client)
+    rewards = {t: (status, reward) for t, (status, reward, _) in got.items()}
+    assert rewards == {
+        "cheat-loop": ("completed", 0.0),
+        "cheat-bash": ("completed", 0.0),
+        "cheat-watch": ("completed", 0.0),
+        "cheat-json": ("completed", 0.0),
+        "command-cheat": ("completed", 0.0),
+        "honest": ("completed", 1.0),
+        "honest-json": ("completed", 1.0),
+        "command-honest": ("completed", 1.0),
+    }, {t: d for t, (_, _, d) in got.items()}
+    for task in ("honest", "honest-json", "command-honest", "cheat-loop"):
+        assert_fresh_verifier(got[task][2], TEST_IMAGE)
+    assert got["honest-json"][2]["reward_file"] == '{"reward": 1}\n'
+
+
+REPO_FILES = {
+    "calc.py": "def add(a, b):\n    return a - b\n",
+    "tests/test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
+}
+
+
+@pytest.fixture
+def swebench_image(tmp_path, docker_client):
+    ctx = tmp_path / "image"
+    for name, text in REPO_FILES.items():
+        (ctx / "repo" / name).parent.mkdir(parents=True, exist_ok=True)
+        (ctx / "repo" / name).write_text(text)
+    (ctx / "Dockerfile").write_text(
+        f"FROM {TEST_IMAGE}\nCOPY repo /testbed\nWORKDIR /testbed\n"
+        "RUN git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm base\n"
+    )
+    tag = f"polar-mitm/test-cheat-swe:{os.getpid()}"
+    docker_client.images.build(path=str(ctx), tag=tag, rm=True)
+    yield tag
+    docker_client.images.remove(tag, force=True)
+
+
+async def test_swebench_conftest_cheat_gets_nothing_and_a_fix_full_reward(
+    make_stack, tmp_path, swebench_image, docker_client
+):
+    test_cmd = "python3 -m pytest -rA -p no:cacheprovider tests/test_calc.py"
+    common = {
+        "image": swebench_image,
+        "test_command": test_cmd,
+        "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+    }
+    rows = [
+        {"instance_id": "cheat-conftest", "problem_statement": "add() subtracts. cheat:conftest", **common},
+        {"instance_id": "honest-fix", "problem_statement": "add() subtracts. cheat:fix", **common},
+    ]
+    jsonl = tmp_path / "swe.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stack = await make_stack()
+    got = await rollout(stack, load_tasks([jsonl]), tmp_path, docker_client)
+    assert {t: (st, r) for t, (st, r, _) in got.items()} == {
+        "cheat-conftest": ("completed", 0.0),
+        "honest-fix": ("completed", 1.0),
+    }, {t: d for t, (_, _, d) in got.items()}
+    assert got["cheat-conftest"][2]["FAIL_TO_PASS"] == {"tests/test_calc.py::test_add": "FAILED"}
+    assert "conftest.py" in got["cheat-conftest"][2]["verifier"]["copied"]["dropped"]
+    assert_fresh_verifier(got["honest-fix"][2], swebench_image)
