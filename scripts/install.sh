@@ -124,8 +124,13 @@ for entry in "${PY_ENVS[@]}"; do
   py="$PY"
   if [ -n "$pyver" ]; then
     py=""
+    # A pyenv shim is on PATH for every installed version but runs only where that version is
+    # selected: a candidate counts once it runs and is that version.
     for cand in "python$pyver" "$HOME/.pyenv/versions/$pyver"*/bin/"python$pyver"; do
-      if command -v "$cand" >/dev/null 2>&1; then py="$cand"; break; fi
+      if command -v "$cand" >/dev/null 2>&1 \
+        && "$cand" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$pyver'.split('.'))))" 2>/dev/null; then
+        py="$cand"; break
+      fi
     done
     if [ -z "$py" ]; then say "skipping $name: it needs Python $pyver, not found"; continue; fi
   fi
