@@ -9,8 +9,10 @@ PyPI harnesses (each in a virtualenv of its own, `scripts/install.sh`): a contai
 virtualenv and the interpreter installation it was built on (a pyenv version, say), each at the
 same absolute path as on the host — entry scripts name their interpreter by absolute path in their
 `#!` line, and the interpreter finds its standard library from `pyvenv.cfg`'s `home` — and the same
-directory of links, here to the entry scripts. A virtualenv built on the system's own Python (whose
-installation is /usr) cannot be shown this way: mounting the host's /usr would replace the image's.
+directory of links, here to the entry scripts. Editable installs' source trees (what the
+virtualenv's `.pth` files and setuptools' editable finders name) are shown at their paths too. A
+virtualenv built on the system's own Python (whose installation is /usr) cannot be shown this way:
+mounting the host's /usr would replace the image's.
 
 Nothing is copied; images need only a C library compatible with the host's node or Python (and
 the shared libraries the interpreter was built against: libssl, libffi, libsqlite3, zlib, …), or
@@ -19,17 +21,20 @@ the harness installed themselves.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import shutil
 import stat
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from polar_mitm.recipes import Recipe
 from polar_mitm.sandbox.base import HarnessMount
 
 # Interpreter installations that are the system's own: a container's image has its own of each.
 SYSTEM_PREFIXES = {"/", "/usr", "/usr/local", "/bin", "/opt"}
+# Directories of an image that a tree mounted at or under them would hide part of.
+SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", "/var/lib")
 # What a Python harness needs in a sandbox whose installation is mounted read-only: no attempt
 # to write bytecode next to the sources (the host's __pycache__ is still read).
 PYTHON_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
@@ -219,6 +224,18 @@ def _python_mount(recipe: Recipe, venv_real: Path, hint: str) -> HarnessMount:
         raise HarnessNotInstalled(
             f"{recipe.name}: found no interpreter installation for {venv_real} (pyvenv.cfg home = {home})"
         )
+    # Editable installs (`pip install -e`): their source trees, at the paths the venv names them by.
+    for source in _editable_sources(venv_real):
+        inside = PurePosixPath(source)
+        if any(inside == PurePosixPath(q) or inside.is_relative_to(q) for q in trees):
+            continue  # already shown (a `pip install -e git+…` clone under the venv's src/)
+        if source in SYSTEM_PREFIXES or any(inside.is_relative_to(s) for s in SYSTEM_TREES):
+            raise HarnessNotInstalled(
+                f"{recipe.name}: {venv_real} has an editable install from {source}, a system "
+                "directory a container cannot be shown without hiding its own; install it from a "
+                f"directory of its own{hint}"
+            )
+        trees[source] = Path(source).resolve()
     for host in trees.values():
         if not _readable_by_others(host):
             raise HarnessNotInstalled(
@@ -233,6 +250,49 @@ def _python_mount(recipe: Recipe, venv_real: Path, hint: str) -> HarnessMount:
         python=interpreter,
         env=dict(PYTHON_ENV),
     )
+
+
+def _editable_sources(venv: Path) -> list[str]:
+    """The directories outside `venv` that its site-packages puts on sys.path: the path lines of
+    its `.pth` files (what hatchling, flit, pdm and uv write for an editable install, and any
+    `.pth` a user adds), and the package directories of setuptools' editable finders (their
+    `MAPPING`). Paths that do not exist are skipped, as Python skips them."""
+    out: list[str] = []
+    for site in sorted(venv.glob("lib/python*/site-packages")):
+        for pth in sorted(site.glob("*.pth")):
+            for line in pth.read_text(errors="replace").splitlines():
+                line = line.strip()
+                if not line or line.startswith(("#", "import ", "import\t")):
+                    continue
+                path = os.path.normpath(os.path.join(site, line))
+                if os.path.isdir(path):
+                    out.append(path)
+        for finder in sorted(site.glob("__editable___*_finder.py")):
+            out += [p for p in _finder_mapping(finder) if os.path.isabs(p) and os.path.isdir(p)]
+    venv_s = str(venv)
+    return sorted({p for p in out if p != venv_s and not p.startswith(venv_s + "/")})
+
+
+def _finder_mapping(finder: Path) -> list[str]:
+    """The package directories a setuptools editable finder maps its packages to (its `MAPPING`
+    literal), read without running it."""
+    try:
+        tree = ast.parse(finder.read_text(errors="replace"))
+    except SyntaxError:
+        return []
+    for node in tree.body:
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
+        if isinstance(target, ast.Name) and target.id == "MAPPING" and node.value is not None:
+            try:
+                mapping = ast.literal_eval(node.value)
+            except ValueError:
+                return []
+            return [v for v in mapping.values() if isinstance(v, str)] if isinstance(mapping, dict) else []
+    return []
 
 
 def _pyvenv_cfg(venv: Path) -> dict[str, str]:

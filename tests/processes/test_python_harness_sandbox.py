@@ -202,3 +202,112 @@ async def test_a_python_harness_runs_unprivileged_and_cannot_change_its_installa
     trees = {inside for _, inside in mount.trees}
     mounted = {m["Destination"]: m["RW"] for m in attrs["Mounts"]}
     assert trees <= set(mounted) and not any(mounted[t] for t in trees)
+
+
+# --- editable installs (`pip install -e`): their source trees are shown too -----------------------
+
+EDIT_PROBE = r"""
+import json, os
+import editmod, finderpkg
+
+out = {"editmod": editmod.WORD, "finderpkg": finderpkg.WORD}
+for name, mod in (("edit_write", editmod), ("finder_write", finderpkg)):
+    try:
+        with open(os.path.join(os.path.dirname(mod.__file__), "pwned.py"), "a") as f:
+            f.write("x = 1\n")
+        out[name] = "ok"
+    except OSError as e:
+        out[name] = f"failed: {e.strerror}"
+print(json.dumps(out))
+"""
+
+
+def add_editable_installs(tmp_path: Path, venv: Path) -> tuple[Path, Path]:
+    """Two editable installs into `venv`, as the build backends write them: a `.pth` path line
+    (hatchling, flit, pdm, uv) to a source tree holding `editmod`, and a setuptools editable
+    finder whose MAPPING names the package directory of `finderpkg`; an entry script
+    `editprobe` imports both. Returns the two source directories."""
+    site = next(venv.glob("lib/python*/site-packages"))
+    src = tmp_path / "projects" / "edit" / "src"
+    src.mkdir(parents=True)
+    (src / "editmod.py").write_text("WORD = 'edited'\n")
+    pkg = tmp_path / "projects" / "finder" / "finderpkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("WORD = 'found'\n")
+    (site / "_editmod.pth").write_text(f"{src}\n")
+    finder = "__editable___finderpkg_0_1_finder"
+    (site / f"{finder}.py").write_text(
+        "import sys\n"
+        "from importlib.machinery import PathFinder\n"
+        f"MAPPING: dict[str, str] = {{'finderpkg': {str(pkg)!r}}}\n"
+        "class Finder:\n"
+        "    @classmethod\n"
+        "    def find_spec(cls, name, path=None, target=None):\n"
+        "        if name in MAPPING:\n"
+        "            import os\n"
+        "            return PathFinder.find_spec(name, [os.path.dirname(MAPPING[name])])\n"
+        "def install():\n"
+        "    sys.meta_path.append(Finder)\n"
+    )
+    (site / "__editable__.finderpkg-0.1.pth").write_text(f"import {finder}; {finder}.install()\n")
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    script = venv / "bin" / "editprobe"
+    script.write_text(f"#!{venv}/bin/{version}\n{EDIT_PROBE}")
+    script.chmod(0o755)
+    return src, pkg
+
+
+def test_editable_installs_are_shown_at_their_own_paths_and_system_ones_refused(tmp_path, monkeypatch):
+    from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
+
+    venv, base, _ = make_harness(tmp_path)
+    src, pkg = add_editable_installs(tmp_path, venv)
+    site = next(venv.glob("lib/python*/site-packages"))
+    # Paths Python itself passes over are passed over: one that does not exist, one in the venv.
+    (venv / "src" / "clone").mkdir(parents=True)
+    (site / "_more.pth").write_text(f"# a comment\n{tmp_path}/gone\n{venv}/src/clone\n")
+    assert subprocess.run([venv / "bin" / "editprobe"], capture_output=True).returncode == 0  # on the host
+    monkeypatch.setenv("PATH", f"{venv}/bin:/usr/bin:/bin")
+    monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path / "cache"))
+    recipe = Recipe(name="probe", binaries=["editprobe"], pypi="probe")
+    mount = harness_mount(recipe)
+    assert sorted(mount.trees) == sorted(
+        [(venv, str(venv)), (base, sys.base_prefix), (src, str(src)), (pkg, str(pkg))]
+    )
+    # An editable install from a directory of the image's own would hide it: refused, named.
+    (site / "_system.pth").write_text("/usr/lib/python3/dist-packages\n")
+    with pytest.raises(HarnessNotInstalled, match="editable install from /usr/lib/python3/dist-packages"):
+        harness_mount(recipe)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+async def test_an_editable_harness_imports_its_sources_in_the_container_and_cannot_change_them(
+    tmp_path, docker_client, certs_dir, monkeypatch
+):
+    from polar_mitm.harness.install import harness_mount
+    from polar_mitm.proxy.certs import ensure_ca
+    from polar_mitm.sandbox.base import SandboxSpec
+    from polar_mitm.sandbox.docker import DockerRuntime
+
+    venv, _, _ = make_harness(tmp_path)
+    src, pkg = add_editable_installs(tmp_path, venv)
+    monkeypatch.setenv("PATH", f"{venv}/bin:/usr/bin:/bin")
+    monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path / "cache"))
+    mount = harness_mount(Recipe(name="probe", binaries=["editprobe"], pypi="probe"))
+    spec = SandboxSpec(
+        name=f"polar-pyedit-{time.time_ns()}", session_dir=tmp_path / "s", ca=ensure_ca(certs_dir),
+        harness=mount, labels={"polar-mitm.rollout": "pyharness-test"},
+    )  # fmt: skip
+    sb = await DockerRuntime().start(Task(id="pyedit", instruction="x", image=IMAGE), spec)
+    try:
+        user = await sb.exec_harness(["editprobe"], env={"HOME": "/tmp", **mount.env}, timeout=60)
+        root = await sb.exec(["editprobe"], env=mount.env, timeout=60)
+    finally:
+        await sb.stop()
+    assert user.exit_code == 0 and root.exit_code == 0, (user.output, root.output)
+    for out in (user.output, root.output):
+        got = json.loads(out.strip().splitlines()[-1])
+        assert (got["editmod"], got["finderpkg"]) == ("edited", "found")
+        assert got["edit_write"].startswith("failed") and got["finder_write"].startswith("failed"), got
+    assert not list(src.glob("pwned*")) and not list(pkg.glob("pwned*"))
