@@ -225,9 +225,10 @@ def _python_mount(recipe: Recipe, venv_real: Path, hint: str) -> HarnessMount:
             f"{recipe.name}: found no interpreter installation for {venv_real} (pyvenv.cfg home = {home})"
         )
     # Editable installs (`pip install -e`): their source trees, at the paths the venv names them by.
+    shown = {*trees, *(str(host) for host in trees.values())}  # as named and as resolved
     for source in _editable_sources(venv_real):
         inside = PurePosixPath(source)
-        if any(inside == PurePosixPath(q) or inside.is_relative_to(q) for q in trees):
+        if any(inside.is_relative_to(q) for q in shown):
             continue  # already shown (a `pip install -e git+…` clone under the venv's src/)
         if source in SYSTEM_PREFIXES or any(inside.is_relative_to(s) for s in SYSTEM_TREES):
             raise HarnessNotInstalled(
@@ -253,10 +254,11 @@ def _python_mount(recipe: Recipe, venv_real: Path, hint: str) -> HarnessMount:
 
 
 def _editable_sources(venv: Path) -> list[str]:
-    """The directories outside `venv` that its site-packages puts on sys.path: the path lines of
+    """The directories `venv`'s site-packages puts on sys.path: the path lines of
     its `.pth` files (what hatchling, flit, pdm and uv write for an editable install, and any
     `.pth` a user adds), and the package directories of setuptools' editable finders (their
-    `MAPPING`). Paths that do not exist are skipped, as Python skips them."""
+    `MAPPING`). Paths that do not exist are skipped, as Python skips them; the caller passes over
+    those already shown (the virtualenv's own)."""
     out: list[str] = []
     for site in sorted(venv.glob("lib/python*/site-packages")):
         for pth in sorted(site.glob("*.pth")):
@@ -269,8 +271,7 @@ def _editable_sources(venv: Path) -> list[str]:
                     out.append(path)
         for finder in sorted(site.glob("__editable___*_finder.py")):
             out += [p for p in _finder_mapping(finder) if os.path.isabs(p) and os.path.isdir(p)]
-    venv_s = str(venv)
-    return sorted({p for p in out if p != venv_s and not p.startswith(venv_s + "/")})
+    return sorted(set(out))
 
 
 def _finder_mapping(finder: Path) -> list[str]:
