@@ -591,3 +591,40 @@ async def test_egress_refuses_host_addresses_and_pins_the_checked_one():
     again = connect("localhost")
     await egress.http_connect(again)
     assert again.response is None
+
+
+async def test_egress_refuses_a_name_that_does_not_resolve_then_resolves_to_the_host(monkeypatch):
+    """The attacker's DNS: the proxy's lookup of the name fails, and only a later one (mitmproxy's,
+    when the client sends data through the tunnel) answers 127.0.0.1. Before, the failed lookup let
+    the CONNECT through, and the sandbox's request reached a listener on the host's loopback; now
+    the name is refused at once. A name that resolves to no address is refused the same way."""
+    import socket
+
+    from mitmproxy.test import tflow
+
+    from polar_mitm.proxy.addons.egress import Egress
+
+    lookups: list[str] = []
+
+    async def rebinding(host, port, **kw):
+        lookups.append(host)
+        if host == "empty.example":
+            return []
+        if lookups.count(host) == 1:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", rebinding)
+    egress = Egress({"api.anthropic.com"})
+    egress.contain("s_box")
+    flows = {}
+    for host in ("rebind.example", "empty.example"):
+        f = tflow.tflow()
+        f.request.method, f.request.host, f.request.port = "CONNECT", host, 8080
+        f.metadata["polar_session"] = "s_box"
+        await egress.http_connect(f)
+        flows[host] = f
+        assert f.response is not None and f.response.status_code == 403, host
+        assert f.request.host == host  # nothing pinned: nothing is connected to
+    assert b"does not resolve" in flows["rebind.example"].response.content
+    assert egress.refused == 2

@@ -6,7 +6,8 @@ Two lists of sessions, both set by the rollout pipeline for its samples:
   machine's own addresses (a server bound to 0.0.0.0 answers there), is refused with a 403 that
   says why, also when the task allows the internet. A name is resolved here and the connection
   pinned to the address that was checked, so a name that resolves elsewhere the second time
-  (DNS rebinding) gains nothing.
+  (DNS rebinding) gains nothing; a name that does not resolve (or resolves to nothing) is refused,
+  never passed on for mitmproxy to resolve again later.
 - `offline` (a task with `allow_internet = false`): every host the proxy does not answer itself
   is refused with a 403; provider hosts and the side hosts we stub keep working, so the harness
   still talks to its model. A base-URL proxy cannot enforce this: it never sees the other traffic.
@@ -106,8 +107,17 @@ class Egress:
             return
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError:
-            return  # mitmproxy reports the failed lookup itself
+        except OSError as e:
+            # Fail closed: letting it through would have mitmproxy resolve the name again when the
+            # client sends data, and the client's DNS chooses what it says then.
+            self.refused += 1
+            log.info("refused %s:%s (does not resolve: %s) for sandboxed session %s", host, port, e, session)
+            _refuse(
+                flow,
+                f"polar-mitm: {host} is not reachable from this sandbox: the name does not resolve "
+                f"here ({e.strerror or e}), and a name that cannot be checked is refused.\n",
+            )
+            return
         addresses = [str(info[4][0]) for info in infos]
         if not addresses or any(host_local(a) for a in addresses):
             self.refused += 1
