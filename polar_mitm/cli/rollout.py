@@ -17,6 +17,7 @@ from polar_mitm.sandbox import RUNTIMES
 from polar_mitm.strategies import Normalize, Strategy, choices
 
 EXIT_INTERRUPTED = 130
+EXIT_NOTHING_USABLE = 3  # every sample failed or was cancelled: nothing to train on
 
 
 def task_options(f):
@@ -259,3 +260,7 @@ def rollout(
             quiet=True,
         )
         click.echo(f"wrote {stats.trajectories} rows ({len(stats.sessions)} samples) to {out}", err=True)
+    why = result.unusable()
+    if why is not None and not result.interrupted:
+        click.echo(f"polar-mitm: rollout {result.rollout_id}: {why}", err=True)
+        sys.exit(EXIT_NOTHING_USABLE)

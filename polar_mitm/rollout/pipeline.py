@@ -128,6 +128,20 @@ class RolloutResult:
     interrupted: bool = False
     seconds: float = 0.0
 
+    def unusable(self) -> str | None:
+        """None when some sample can be trained on; else one line saying why none can (the most
+        common cause, and how many samples it ended)."""
+        if any(s.status in TRAINABLE for s in self.samples):
+            return None
+        if not self.samples:
+            return "no sample ran"
+        causes: dict[str, int] = {}
+        for s in self.samples:
+            key = f"{s.status}: {s.cause}" if s.cause else s.status
+            causes[key] = causes.get(key, 0) + 1
+        cause, n = max(causes.items(), key=lambda kv: kv[1])
+        return f"none of the {len(self.samples)} samples can be trained on; {n} ended {cause[:300]}"
+
     def by_task(self) -> dict[str, list[SampleOutcome]]:
         out: dict[str, list[SampleOutcome]] = {}
         for s in self.samples:

@@ -326,3 +326,25 @@ async def test_the_offline_commands_use_the_store_run_writes_by_default(tmp_path
     for command in ("export", "stats", "show", "reward"):
         help_text = "".join(CliRunner().invoke(main, [command, "--help"]).output.split())  # unwrapped
         assert "[envvar:POLAR_MITM_DB;default:polar-mitm.sqlite]" in help_text, command
+
+
+def test_a_rollout_where_no_sample_can_be_used_exits_non_zero_and_says_why(
+    tmp_path, backend_process, tiny_tokenizer_dir
+):
+    """Every sandbox's setup fails: each sample ends `failed`, and `rollout` says so in one line
+    and exits 3, instead of 0 with nothing to train on."""
+    task = tmp_path / "t.toml"
+    task.write_text('id = "t"\ninstruction = "x"\nsetup = ["exit 7"]\n')
+    db = tmp_path / "ro.sqlite"
+    r, _ = polar(
+        [
+            "rollout", str(task), "--harness", "claude-code", "--harness-cmd", "echo {instruction}",
+            "--runtime", "local", "--samples", "2", "--retries", "0",
+            "--backend", backend_process.url, "--tokenizer", str(tiny_tokenizer_dir), "--db", str(db),
+        ]
+    )  # fmt: skip
+    assert r.returncode == 3, r.stderr
+    last = lines(r.stderr)[-1]
+    assert "none of the 2 samples can be trained on; 2 ended failed" in last and "setup step 1" in last
+    statuses = sqlite3.connect(db).execute("SELECT status FROM samples").fetchall()
+    assert statuses == [("failed",), ("failed",)]
