@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from polar_mitm.rollout import verdict
 from polar_mitm.sandbox.base import Sandbox
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
@@ -75,7 +76,9 @@ def parse_reward(raw: bytes | str, source: str) -> float:
 
 
 async def _shell(sandbox: Sandbox, line: str, spec: EvaluatorSpec, task: Task):
-    return await sandbox.exec(["sh", "-c", line], env={**task.env, **spec.env}, timeout=spec.timeout_sec)
+    return await sandbox.exec(
+        ["sh", "-c", line], env=verdict.test_env(task, sandbox), timeout=spec.timeout_sec
+    )
 
 
 async def session_completed(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score:
@@ -109,20 +112,46 @@ async def command(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Scor
         rm = await sandbox.exec(["rm", "-rf", "--", reward_path], workdir="/")
         if rm.exit_code != 0:
             raise EvaluatorError(f"task {task.id}: cannot clear {reward_path}: {rm.output[-300:]}")
-    r = await _shell(sandbox, spec.command, spec, task)
+    r, left = await _supervised(task, sandbox, ["sh", "-c", spec.command])
     detail: dict[str, Any] = {
         "exit_code": r.exit_code,
         "timed_out": r.timed_out,
         "output": r.output[-DETAIL_TAIL:],
     }
+    reward = 1.0 if r.exit_code == 0 else 0.0
     if reward_path is not None:
         raw = await sandbox.read(reward_path)
-        if raw is None:
-            detail["reward_file"] = None
-            return Score(0.0, detail)
-        detail["reward_file"] = raw.decode("utf-8", "replace")[:1000]
-        return Score(parse_reward(raw, spec.reward_file or reward_path), detail)
-    return Score(1.0 if r.exit_code == 0 else 0.0, detail)
+        detail["reward_file"] = None if raw is None else raw.decode("utf-8", "replace")[:1000]
+        reward = 0.0 if raw is None else _reward_of(raw, spec.reward_file or reward_path, left, detail)
+    reward = await verdict.judge(reward, detail, task=task, sandbox=sandbox, output=r.output, left=left)
+    return Score(reward, detail)
+
+
+def _reward_of(raw: bytes, source: str, left: list, detail: dict[str, Any]) -> float:
+    """The reward file's value; 0 when it cannot be read and the tests left processes behind (one
+    of them was writing it: the verdict is suspect anyway), an EvaluatorError otherwise."""
+    try:
+        return parse_reward(raw, source)
+    except EvaluatorError as e:
+        if not left:
+            raise
+        detail["reward_file_error"] = str(e)
+        return 0.0
+
+
+async def _supervised(task: Task, sandbox: Sandbox, argv: list[str], workdir: str | None = None):
+    """The tests' run (rollout/verdict.py): the record directory made, the safe environment, and
+    the sandbox sealed when they end; (result, what they left running)."""
+    problem = await verdict.prepare(sandbox)
+    if problem is not None:
+        raise EvaluatorError(f"task {task.id}: cannot create {verdict.RECORD_DIR}: {problem}")
+    return await verdict.run_tests(
+        sandbox,
+        argv,
+        env=verdict.test_env(task, sandbox),
+        timeout=task.evaluator.timeout_sec,
+        workdir=workdir,
+    )
 
 
 def harbor_reward_names(tests: Path) -> list[str]:
@@ -169,9 +198,7 @@ async def harbor(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score
     if mk.exit_code != 0:
         raise EvaluatorError(f"task {task.id}: cannot create {HARBOR_REWARD_DIR}: {mk.output[-300:]}")
     await sandbox.put(tests, HARBOR_TESTS)
-    r = await sandbox.exec(
-        ["bash", f"{HARBOR_TESTS}/test.sh"], env={**task.env, **spec.env}, timeout=spec.timeout_sec
-    )
+    r, left = await _supervised(task, sandbox, ["bash", f"{HARBOR_TESTS}/test.sh"])
     detail: dict[str, Any] = {
         "verifier_exit_code": r.exit_code,
         "timed_out": r.timed_out,
@@ -185,12 +212,15 @@ async def harbor(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score
     raw = found[name] if name is not None else None
     if name is None or raw is None:
         detail["reward_file"] = None
+        await verdict.judge(0.0, detail, task=task, sandbox=sandbox, output=r.output, left=left)
         return Score(0.0, detail)
     detail["reward_file_name"] = name
     detail["reward_file"] = raw.decode("utf-8", "replace")[:1000]
-    value = parse_reward(raw, f"{HARBOR_REWARD_DIR}/{name}")
+    value = _reward_of(raw, f"{HARBOR_REWARD_DIR}/{name}", left, detail)
     detail["reported_reward"] = value
-    return Score(value if r.exit_code == 0 else 0.0, detail)
+    reward = value if r.exit_code == 0 else 0.0
+    reward = await verdict.judge(reward, detail, task=task, sandbox=sandbox, output=r.output, left=left)
+    return Score(reward, detail)
 
 
 _PYTEST_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+)", re.MULTILINE)
@@ -278,7 +308,7 @@ async def swebench(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Sco
         if ap.exit_code != 0:
             detail["output"] = ap.output[-DETAIL_TAIL:]
             return Score(0.0, detail)
-    r = await _shell(sandbox, spec.test_command, spec, task)
+    r, left = await _supervised(task, sandbox, ["sh", "-c", spec.test_command])
     results = pytest_results(r.output)
     f2p = {t: results.get(t, "MISSING") for t in spec.fail_to_pass}
     p2p = {t: results.get(t, "MISSING") for t in spec.pass_to_pass}
@@ -293,7 +323,18 @@ async def swebench(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Sco
             "output": r.output[-DETAIL_TAIL:],
         }
     )
-    return Score(1.0 if resolved else 0.0, detail)
+    # SWE-bench's files hold tests outside FAIL_TO_PASS and PASS_TO_PASS that may fail as they
+    # always did: pytest's totals say nothing about those two lists, so only what was left counts.
+    reward = await verdict.judge(
+        1.0 if resolved else 0.0,
+        detail,
+        task=task,
+        sandbox=sandbox,
+        output=r.output,
+        left=left,
+        check_pytest=False,
+    )
+    return Score(reward, detail)
 
 
 EVALUATORS = {

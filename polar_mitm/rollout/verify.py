@@ -20,12 +20,13 @@ and say so in the detail; `session_completed` runs nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import io
 import posixpath
 import shlex
 import tarfile
-from typing import Any
+import tempfile
+from typing import Any, BinaryIO
 
 from polar_mitm.rollout.evaluators import (
     EvaluatorError,
@@ -79,25 +80,34 @@ async def _fresh(
     if not base:
         raise EvaluatorError(f"task {task.id}: workdir {task.workdir!r} cannot be replaced by artefacts")
     agent_name = agent.describe().get("container") or agent.name
-    try:
-        await agent.halt()
-        data: bytes | None = await agent.export(workdir, ARTEFACT_LIMIT)
-    except FileNotFoundError:
-        data = None  # the agent removed its workdir: the verifier gets an empty one
-    except ExportTooLarge as e:
-        await agent.stop()
-        raise EvaluatorError(f"task {task.id}: the agent's artefacts are not scored: {e}") from None
-    except SandboxError as e:
-        await agent.stop()
-        raise VerifierUnavailable(f"copying the artefacts out of {agent_name}: {e}") from e
-    except BaseException:  # cancelled (early stop, Ctrl-C): nothing left running
-        await asyncio.shield(agent.stop())
-        raise
-    removing = asyncio.ensure_future(agent.stop())  # while the verifier's sandbox starts
-    try:
-        return await _score_artefacts(runtime, task, spec, outcome, data, agent_name)
-    finally:
-        await asyncio.shield(removing)
+    async with _spool_slot:
+        with tempfile.TemporaryFile(prefix="polar-artefacts-") as spool:
+            try:
+                await agent.halt()
+                size: int | None = await agent.export(workdir, ARTEFACT_LIMIT, spool)
+            except FileNotFoundError:
+                size = None  # the agent removed its workdir: the verifier gets an empty one
+            except ExportTooLarge as e:
+                await agent.stop()
+                raise EvaluatorError(f"task {task.id}: the agent's artefacts are not scored: {e}") from None
+            except SandboxError as e:
+                await agent.stop()
+                raise VerifierUnavailable(f"copying the artefacts out of {agent_name}: {e}") from e
+            except BaseException:  # cancelled (early stop, Ctrl-C): nothing left running
+                await asyncio.shield(agent.stop())
+                raise
+            removing = asyncio.ensure_future(agent.stop())  # while the verifier's sandbox starts
+            try:
+                data = spool if size is not None else None
+                return await _score_artefacts(runtime, task, spec, outcome, data, size or 0, agent_name)
+            finally:
+                await asyncio.shield(removing)
+
+
+# Artefacts in flight at once in this process: each is a file on disk of at most ARTEFACT_LIMIT
+# bytes (memory holds a chunk of it), so the disk they take is bounded by SPOOLS x the limit.
+SPOOLS = 8
+_spool_slot = asyncio.Semaphore(SPOOLS)
 
 
 async def _score_artefacts(
@@ -105,50 +115,114 @@ async def _score_artefacts(
     task: Task,
     spec: SandboxSpec,
     outcome: HarnessOutcome,
-    data: bytes | None,
+    data: BinaryIO | None,
+    size: int,
     agent_name: str,
 ) -> Score:
     workdir = posixpath.normpath(task.workdir)
     parent = posixpath.dirname(workdir)
     keep = from_image(task.evaluator)
-    copied: dict[str, Any] = {"from": workdir, "bytes": len(data or b"")}
-    if data is not None and (keep.paths or keep.names):
-        data, dropped = without(data, keep)
-        copied["kept_from_image"] = [*keep.paths, *(f"**/{n}" for n in keep.names)]
-        copied["dropped"] = dropped[:LISTED]
-    if data is None:
-        copied["note"] = "the agent's workdir did not exist"
-    vspec = dataclasses.replace(spec, name=f"{spec.name}-verifier", harness=None, purpose="verifier")
-    try:
-        verifier = await runtime.start(task, vspec)
-    except SandboxError as e:
-        raise VerifierUnavailable(f"starting the verifier's sandbox: {e}") from e
-    try:
+    copied: dict[str, Any] = {"from": workdir, "bytes": size}
+    with contextlib.ExitStack() as stack:
+        if data is not None and (keep.paths or keep.names):
+            kept = stack.enter_context(tempfile.TemporaryFile(prefix="polar-artefacts-"))
+            dropped = await asyncio.to_thread(without, data, keep, kept)
+            data = kept
+            copied["kept_from_image"] = [*keep.paths, *(f"**/{n}" for n in keep.names)]
+            copied["dropped"] = dropped[:LISTED]
+        if data is None:
+            copied["note"] = "the agent's workdir did not exist"
+        vspec = dataclasses.replace(spec, name=f"{spec.name}-verifier", harness=None, purpose="verifier")
         try:
-            await _place(verifier, workdir, parent, data, keep)
-            s = await evaluate(task, verifier, outcome)
+            verifier = await runtime.start(task, vspec)
         except SandboxError as e:
-            if not await verifier.alive():
-                raise VerifierUnavailable(f"the verifier's sandbox died: {e}") from e
-            raise
-        s.detail["verifier"] = {
-            "sandbox": "fresh",
-            **verifier.describe(),
-            "agent_sandbox": agent_name,
-            "agent_stopped_first": True,
-            "copied": copied,
-        }
-        return s
-    finally:
-        await verifier.stop()
+            raise VerifierUnavailable(f"starting the verifier's sandbox: {e}") from e
+        try:
+            try:
+                await _place(verifier, workdir, parent, data, keep)
+                s = await evaluate(task, verifier, outcome)
+            except SandboxError as e:
+                if not await verifier.alive():
+                    raise VerifierUnavailable(f"the verifier's sandbox died: {e}") from e
+                raise
+            s.detail["verifier"] = {
+                "sandbox": "fresh",
+                **verifier.describe(),
+                "agent_sandbox": agent_name,
+                "agent_stopped_first": True,
+                "copied": copied,
+            }
+            return s
+        finally:
+            await verifier.stop()
 
 
-def without(data: bytes, keep: FromImage) -> tuple[bytes, list[str]]:
-    """The tar `data` (members under the workdir's name) less what comes from the image; and the
-    workdir-relative paths left out. A link or file standing where a kept path's directory
-    belongs is left out too, so the image's files are put back where they were."""
-    out, dropped = io.BytesIO(), {}
-    with tarfile.open(fileobj=io.BytesIO(data)) as src, tarfile.open(fileobj=out, mode="w") as dst:
+# Artefacts in flight at once in this process: each is a file on disk of at most ARTEFACT_LIMIT
+# bytes (memory holds a chunk of it), so the disk they take is bounded by SPOOLS x the limit.
+SPOOLS = 8
+_spool_slot = asyncio.Semaphore(SPOOLS)
+
+
+async def _score_artefacts(
+    runtime: Runtime,
+    task: Task,
+    spec: SandboxSpec,
+    outcome: HarnessOutcome,
+    data: BinaryIO | None,
+    size: int,
+    agent_name: str,
+) -> Score:
+    workdir = posixpath.normpath(task.workdir)
+    parent = posixpath.dirname(workdir)
+    keep = from_image(task.evaluator)
+    copied: dict[str, Any] = {"from": workdir, "bytes": size}
+    with contextlib.ExitStack() as stack:
+        if data is not None and (keep.paths or keep.names):
+            kept = stack.enter_context(tempfile.TemporaryFile(prefix="polar-artefacts-"))
+            dropped = await asyncio.to_thread(without, data, keep, kept)
+            data = kept
+            copied["kept_from_image"] = [*keep.paths, *(f"**/{n}" for n in keep.names)]
+            copied["dropped"] = dropped[:LISTED]
+        if data is None:
+            copied["note"] = "the agent's workdir did not exist"
+        vspec = dataclasses.replace(spec, name=f"{spec.name}-verifier", harness=None, purpose="verifier")
+        try:
+            verifier = await runtime.start(task, vspec)
+        except SandboxError as e:
+            raise VerifierUnavailable(f"starting the verifier's sandbox: {e}") from e
+        try:
+            try:
+                await _place(verifier, workdir, parent, data, keep)
+                s = await evaluate(task, verifier, outcome)
+            except SandboxError as e:
+                if not await verifier.alive():
+                    raise VerifierUnavailable(f"the verifier's sandbox died: {e}") from e
+                raise
+            s.detail["verifier"] = {
+                "sandbox": "fresh",
+                **verifier.describe(),
+                "agent_sandbox": agent_name,
+                "agent_stopped_first": True,
+                "copied": copied,
+            }
+            return s
+        finally:
+            await verifier.stop()
+
+
+def s_sealed(sandbox: Sandbox) -> bool:
+    """Whether the sandbox was sealed on purpose (its tests ended), not lost."""
+    return bool(getattr(sandbox, "_halted", False))
+
+
+def without(data: BinaryIO, keep: FromImage, into: BinaryIO) -> list[str]:
+    """Write into `into` the tar `data` (members under the workdir's name) less what comes from
+    the image; returns the workdir-relative paths left out. A link or file standing where a kept
+    path's directory belongs is left out too, so the image's files are put back where they were.
+    Streams member by member: neither tar is held in memory."""
+    dropped: dict[str, None] = {}
+    data.seek(0)
+    with tarfile.open(fileobj=data, mode="r|") as src, tarfile.open(fileobj=into, mode="w|") as dst:
         for m in src:
             rel = m.name.strip("/").partition("/")[2]
             under = next((p for p in keep.paths if rel == p or rel.startswith(p + "/")), None)
@@ -157,10 +231,12 @@ def without(data: bytes, keep: FromImage) -> tuple[bytes, list[str]]:
                 dropped.setdefault(under or rel)  # a kept directory once, not each file in it
                 continue
             dst.addfile(m, src.extractfile(m) if m.isfile() else None)
-    return out.getvalue(), list(dropped)
+    return list(dropped)
 
 
-async def _place(verifier: Sandbox, workdir: str, parent: str, data: bytes | None, keep: FromImage) -> None:
+async def _place(
+    verifier: Sandbox, workdir: str, parent: str, data: BinaryIO | None, keep: FromImage
+) -> None:
     """Replace the verifier's workdir (the image's) by the artefacts, keeping `keep` from the image.
 
     Everything runs with the image's own tools in a sandbox no agent process ever ran in."""

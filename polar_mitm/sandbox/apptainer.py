@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, Field
 
@@ -45,6 +45,7 @@ from polar_mitm.sandbox.base import (
     NPM_MODULES,
     SESSION_DIR,
     ExecResult,
+    Leftover,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
@@ -435,11 +436,20 @@ class ApptainerSandbox:
         for proc in list(self._procs):
             kill_group(proc.pid)
 
-    async def export(self, path: str, limit: int) -> bytes:
+    async def export(self, path: str, limit: int, into: BinaryIO) -> int:
         raise SandboxError(f"instance {self.name}: export is not supported by the apptainer runtime")
 
-    async def put_tar(self, dest: str, data: bytes) -> None:
+    async def put_tar(self, dest: str, data: BinaryIO) -> None:
         raise SandboxError(f"instance {self.name}: put_tar is not supported by the apptainer runtime")
+
+    supervises = False  # scoring stays in the instance (see above)
+
+    async def processes(self) -> list[Leftover]:
+        return []
+
+    async def seal(self) -> list[Leftover]:
+        await self.halt()
+        return []
 
     def describe(self) -> dict[str, Any]:
         return {"runtime": "apptainer", "instance": self.name}

@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal, Protocol
+from typing import Any, BinaryIO, Literal, Protocol
 
 from polar_mitm.procs import EXIT_TIMEOUT, exit_code, kill_group
 from polar_mitm.proxy.certs import CA
@@ -84,12 +84,46 @@ class ExportTooLarge(SandboxError):
     """A directory to export holds more than asked for: what the agent left, not a failure of ours."""
 
 
+@dataclass(frozen=True)
+class Leftover:
+    """A process found in a sandbox besides its init once a command ended: still running, or
+    exited and never reaped (a zombie of the init, which reaps nothing: what a detached process
+    that already did its work leaves)."""
+
+    pid: int  # as the host sees it
+    state: str  # the kernel's one-letter state: R, S, D, Z, T
+    command: str
+
+    def describe(self) -> str:
+        return f"{self.pid} {self.state} {self.command[:120]}"
+
+
 @dataclass
 class ExecResult:
     exit_code: int
     output: str  # stdout and stderr together, the tail only (see OUTPUT_TAIL)
     timed_out: bool = False
     seconds: float = 0.0
+
+
+def tree_size(root: str | Path, limit: int) -> int:
+    """The bytes the files under `root` claim (their sizes, links not followed: a sparse file
+    counts in full, nothing is read), counted until past `limit`."""
+    total, stack = 0, [str(root)]
+    while stack and total <= limit:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        else:
+                            total += e.stat(follow_symlinks=False).st_size + 512  # a tar header each
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return total
 
 
 OUTPUT_TAIL = 16_000  # characters of a command's output kept
@@ -255,13 +289,29 @@ class Sandbox(Protocol):
         its files stay readable with `read` and `export` until `stop`."""
         ...
 
-    async def export(self, path: str, limit: int) -> bytes:
-        """A tar of the directory `path` (its members under the directory's own name), also after
-        `halt`. FileNotFoundError when it does not exist; ExportTooLarge past `limit` bytes."""
+    async def export(self, path: str, limit: int, into: BinaryIO) -> int:
+        """Write a tar of the directory `path` (its members under the directory's own name) into
+        `into`, also after `halt`; returns its size. FileNotFoundError when it does not exist;
+        ExportTooLarge past `limit` bytes, found from file sizes before anything is read where the
+        runtime can, else while the tar streams (never held whole in memory)."""
         ...
 
-    async def put_tar(self, dest: str, data: bytes) -> None:
-        """Unpack a tar (as `export` makes) into the existing directory `dest`."""
+    async def put_tar(self, dest: str, data: BinaryIO) -> None:
+        """Unpack a tar (as `export` makes, read from the file `data`) into the existing directory
+        `dest`."""
+        ...
+
+    # True when `processes` and `seal` see every process of the sandbox from outside it, so a
+    # verifier can tell what the tests left behind (Docker); False where it cannot (local).
+    supervises: bool
+
+    async def processes(self) -> list[Leftover]:
+        """Every process in the sandbox but its init, running or unreaped, as seen from outside."""
+        ...
+
+    async def seal(self) -> list[Leftover]:
+        """Freeze the sandbox at once, list what `processes` lists, then end it all (as `halt`):
+        nothing that ran in it can write anything afterwards; files stay readable."""
         ...
 
     def describe(self) -> dict[str, Any]:

@@ -12,6 +12,10 @@ has every Proxy-Authorization the sandbox sent replaced by the sample's own cred
 it reaches the proxy, and the proxy keeps a connection in the session its first request named
 (`proxy/addons/sessions.py`). So nothing a sandbox can learn or send makes it another session: its
 bytes reach the proxy only through its own socket, under its own name.
+
+A channel also bounds what one sample can make the host spend: at most MAX_OPEN connections open
+at once (each one more is answered 429 and closed at once), and an accept that fails for want of
+descriptors is retried, not the end of the channel. A flood fills the flooding sample's own slots.
 """
 
 from __future__ import annotations
@@ -37,6 +41,23 @@ MAX_HEAD = 64 * 1024  # a first request head larger than this is refused
 HEAD_TIMEOUT = 30.0
 CHUNK = 256 * 1024
 BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+# Connections one sample may hold open at once (a harness needs a handful: its model calls, a
+# side call, telemetry). Each costs the proxy's process about three descriptors, so one sample's
+# flood stops here and leaves the process's limit to the others.
+MAX_OPEN = 64
+_TOO_MANY = (
+    "polar-mitm: this sandbox already holds {n} open connections to the proxy (the limit per "
+    "sample); close some before opening more.\n"
+)
+ACCEPT_RETRY = 0.1  # seconds to wait when accept fails for want of descriptors (EMFILE, ENFILE)
+
+
+def too_many(n: int) -> bytes:
+    body = _TOO_MANY.format(n=n).encode()
+    return (
+        b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+    )
 
 
 def rewrite_head(head: bytes, authorization: str) -> bytes:
@@ -91,6 +112,8 @@ class Channel:
         self.dir = Path(tempfile.mkdtemp(prefix="polar-ch-"))
         self.socket_path = self.dir / SOCKET_NAME
         self.connections = 0
+        self.max_open = MAX_OPEN
+        self.refused = 0  # connections refused past max_open
         self.ready = asyncio.Event()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
@@ -114,7 +137,26 @@ class Channel:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as e:  # EMFILE / ENFILE: the process is out of descriptors for now
+                log.warning("channel of %s: accept failed (%s); retrying", self.session, e)
+                await asyncio.sleep(ACCEPT_RETRY)
+                continue
+            if len(self._open) >= self.max_open:
+                self.refused += 1
+                if self.refused == 1 or self.refused % 1000 == 0:
+                    log.warning(
+                        "channel of %s: %d connections refused past its limit of %d open",
+                        self.session,
+                        self.refused,
+                        self.max_open,
+                    )
+                conn.setblocking(False)
+                with contextlib.suppress(OSError):
+                    conn.send(too_many(self.max_open))  # best effort: never wait on a flooder
+                conn.close()
+                continue
             t = asyncio.create_task(self._serve(conn))
             self._open.add(t)
             t.add_done_callback(self._open.discard)

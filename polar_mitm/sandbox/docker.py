@@ -34,11 +34,12 @@ import contextlib
 import hashlib
 import io
 import logging
+import os
 import re
 import tarfile
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from polar_mitm.proxy.certs import CA
 from polar_mitm.sandbox.base import (
@@ -51,17 +52,39 @@ from polar_mitm.sandbox.base import (
     PIDS_LIMIT,
     ExecResult,
     ExportTooLarge,
+    Leftover,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
     ca_mounts,
     sandbox_ca,
     tail,
+    tree_size,
 )
 from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
 from polar_mitm.tasks.model import Task
 
 log = logging.getLogger("polar_mitm.docker")
+
+CHUNK = 1 << 20  # bytes per read of an archive stream
+
+
+def _proc(pid: int) -> Leftover:
+    """A process of this host by its /proc entry (gone by now: state "?")."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = stat.rsplit(")", 1)[1].split()[0]
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+    except (OSError, IndexError, ValueError):
+        return Leftover(pid, "?", "")
+    try:
+        args = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        )
+    except OSError:
+        args = ""
+    return Leftover(pid, state, args or f"[{comm}]")
+
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LABEL = "polar-mitm"
@@ -362,20 +385,31 @@ class DockerSandbox:
         except Exception as e:
             raise SandboxError(f"container {self.name}: halting it failed: {e}") from e
 
-    async def export(self, path: str, limit: int) -> bytes:
+    async def export(self, path: str, limit: int, into: BinaryIO) -> int:
         import docker.errors
 
-        def get() -> bytes:
+        def get() -> int:
+            claimed = self._changed_size(path, limit)
+            if claimed is not None and claimed > limit:
+                raise ExportTooLarge(
+                    f"container {self.name}: {path} holds more than {limit} bytes (by its files' sizes)"
+                )
             try:
-                stream, _stat = self.container.get_archive(path)
+                stream, _stat = self.container.get_archive(path, chunk_size=CHUNK)
             except docker.errors.NotFound:
                 raise FileNotFoundError(f"container {self.name}: {path} does not exist") from None
-            buf = io.BytesIO()
-            for chunk in stream:
-                buf.write(chunk)
-                if buf.tell() > limit:
-                    raise ExportTooLarge(f"container {self.name}: {path} holds more than {limit} bytes")
-            return buf.getvalue()
+            n = 0
+            try:
+                for chunk in stream:
+                    n += len(chunk)
+                    if n > limit:
+                        raise ExportTooLarge(f"container {self.name}: {path} holds more than {limit} bytes")
+                    into.write(chunk)
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()  # stop the daemon's tar rather than draining it
+            return n
 
         try:
             return await asyncio.to_thread(get)
@@ -384,13 +418,81 @@ class DockerSandbox:
         except Exception as e:
             raise SandboxError(f"container {self.name}: export {path}: {e}") from e
 
-    async def put_tar(self, dest: str, data: bytes) -> None:
+    def _changed_size(self, path: str, limit: int) -> int | None:
+        """What the container's own layer holds under `path` by file sizes (the overlay's upper
+        directory, read on this host without opening a file), or None where it cannot be seen
+        (another storage driver, a remote daemon). The image's files are not counted: they are
+        the task's, not the agent's."""
+        try:
+            self.container.reload()
+            upper = ((self.container.attrs.get("GraphDriver") or {}).get("Data") or {}).get("UpperDir")
+        except Exception:
+            return None
+        if not upper or not os.path.isdir(upper):
+            return None
+        return tree_size(os.path.join(upper, path.lstrip("/")), limit)
+
+    async def put_tar(self, dest: str, data: BinaryIO) -> None:
+        data.seek(0)
         try:
             ok = await asyncio.to_thread(self.container.put_archive, dest, data)
         except Exception as e:
             raise SandboxError(f"container {self.name}: unpacking into {dest}: {e}") from e
         if not ok:
             raise SandboxError(f"container {self.name}: unpacking into {dest} refused")
+
+    supervises = True
+
+    def _host_processes(self) -> list[Leftover]:
+        """The container's processes but its init, read from this host's /proc: the children of
+        its init (those the init never reaps stay there as zombies) and everything the daemon's
+        `top` lists. Where /proc is not this host's (a remote daemon), `top` alone."""
+        self.container.reload()
+        init = int((self.container.attrs.get("State") or {}).get("Pid") or 0)
+        found: dict[int, Leftover] = {}
+        if init > 0:
+            try:
+                kids = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+            except OSError:
+                kids = []
+            for pid in map(int, kids):
+                found[pid] = _proc(pid)
+        if init <= 0 and self.container.status != "paused":
+            return []
+        try:
+            top = self.container.top(ps_args="-o pid,stat,args")
+        except Exception:
+            top = {}
+        for row in top.get("Processes") or []:
+            pid = int(row[0])
+            if pid != init and pid not in found:
+                found[pid] = Leftover(pid, (row[1] or "?")[:1], row[2] if len(row) > 2 else "")
+        return sorted(found.values(), key=lambda p: p.pid)
+
+    async def processes(self) -> list[Leftover]:
+        try:
+            return await asyncio.to_thread(self._host_processes)
+        except Exception as e:
+            raise SandboxError(f"container {self.name}: listing its processes failed: {e}") from e
+
+    async def seal(self) -> list[Leftover]:
+        """`docker pause` (the cgroup freezer: every process stops where it is, at once), the
+        processes listed while frozen, then SIGKILL to all; `read` and `export` still work.
+
+        The freezer can fail on a busy cgroup ("unable to freeze": a fork loop); then the listing
+        happens unfrozen, which loses nothing: whatever writes after the command ended is a
+        process the init never reaps, listed running or as a zombie."""
+
+        def freeze() -> None:
+            self.container.pause()
+
+        try:
+            await asyncio.to_thread(freeze)
+        except Exception as e:
+            log.info("container %s: not frozen (%s); listing its processes as they run", self.name, e)
+        left = await self.processes()
+        await self.halt()
+        return left
 
     def describe(self) -> dict[str, Any]:
         attrs = self.container.attrs or {}

@@ -10,22 +10,23 @@ SWE-bench's `/testbed`) need a container runtime.
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import shutil
 import tarfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from polar_mitm.procs import kill_group
 from polar_mitm.proxy.certs import CA
 from polar_mitm.sandbox.base import (
     ExecResult,
     ExportTooLarge,
+    Leftover,
     SandboxError,
     SandboxSpec,
     host_env,
     run_process,
+    tree_size,
 )
 from polar_mitm.tasks.model import Task
 
@@ -100,27 +101,36 @@ class TempdirSandbox:
         for proc in list(self._procs):
             kill_group(proc.pid)
 
-    async def export(self, path: str, limit: int) -> bytes:
+    async def export(self, path: str, limit: int, into: BinaryIO) -> int:
         src = self.host_path(path)
         if not src.is_dir():
             raise FileNotFoundError(f"sandbox {self.name}: {path} is not a directory")
 
-        def pack() -> bytes:
-            buf = io.BytesIO()
-            with tarfile.open(fileobj=buf, mode="w") as tar:
-                tar.add(str(src), arcname=src.name)
-            if buf.tell() > limit:
+        def pack() -> int:
+            if tree_size(src, limit) > limit:
                 raise ExportTooLarge(f"sandbox {self.name}: {path} holds more than {limit} bytes")
-            return buf.getvalue()
+            start = into.tell()
+            with tarfile.open(fileobj=into, mode="w") as tar:
+                tar.add(str(src), arcname=src.name)
+            return into.tell() - start
 
         return await asyncio.to_thread(pack)
 
-    async def put_tar(self, dest: str, data: bytes) -> None:
+    async def put_tar(self, dest: str, data: BinaryIO) -> None:
         def unpack() -> None:
-            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            with tarfile.open(fileobj=data) as tar:
                 tar.extractall(self.host_path(dest), filter="data")  # nothing outside dest
 
         await asyncio.to_thread(unpack)
+
+    supervises = False  # host processes: one that left its group (setsid) is not seen
+
+    async def processes(self) -> list[Leftover]:
+        return []
+
+    async def seal(self) -> list[Leftover]:
+        await self.halt()
+        return []
 
     def describe(self) -> dict[str, Any]:
         return {"runtime": "local", "directory": str(self.root), "user": os.environ.get("USER", "")}

@@ -51,6 +51,13 @@ class EvaluatorSpec(BaseModel):
     pass_to_pass: list[str] = Field(default_factory=list)
     timeout_sec: float = 600.0
     env: dict[str, str] = Field(default_factory=dict)
+    # A verdict the run's own evidence contradicts (a process that outlived the tests, pytest's
+    # record against the reward: rollout/verdict.py): "zero" scores it 0, "record" keeps the
+    # reward and only records why in reward_detail.suspect.
+    on_suspect: Literal["zero", "record"] = "zero"
+    # Whether the verifier may reach the internet (through its own channel, under the same egress
+    # rules as the agent: never this machine, never the model); None: as the task allows.
+    internet: bool | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> EvaluatorSpec:

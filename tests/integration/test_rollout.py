@@ -476,9 +476,11 @@ def test_swebench_artefacts_leave_out_what_comes_from_the_image():
             if kind == tarfile.SYMTYPE:
                 member.linkname = "/usr/lib"
             tar.addfile(member, io.BytesIO(b"") if kind == tarfile.REGTYPE else None)
-    data, dropped = without(buf.getvalue(), keep)
+    out = io.BytesIO()
+    dropped = without(buf, keep, out)
     assert dropped == [".git", "conftest.py", "sub/conftest.py", "tests", "pytest.ini"]
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+    out.seek(0)
+    with tarfile.open(fileobj=out) as tar:
         assert tar.getnames() == ["testbed", "testbed/calc.py"]
 
 
