@@ -7,6 +7,7 @@ with `--mb` megabytes of text in one user message (a 20 MB paste, a log file rea
 another sends small requests back to back until it is answered.
 
     .venv/bin/python bench/bench_huge_request.py [--mb 20] [--context 32768] [--small 20]
+    .venv/bin/python bench/bench_huge_request.py --messages 70000   # many short messages instead
 
 `--context` is the policy's context length (the fake backend's `/get_server_info`): 32768 makes
 the 20 MB request one that cannot fit; 262144 one whose byte length alone does not prove that,
@@ -100,7 +101,13 @@ async def timed(client: httpx.AsyncClient, body: dict) -> tuple[float, int]:
     return time.perf_counter() - t0, r.status_code
 
 
-async def main(megabytes: float, context: int, small_n: int) -> None:
+def many_messages(n: int) -> list[dict]:
+    """`n` short messages, user and assistant in turn, ending with a user's."""
+    msgs = [{"role": ("user", "assistant")[i % 2], "content": f"message {i}"} for i in range(n)]
+    return msgs if n % 2 else msgs[:-1]
+
+
+async def main(megabytes: float, context: int, small_n: int, messages: int = 0) -> None:
     tmp = workdir("polar-bench-huge-")
     tok = ensure_tokenizer("qwen")
     ca = ensure_ca(tmp)
@@ -109,6 +116,8 @@ async def main(megabytes: float, context: int, small_n: int) -> None:
     sampler = Sampler(proxy)
     sampler.start()
     huge = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": text_of(megabytes)}]}
+    if messages:
+        huge["messages"] = many_messages(messages)
     try:
         async with httpx.AsyncClient(proxy=proxy.url, verify=str(ca), timeout=900) as client:
             for _ in range(5):  # warm-up: tokenizer loaded, connections open
@@ -137,7 +146,8 @@ async def main(megabytes: float, context: int, small_n: int) -> None:
         fake.stop()
 
     base = statistics.median(alone)
-    print(f"\nhuge request: {megabytes:g} MB of text, policy context {context:,} tokens")
+    what = f"{messages:,} messages" if messages else f"{megabytes:g} MB of text"
+    print(f"\nhuge request: {what}, policy context {context:,} tokens")
     print(f"  answer: HTTP {big_status} after {big_s:.2f} s (wall {big_wall:.2f} s)")
     print(f"  small request alone: median {base * 1000:.1f} ms over {len(alone)}")
     print(
@@ -156,5 +166,6 @@ if __name__ == "__main__":
     ap.add_argument("--mb", type=float, default=20.0, help="megabytes of text in the huge request")
     ap.add_argument("--context", type=int, default=32768, help="the policy's context length")
     ap.add_argument("--small", type=int, default=20, help="small requests timed alone and after")
+    ap.add_argument("--messages", type=int, default=0, help="instead: this many short messages")
     args = ap.parse_args()
-    asyncio.run(main(args.mb, args.context, args.small))
+    asyncio.run(main(args.mb, args.context, args.small, args.messages))

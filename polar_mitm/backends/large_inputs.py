@@ -10,6 +10,12 @@ while it works, which glibc keeps after it is freed: one 20 MB request stalled e
   every chat template renders the text of system, user and tool messages, so their bytes over
   that length bound the prompt from below. The gateway refuses a request this bound puts past
   the policy's context before anything is tokenized.
+- `body_tokens_at_least`: the same kind of bound read from the request body's JSON alone, before
+  the style parses it (parsing, hashing and rendering a 70,000-message body takes ~15 s of the
+  proxy's time). A user message whose content is a plain string becomes one user message of
+  that text in every style, and where the chat template puts each user message's text in a
+  stretch of its own after an added token (`users_delimited`, checked on a probe conversation),
+  each such message takes at least one token for that added token and its own text's share.
 - `PooledTokenizer`: texts longer than `LONG_TEXT` characters are encoded in worker processes
   (the same tokenizer directory, so the same ids) while the calling thread waits without the
   GIL. One worker stays warm between long texts; one that encoded more than `RECYCLE_TEXT`
@@ -31,6 +37,8 @@ import threading
 from array import array
 from collections.abc import Iterable
 from typing import Any, BinaryIO
+
+import orjson
 
 from polar_mitm import procs
 from polar_mitm.backends.tokenizer import Tokenizer
@@ -65,6 +73,95 @@ def longest_token_bytes(tok: Tokenizer) -> int:
     with _LONGEST_LOCK:
         _LONGEST[tok.path] = longest
     return longest
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+
+
+_PROBE_USERS = ("polar probe one", "polar probe two", "polar probe three")
+_DELIMITED: dict[str, bool] = {}
+
+
+def users_delimited(tok: Tokenizer) -> bool:
+    """Whether `tok`'s chat template renders each user message's text between added tokens of its
+    own, at least one of them before it: checked on a probe conversation (a system prompt, two
+    user messages in a row, a reply, a third user message), whose user texts must each lie in a
+    different stretch between added tokens, each after at least one. Where it holds, a prompt has
+    at least one token per user message plus its text's bytes over the longest token. Once per
+    tokenizer directory; False when the template cannot render the probe."""
+    with _LONGEST_LOCK:
+        known = _DELIMITED.get(tok.path)
+    if known is not None:
+        return known
+    one, two, three = _PROBE_USERS
+    probe = [
+        {"role": "system", "content": "polar probe system"},
+        {"role": "user", "content": one},
+        {"role": "user", "content": two},
+        {"role": "assistant", "content": "polar probe reply"},
+        {"role": "user", "content": three},
+    ]
+    try:
+        ids = tok.encode(tok.render(probe, add_generation_prompt=True))
+    except Exception:  # a template that refuses the probe: no per-message bound
+        ids = []
+    stretches: list[list[int]] = [[]]  # the ids between added tokens; the first has none before it
+    for i in ids:
+        if i in tok.added_ids:
+            stretches.append([])
+        else:
+            stretches[-1].append(i)
+    texts = [tok.decode(s) for s in stretches]
+    holders = [[k for k, t in enumerate(texts) if u in t] for u in _PROBE_USERS]
+    found = [h[0] for h in holders if len(h) == 1]
+    delimited = len(found) == len(_PROBE_USERS) and len(set(found)) == len(found) and min(found) > 0
+    with _LONGEST_LOCK:
+        _DELIMITED[tok.path] = delimited
+    return delimited
+
+
+def user_text_bytes(body: Any) -> list[int]:
+    """UTF-8 bytes of each user message of a request body (its JSON, not yet read by a style) whose
+    content is a plain string: in `messages` (Anthropic, OpenAI chat) and `input` (OpenAI
+    Responses; a string input is one user message). Every style reads each of them as one user
+    message of that text whatever surrounds it; what else the body holds is left out, so a bound
+    built on these stays a lower one."""
+    if not isinstance(body, dict):
+        return []
+    items = body.get("messages")
+    if not isinstance(items, list):
+        items = body.get("input")
+        if isinstance(items, str):
+            return [_utf8_len(items)]
+        if not isinstance(items, list):
+            return []
+    return [
+        _utf8_len(m["content"])
+        for m in items
+        if isinstance(m, dict)
+        and m.get("role") == "user"
+        and m.get("type", "message") == "message"
+        and isinstance(m.get("content"), str)
+        and m["content"]
+    ]
+
+
+def body_tokens_at_least(raw: bytes, longest: int, delimited: bool) -> tuple[int, int, int]:
+    """(the fewest tokens the prompt of this request body can take, the user messages and their
+    text bytes that say so), from its JSON alone; (0, 0, 0) for a body that is not JSON (the
+    style says what is wrong with it). With `delimited` (see `users_delimited`), each user message
+    takes at least one added token and its own text's bytes over `longest`; otherwise all their
+    text bytes together over `longest`."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return 0, 0, 0
+    sizes = user_text_bytes(body)
+    total = sum(sizes)
+    if delimited:
+        return sum(1 + -(-n // longest) for n in sizes), len(sizes), total
+    return -(-total // longest), len(sizes), total
 
 
 def rendered_text_bytes(messages: Iterable[Message]) -> int:

@@ -108,6 +108,12 @@ class Tokenizer:
         return self._rust.id_to_token(i)
 
     @cached_property
+    def added_ids(self) -> frozenset[int]:
+        """Ids of the added tokens (`<|im_start|>`, ...): the tokenizer splits them out of a text
+        before anything else, so the text between two of them is tokenized on its own."""
+        return frozenset(self._rust.get_added_tokens_decoder())
+
+    @cached_property
     def turn_ends(self) -> tuple[tuple[str, int], ...]:
         """(text, id) of the end-of-turn special tokens a prompt can be cut right after with the
         ids on both sides unchanged (see `render.PrefixCache`): special tokens matched in the raw

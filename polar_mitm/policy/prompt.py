@@ -44,6 +44,10 @@ class Prompts:
 
     # New messages up to this size are rendered on the event loop (about a millisecond).
     INLINE_RENDER_CHARS = 16_000
+    # Conversations up to this many messages are hashed on the event loop (~50 µs a message);
+    # longer ones in a thread (the hash memos are keyed on what they hash, so a race between the
+    # two at most drops an entry).
+    INLINE_HASH_MESSAGES = 1_000
     # Serialized sequences kept for splicing (bytes, ~6 per token): a few sessions' worth each.
     SENT_IDS_MAX_BYTES = 64 * 1024 * 1024
     # Routing keys kept for turns that echo them (a few hundred bytes each).
@@ -71,7 +75,10 @@ class Prompts:
         """The conversation's hashes, and the newest turn whose prompt + reply the request repeats
         (its id and how many of the request's messages that covers), if any."""
         msgs = req.messages
-        hashes = conversation_hashes(msgs, req.tools)
+        if len(msgs) > self.INLINE_HASH_MESSAGES:  # seconds for 70,000 messages: not on the loop
+            hashes = await asyncio.to_thread(conversation_hashes, msgs, req.tools)
+        else:
+            hashes = conversation_hashes(msgs, req.tools)
         candidates = [hashes[i] for i in range(len(msgs) - 1, 0, -1) if msgs[i - 1].role == "assistant"]
         hit = await self.store.find_by_post_hash(session_id, candidates) if candidates else None
         return hashes, (hit[0], hashes.index(hit[1])) if hit is not None else None

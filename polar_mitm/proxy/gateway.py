@@ -103,6 +103,7 @@ class Gateway:
         self._memo_bytes = 0
         # (session, style, field) of the unknown request fields already said (see _say_unknown).
         self._unknown_said: set[tuple[str, str, str]] = set()
+        self._bounds: asyncio.Future[tuple[int, bool]] | None = None  # see _read_bounds
 
     @property
     def max_request_bytes(self) -> int:
@@ -195,20 +196,31 @@ class Gateway:
     async def _answer(self, style: Style, ep: str, call: _Call) -> web.StreamResponse:
         request = call.request
         raw = await self._read(request)
-        body, by_orjson = fields.read_body(raw) if raw else ({} if ep == "models" else None, False)
+        if ep not in ("models", "count_tokens"):
+            await self._refuse_what_cannot_fit(raw)
+        large = len(raw) >= large_inputs.RELEASE_AFTER_BYTES
+        if not raw:
+            body, by_orjson = ({} if ep == "models" else None, False)
+        elif large:  # seconds of work for a long conversation: other sessions' turns go on meanwhile
+            body, by_orjson = await asyncio.to_thread(fields.read_body, raw)
+        else:
+            body, by_orjson = fields.read_body(raw)
         if ep == "models":
             return web.json_response(style.render_models(await self._model_names()))
         session = request.headers.get(SESSION_HEADER) or call.session or self.default_session
         if ep == "count_tokens":  # counting needs no max_tokens, even where generating does
             req = style.parse_request(body, path=request.path_qs, require_max_tokens=False)
             return web.json_response(style.render_count(await self.policy.count_tokens(req)))
-        memo = self._memo(session, style, len(raw)) if by_orjson else None
-        try:
-            req = style.parse_request(body, path=request.path_qs, memo=memo)
-            if memo is not None:
-                memo.settle()
-        finally:
-            self._memo_bytes += memo.size if memo is not None else 0
+        if large:  # in a thread, so without the session's memo (the loop's requests share it)
+            req = await asyncio.to_thread(style.parse_request, body, path=request.path_qs)
+        else:
+            memo = self._memo(session, style, len(raw)) if by_orjson else None
+            try:
+                req = style.parse_request(body, path=request.path_qs, memo=memo)
+                if memo is not None:
+                    memo.settle()
+            finally:
+                self._memo_bytes += memo.size if memo is not None else 0
         self._say_unknown(session, style, body)
         await self._check_fits(req)
         ctx = TurnContext(
@@ -246,6 +258,45 @@ class Gateway:
             f"request body is {what}; polar-mitm accepts at most {limit:,} (--max-request-bytes)",
             413,
         )
+
+    async def _refuse_what_cannot_fit(self, raw: bytes) -> None:
+        """Refuse, from the body's JSON alone (before a style reads it and anything is rendered), a
+        request whose user messages prove it longer than the policy's context: a 70,000-message
+        body would cost seconds of parsing and rendering before the policy said so."""
+        if self.policy.config.backend_mode != "render":
+            return
+        context = await self.policy.context_length()
+        # Each message counted takes ~30 bytes of JSON for at most ~2 tokens of the bound, so a
+        # body with fewer bytes than the context cannot be refused here.
+        if not context or len(raw) < context:
+            self._bounds_read()  # now, rather than when a huge body comes
+            return
+        longest, delimited = await asyncio.shield(self._bounds_read())
+        tokens, count, size = large_inputs.body_tokens_at_least(raw, longest, delimited)
+        if tokens >= context:
+            each = "at least one token each and " if delimited else ""
+            raise ProviderError(
+                "invalid_request",
+                f"prompt is too long: at least {tokens} tokens > {context - 1} maximum of the policy "
+                f"({count} user messages of {size} bytes of text: {each}no token of its tokenizer "
+                f"stands for more than {longest} bytes); shorten the conversation",
+                400,
+            )
+
+    def _bounds_read(self) -> asyncio.Future[tuple[int, bool]]:
+        """The future of `_read_bounds`, started once (again after it failed)."""
+        f = self._bounds
+        if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):
+            f = self._bounds = asyncio.ensure_future(self._read_bounds())
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())  # said where awaited
+        return f
+
+    async def _read_bounds(self) -> tuple[int, bool]:
+        """(the longest token's bytes, whether user messages are delimited) of the policy's tokenizer
+        (~1 s of work, once)."""
+        tok = await self.policy.tokenizer()
+        longest = await asyncio.to_thread(large_inputs.longest_token_bytes, tok)
+        return longest, await asyncio.to_thread(large_inputs.users_delimited, tok)
 
     async def _check_fits(self, req: ChatRequest) -> None:
         """Refuse, before anything is tokenized, a prompt whose text alone proves it longer than the

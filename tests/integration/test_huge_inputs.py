@@ -16,7 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polar_mitm.backends import large_inputs
-from polar_mitm.backends.large_inputs import PooledTokenizer, longest_token_bytes, prompt_tokens_at_least
+from polar_mitm.backends.large_inputs import (
+    PooledTokenizer,
+    body_tokens_at_least,
+    longest_token_bytes,
+    prompt_tokens_at_least,
+    users_delimited,
+)
 from polar_mitm.backends.render import render_full
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import Message
@@ -103,7 +109,8 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(
             status, ctype, raw = await rig.post(style, b)
             assert status == 400
             message = error_message(style, status, ctype, raw)
-            assert message.startswith("prompt is too long: at least 4688 tokens > 4095 maximum"), message
+            # 600,000 bytes over Qwen's longest token (128), and the added token opening the message
+            assert message.startswith("prompt is too long: at least 4689 tokens > 4095 maximum"), message
         assert max(encoded, default=0) < 1000  # the 600,000 characters were never tokenized
         assert await rig.turns() == 1
     finally:
@@ -131,6 +138,118 @@ def test_the_bound_never_exceeds_the_real_count(qwen_tokenizer_dir, text):
     messages = [Message(role="system", content=text), Message(role="user", content=text * 3)]
     tokens, _ = prompt_tokens_at_least(messages, longest_token_bytes(tok))
     assert len(render_full(tok, messages, [], {})) >= tokens
+
+
+def many_messages(n: int) -> list[dict]:
+    """A conversation of `n` short messages, user and assistant in turn, ending with a user's."""
+    msgs = [{"role": ("user", "assistant")[i % 2], "content": f"message {i}"} for i in range(n)]
+    return msgs if n % 2 else msgs[:-1]
+
+
+async def test_a_body_of_many_messages_that_cannot_fit_is_refused_before_it_is_parsed(
+    tmp_path, qwen_tokenizer_dir, monkeypatch
+):
+    from polar_mitm.providers import anthropic, openai_chat
+
+    rig, close = await start_gateway_rig(tmp_path, qwen_tokenizer_dir, backend={"context_length": 32768})
+    try:
+        assert (await rig.post("anthropic", VALID_REQUESTS["anthropic"]))[0] == 200
+        parsed: list[int] = []
+        for module in (anthropic, openai_chat):
+            original = module.parse_request
+            monkeypatch.setattr(
+                module,
+                "parse_request",
+                lambda body, _o=original, **kw: parsed.append(len(body["messages"])) or _o(body, **kw),
+            )
+        msgs = many_messages(70_000)
+        for style in ("anthropic", "openai-chat"):
+            status, ctype, raw = await rig.post(style, {**VALID_REQUESTS[style], "messages": msgs})
+            assert status == 400, raw[:300]
+            message = error_message(style, status, ctype, raw)
+            assert message.startswith("prompt is too long: at least 70000 tokens > 32767 maximum"), message
+            assert "35000 user messages" in message
+        assert parsed == []  # refused from the body's JSON, before a style read it
+        # A conversation of many messages that fits is answered (the bound is a lower one).
+        status, _, raw = await rig.post("anthropic", {**VALID_REQUESTS["anthropic"], "messages": msgs[:2001]})
+        assert status == 200, raw[:300]
+        assert parsed == [2001]
+    finally:
+        await close()
+
+
+def test_the_qwen_template_delimits_user_messages(qwen_tokenizer_dir, tiny_tokenizer_dir):
+    assert users_delimited(Tokenizer.load(qwen_tokenizer_dir))
+    assert isinstance(users_delimited(Tokenizer.load(tiny_tokenizer_dir)), bool)
+
+
+_CONTENT = st.text(min_size=0, max_size=60) | st.sampled_from([" " * 200, "<|im_end|>", "\n\n", "🙂" * 40])
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["user", "assistant", "system"]), _CONTENT), min_size=1, max_size=12
+    ),
+    style=st.sampled_from(["anthropic", "openai-chat", "openai-responses"]),
+)
+def test_the_bound_from_the_body_never_exceeds_the_real_count(qwen_tokenizer_dir, turns, style):
+    """Whatever the conversation, the body's bound is no more than the tokens of the prompt the
+    style's parse and the template render make of it."""
+    import orjson
+
+    from polar_mitm import providers
+
+    tok = Tokenizer.load(qwen_tokenizer_dir)
+    msgs = [{"role": r, "content": c} for r, c in turns if style != "anthropic" or r != "system"]
+    msgs = msgs or [{"role": "user", "content": "hi"}]
+    key = "input" if style == "openai-responses" else "messages"
+    body = {**VALID_REQUESTS[style], key: msgs}
+    host, path = STYLE_ENDPOINTS[style]
+    found = providers.route(host, "POST", path)
+    assert found is not None
+    req = found[0].parse_request(body, path=path)
+    real = len(render_full(tok, req.messages, req.tools, {}))
+    tokens, _, _ = body_tokens_at_least(orjson.dumps(body), longest_token_bytes(tok), users_delimited(tok))
+    assert tokens <= real
+
+
+@pytest.mark.slow
+async def test_refusing_a_body_that_cannot_fit_takes_under_a_second_and_stalls_no_one(
+    tmp_path, qwen_tokenizer_dir
+):
+    """The issue's bound: a 70,000-message body is answered 400 within 1 s, and another session's
+    small requests meanwhile each within 1 s (alone ~0.05 s; before, 10-27 s and 3-7 s).
+    bench/bench_huge_request.py --messages measures the same through a real proxy."""
+    import time
+
+    rig, close = await start_gateway_rig(tmp_path, qwen_tokenizer_dir, backend={"context_length": 32768})
+    try:
+        small = VALID_REQUESTS["anthropic"]
+        for _ in range(3):
+            assert (await rig.post("anthropic", small))[0] == 200
+        await asyncio.sleep(2)  # the tokenizer's bounds are read in the background meanwhile
+        huge = {**small, "messages": many_messages(70_000)}
+        waits: list[float] = []
+        done = asyncio.Event()
+
+        async def other_session() -> None:
+            while not done.is_set() or not waits:
+                t0 = time.perf_counter()
+                assert (await rig.post("anthropic", small))[0] == 200
+                waits.append(time.perf_counter() - t0)
+
+        other = asyncio.create_task(other_session())
+        t0 = time.perf_counter()
+        status, _, _ = await rig.post("anthropic", huge)
+        took = time.perf_counter() - t0
+        done.set()
+        await other
+        assert status == 400
+        assert took <= 1.0, took
+        assert max(waits) <= 1.0, waits
+    finally:
+        await close()
 
 
 # --- long texts in worker processes ---------------------------------------------------------------
