@@ -628,3 +628,114 @@ async def test_egress_refuses_a_name_that_does_not_resolve_then_resolves_to_the_
         assert f.request.host == host  # nothing pinned: nothing is connected to
     assert b"does not resolve" in flows["rebind.example"].response.content
     assert egress.refused == 2
+
+
+FLOOD = r"""
+import json, os, socket, ssl, sys, time, urllib.request
+
+E = os.environ
+def model_call(text):
+    ctx = ssl.create_default_context(cafile=E["SSL_CERT_FILE"])
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({"https": E["HTTPS_PROXY"]}), urllib.request.HTTPSHandler(context=ctx))
+    body = json.dumps({"model": "claude-x", "max_tokens": 16,
+                       "messages": [{"role": "user", "content": text}]}).encode()
+    req = urllib.request.Request("https://api.anthropic.com/v1/messages", data=body,
+                                 headers={"content-type": "application/json", "x-api-key": "k",
+                                          "anthropic-version": "2023-06-01"})
+    return opener.open(req, timeout=30).status
+
+if "flood" in sys.argv[1]:
+    held, refused = [], 0
+    deadline = time.time() + float(E["FLOOD_SECONDS"])
+    for i in range(int(E["FLOOD_CONNECTIONS"])):
+        try:
+            s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+            s.sendall(b"CONNECT api.anthropic.com:443 HTTP/1.1\r\nHost: api.anthropic.com:443\r\n\r\n")
+            held.append(s)
+        except OSError:
+            refused += 1
+    while time.time() < deadline:
+        time.sleep(0.2)
+    print("FLOOD", len(held), refused, flush=True)
+else:
+    time.sleep(float(E["VICTIM_DELAY"]))  # the flood is under way
+    ok = 0
+    for i in range(int(E["VICTIM_CALLS"])):
+        try:
+            ok += model_call(f"call {i}") == 200
+        except Exception as e:
+            print("CALL FAILED", i, e, flush=True)
+    open("calls.txt", "w").write(str(ok))
+"""
+
+
+@pytest.mark.docker
+async def test_one_samples_connection_flood_leaves_its_neighbours_whole(make_stack, tmp_path, docker_client):
+    """One sandbox opens thousands of idle CONNECTs to its model host through its own channel;
+    a second sample, meanwhile, makes its model calls. Before, every one of those connections
+    cost the rollout process descriptors until it ran out (here under a 2,048 limit): the
+    neighbour's calls failed and its sample with them. Now a channel holds at most MAX_OPEN
+    connections open (the rest answered 429 and closed at once): every call of the neighbour is
+    answered, it completes with its own reward, and the process stays far from its limit."""
+    import os
+    import resource
+
+    from polar_mitm.sandbox.channel import MAX_OPEN
+    from polar_mitm.sandbox.docker import DockerRuntime
+
+    connections = 5000
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    peak = 0
+
+    async def watch_fds():
+        nonlocal peak
+        while True:
+            peak = max(peak, len(os.listdir("/proc/self/fd")))
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch_fds())
+    try:
+        stack = await make_stack(token="rollout-token")
+        calls = 15
+        tasks = [
+            Task(id="flood", instruction="flood", image=IMAGE, workdir="/app",
+                 evaluator=EvaluatorSpec(kind="command", command="true")),
+            Task(id="victim", instruction="victim", image=IMAGE, workdir="/app",
+                 evaluator=EvaluatorSpec(kind="command", command=f'[ "$(cat calls.txt)" = {calls} ]')),
+        ]  # fmt: skip
+        opts = RolloutOptions(
+            harness="claude-code",
+            harness_cmd=["python3", "-c", FLOOD, "{instruction}"],
+            runtime="docker",
+            env={
+                "FLOOD_CONNECTIONS": str(connections),
+                "FLOOD_SECONDS": "25",
+                "VICTIM_DELAY": "8",
+                "VICTIM_CALLS": str(calls),
+            },  # fmt: skip
+            keep_workdirs=True,
+            retries=0,
+            init_workers=2,
+            run_workers=2,
+            postrun_workers=2,
+        )
+        p = Pipeline(opts, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
+        result = await p.run(tasks)
+    finally:
+        watcher.cancel()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    got = {s.task_id: (s.status, s.reward) for s in result.samples}
+    victim = next(s for s in result.samples if s.task_id == "victim")
+    flood = next(s for s in result.samples if s.task_id == "flood")
+    log = (tmp_path / "work" / victim.session_id / "harness.log").read_text()
+    assert got == {"flood": ("completed", 1.0), "victim": ("completed", 1.0)}, (got, log[-2000:])
+    assert "CALL FAILED" not in log
+    assert turns_by_session(stack.db).get(victim.session_id) == calls
+    flood_log = (tmp_path / "work" / flood.session_id / "harness.log").read_text()
+    held = int(flood_log.split("FLOOD ", 1)[1].split()[0])
+    assert held == connections  # the forwarder inside took them all: the flood really happened
+    print("peak descriptors", peak)
+    assert peak < 700, peak  # far from the 2,048 limit; before, the flood alone went past it
+    assert MAX_OPEN <= 64
