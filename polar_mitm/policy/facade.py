@@ -23,13 +23,18 @@ from polar_mitm.store.writer import Store
 class Policy:
     """A neutral request in, a stream of neutral events out, every turn stored; one per proxy."""
 
-    def __init__(self, config: PolicyConfig, store: Store):
+    def __init__(self, config: PolicyConfig, store: Store, *, model_info: ModelInfo | None = None):
+        """`model_info`: what the preflight read from the engines, kept instead of asked again."""
         self.config = config
         self.store = store
-        # Info requests (/model_info …) are small: the idle limit bounds them too.
+        # Info requests (/model_info …) are small: an engine that does not answer one within its
+        # liveness budget is as dead as one that fails its probes (without probing, the idle limit).
         urls = config.backend_urls or [config.backend_url]
         self.client = SGLangClient(
-            urls[0], timeout=config.idle_timeout, api_key=config.backend_api_key, kind=config.backend_kind
+            urls[0],
+            timeout=config.engine_dead_after or config.idle_timeout,
+            api_key=config.backend_api_key,
+            kind=config.backend_kind,
         )
         self.engines = EnginePool(
             urls,
@@ -37,7 +42,7 @@ class Policy:
             kind="vllm" if config.backend_kind == "vllm" else "sglang",
             interval=config.engine_probe_interval or 5.0,
         )
-        self.discovery = Discovery(config, self.client, self.engines)
+        self.discovery = Discovery(config, self.client, self.engines, model_info)
         self.weights = WeightGate(config.ping_interval)
         self.prompts = Prompts(config, store, self.discovery)
         self.generation = Generation(
