@@ -171,13 +171,16 @@ class SGLangClient:
         timeout: float | None = None,
         api_key: str | None = None,
         kind: Literal["auto", "sglang", "vllm"] = "auto",
+        timeout_option: str = "",
     ):
-        """`timeout`: seconds an info request (/model_info, /get_server_info, /v1/models) may take.
+        """`timeout`: seconds an info request (/model_info, /get_server_info, /v1/models) may take
+        (`timeout_option`: the option that set it, named when one times out).
         Generations are timed by their caller, which knows whether it awaits a first token (that
         can take minutes on a busy engine) or the next one. `api_key`: sent as a bearer token on
         every call (the engine's or the router's `--api-key`)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.timeout_option = timeout_option
         self.kind = kind  # auto: SGLang's endpoints first, then vLLM's /v1/models
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
@@ -254,7 +257,7 @@ class SGLangClient:
                     pass
             return info
         except TimeoutError:
-            raise EngineTimeout(base, "its model info", self.timeout) from None
+            raise EngineTimeout(base, "its model info", self.timeout, self.timeout_option) from None
         except (aiohttp.ClientError, OSError) as e:
             raise EngineUnreachable(base, e) from e
 
@@ -268,7 +271,7 @@ class SGLangClient:
                         continue
                     text = await r.text()
             except TimeoutError:
-                raise EngineTimeout(base, f"GET {path}", self.timeout) from None
+                raise EngineTimeout(base, f"GET {path}", self.timeout, self.timeout_option) from None
             if r.status == 503 and "no_workers" in text:
                 raise NoWorkers(base)
             if r.status != 200:
@@ -327,7 +330,7 @@ class SGLangClient:
                     return value if isinstance(value, dict) else {}
         except TimeoutError:
             if not optional:
-                raise EngineTimeout(base, f"GET {path}", self.timeout) from None
+                raise EngineTimeout(base, f"GET {path}", self.timeout, self.timeout_option) from None
         except (aiohttp.ClientConnectionError, OSError):
             if not optional:
                 raise

@@ -311,7 +311,11 @@ def proxy(
             )
             for line in shell_setup(p.session_url("SESSION"), p.ca, harvest=harvest):
                 click.echo(line, err=True)
-            await asyncio.Event().wait()
+            import signal
+
+            stop = asyncio.Event()  # SIGTERM stops as Ctrl-C does: the turns under way are stored
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            await stop.wait()
         finally:
             await p.stop()
 

@@ -43,6 +43,9 @@ SECRET_HEADER = "x-polar-secret"
 # much again): a few hundred 32k-token conversations.
 MEMO_BYTES = 256 * 2**20
 UNKNOWN_SAID_MAX = 100_000  # (session, style, field) entries remembered before starting over
+# Seconds `stop` lets calls under way finish before it cancels them (a cancelled turn stores what
+# it sampled); aiohttp's own 60 s would hold a stopping proxy for a minute on a hung engine.
+STOP_GRACE = 1.0
 
 Tagger = Callable[[ChatRequest, str], str | None]
 
@@ -120,7 +123,9 @@ class Gateway:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> int:
         """Listen on loopback; with an ssl_context it can also stand in for a provider's HTTPS API."""
-        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        self.runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE
+        )
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
         await site.start()
