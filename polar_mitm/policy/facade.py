@@ -24,7 +24,7 @@ from polar_mitm.store.writer import Store
 log = logging.getLogger("polar_mitm.policy")
 
 # Seconds `close` waits for a turn that another task is still ending before it ends the others.
-CLOSE_WAIT = 3.0
+CLOSE_WAIT = 2.0
 
 
 class Policy:
@@ -40,6 +40,7 @@ class Policy:
         self.client = SGLangClient(
             urls[0],
             timeout=config.engine_dead_after or config.idle_timeout,
+            timeout_option="--engine-dead-after" if config.engine_dead_after else "--idle-timeout",
             api_key=config.backend_api_key,
             kind=config.backend_kind,
         )
