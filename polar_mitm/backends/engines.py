@@ -9,11 +9,11 @@ stays on one engine while that engine lives, and when it dies only its conversat
 its next-highest engine: their prefix cache is lost, nothing else).
 
 Liveness is the engine's own: SGLang's `/health_generate` runs one token through the scheduler
-(`/health` only says the HTTP process is up), vLLM's `/health`. While turns wait for their first
-token on an engine, one prober per engine (however many turns wait) probes it every `interval`
-seconds; a turn whose engine has passed no probe for `dead_after` seconds (counted from the
-turn's start) fails with a retryable error, while a slow but live engine passes its probes and
-keeps the whole first-token timeout. A dead engine is left out of the choice until a probe passes
+(`/health` only says the HTTP process is up), vLLM's `/health`. While turns wait on an engine
+(for their first token, or for the next after a silence), one prober per engine (however many
+turns wait) probes it every `interval` seconds; a turn whose engine has passed no probe for
+`dead_after` seconds (counted from the turn's start, or its last token) fails with a retryable
+error, while a slow but live engine passes its probes and keeps the whole first-token timeout. A dead engine is left out of the choice until a probe passes
 again.
 """
 
@@ -89,12 +89,13 @@ class EnginePool:
                 engine.dead = False
                 log.warning("engine %s answers its health check again", engine.url)
 
-    async def watch(self, engine: Engine, dead_after: float) -> None:
-        """Return once `engine` has passed no health probe for `dead_after` seconds (counted from
-        the call, the turn's start). Meant to run beside a turn that waits for its first token,
-        and be cancelled when it comes; the turns waiting on one engine share its prober."""
+    async def watch(self, engine: Engine, dead_after: float, since: float | None = None) -> None:
+        """Return once `engine` has passed no health probe for `dead_after` seconds, counted from
+        loop time `since` (default: the call; the turn's start, or when it last heard the engine).
+        Meant to run beside a turn that waits on the engine, and be cancelled when a token comes;
+        the turns waiting on one engine share its prober."""
         loop = asyncio.get_running_loop()
-        start = loop.time()
+        start = loop.time() if since is None else since
         engine.watchers += 1
         if engine._probing is None or engine._probing.done():
             engine._probing = asyncio.ensure_future(self._probe_while_watched(engine))

@@ -46,6 +46,22 @@ class EngineUnreachable(ProviderError):
         self.url = url
 
 
+class EngineTimeout(EngineUnreachable):
+    """The engine took the connection but did not answer in time: hung (a stopped process, a
+    stuck scheduler) or overloaded, which a refused connection or an odd answer is not."""
+
+    def __init__(self, url: str, what: str, seconds: float | None, option: str = ""):
+        within = f" within {seconds:g} s" if seconds else ""
+        ProviderError.__init__(
+            self,
+            "overloaded",
+            f"policy backend {url} did not answer {what}{within}{f' ({option})' if option else ''}: "
+            "the engine is hung or overloaded; retry the request",
+            529,
+        )
+        self.url = url
+
+
 class NoWorkers(ProviderError):
     """A router that has no (healthy) worker registered yet: SGLang's router answers 503
     `no_workers` until one has."""
@@ -155,16 +171,20 @@ class SGLangClient:
         timeout: float | None = None,
         api_key: str | None = None,
         kind: Literal["auto", "sglang", "vllm"] = "auto",
+        timeout_option: str = "",
     ):
-        """`timeout`: seconds an info request (/model_info, /get_server_info, /v1/models) may take.
+        """`timeout`: seconds an info request (/model_info, /get_server_info, /v1/models) may take
+        (`timeout_option`: the option that set it, named when one times out).
         Generations are timed by their caller, which knows whether it awaits a first token (that
         can take minutes on a busy engine) or the next one. `api_key`: sent as a bearer token on
         every call (the engine's or the router's `--api-key`)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.timeout_option = timeout_option
         self.kind = kind  # auto: SGLang's endpoints first, then vLLM's /v1/models
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     def headers(self, routing_key: str | None = None) -> dict[str, str]:
         """The headers of every call: the API key, and for a generation its routing key."""
@@ -173,6 +193,8 @@ class SGLangClient:
         return {**self._auth, ROUTING_KEY_HEADER: routing_key}
 
     async def _http(self) -> aiohttp.ClientSession:
+        if self._closed:  # a session opened now would never be closed
+            raise ProviderError("overloaded", "polar-mitm is shutting down; retry the request", 529)
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
@@ -184,6 +206,8 @@ class SGLangClient:
         return aiohttp.ClientTimeout(total=self.timeout or None, sock_connect=10)
 
     async def close(self) -> None:
+        """Close the connections; the client makes no call after this."""
+        self._closed = True
         if self._session is not None:
             await self._session.close()
 
@@ -213,7 +237,7 @@ class SGLangClient:
                     raise NoWorkers(base)
                 server, info_from = {}, ""
                 for worker in workers:  # the first that tells (a worker may sit behind its own key)
-                    server = await self._get_json(http, worker.rstrip("/"), "/get_server_info")
+                    server = await self._get_json(http, worker.rstrip("/"), "/get_server_info", optional=True)
                     if server and not server.get("router_manager"):
                         info_from = worker
                         break
@@ -226,33 +250,38 @@ class SGLangClient:
             if info.context_length is None:
                 info.context_length = _positive(server.get("context_length"))
             if info.context_length is None:
-                models = await self._get_json(http, base, "/v1/models")
+                models = await self._get_json(http, base, "/v1/models", optional=True)
                 try:
                     info.context_length = _positive(models["data"][0].get("max_model_len"))
                 except (KeyError, IndexError, TypeError, AttributeError):
                     pass
             return info
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        except TimeoutError:
+            raise EngineTimeout(base, "its model info", self.timeout, self.timeout_option) from None
+        except (aiohttp.ClientError, OSError) as e:
             raise EngineUnreachable(base, e) from e
 
     async def _model_info(self, http: aiohttp.ClientSession, base: str) -> ModelInfo:
         """/model_info, else /get_model_info (SGLang's older name, and the router's only one);
         with neither, vLLM's model card when `kind` allows it."""
         for path in ("/model_info", "/get_model_info"):
-            async with http.get(f"{base}{path}", headers=self._auth, timeout=self._info_timeout()) as r:
-                if r.status == 404:
-                    continue
-                text = await r.text()
-                if r.status == 503 and "no_workers" in text:
-                    raise NoWorkers(base)
-                if r.status != 200:
-                    raise status_error(r.status, text)
-                try:
-                    return ModelInfo.model_validate_json(text)
-                except ValueError as e:
-                    raise ProviderError(
-                        "api_error", f"policy backend {base} sent an unreadable {path}: {e}", 502
-                    ) from None
+            try:
+                async with http.get(f"{base}{path}", headers=self._auth, timeout=self._info_timeout()) as r:
+                    if r.status == 404:
+                        continue
+                    text = await r.text()
+            except TimeoutError:
+                raise EngineTimeout(base, f"GET {path}", self.timeout, self.timeout_option) from None
+            if r.status == 503 and "no_workers" in text:
+                raise NoWorkers(base)
+            if r.status != 200:
+                raise status_error(r.status, text)
+            try:
+                return ModelInfo.model_validate_json(text)
+            except ValueError as e:
+                raise ProviderError(
+                    "api_error", f"policy backend {base} sent an unreadable {path}: {e}", 502
+                ) from None
         if self.kind == "auto":
             models = await self._get_json(http, base, "/v1/models")
             cards = models.get("data") if isinstance(models.get("data"), list) else []
@@ -285,15 +314,27 @@ class SGLangClient:
             server_info_from="engine",
         )
 
-    async def _get_json(self, http: aiohttp.ClientSession, base: str, path: str) -> dict[str, Any]:
-        """An optional info endpoint's JSON object; {} when the server lacks it or answers oddly.
-        SGLang reports server args in /get_server_info and max_model_len in /v1/models."""
+    async def _get_json(
+        self, http: aiohttp.ClientSession, base: str, path: str, *, optional: bool = False
+    ) -> dict[str, Any]:
+        """An info endpoint's JSON object; {} when the server lacks it or answers oddly. SGLang
+        reports server args in /get_server_info and max_model_len in /v1/models.
+
+        A server that does not answer at all is not one that lacks the endpoint: the timeout is
+        raised (EngineTimeout), and a failed connection too, unless the call is `optional` (a
+        worker the router lists may not be reachable from here)."""
         try:
             async with http.get(f"{base}{path}", headers=self._auth, timeout=self._info_timeout()) as r:
                 if r.status == 200:
                     value = await r.json(content_type=None)
                     return value if isinstance(value, dict) else {}
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        except TimeoutError:
+            if not optional:
+                raise EngineTimeout(base, f"GET {path}", self.timeout, self.timeout_option) from None
+        except (aiohttp.ClientConnectionError, OSError):
+            if not optional:
+                raise
+        except (aiohttp.ClientError, ValueError):
             pass
         return {}
 

@@ -96,13 +96,14 @@ PROVIDER_HOST = click.option(
 
 
 def preflight(cfg) -> None:
-    """Exit with one line when the policy backend or the tokenizer is not usable (policy mode)."""
+    """Exit with one line when the policy backend or the tokenizer is not usable (policy mode);
+    else keep the model info it read in `cfg`, for the policy (which then never asks again)."""
     if cfg.mode == "harvest":
         return
     from polar_mitm.harness.preflight import EXIT_CONFIG, PreflightError, check_policy
 
     try:
-        asyncio.run(check_policy(cfg.policy))
+        cfg.model_info = asyncio.run(check_policy(cfg.policy))
     except PreflightError as e:
         click.echo(f"polar-mitm: {e}", err=True)
         sys.exit(EXIT_CONFIG)
@@ -310,7 +311,11 @@ def proxy(
             )
             for line in shell_setup(p.session_url("SESSION"), p.ca, harvest=harvest):
                 click.echo(line, err=True)
-            await asyncio.Event().wait()
+            import signal
+
+            stop = asyncio.Event()  # SIGTERM stops as Ctrl-C does: the turns under way are stored
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            await stop.wait()
         finally:
             await p.stop()
 

@@ -93,9 +93,10 @@ FLAGS: dict[str, Flag] = {
         "Seconds to wait at start-up for a router to have a worker (503 no_workers) before giving up."
     ),
     "engine_dead_after": Flag(
-        "While a turn waits for its first token, the engine's liveness is probed (SGLang: "
-        "/health_generate); failing it this many seconds fails the turn with a retryable error "
-        "(and with several --backend URLs moves the conversation); 0: no probing."
+        "While a turn waits on the engine (its first token, or a silence mid-stream), the engine's "
+        "liveness is probed (SGLang: /health_generate); failing it this many seconds fails the turn "
+        "with a retryable error (and with several --backend URLs moves the conversation). Also bounds "
+        "each request for the model info; 0: no probing."
     ),
     "engine_probe_interval": Flag("Seconds between those liveness probes."),
     "tokenizer": Flag(

@@ -209,7 +209,7 @@ def rollout(
         # Before anything starts: a clear error when the runtime, the backend or the tokenizer
         # cannot work (one line, not a minute of harness retries).
         await rt.check()
-        await check_policy(proxy.config.policy)
+        proxy.config.model_info = await check_policy(proxy.config.policy)  # kept: not asked again
         await proxy.start()
         try:
             with Progress() as progress:

@@ -54,11 +54,13 @@ class PolicyConfig(BaseModel):
     context_length: int | None = None
     # Seconds the preflight waits for a router's first worker (503 no_workers) before giving up.
     backend_wait: float = 300.0
-    # While a turn waits for its first token the engine's liveness is probed every
-    # `engine_probe_interval` seconds (SGLang: /health_generate); failing for `engine_dead_after`
-    # seconds fails the turn with a retryable error (and with several engines moves the
-    # conversation). 0 turns the probing off.
-    engine_dead_after: float = 30.0
+    # While a turn waits on its engine (for the first token, or silent mid-stream) the engine's
+    # liveness is probed every `engine_probe_interval` seconds (SGLang: /health_generate);
+    # failing for `engine_dead_after` seconds fails the turn with a retryable error (and with
+    # several engines moves the conversation). It also bounds each ask for the model info.
+    # 0 turns the probing off. 20 s (SGLang's own /health_generate gives up after 20 s): with a
+    # ping interval of granularity a hung engine fails a turn within 30 s.
+    engine_dead_after: float = 20.0
     engine_probe_interval: float = 5.0
 
     @property

@@ -1,47 +1,106 @@
 """What the policy learns from its engines before a turn: the model's info (tokenizer path,
 parsers, context length, how it streams), the tokenizer itself, and which engine API it speaks.
 
-Each is asked once and kept; with several engines the first that answers is asked."""
+Each is asked once and kept; with several engines the first that answers is asked. The info the
+preflight read is handed in and never asked again. Asking is bounded by the liveness budget
+(`engine_dead_after`): a hung engine costs a turn that long, not one `idle_timeout` per info
+call. A failed ask is kept for a pause that grows (`retry.delays`, Backoff's schedule), so the
+turns meanwhile fail at once with its error, and the next ask after the pause tries again.
+
+An engine that does not answer (refused, timed out) fails the turn; one that answers without the
+info a turn can do without (its parsers, context length, streaming mode) leaves the defaults."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+from polar_mitm import retry
 from polar_mitm.backends.engines import EnginePool
 from polar_mitm.backends.large_inputs import pooled
 from polar_mitm.backends.parsers import check_reasoning_parser, check_tool_parser
-from polar_mitm.backends.sglang import ModelInfo, SGLangClient
+from polar_mitm.backends.sglang import EngineTimeout, EngineUnreachable, ModelInfo, NoWorkers, SGLangClient
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import ProviderError
 from polar_mitm.policy.config import PolicyConfig
+
+# After a failed ask: no other for 1 s, then 2, 4 … at most 15 s (the pauses reset once one answers).
+RETRY_FIRST, RETRY_CAP = 1.0, 15.0
+
+
+def _unanswered(e: ProviderError) -> bool:
+    """The engine did not answer at all (or has no worker): no turn can go on without it."""
+    return isinstance(e, (EngineUnreachable, NoWorkers))
 
 
 class Discovery:
     """The engines' model info, tokenizer and parsers, each asked for once and kept."""
 
-    def __init__(self, config: PolicyConfig, client: SGLangClient, engines: EnginePool):
+    def __init__(
+        self, config: PolicyConfig, client: SGLangClient, engines: EnginePool, info: ModelInfo | None = None
+    ):
         self.config = config
         self.client = client
         self.engines = engines
         self._tok: Tokenizer | None = None
         self._info: ModelInfo | None = None
+        self._asking: asyncio.Future[ModelInfo] | None = None  # the one ask under way, shared
+        self._failed: ProviderError | None = None
+        self._retry_at = float("-inf")  # loop time before which `_failed` is raised unasked
+        self._pauses: Iterator[float] = retry.delays(RETRY_FIRST, cap=RETRY_CAP)
+        if info is not None:
+            self._keep(info)
+
+    @property
+    def budget(self) -> float | None:
+        """Seconds one ask for the model info may take: the liveness budget (else the idle limit)."""
+        return self.config.engine_dead_after or self.config.idle_timeout or None
+
+    def _keep(self, info: ModelInfo) -> None:
+        self._info = info
+        self.engines.kind = "vllm" if info.front == "vllm" else "sglang"
 
     async def model_info(self) -> ModelInfo:
-        if self._info is None:
-            err: ProviderError | None = None
-            for engine in sorted(self.engines.engines, key=lambda e: e.dead):
-                try:
-                    self._info = await self.client.model_info(engine.url)
-                    break
-                except ProviderError as e:  # with several engines, the first that answers
-                    err = e
-            if self._info is None:
-                assert err is not None
-                raise err
-            self.engines.kind = "vllm" if self._info.front == "vllm" else "sglang"
-        return self._info
+        if self._info is not None:
+            return self._info
+        loop = asyncio.get_running_loop()
+        if self._asking is None:
+            if self._failed is not None and loop.time() < self._retry_at:
+                raise self._failed
+            self._asking = asyncio.ensure_future(self._ask())
+            self._asking.add_done_callback(self._asked)
+        # Shielded: one turn that goes away does not cancel the ask the others wait on.
+        return await asyncio.shield(self._asking)
+
+    def _asked(self, asking: asyncio.Future[ModelInfo]) -> None:
+        if self._asking is asking:
+            self._asking = None
+        if not asking.cancelled():
+            asking.exception()  # kept in `_failed`; retrieved here even when no turn waits any more
+
+    async def _ask(self) -> ModelInfo:
+        """Ask the engines (the live first) until one answers, within `budget` seconds in all."""
+        err: ProviderError | None = None
+        engines = sorted(self.engines.engines, key=lambda e: e.dead)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.budget):
+                for engine in engines:
+                    try:
+                        info = await self.client.model_info(engine.url)
+                    except ProviderError as e:  # with several engines, the first that answers
+                        err = e
+                        continue
+                    self._keep(info)
+                    self._failed, self._pauses = None, retry.delays(RETRY_FIRST, cap=RETRY_CAP)
+                    return info
+        except TimeoutError:
+            err = EngineTimeout(engines[0].url, "its model info", self.budget, "--engine-dead-after")
+        assert err is not None
+        self._failed, self._retry_at = err, loop.time() + next(self._pauses)
+        raise err
 
     async def engine_kind(self) -> str:
         """ "vllm" or "sglang" (a router in front of SGLang engines speaks SGLang's API)."""
@@ -49,7 +108,9 @@ class Discovery:
             return self.config.backend_kind
         try:
             return "vllm" if (await self.model_info()).front == "vllm" else "sglang"
-        except ProviderError:
+        except ProviderError as e:
+            if _unanswered(e):
+                raise
             return "sglang"
 
     async def context_length(self) -> int | None:
@@ -57,7 +118,9 @@ class Discovery:
             return self.config.context_length
         try:
             return (await self.model_info()).context_length
-        except ProviderError:
+        except ProviderError as e:
+            if _unanswered(e):
+                raise
             return None
 
     async def backend_streaming(self) -> tuple[bool, bool | None]:
@@ -67,7 +130,9 @@ class Discovery:
             return False, None
         try:
             incremental = (await self.model_info()).incremental_streaming_output
-        except ProviderError:
+        except ProviderError as e:
+            if _unanswered(e):
+                raise
             incremental = None
         cumulative = None if incremental is None else not incremental
         return self.config.backend_stream == "stream" or incremental is True, cumulative
@@ -94,7 +159,9 @@ class Discovery:
         if tp is None or rp is None:
             try:
                 info = await self.model_info()
-            except ProviderError:
+            except ProviderError as e:
+                if _unanswered(e):
+                    raise
                 info = ModelInfo()
             tp = tp if tp is not None else (info.tool_call_parser or "qwen25")
             rp = rp if rp is not None else (info.reasoning_parser or "qwen3")

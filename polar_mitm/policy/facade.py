@@ -6,6 +6,8 @@ splice, their caches), generation (render and chat mode) and the turn record."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import weakref
 from collections.abc import AsyncIterator
 
 from polar_mitm.backends.engines import EnginePool
@@ -19,17 +21,28 @@ from polar_mitm.policy.generate import Generation
 from polar_mitm.policy.prompt import Prompts
 from polar_mitm.store.writer import Store
 
+log = logging.getLogger("polar_mitm.policy")
+
+# Seconds `close` waits for a turn that another task is still ending before it ends the others.
+CLOSE_WAIT = 2.0
+
 
 class Policy:
     """A neutral request in, a stream of neutral events out, every turn stored; one per proxy."""
 
-    def __init__(self, config: PolicyConfig, store: Store):
+    def __init__(self, config: PolicyConfig, store: Store, *, model_info: ModelInfo | None = None):
+        """`model_info`: what the preflight read from the engines, kept instead of asked again."""
         self.config = config
         self.store = store
-        # Info requests (/model_info …) are small: the idle limit bounds them too.
+        # Info requests (/model_info …) are small: an engine that does not answer one within its
+        # liveness budget is as dead as one that fails its probes (without probing, the idle limit).
         urls = config.backend_urls or [config.backend_url]
         self.client = SGLangClient(
-            urls[0], timeout=config.idle_timeout, api_key=config.backend_api_key, kind=config.backend_kind
+            urls[0],
+            timeout=config.engine_dead_after or config.idle_timeout,
+            timeout_option="--engine-dead-after" if config.engine_dead_after else "--idle-timeout",
+            api_key=config.backend_api_key,
+            kind=config.backend_kind,
         )
         self.engines = EnginePool(
             urls,
@@ -37,12 +50,14 @@ class Policy:
             kind="vllm" if config.backend_kind == "vllm" else "sglang",
             interval=config.engine_probe_interval or 5.0,
         )
-        self.discovery = Discovery(config, self.client, self.engines)
+        self.discovery = Discovery(config, self.client, self.engines, model_info)
         self.weights = WeightGate(config.ping_interval)
         self.prompts = Prompts(config, store, self.discovery)
         self.generation = Generation(
             config, store, self.client, self.engines, self.discovery, self.prompts, self.weights
         )
+        self._turns: weakref.WeakSet[AsyncIterator[Event]] = weakref.WeakSet()  # streams under way
+        self._closing = False
 
     # -- weight sync -----------------------------------------------------------------------------
 
@@ -96,9 +111,14 @@ class Policy:
         return await self.prompts.count_tokens(req)
 
     def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+        if self._closing:
+            raise ProviderError("overloaded", "polar-mitm is shutting down; retry the request", 529)
         if self.config.backend_mode == "chat":
-            return self.generation.stream_chat(req, ctx)
-        return self.generation.stream(req, ctx)
+            events = self.generation.stream_chat(req, ctx)
+        else:
+            events = self.generation.stream(req, ctx)
+        self._turns.add(events)
+        return events
 
     async def complete(self, req: ChatRequest, ctx: TurnContext) -> Completion:
         async for ev in self.stream(req, ctx):
@@ -107,5 +127,25 @@ class Policy:
         raise ProviderError("api_error", "generation ended without a result", 500)
 
     async def close(self) -> None:
+        """Stop: every turn still under way is ended first (each stores what it sampled, or logs
+        that it had nothing to store) while the store is open; the caller closes the store after."""
+        self._closing = True
+        await self._end_turns()
         await self.engines.close()
         await self.client.close()
+
+    async def _end_turns(self) -> None:
+        """Close the turns' streams that nobody closed (a handler cancelled at shutdown, a reader
+        gone). One that a task is ending right now is waited for, up to CLOSE_WAIT seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_WAIT
+        while any(getattr(t, "ag_running", False) for t in self._turns) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for events in list(self._turns):
+            if getattr(events, "ag_running", False):
+                log.warning("stopping while a turn is still being ended elsewhere; it may not be stored")
+                continue
+            try:
+                await events.aclose()  # type: ignore[attr-defined]
+            except Exception:
+                log.exception("could not end a turn under way at shutdown")

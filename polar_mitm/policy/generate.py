@@ -3,7 +3,9 @@ render (we render the prompt ids and stream `/generate`, parsing the text as it 
 (the server renders, and its whole reply comes at once).
 
 Both wait on the engine through one loop (`paced`): keep-alive pings while nothing arrives, the
-first-token and idle limits, and the engine's liveness probes until its first token. Both commit
+first-token and idle limits, and the engine's liveness probes until its first token and whenever
+the stream goes silent after it (a hung engine fails the turn within `engine_dead_after`, not
+`idle_timeout`). Both commit
 the turn to the store before the final event is yielded, so the harness never sees the end of a
 reply that is not on disk."""
 
@@ -127,12 +129,14 @@ class Generation:
         waiting_first: Callable[[], bool],
     ) -> AsyncIterator[T | None]:
         """What `receive(timeout)` brings, and None each `ping_interval` that brought nothing (the
-        caller pings the harness). While `waiting_first()` the first-token limit applies and the
-        engine's liveness is watched; after, the idle limit since the last arrival. Raises the
-        retryable error when a limit passes or the engine fails its probes. Close it (aclosing)."""
+        caller pings the harness). While `waiting_first()` the first-token limit applies; after, the
+        idle limit since the last arrival. The engine's liveness is watched until the first
+        arrival, and again from the last one whenever a `ping_interval` brings nothing after it
+        (a stream that flows costs no probe). Raises the retryable error when a limit passes or
+        the engine fails its probes. Close it (aclosing)."""
         loop = asyncio.get_running_loop()
         heard = loop.time()  # when the request went out, then when the last chunk came
-        watch = self._first_token_watch(engine)
+        watch = self._liveness_watch(engine, heard)
         try:
             while True:
                 first = waiting_first()
@@ -143,8 +147,10 @@ class Generation:
                 if got is None:
                     if last_wait:
                         raise self.silence(first_token=first, url=engine.url)
-                    if watch is not None and watch.done() and first:
+                    if watch is not None and watch.done():
                         raise self.engine_dead(engine)
+                    if watch is None:  # silent mid-stream: is the engine still there?
+                        watch = self._liveness_watch(engine, heard)
                     yield None
                     continue
                 heard = loop.time()
@@ -156,12 +162,12 @@ class Generation:
             if watch is not None:
                 watch.cancel()
 
-    def _first_token_watch(self, engine: Engine) -> asyncio.Task | None:
-        """A task that ends when `engine` has failed its liveness probes for engine_dead_after
-        seconds (None when probing is off)."""
+    def _liveness_watch(self, engine: Engine, since: float) -> asyncio.Task | None:
+        """A task that ends when `engine` has passed no liveness probe for engine_dead_after
+        seconds counted from loop time `since` (None when probing is off)."""
         if not self.config.engine_dead_after or not self.config.engine_probe_interval:
             return None
-        return asyncio.ensure_future(self.engines.watch(engine, self.config.engine_dead_after))
+        return asyncio.ensure_future(self.engines.watch(engine, self.config.engine_dead_after, since))
 
     def engine_dead(self, engine: Engine) -> ProviderError:
         """The retryable error for a turn whose engine stopped passing its liveness check."""
@@ -169,7 +175,8 @@ class Generation:
         return ProviderError(
             "overloaded",
             f"policy backend {engine.url} failed its health check ({self.engines.health_path}) for "
-            f"{self.config.engine_dead_after:g} s (--engine-dead-after); retry the request",
+            f"{self.config.engine_dead_after:g} s (--engine-dead-after): the engine is hung or down; "
+            "retry the request",
             529,
         )
 
@@ -259,6 +266,7 @@ class Generation:
 
         started = False
         counted = False
+        stopped: str | None = None  # why the turn's stream was ended from outside, if it was
         try:
             async for ev in self.gate.through(turn_id, len(prompt_ids)):
                 started = True
@@ -327,6 +335,9 @@ class Generation:
             if isinstance(e, EngineUnreachable):
                 self.engines.mark_dead(engine, e.message)
             raise
+        except (GeneratorExit, asyncio.CancelledError) as e:  # the reader went away, or shutdown
+            stopped = "closed" if isinstance(e, GeneratorExit) else "cancelled"
+            raise
         finally:
             if counted:
                 self.gate.generating -= 1
@@ -337,6 +348,8 @@ class Generation:
                     await asyncio.shield(self.store.insert_turn(record(status, None)))
                 except Exception:  # never mask the original failure
                     log.exception("could not record %s turn %s", status, turn_id)
+            elif not committed and stopped:
+                log.info("turn %s %s before the engine sent a token: nothing to store", turn_id, stopped)
 
     # -- chat mode -------------------------------------------------------------------------------
 

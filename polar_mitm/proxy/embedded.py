@@ -20,6 +20,7 @@ from mitmproxy.master import Master
 from pydantic import BaseModel, Field
 
 from polar_mitm import providers, recipes
+from polar_mitm.backends.sglang import ModelInfo
 from polar_mitm.policy import Policy, PolicyConfig
 from polar_mitm.proxy.addons.egress import Egress
 from polar_mitm.proxy.addons.handoff import Handoff, provider_tls
@@ -45,6 +46,9 @@ class ProxyConfig(BaseModel):
     token: str | None = None  # when set, clients must send it as the proxy password
     recipe: str | None = None  # tags side calls with this recipe's rules; None: all recipes
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    # What the preflight read from the engines (`check_policy`): the policy keeps it instead of
+    # asking again, so a turn never waits on an engine that hangs after start-up to learn it.
+    model_info: ModelInfo | None = None
     mode: Literal["policy", "harvest"] = "policy"
     # Harvest mode: provider host -> URL its requests go to instead (--upstream HOST=URL), and
     # whether those upstreams' certificates go unchecked (--upstream-insecure).
@@ -143,7 +147,7 @@ class PolicySide:
 
     async def start(self, config: ProxyConfig, store: Store, confdir: Path | str) -> None:
         """Start the policy and the gateway (its plain and TLS ports) and point the addons at it."""
-        self.policy = Policy(config.policy, store)
+        self.policy = Policy(config.policy, store, model_info=config.model_info)
         self.gateway = Gateway(
             self.policy,
             default_session=config.default_session,

@@ -43,6 +43,9 @@ SECRET_HEADER = "x-polar-secret"
 # much again): a few hundred 32k-token conversations.
 MEMO_BYTES = 256 * 2**20
 UNKNOWN_SAID_MAX = 100_000  # (session, style, field) entries remembered before starting over
+# Seconds `stop` lets calls under way finish before it cancels them (a cancelled turn stores what
+# it sampled); aiohttp's own 60 s would hold a stopping proxy for a minute on a hung engine.
+STOP_GRACE = 1.0
 
 Tagger = Callable[[ChatRequest, str], str | None]
 
@@ -98,6 +101,7 @@ class Gateway:
         self.turns_served = 0
         self.tokens_sampled = 0
         self.first_request = asyncio.Event()
+        self._calls: set[asyncio.Task] = set()  # the handlers under way, for `stop`
         # Per (session, style): how the messages and tools of its last requests read (see ItemMemo).
         self._memos: OrderedDict[tuple[str, str], ItemMemo] = OrderedDict()
         self._memo_bytes = 0
@@ -121,7 +125,9 @@ class Gateway:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> int:
         """Listen on loopback; with an ssl_context it can also stand in for a provider's HTTPS API."""
-        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        self.runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE
+        )
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
         await site.start()
@@ -144,6 +150,14 @@ class Gateway:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+        # aiohttp cancels only the handlers whose connection is still open; one whose harness is
+        # gone (the proxy closes its connections first) may wait on a hung engine: cancelled here,
+        # and waited for, so that its turn is stored before the policy and the store close.
+        calls = [t for t in self._calls if not t.done()]
+        for t in calls:
+            t.cancel()
+        if calls:
+            await asyncio.wait(calls, timeout=STOP_GRACE)
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -182,14 +196,20 @@ class Gateway:
             )
         style, ep = found
         call = _Call(host, request, peer[0] if peer is not None else None)
+        task = asyncio.current_task()
+        if task is not None:
+            self._calls.add(task)
         try:
             return await self._answer(style, ep, call)
         except ProviderError as e:
             log.warning("%s %s: %s", host, request.path, e.message)
             return self._error(style, e)
+        except ConnectionError:  # the harness went away: nobody to answer (`_stream` said so)
+            raise
         except Exception as e:  # a bug of ours: still an answer the harness's SDK understands
             return self._error(style, call.internal_error(e))
         finally:
+            self._calls.discard(task)  # type: ignore[arg-type]
             if (request.content_length or 0) >= large_inputs.RELEASE_AFTER_BYTES:
                 large_inputs.release_memory_soon()
 
