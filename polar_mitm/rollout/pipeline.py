@@ -28,6 +28,7 @@ service can host it the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -35,7 +36,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -429,6 +430,7 @@ class Pipeline:
             labels={ROLLOUT_LABEL: self.rollout_id, "polar-mitm.session": job.session_id},
             channel=job.channel.socket_path if job.channel is not None else None,
             user=self.opts.harness_user,
+            forwarder_node=self._harness.node if self._harness is not None else None,
         )
 
     async def _run_worker(self) -> None:
@@ -455,6 +457,25 @@ class Pipeline:
                 continue
             self._move(job, "scoring")
             self._post_q.put_nowait(job)
+
+    @contextlib.asynccontextmanager
+    async def _verifier_channel(self, job: SampleJob) -> AsyncIterator[Channel]:
+        """A channel for the sample's verifier, in a session of its own: contained like the agent's
+        (never this machine), and with the model refused; gone once the sample is scored."""
+        session = f"{job.session_id}-verifier"
+        token = self.proxy.issue_session(session)
+        egress = self.proxy.egress
+        if egress is not None:
+            egress.contain(session)
+            egress.deny_model(session)
+        channel = await open_channel(session, token, serve=self._adopt)
+        try:
+            yield channel
+        finally:
+            await asyncio.shield(channel.close())
+            if egress is not None:
+                egress.release(session)
+            self.proxy.revoke_session(session)
 
     async def _adopt(self, sock, head: bytes) -> None:
         """A sample's channel connection, its first head rewritten, served by the proxy itself."""
@@ -553,7 +574,14 @@ class Pipeline:
         if not await job.sandbox.alive():
             raise SandboxDied(f"sandbox died: while scoring: {job.sandbox.name} is gone")
         limit = job.task.evaluator.timeout_sec + 60
-        work = verify.score(self.runtime, job.task, job.sandbox, self._sandbox_spec(job), job.outcome)
+        work = verify.score(
+            self.runtime,
+            job.task,
+            job.sandbox,
+            self._sandbox_spec(job),
+            job.outcome,
+            open_channel=(lambda: self._verifier_channel(job)) if self.runtime.isolated else None,
+        )
         return await asyncio.wait_for(work, self._budget(job, limit))
 
     # -- outcomes -------------------------------------------------------------------------------

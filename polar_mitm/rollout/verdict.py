@@ -60,11 +60,21 @@ def test_env(task: Task, sandbox: Sandbox) -> dict[str, str]:
     """The environment the tests run with: SAFE_PYTHON, the JUnit report where pytest runs in a
     supervised sandbox, then the task's and the evaluator's own variables."""
     spec = task.evaluator
-    env = {**SAFE_PYTHON, **task.env, **spec.env}
+    env = {**SAFE_PYTHON, **proxy_env(sandbox), **task.env, **spec.env}
     if sandbox.supervises and uses_pytest(spec):
         own = env.get("PYTEST_ADDOPTS", "")
         env["PYTEST_ADDOPTS"] = f"--junitxml={JUNIT} {own}".strip()
     return env
+
+
+def proxy_env(sandbox: Sandbox) -> dict[str, str]:
+    """The proxy variables of a verifier that reaches the internet through its channel (its
+    forwarder on the sandbox's own loopback; the channel puts its credentials on)."""
+    if sandbox.proxy_address is None or not sandbox.supervises:
+        return {}
+    url = "http://{}:{}".format(*sandbox.proxy_address)
+    names = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+    return {**dict.fromkeys(names, url), "NO_PROXY": "localhost,127.0.0.1", "no_proxy": "localhost,127.0.0.1"}
 
 
 async def prepare(sandbox: Sandbox) -> str | None:

@@ -3,8 +3,9 @@
 On a runtime with fresh sandboxes (`Runtime.fresh_verifier`, Docker), when the harness ends:
 1. the agent's sandbox is halted: every process it left (a `setsid` loop, a watcher) ends at once;
 2. its workdir, the agent's artefacts, is exported as a tar, and the agent's sandbox removed;
-3. a new sandbox starts from the task's image (`SandboxSpec.purpose = "verifier"`: no network,
-   nothing of ours mounted), so `bash`, the interpreter and every path outside the workdir are
+3. a new sandbox starts from the task's image (`SandboxSpec.purpose = "verifier"`: nothing of
+   ours mounted; no network, or where the task lets its verifier reach the internet, a channel of
+   its own to the proxy under the agent's egress rules, with the model refused), so `bash`, the interpreter and every path outside the workdir are
    the image's own, whatever the agent replaced in its sandbox;
 4. the image's workdir is replaced by the artefacts, except what the evaluator takes from the
    image (`evaluators.from_image`: SWE-bench's repository, test files and conftest.py);
@@ -26,6 +27,8 @@ import posixpath
 import shlex
 import tarfile
 import tempfile
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, BinaryIO
 
 from polar_mitm.rollout.evaluators import (
@@ -38,6 +41,7 @@ from polar_mitm.rollout.evaluators import (
     reset_conftests,
 )
 from polar_mitm.sandbox.base import ExportTooLarge, Runtime, Sandbox, SandboxError, SandboxSpec
+from polar_mitm.sandbox.channel import Channel
 from polar_mitm.tasks.model import Task
 
 ARTEFACT_LIMIT = 1 << 30  # bytes of a workdir's tar; beyond it the sample is not scored
@@ -49,10 +53,22 @@ class VerifierUnavailable(SandboxError):
     """The fresh verification sandbox could not be started or used: an infrastructure failure."""
 
 
+# Opens the verifier's own channel to the proxy (a context: closed once it is scored), for a task
+# whose verifier may reach the internet; the pipeline's, which knows the proxy.
+OpenChannel = Callable[[], AbstractAsyncContextManager[Channel]]
+FORWARDER_START_SEC = 30.0
+
+
 async def score(
-    runtime: Runtime, task: Task, agent: Sandbox, spec: SandboxSpec, outcome: HarnessOutcome
+    runtime: Runtime,
+    task: Task,
+    agent: Sandbox,
+    spec: SandboxSpec,
+    outcome: HarnessOutcome,
+    open_channel: OpenChannel | None = None,
 ) -> Score:
-    """The sample's score, from a fresh sandbox where the runtime has them."""
+    """The sample's score, from a fresh sandbox where the runtime has them; with the internet
+    through a channel of its own (`open_channel`) where the task lets its verifier reach it."""
     if task.evaluator.kind == "session_completed":
         s = await evaluate(task, agent, outcome)
         s.detail["verifier"] = {"sandbox": "none", "note": "session_completed rewards the exit status"}
@@ -69,11 +85,16 @@ async def score(
             "the agent left and files it changed outside its workdir can reach the verifier",
         }
         return s
-    return await _fresh(runtime, task, agent, spec, outcome)
+    return await _fresh(runtime, task, agent, spec, outcome, open_channel)
 
 
 async def _fresh(
-    runtime: Runtime, task: Task, agent: Sandbox, spec: SandboxSpec, outcome: HarnessOutcome
+    runtime: Runtime,
+    task: Task,
+    agent: Sandbox,
+    spec: SandboxSpec,
+    outcome: HarnessOutcome,
+    open_channel: OpenChannel | None,
 ) -> Score:
     workdir = posixpath.normpath(task.workdir)
     parent, base = posixpath.split(workdir)
@@ -99,7 +120,9 @@ async def _fresh(
             removing = asyncio.ensure_future(agent.stop())  # while the verifier's sandbox starts
             try:
                 data = spool if size is not None else None
-                return await _score_artefacts(runtime, task, spec, outcome, data, size or 0, agent_name)
+                return await _score_artefacts(
+                    runtime, task, spec, outcome, data, size or 0, agent_name, open_channel
+                )
             finally:
                 await asyncio.shield(removing)
 
@@ -118,12 +141,13 @@ async def _score_artefacts(
     data: BinaryIO | None,
     size: int,
     agent_name: str,
+    open_channel: OpenChannel | None = None,
 ) -> Score:
     workdir = posixpath.normpath(task.workdir)
     parent = posixpath.dirname(workdir)
     keep = from_image(task.evaluator)
     copied: dict[str, Any] = {"from": workdir, "bytes": size}
-    with contextlib.ExitStack() as stack:
+    async with contextlib.AsyncExitStack() as stack:
         if data is not None and (keep.paths or keep.names):
             kept = stack.enter_context(tempfile.TemporaryFile(prefix="polar-artefacts-"))
             dropped = await asyncio.to_thread(without, data, keep, kept)
@@ -132,13 +156,29 @@ async def _score_artefacts(
             copied["dropped"] = dropped[:LISTED]
         if data is None:
             copied["note"] = "the agent's workdir did not exist"
-        vspec = dataclasses.replace(spec, name=f"{spec.name}-verifier", harness=None, purpose="verifier")
+        channel = None
+        if open_channel is not None and task.verifier_internet:
+            channel = await stack.enter_async_context(open_channel())
+        vspec = dataclasses.replace(
+            spec,
+            name=f"{spec.name}-verifier",
+            harness=None,
+            purpose="verifier",
+            channel=channel.socket_path if channel is not None else None,
+        )
         try:
             verifier = await runtime.start(task, vspec)
         except SandboxError as e:
             raise VerifierUnavailable(f"starting the verifier's sandbox: {e}") from e
         try:
             try:
+                if channel is not None and verifier.proxy_address is not None:
+                    try:
+                        await channel.wait_ready(FORWARDER_START_SEC)
+                    except TimeoutError:
+                        raise VerifierUnavailable(
+                            f"the verifier's forwarder did not start within {FORWARDER_START_SEC:g} s"
+                        ) from None
                 await _place(verifier, workdir, parent, data, keep)
                 s = await evaluate(task, verifier, outcome)
             except SandboxError as e:
@@ -151,6 +191,7 @@ async def _score_artefacts(
                 "agent_sandbox": agent_name,
                 "agent_stopped_first": True,
                 "copied": copied,
+                "internet": channel is not None,
             }
             return s
         finally:
@@ -171,12 +212,13 @@ async def _score_artefacts(
     data: BinaryIO | None,
     size: int,
     agent_name: str,
+    open_channel: OpenChannel | None = None,
 ) -> Score:
     workdir = posixpath.normpath(task.workdir)
     parent = posixpath.dirname(workdir)
     keep = from_image(task.evaluator)
     copied: dict[str, Any] = {"from": workdir, "bytes": size}
-    with contextlib.ExitStack() as stack:
+    async with contextlib.AsyncExitStack() as stack:
         if data is not None and (keep.paths or keep.names):
             kept = stack.enter_context(tempfile.TemporaryFile(prefix="polar-artefacts-"))
             dropped = await asyncio.to_thread(without, data, keep, kept)
@@ -185,13 +227,29 @@ async def _score_artefacts(
             copied["dropped"] = dropped[:LISTED]
         if data is None:
             copied["note"] = "the agent's workdir did not exist"
-        vspec = dataclasses.replace(spec, name=f"{spec.name}-verifier", harness=None, purpose="verifier")
+        channel = None
+        if open_channel is not None and task.verifier_internet:
+            channel = await stack.enter_async_context(open_channel())
+        vspec = dataclasses.replace(
+            spec,
+            name=f"{spec.name}-verifier",
+            harness=None,
+            purpose="verifier",
+            channel=channel.socket_path if channel is not None else None,
+        )
         try:
             verifier = await runtime.start(task, vspec)
         except SandboxError as e:
             raise VerifierUnavailable(f"starting the verifier's sandbox: {e}") from e
         try:
             try:
+                if channel is not None and verifier.proxy_address is not None:
+                    try:
+                        await channel.wait_ready(FORWARDER_START_SEC)
+                    except TimeoutError:
+                        raise VerifierUnavailable(
+                            f"the verifier's forwarder did not start within {FORWARDER_START_SEC:g} s"
+                        ) from None
                 await _place(verifier, workdir, parent, data, keep)
                 s = await evaluate(task, verifier, outcome)
             except SandboxError as e:
@@ -204,6 +262,7 @@ async def _score_artefacts(
                 "agent_sandbox": agent_name,
                 "agent_stopped_first": True,
                 "copied": copied,
+                "internet": channel is not None,
             }
             return s
         finally:

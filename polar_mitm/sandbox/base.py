@@ -237,10 +237,14 @@ class SandboxSpec:
     # runtime binds it in and starts the forwarder, and the sandbox has no network besides it.
     channel: Path | None = None
     # "verifier": a sandbox that scores a sample's artefacts after its agent's sandbox was halted;
-    # it gets no harness, no channel to the proxy, no network and nothing of ours mounted.
+    # it gets no harness and nothing of ours mounted; no network, or, where its task allows the
+    # internet, a channel of its own (`channel`), under the same egress rules and with no model.
     purpose: Literal["agent", "verifier"] = "agent"
     # Who the harness runs as in a container ("UID:GID"), None for the image's own user (root).
     user: str | None = HARNESS_USER
+    # The node binary a verifier's forwarder runs on, where it has a channel (a verifier has no
+    # harness installation mounted); None: the image's python3.
+    forwarder_node: Path | None = None
 
 
 class Sandbox(Protocol):

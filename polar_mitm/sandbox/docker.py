@@ -620,7 +620,12 @@ class DockerRuntime:
             home = HOME_DIR
         for host, inside in ca_mounts(spec.ca):
             volumes[str(host)] = {"bind": inside, "mode": "ro"}
-        channel = agent and spec.channel is not None and self.network == "none"
+        channel = spec.channel is not None and self.network == "none"
+        node = spec.harness.node if agent and spec.harness is not None else spec.forwarder_node
+        if not agent:  # a verifier: nothing of ours but, where it may reach the internet, its channel
+            volumes = {}
+            if channel and node is not None:
+                volumes[str(node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
         if channel:
             volumes[str(spec.channel)] = {"bind": CHANNEL_SOCKET, "mode": "ro"}
             volumes[str(FORWARDER_DIR)] = {"bind": FORWARDER_ROOT, "mode": "ro"}
@@ -644,8 +649,8 @@ class DockerRuntime:
                 prefix.append(NODE_BIN)
         kwargs: dict[str, Any] = dict(
             entrypoint=forwarder_argv(
-                node=spec.harness is not None and spec.harness.node is not None,
-                python=spec.harness.python if spec.harness is not None else None,
+                node=node is not None,
+                python=spec.harness.python if agent and spec.harness is not None else None,
             )
             if channel
             else ["sleep", "infinity"],
@@ -667,7 +672,7 @@ class DockerRuntime:
         if task.memory_mb:
             kwargs["mem_limit"] = f"{task.memory_mb}m"
         if spec.purpose == "verifier":
-            kwargs.update(self._verifier_options())
+            kwargs.update(self._verifier_options(volumes))
             prefix = []
 
         def run() -> Any:
@@ -719,10 +724,12 @@ class DockerRuntime:
             raise
         return sb
 
-    def _verifier_options(self) -> dict[str, Any]:
-        """A verifier's container: nothing of ours mounted (no session directory, CA or harness),
-        no network, and the image's own user, binaries and environment."""
-        return {"network_mode": "none", "volumes": {}, "mounts": []}
+    def _verifier_options(self, volumes: dict[str, dict[str, str]]) -> dict[str, Any]:
+        """A verifier's container: nothing of ours mounted (no session directory, CA or harness)
+        but its channel's socket, the forwarder and the node it runs on, read-only, where the
+        task lets its verifier reach the internet; no network besides; the image's own user,
+        binaries and environment."""
+        return {"network_mode": "none", "volumes": volumes, "mounts": []}
 
     async def remove(self, container: Any) -> None:
         import docker.errors

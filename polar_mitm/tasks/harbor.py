@@ -34,6 +34,9 @@ class AgentSection(_Section):
 class VerifierSection(_Section):
     timeout_sec: float = 600.0
     env: dict[str, str] = Field(default_factory=dict)
+    # Ours, beside Harbor's: whether the verifier may reach the internet (None: as the task's
+    # [environment] says; Harbor's [agent] network_mode applies while the agent runs only).
+    allow_internet: bool | None = None
 
 
 class EnvironmentSection(_Section):
@@ -116,6 +119,7 @@ def load_harbor_task(directory: Path) -> Task:
     env = config.environment
     dockerfile = directory / "environment" / "Dockerfile"
     allow_internet, metadata = _network(config)
+    verifier_internet = _verifier_network(config)
     memory_mb = env.memory_mb
     if memory_mb is None and env.memory is not None:
         memory_mb = memory_mb_of(env.memory)
@@ -138,6 +142,7 @@ def load_harbor_task(directory: Path) -> Task:
                 tests_dir=tests_dir,
                 timeout_sec=config.verifier.timeout_sec,
                 env=config.verifier.env,
+                internet=verifier_internet,
             ),
             source=str(directory),
             metadata=metadata,
@@ -153,6 +158,19 @@ def _read_config(path: Path) -> HarborTaskConfig:
         return HarborTaskConfig.model_validate(read_document(path))
     except ValidationError as e:
         raise TaskFileError.from_validation(path, e) from None
+
+
+def _verifier_network(config: HarborTaskConfig) -> bool:
+    """Whether the verifier may reach the internet: `[verifier] allow_internet` where given, else
+    the task's `[environment]` (Harbor's verifier runs in the task's environment, after the
+    agent: its `[agent]` network_mode is the agent's alone). Terminal-Bench tests fetch their
+    tools (`curl … uv/install.sh`) when they verify."""
+    if config.verifier.allow_internet is not None:
+        return config.verifier.allow_internet
+    env = config.environment
+    if env.network_mode is not None:
+        return env.network_mode == "public"
+    return True if env.allow_internet is None else env.allow_internet
 
 
 def _network(config: HarborTaskConfig) -> tuple[bool, dict[str, Any]]:

@@ -91,6 +91,12 @@ class Task(BaseModel):
     source: str | None = None  # the file or directory it was loaded from
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def verifier_internet(self) -> bool:
+        """Whether its verifier may reach the internet: the evaluator's `internet`, else as the
+        task allows its agent."""
+        return self.allow_internet if self.evaluator.internet is None else self.evaluator.internet
+
     @model_validator(mode="after")
     def _default_total_timeout(self) -> Task:
         # Unless given: the harness's time, the evaluator's, and a sandbox start.

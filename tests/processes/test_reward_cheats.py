@@ -303,3 +303,86 @@ async def test_swebench_conftest_cheat_gets_nothing_and_a_fix_full_reward(
     assert got["cheat-conftest"][2]["FAIL_TO_PASS"] == {"tests/test_calc.py::test_add": "FAILED"}
     assert "conftest.py" in got["cheat-conftest"][2]["verifier"]["copied"]["dropped"]
     assert_fresh_verifier(got["honest-fix"][2], swebench_image)
+
+
+TOOL = 'if [ "$(cat /app/answer.txt 2>/dev/null)" = 42 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n'
+FETCHING_TEST = """#!/bin/bash
+# A Terminal-Bench-style verifier: it fetches its tool from the internet when it runs.
+set -e
+python3 - <<'PY'
+import urllib.request
+urllib.request.urlretrieve("http://{server}:8000/tool.sh", "/tmp/tool.sh")
+# Through its proxy, neither this machine nor the model answers.
+for url in ("http://127.0.0.1:{backend}/model_info", "https://api.anthropic.com/v1/messages"):
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({{"http": "http://127.0.0.1:3128", "https": "http://127.0.0.1:3128"}}))
+    try:
+        opener.open(url, timeout=10)
+    except Exception as e:
+        print("refused as it should be:", url, e)
+    else:
+        raise SystemExit("reached " + url)
+PY
+bash /tmp/tool.sh
+"""
+
+
+@pytest.fixture
+def internet(docker_client):
+    """A stand-in for the internet: a Docker network of this test's own, in a public range (as
+    an internet address would be, so the egress rules let it through), with a server on it that
+    holds a verifier's tool."""
+    import docker.types
+
+    name = f"polar-test-inet-{os.getpid()}"
+    ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet="11.99.7.0/24")])
+    net = docker_client.networks.create(name, driver="bridge", ipam=ipam)
+    server = docker_client.containers.run(
+        TEST_IMAGE,
+        [
+            "sh",
+            "-c",
+            f"mkdir -p /srv && printf '%s' '{TOOL}' > /srv/tool.sh && cd /srv && exec python3 -m http.server 8000",
+        ],
+        detach=True,
+        network=name,
+        name=f"{name}-server",
+    )
+    try:
+        server.reload()
+        yield server.attrs["NetworkSettings"]["Networks"][name]["IPAddress"]
+    finally:
+        server.remove(force=True)
+        net.remove()
+
+
+async def test_a_verifier_that_fetches_its_tools_scores_its_real_result(
+    make_stack, tmp_path, docker_client, internet
+):
+    """The task allows the internet, so its verifier gets it too, through a channel of its own
+    and the agent's egress rules (never this machine, never the model): its test.sh downloads its
+    tool and scores what the agent did, 1.0 or 0.0. A task that does not allow the internet keeps
+    a verifier with no network at all: the download fails and nothing is scored 1.0. Before, every
+    verifier had no network: the solved task scored 0."""
+    stack = await make_stack()
+    backend = stack.backend_url.rsplit(":", 1)[1]
+    root = tmp_path / "tasks"
+    for name, cheat, mode in (("online-solved", "solve", "public"), ("online-unsolved", "none", "public"),
+                              ("offline-solved", "solve", "no-network")):  # fmt: skip
+        d = harbor_task(root, name, cheat, "")
+        (d / "task.toml").write_text(
+            "[agent]\ntimeout_sec = 60\n[verifier]\ntimeout_sec = 60\n"
+            f'[environment]\ndocker_image = "{TEST_IMAGE}"\nnetwork_mode = "{mode}"\n'
+        )
+        (d / "tests" / "test.sh").write_text(FETCHING_TEST.format(server=internet, backend=backend))
+    got = await rollout(stack, load_tasks([root]), tmp_path, docker_client)
+    assert {t: (st, r) for t, (st, r, _) in got.items()} == {
+        "online-solved": ("completed", 1.0),
+        "online-unsolved": ("completed", 0.0),
+        "offline-solved": ("completed", 0.0),
+    }, {t: d for t, (_, _, d) in got.items()}
+    online, offline = got["online-solved"][2], got["offline-solved"][2]
+    assert online["verifier"]["internet"] is True and online["reward_file"] == "1\n"
+    assert online["output"].count("refused as it should be") == 2
+    assert got["online-unsolved"][2]["reward_file"] == "0\n"  # the tool ran: an honest 0
+    assert offline["verifier"]["internet"] is False and offline["verifier_exit_code"] != 0
+    assert_fresh_verifier(online, TEST_IMAGE)

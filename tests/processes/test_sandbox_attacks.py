@@ -509,11 +509,14 @@ async def test_the_forwarder_inside_relays_to_the_channel(tmp_path, docker_clien
 
 
 @pytest.mark.docker
-@pytest.mark.parametrize("purpose", ["agent", "verifier"])
+@pytest.mark.parametrize("purpose", ["agent", "verifier", "verifier-internet"])
 async def test_containers_run_with_least_privilege(tmp_path, docker_client, certs_dir, purpose):
     """What the daemon was asked for: no network, every capability dropped but root's five,
     no-new-privileges, a pids limit, the task's memory and CPUs; every mount of ours read-only but
-    the harness's HOME. A verifier's sandbox: no harness, no channel, no HOME."""
+    the harness's HOME. A verifier's sandbox: no harness, no channel, no HOME; one whose task lets
+    it reach the internet: its channel's socket and the forwarder, read-only, and nothing else."""
+    internet = purpose == "verifier-internet"
+    purpose = "verifier" if internet else purpose
     from polar_mitm.proxy.certs import ensure_ca
     from polar_mitm.sandbox.base import HOME_DIR, PIDS_LIMIT, SandboxSpec
     from polar_mitm.sandbox.channel import Channel
@@ -522,7 +525,8 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
     channel = await Channel("s_priv", "tok", 9).start()
     spec = SandboxSpec(
         name=f"polar-priv-{purpose}-{time.time_ns()}", session_dir=tmp_path / "s", ca=ensure_ca(certs_dir),
-        channel=channel.socket_path, purpose=purpose, labels={"polar-mitm.rollout": "priv-test"},
+        channel=channel.socket_path if purpose == "agent" or internet else None, purpose=purpose,
+        labels={"polar-mitm.rollout": "priv-test"},
     )  # fmt: skip
     task = Task(id="priv", instruction="x", image=IMAGE, memory_mb=512, cpus=1.5)
     sb = await DockerRuntime().start(task, spec)
@@ -541,6 +545,12 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
     if purpose == "agent":
         assert writable == [HOME_DIR] and sb.proxy_address == ("127.0.0.1", 3128)
         assert any(m["Destination"].endswith("proxy.sock") for m in attrs["Mounts"])
+    elif internet:
+        assert writable == [] and sb.proxy_address == ("127.0.0.1", 3128) and sb.user is None
+        assert sorted(m["Destination"] for m in attrs["Mounts"]) == [
+            "/opt/polar-mitm/channel/proxy.sock",
+            "/opt/polar-mitm/forwarder",
+        ]
     else:
         assert writable == [] and sb.proxy_address is None and sb.user is None
         assert not any(

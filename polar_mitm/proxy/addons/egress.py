@@ -12,7 +12,10 @@ Two lists of sessions, both set by the rollout pipeline for its samples:
   is refused with a 403; provider hosts and the side hosts we stub keep working, so the harness
   still talks to its model. A base-URL proxy cannot enforce this: it never sees the other traffic.
 
-Both apply to the session the proxy settled for the connection (`proxy/addons/sessions.py`): for a
+- `modelless` (a verifier that may reach the internet): the hosts the proxy answers itself (the
+  model, the stubs) are refused; `contained` applies as well.
+
+All apply to the session the proxy settled for the connection (`proxy/addons/sessions.py`): for a
 rollout, the sample's own channel, not a name the client chose.
 """
 
@@ -70,6 +73,7 @@ class Egress:
         self.pattern = re.compile("^(?:" + "|".join(host_pattern(h) for h in sorted(answered_hosts)) + ")$")
         self.offline: set[str] = set()  # sessions that may reach only the hosts we answer
         self.contained: set[str] = set()  # sessions that may reach no host service
+        self.modelless: set[str] = set()  # sessions that may not reach the model (verifiers)
         self.refused = 0
 
     def deny_internet(self, session: str) -> None:
@@ -81,10 +85,16 @@ class Egress:
     def contain(self, session: str) -> None:
         self.contained.add(session)
 
+    def deny_model(self, session: str) -> None:
+        """The session may not reach the hosts the proxy answers itself (a verifier's: the tests
+        run the agent's code, which must not sample from the policy while it is scored)."""
+        self.modelless.add(session)
+
     def release(self, session: str) -> None:
-        """Forget a session that ended (both lists)."""
+        """Forget a session that ended (every list)."""
         self.offline.discard(session)
         self.contained.discard(session)
+        self.modelless.discard(session)
 
     async def _check(self, flow: http.HTTPFlow, connect: bool) -> None:
         if flow.response is not None:
@@ -93,6 +103,11 @@ class Egress:
         # Where the connection goes (the CONNECT's or the URL's authority), not the Host header:
         # a client may name a provider there and connect anywhere.
         host = flow.request.host.lower()
+        if session in self.modelless and self.pattern.match(host):
+            self.refused += 1
+            log.info("refused %s for session %s, which may not reach the model", host, session)
+            _refuse(flow, f"polar-mitm: {host} is not reachable from a verifier: the model is not.\n")
+            return
         if self.pattern.match(host) or (session not in self.offline and session not in self.contained):
             return
         port = flow.request.port
