@@ -93,8 +93,13 @@ env = {}
     assert task.env == {"LANG": "C.UTF-8"}
     assert task.agent_timeout_sec == 900.0
     assert task.evaluator == EvaluatorSpec(
-        kind="harbor", tests_dir=directory.absolute() / "tests", timeout_sec=120.0, env={"STRICT": "1"}
+        kind="harbor",
+        tests_dir=directory.absolute() / "tests",
+        timeout_sec=120.0,
+        env={"STRICT": "1"},
+        internet=False,  # [environment] network_mode: its verifier's too
     )
+    assert task.verifier_internet is False
     assert task.total_timeout_sec == 900.0 + 120.0 + SANDBOX_START_SEC
     assert task.metadata == {"difficulty": "easy", "tags": ["git"], "build_timeout_sec": 300}
     assert task.source == str(directory.absolute())
@@ -490,3 +495,24 @@ def test_duplicate_ids_in_one_plain_file(tmp_path):
     path.write_text('[[tasks]]\nid = "a"\ninstruction = "x"\n[[tasks]]\nid = "a"\ninstruction = "y"\n')
     message = load_error(path)
     assert "t.toml: duplicate task id 'a': already loaded earlier in the same file" in message
+
+
+def test_a_harbor_verifier_reaches_the_internet_as_its_environment_allows(tmp_path):
+    """Harbor's [agent] network_mode is the agent's alone; the verifier runs in the task's
+    environment, and `[verifier] allow_internet` overrides both."""
+    cases = {
+        "agent-off": ('[agent]\nnetwork_mode = "no-network"\n', False, True),
+        "env-off": ('[environment]\nnetwork_mode = "no-network"\n', False, False),
+        "legacy-off": ("[environment]\nallow_internet = false\n", False, False),
+        "verifier-on": (
+            '[environment]\nnetwork_mode = "no-network"\n[verifier]\nallow_internet = true\n',
+            False,
+            True,
+        ),
+        "default": ("", True, True),
+    }
+    for name, (toml, agent, verifier) in cases.items():
+        d = harbor_task(tmp_path, name)
+        (d / "task.toml").write_text(toml)
+        [task] = load_tasks([d])
+        assert (task.allow_internet, task.verifier_internet) == (agent, verifier), name
