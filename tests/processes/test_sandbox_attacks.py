@@ -749,3 +749,61 @@ async def test_one_samples_connection_flood_leaves_its_neighbours_whole(make_sta
     print("peak descriptors", peak)
     assert peak < 700, peak  # far from the 2,048 limit; before, the flood alone went past it
     assert MAX_OPEN <= 64
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.docker
+async def test_big_artefacts_are_streamed_and_a_huge_sparse_one_refused_from_its_size(
+    make_stack, tmp_path, docker_client
+):
+    """The agent leaves a 900 MB file in its workdir: it is scored (1.0) with the rollout
+    process's memory growing by far less than the file (before: the tar was held whole and copied
+    again, 2.2 GB). A sparse 100 GB file is refused as too large from its size, at once, without
+    reading it (before: 142 s of reading zeros)."""
+    from polar_mitm.sandbox.docker import DockerRuntime
+
+    stack = await make_stack(token="rollout-token")
+    make = {
+        "big": "dd if=/dev/zero of=big.bin bs=1M count=900 status=none",
+        "sparse": "truncate -s 100G big.bin",
+    }
+    tasks = [
+        Task(id=name, instruction=name, image=IMAGE, workdir="/app",
+             evaluator=EvaluatorSpec(kind="command", command="test -s big.bin"))
+        for name in make
+    ]  # fmt: skip
+    script = 'case "$1" in big) ' + make["big"] + " ;; sparse) " + make["sparse"] + " ;; esac"
+    opts = RolloutOptions(
+        harness="claude-code",
+        harness_cmd=["sh", "-c", script, "sh", "{instruction}"],
+        runtime="docker",
+        retries=0,
+        postrun_workers=1,
+    )
+    base, peak = rss_mb(), 0.0
+
+    async def watch():
+        nonlocal peak
+        while True:
+            peak = max(peak, rss_mb())
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        p = Pipeline(opts, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
+        result = await p.run(tasks)
+    finally:
+        watcher.cancel()
+    got = {s.task_id: s for s in result.samples}
+    assert (got["big"].status, got["big"].reward) == ("completed", 1.0), got["big"]
+    assert got["sparse"].status == "failed" and "not scored" in (got["sparse"].cause or "")
+    assert "by its files' sizes" in got["sparse"].cause
+    assert got["sparse"].timings.get("scoring", 0) < 20, got["sparse"].timings
+    print(f"rss: {base:.0f} MB before, {peak:.0f} MB at peak")
+    assert peak - base < 250, (base, peak)  # the file is 900 MB
