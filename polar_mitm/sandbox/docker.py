@@ -122,7 +122,7 @@ def _tar_of(src: Path, arcname: str) -> bytes:
     return buf.getvalue()
 
 
-def forwarder_argv(*, node: bool, python: str | None = None) -> list[str]:
+def forwarder_argv(*, node: bool, python: str | None = None, reap: bool = True) -> list[str]:
     """The container's entrypoint when it has a channel: the forwarder, in front for the
     container's life (restarted with it), on our node when mounted, else on the Python harness's
     own interpreter when mounted, else the image's python3. Root runs it: the unprivileged
@@ -131,7 +131,9 @@ def forwarder_argv(*, node: bool, python: str | None = None) -> list[str]:
         script = [f"{NODE_BIN}/node", f"{FORWARDER_ROOT}/forward.js"]
     else:
         script = [python or "python3", f"{FORWARDER_ROOT}/forward.py"]
-    return [*script, CHANNEL_SOCKET, str(FORWARD_PORT), "serve"]
+    # A verifier's init must reap nothing (rollout/verdict.py): node never reaps a child it did
+    # not start; forward.py is told.
+    return [*script, CHANNEL_SOCKET, str(FORWARD_PORT), "serve", *([] if reap else ["keep-orphans"])]
 
 
 class DockerSandbox:
@@ -651,6 +653,7 @@ class DockerRuntime:
             entrypoint=forwarder_argv(
                 node=node is not None,
                 python=spec.harness.python if agent and spec.harness is not None else None,
+                reap=agent,
             )
             if channel
             else ["sleep", "infinity"],

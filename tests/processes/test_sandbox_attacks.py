@@ -807,3 +807,40 @@ async def test_big_artefacts_are_streamed_and_a_huge_sparse_one_refused_from_its
     assert got["sparse"].timings.get("scoring", 0) < 20, got["sparse"].timings
     print(f"rss: {base:.0f} MB before, {peak:.0f} MB at peak")
     assert peak - base < 250, (base, peak)  # the file is 900 MB
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("init", ["sleep", "forward.py", "forward.js"])
+async def test_a_verifiers_init_keeps_what_detached_from_the_tests_in_view(tmp_path, certs_dir, init):
+    """Whatever the verifier's init (`sleep`; the forwarder of a verifier that reaches the
+    internet, on the image's python3 or our node), a process that detached from the tests and
+    exited before they ended is still there when they are sealed: a zombie the init never reaps."""
+    import shutil
+
+    from polar_mitm.proxy.certs import ensure_ca
+    from polar_mitm.rollout.verdict import run_tests
+    from polar_mitm.sandbox.base import SandboxSpec
+    from polar_mitm.sandbox.channel import Channel
+    from polar_mitm.sandbox.docker import DockerRuntime
+
+    channel = await Channel("s_init", "tok", 9).start() if init != "sleep" else None
+    node = Path(shutil.which("node") or "/usr/bin/node").resolve() if init == "forward.js" else None
+    spec = SandboxSpec(
+        name=f"polar-init-{time.time_ns()}", session_dir=tmp_path / "s", ca=ensure_ca(certs_dir),
+        channel=channel.socket_path if channel else None, purpose="verifier", forwarder_node=node,
+        labels={"polar-mitm.rollout": "init-test"},
+    )  # fmt: skip
+    sb = await DockerRuntime().start(Task(id="init", instruction="x", image=IMAGE), spec)
+    try:
+        r, left = await run_tests(
+            sb,
+            ["sh", "-c", "(setsid sh -c 'sleep 0.2' </dev/null >/dev/null 2>&1 &); sleep 1.5"],
+            env={},
+            timeout=30,
+        )
+        assert r.exit_code == 0, r.output
+        assert [p.state for p in left] == ["Z"], left
+    finally:
+        await sb.stop()
+        if channel is not None:
+            await channel.close()
