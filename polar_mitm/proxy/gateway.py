@@ -30,6 +30,7 @@ from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
 from polar_mitm.policy import Policy, TurnContext
 from polar_mitm.providers import Style, fields, side_endpoints
 from polar_mitm.providers.base import ItemMemo
+from polar_mitm.proxy import repeats
 
 log = logging.getLogger("polar_mitm.proxy.gateway")
 
@@ -120,7 +121,8 @@ class Gateway:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> int:
         """Listen on loopback; with an ssl_context it can also stand in for a provider's HTTPS API."""
-        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # Repeated headers are read as the providers read them (see repeats).
+        self.runner = repeats.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
         await site.start()
