@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from polar_mitm import providers, redact
+from polar_mitm import providers, recipes, redact
 from polar_mitm.backends import large_inputs
 from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
 from polar_mitm.policy import Policy, TurnContext
@@ -44,8 +44,6 @@ SECRET_HEADER = "x-polar-secret"
 # much again): a few hundred 32k-token conversations.
 MEMO_BYTES = 256 * 2**20
 UNKNOWN_SAID_MAX = 100_000  # (session, style, field) entries remembered before starting over
-
-Tagger = Callable[[ChatRequest, str], str | None]
 
 
 class _Call:
@@ -79,7 +77,7 @@ class Gateway:
         policy: Policy,
         *,
         default_session: str,
-        tagger: Tagger | None = None,
+        tagger: recipes.Tagger | None = None,
         default_host: str | None = None,
         secret: str | None = None,
         peers: Callable[[int], tuple[str, str] | None] | None = None,
@@ -104,6 +102,9 @@ class Gateway:
         self._memo_bytes = 0
         # (session, style, field) of the unknown request fields already said (see _say_unknown).
         self._unknown_said: set[tuple[str, str, str]] = set()
+        # Untagged calls shaped like side calls (see _side_signs), and the sessions told of one.
+        self.side_call_suspects = 0
+        self._suspects_said: set[str] = set()
 
     @property
     def max_request_bytes(self) -> int:
@@ -219,7 +220,7 @@ class Gateway:
             path=redact.url(request.path_qs),
             headers=redact.headers(request.headers.items()),  # x-polar-* never stored
             raw_request=raw.decode("utf-8", "replace"),
-            tag=self.tagger(req, request.path) if self.tagger else None,
+            tag=self._tag(session, req, request),
             id_prefix=style.ID_PREFIX,
         )
         if req.stream:
@@ -268,6 +269,27 @@ class Gateway:
                 f"{longest}); shorten the conversation",
                 400,
             )
+
+    def _tag(self, session: str, req: ChatRequest, request: web.Request) -> str | None:
+        """The request's side-call tag; an untagged one shaped like a side call is counted, and
+        logged once per session: stored as a main turn, it would train the policy on a title."""
+        if self.tagger is None:
+            return None
+        tag = self.tagger(req, request.path, request.headers)
+        if tag is None:
+            signs = self.tagger.signs(req, session)
+            if recipes.looks_like_side_call(signs):
+                self.side_call_suspects += 1
+                if session not in self._suspects_said and len(self._suspects_said) < UNKNOWN_SAID_MAX:
+                    self._suspects_said.add(session)
+                    log.warning(
+                        "session %s: an untagged call looks like a side call (%s) and is stored as "
+                        "a main turn; a side_calls rule in the harness's recipe would tag it; said "
+                        "once per session",
+                        session,
+                        ", ".join(signs),
+                    )
+        return tag
 
     def _authorized(self, request: web.Request) -> bool:
         if self.secret is None:
