@@ -31,6 +31,7 @@ from polar_mitm.policy import Policy, TurnContext
 from polar_mitm.providers import Style, fields, side_endpoints
 from polar_mitm.providers.base import ItemMemo
 from polar_mitm.proxy import repeats
+from polar_mitm.proxy.continuations import Continuations
 
 log = logging.getLogger("polar_mitm.proxy.gateway")
 
@@ -92,6 +93,8 @@ class Gateway:
         self.secret = secret
         self.default_session = default_session
         self.tagger = tagger
+        # The conversations that stateful Responses clients continue (previous_response_id).
+        self.continuations = Continuations(policy.store) if policy is not None else None
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.turns_served = 0
@@ -202,12 +205,13 @@ class Gateway:
         if ep == "models":
             return web.json_response(style.render_models(await self._model_names()))
         session = request.headers.get(SESSION_HEADER) or call.session or self.default_session
+        continued = await self.continuations.parse_kwargs(style, session, body) if self.continuations else {}
         if ep == "count_tokens":  # counting needs no max_tokens, even where generating does
-            req = style.parse_request(body, path=request.path_qs, require_max_tokens=False)
+            req = style.parse_request(body, path=request.path_qs, require_max_tokens=False, **continued)
             return web.json_response(style.render_count(await self.policy.count_tokens(req)))
         memo = self._memo(session, style, len(raw)) if by_orjson else None
         try:
-            req = style.parse_request(body, path=request.path_qs, memo=memo)
+            req = style.parse_request(body, path=request.path_qs, memo=memo, **continued)
             if memo is not None:
                 memo.settle()
         finally:
