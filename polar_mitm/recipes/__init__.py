@@ -237,7 +237,9 @@ class Tagger:
         text = CallText(req)
         rules = self.rules
         if self.by_request and headers is not None:
-            lower = {k.lower(): v for k, v in headers.items()}
+            lower: dict[str, str] = {}
+            for k, v in headers.items():  # a repeated header: every value (a User-Agent sent twice)
+                lower[k.lower()] = f"{lower[k.lower()]}, {v}" if k.lower() in lower else v
             rules = [r for r in all_recipes().values() if r.recognize.matches(lower, text)] + rules
         for r in rules:
             if t := r.tag(req, path, text):

@@ -2,6 +2,7 @@
 second trajectory): the request bodies are cut down from real captures."""
 
 import pytest
+from multidict import MultiDict
 
 from polar_mitm import recipes
 from polar_mitm.providers import anthropic, openai_chat
@@ -147,6 +148,11 @@ def test_the_generic_recipe_applies_claude_codes_rules_to_requests_from_claude_c
     assert tagger(title, PATH, {"user-agent": "claude-cli/2.1.197 (external, cli)"}) == "title"
     assert tagger(title, PATH, {"X-App": "cli"}) == "title"
     assert tagger(title, PATH, {"user-agent": "python-httpx/0.28"}) is None
+    # A user agent sent twice (a wrapper adding its own): either value shows the sender.
+    assert (
+        tagger(title, PATH, MultiDict([("User-Agent", "wrapper/1"), ("user-agent", "claude-cli/2.1.332")]))
+        == "title"
+    )
     assert tagger(anthropic.parse_request(CC_MAIN), PATH, CC_UA) is None
     # A named recipe keeps to its own rules.
     assert recipes.Tagger("aider")(title, PATH, CC_UA) is None
