@@ -70,6 +70,8 @@ class Sample:
     num_turns: int = 0
     finish_reason: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Which agent of the sample the row is (reconstruct/structure.py): main | subagent | compaction | side.
+    role: str = "main"
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -101,6 +103,7 @@ class Sample:
             num_turns=row.get("num_turns") or 0,
             finish_reason=row.get("finish_reason") or "",
             metadata=meta,
+            role=row.get("role") or "main",
         )
 
 

@@ -26,12 +26,15 @@ REDACTED = "[redacted]"
 
 
 def headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Headers as stored: names lowercased, x-polar-* dropped, credentials redacted; a header
+    sent more than once keeps every value, joined by ", " in the order sent."""
     out: dict[str, str] = {}
     for k, v in items:
         lk = k.lower()
         if lk.startswith("x-polar-"):
             continue
-        out[lk] = REDACTED if lk in SECRET_HEADERS or "secret" in lk or "token" in lk else v
+        v = REDACTED if lk in SECRET_HEADERS or "secret" in lk or "token" in lk else v
+        out[lk] = f"{out[lk]}, {v}" if lk in out and v != REDACTED else v
     return out
 
 

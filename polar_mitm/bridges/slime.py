@@ -11,15 +11,29 @@ metadata (default: the harness exited 0).
 Every sample of the group is filled in place with slime's fields: `tokens` (prompt + response),
 `response_length`, `loss_mask`, `rollout_log_probs`, `reward`, `status`, `weight_versions`,
 `index`, `group_index`. A sample that failed or was cancelled is flagged (`remove_sample = True`),
-its mask is all 0 and its status ABORTED: never silently dropped. When a sample produced several
-rows (prefix-merge breaks), the last one is used.
+its mask is all 0 and its status ABORTED: never silently dropped.
+
+A sample may have several rows (prefix-merge breaks: a subagent, a compaction). slime takes them
+all: a rollout function may give a list of Samples for one sample (slime flattens the nesting,
+and counts siblings that share a `rollout_id` once in its loss), so each trained row becomes a
+Sample of its own with the sample's reward, the first written into slime's Sample, the others
+copies of it (`POLAR_MITM_ROWS` / `args.polar_rows`: "all", the default). slime's own reward
+normalization groups rewards by `n_samples_per_prompt` and would then mix groups, so a group
+estimator (GRPO, ...) needs `--custom-reward-post-process-path
+polar_mitm.bridges.slime.post_process_rewards`, which normalizes within each group over its
+samples, each counted once; without it the rollout function refuses to start, saying so. Or
+choose one row per sample (`main`, `subagent`, `compaction`, `last`; `bridges.chosen_row`). The
+rows left out are counted in the metrics (`polar/rows_dropped`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import statistics
 from typing import Any
 
+from polar_mitm.bridges import check_row_choice, chosen_row, rows_by_sample, trained_rows
 from polar_mitm.client import Group, RolloutClient, Sample
 from polar_mitm.outcomes import trainable
 from polar_mitm.tasks.model import EvaluatorSpec, Task
@@ -38,6 +52,11 @@ SLIME_SAMPLE_FIELDS = frozenset(
         "train_metadata", "session_id", "non_generation_time",
     }
 )  # fmt: skip
+
+
+POST_PROCESS = "polar_mitm.bridges.slime.post_process_rewards"
+# slime's estimators whose rewards are normalized within a group (slime/ray/rollout.py).
+GROUP_ESTIMATORS = frozenset({"grpo", "gspo", "cispo", "reinforce_plus_plus_baseline", "rloo"})
 
 
 def _status(sample: Any, name: str) -> Any:
@@ -85,21 +104,69 @@ def fill(
     return target
 
 
-def fill_group(slime_group: list[Any], group: Group, gi: int) -> list[Any]:
-    last_row: dict[int, Sample] = {}
-    for row in group.samples:
-        last_row[row.index] = row
+def fill_group(slime_group: list[Any], group: Group, gi: int, rows: str = "all") -> list[list[Any]]:
+    """Fill each of slime's samples of a group from its polar-mitm rows: with `rows` "all", one
+    slime Sample per trained row (the given one, then copies of it), else the one row chosen
+    (`bridges.chosen_row`). Returns each sample's filled Samples, in sample order."""
+    by_sample = rows_by_sample(group.samples)
+    out: list[list[Any]] = []
     for i, target in enumerate(slime_group):
         outcome = group.outcomes[i] if i < len(group.outcomes) else None
-        fill(
-            target,
-            last_row.get(i),
-            outcome.status if outcome and outcome.status else "cancelled",
-            outcome.reward if outcome else None,
-            i,
-            gi,
+        own = by_sample.get(i, [])
+        picked: list[Sample | None] = (trained_rows(own) if rows == "all" else [chosen_row(own, rows)]) or [
+            None
+        ]
+        filled = []
+        for k, row in enumerate(picked):
+            t = target if k == 0 else copy.deepcopy(target)
+            status = outcome.status if outcome and outcome.status else "cancelled"
+            filled.append(fill(t, row, status, outcome.reward if outcome else None, i, gi))
+        out.append(filled)
+    return out
+
+
+def post_process_rewards(args: Any, samples: list[Any]) -> tuple[list[Any], list[Any]]:
+    """slime's `--custom-reward-post-process-path` for rows of polar-mitm samples: (raw rewards,
+    rewards) per row, normalized as slime does (minus the group's mean; GRPO and GSPO also over
+    its standard deviation with `--grpo-std-normalization`) but within each group
+    (`group_index`) over its samples (`index`), each counted once however many rows it has."""
+    raw = [s.get_reward_value(args) if hasattr(s, "get_reward_value") else s.reward for s in samples]
+    if getattr(args, "advantage_estimator", None) not in GROUP_ESTIMATORS or not getattr(
+        args, "rewards_normalization", False
+    ):
+        return raw, raw
+    per_sample: dict[Any, dict[Any, float]] = {}
+    for s, r in zip(samples, raw, strict=True):
+        per_sample.setdefault(s.group_index, {}).setdefault(s.index, float(r))
+    scale = getattr(args, "advantage_estimator", None) in ("grpo", "gspo") and getattr(
+        args, "grpo_std_normalization", False
+    )
+    stats = {}
+    for g, values in per_sample.items():
+        vals = list(values.values())
+        std = statistics.stdev(vals) if len(vals) > 1 else 0.0  # torch's std: unbiased
+        stats[g] = (statistics.fmean(vals), std + 1e-6 if scale else 1.0)
+    return raw, [
+        (float(r) - stats[s.group_index][0]) / stats[s.group_index][1]
+        for s, r in zip(samples, raw, strict=True)
+    ]
+
+
+def _rows_setting(args: Any) -> str:
+    rows = getattr(args, "polar_rows", None) or os.environ.get("POLAR_MITM_ROWS", "all")
+    if rows != "all":
+        return check_row_choice(rows)
+    normalizes = getattr(args, "advantage_estimator", None) in GROUP_ESTIMATORS and getattr(
+        args, "rewards_normalization", False
+    )
+    if normalizes and getattr(args, "custom_reward_post_process_path", None) != POST_PROCESS:
+        raise ValueError(
+            "polar-mitm gives slime every trained row of a sample (a subagent's, a compaction's), "
+            "which slime's own reward normalization would group wrongly: add "
+            f"--custom-reward-post-process-path {POST_PROCESS}, or set POLAR_MITM_ROWS=main to "
+            "train on one row per sample"
         )
-    return slime_group
+    return rows
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
@@ -113,6 +180,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     harness = getattr(args, "polar_harness", None) or os.environ.get("POLAR_MITM_HARNESS", "claude-code")
     runtime = getattr(args, "polar_runtime", None) or os.environ.get("POLAR_MITM_RUNTIME", "docker")
     extra = getattr(args, "polar_request", None) or {}
+    rows = _rows_setting(args)
     with RolloutClient(server, token=token) as client:
         ids = [
             client.submit(
@@ -126,17 +194,43 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
             for gi, g in enumerate(groups)
         ]
         by_id = {g.task_id: g for g in client.wait(ids, poll=getattr(args, "polar_poll", 1.0))}
-    for gi, (tid, g) in enumerate(zip(ids, groups, strict=True)):
-        fill_group(g, by_id[tid], gi)
-    rewards = [s.reward for g in groups for s in g if not s.remove_sample]
-    metrics = {
-        "polar/usable": len(rewards) / max(1, sum(len(g) for g in groups)),
-        "polar/mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
-    }
+    filled = [
+        fill_group(g, by_id[tid], gi, rows) for gi, (tid, g) in enumerate(zip(ids, groups, strict=True))
+    ]
+    samples, metrics = hand_over(groups, filled, sum(len(by_id[t].samples) for t in ids), evaluation)
     try:
         from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
     except ImportError:
-        return groups
+        return samples
     if evaluation:
-        return RolloutFnEvalOutput(data={"polar": {"rewards": rewards, "samples": groups}}, metrics=metrics)
-    return RolloutFnTrainOutput(samples=groups, metrics=metrics)
+        rewards = [s.reward for g in groups for s in g if not s.remove_sample]
+        return RolloutFnEvalOutput(data={"polar": {"rewards": rewards, "samples": samples}}, metrics=metrics)
+    return RolloutFnTrainOutput(samples=samples, metrics=metrics)
+
+
+def hand_over(
+    groups: list[list[Any]], filled: list[list[list[Any]]], rows: int, evaluation: bool = False
+) -> tuple[list[Any], dict[str, float]]:
+    """What slime gets of the filled groups (`fill_group`'s, of `groups` whose samples had
+    `rows` rows in all), and the rollout's metrics. Where a sample has several Samples (never
+    for evaluation, scored per sample), a list per sample: slime flattens it, and counts the
+    siblings of one `rollout_id` once in its loss."""
+    nested = not evaluation and any(len(one) > 1 for g in filled for one in g)
+    samples: list[Any] = filled if nested else groups  # groups: each sample's first row, in place
+    if nested:
+        for n, one in enumerate(one for g in filled for one in g):
+            for t in one:
+                t.rollout_id = n
+    handed = sum(len(one) if nested else 1 for g in filled for one in g)
+    rewards = [one[0].reward for g in filled for one in g if not one[0].remove_sample]
+    return samples, {
+        "polar/usable": len(rewards) / max(1, sum(len(g) for g in filled)),
+        "polar/mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+        "polar/rows": handed,
+        "polar/rows_dropped": rows - handed + _stand_ins(filled),
+    }
+
+
+def _stand_ins(filled: list[list[list[Any]]]) -> int:
+    """How many of the filled Samples stand for a sample that had no row (nothing trained)."""
+    return sum(1 for g in filled for one in g if one[0].response_length == 0 and not one[0].tokens)

@@ -13,9 +13,10 @@ unscorable: TRL leaves it out of its group's baseline and gives it advantage 0.
 So a multi-turn row (prefix-merged: the turns the model sampled, with the tool results and
 harness messages between them) is one completion whose `env_mask` is our `loss_mask`, and a
 failed or cancelled sample is a completion whose mask is all 0 with reward None: never trained,
-never counted in the baseline, never silently dropped. A sample with several rows
-(prefix-merge breaks: subagents, compaction) gives TRL its last row, as the slime and verl
-bridges do (`polar_rows` tells how many it had).
+never counted in the baseline, never silently dropped. TRL takes exactly one completion per
+prompt, so a sample with several rows (prefix-merge breaks: subagents, compaction) gives TRL one:
+the row chosen by `row` (the main agent's by default, see `bridges.chosen_row`); `polar_rows`
+tells how many it had, and the rows left out are logged as TRL's `polar/rows_dropped` metric.
 
 - `PolarRollout`: the `rollout_func`. Each run of identical prompts becomes one task of that many
   samples on the rollout service (`polar-mitm serve`; on one machine, `serve --nodes 1`). A
@@ -45,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from polar_mitm.bridges import check_row_choice, chosen_row, rows_by_sample
 from polar_mitm.client import Group, RolloutClient, Sample
 from polar_mitm.outcomes import trainable
 from polar_mitm.tasks.model import EvaluatorSpec, Task
@@ -96,35 +98,41 @@ def _sample_fields(row: Sample | None, usable: bool, pad_id: int) -> dict[str, A
     }
 
 
-def build_fields(groups: Sequence[Group], samples: int, pad_id: int = 0) -> dict[str, list[Any]]:
+def build_fields(
+    groups: Sequence[Group], samples: int, pad_id: int = 0, row: str = "main"
+) -> dict[str, list[Any]]:
     """What `rollout_func` returns for these groups, `samples` completions per group in sample
-    order: TRL's `prompt_ids`, `completion_ids`, `logprobs`, `env_mask`, and for the reward
-    functions `polar_reward` (None where the sample must not be trained), `polar_status`,
-    `polar_weight_versions`, `polar_task_id`, `polar_rows`."""
+    order, each the sample's row chosen by `row` (`bridges.chosen_row`): TRL's `prompt_ids`,
+    `completion_ids`, `logprobs`, `env_mask`, and for the reward functions `polar_reward` (None
+    where the sample must not be trained), `polar_status`, `polar_weight_versions`,
+    `polar_task_id`, `polar_rows` (how many rows the sample had; all but one are left out)."""
     keys = ("prompt_ids", "completion_ids", "logprobs", "env_mask")
     out: dict[str, list[Any]] = {k: [] for k in keys}
     for extra in ("polar_reward", "polar_status", "polar_weight_versions", "polar_task_id", "polar_rows"):
         out[extra] = []
+    check_row_choice(row)
     for group in groups:
-        last: dict[int, Sample] = {}
-        count: dict[int, int] = {}
-        for row in group.samples:
-            last[row.index] = row
-            count[row.index] = count.get(row.index, 0) + 1
+        by_sample = rows_by_sample(group.samples)
         for i in range(samples):
             outcome = group.outcomes[i] if i < len(group.outcomes) else None
             status = outcome.status if outcome is not None and outcome.status else "cancelled"
-            row = last.get(i)
-            usable = trainable(status) and row is not None and not row.remove_sample
+            rows = by_sample.get(i, [])
+            chosen = chosen_row(rows, row)
+            usable = trainable(status) and chosen is not None and not chosen.remove_sample
             reward = (outcome.reward or 0.0) if usable and outcome is not None else None
-            for k, v in _sample_fields(row, usable, pad_id).items():
+            for k, v in _sample_fields(chosen, usable, pad_id).items():
                 out[k].append(v)
             out["polar_reward"].append(reward)
             out["polar_status"].append(status)
-            out["polar_weight_versions"].append(list(row.weight_versions) if row is not None else [])
+            out["polar_weight_versions"].append(list(chosen.weight_versions) if chosen is not None else [])
             out["polar_task_id"].append(group.task_id)
-            out["polar_rows"].append(count.get(i, 0))
+            out["polar_rows"].append(len(rows))
     return out
+
+
+def rows_dropped(fields: Mapping[str, list[Any]]) -> int:
+    """How many rows `build_fields` left out (every sample gives TRL one of its rows)."""
+    return sum(max(0, n - 1) for n in fields["polar_rows"])
 
 
 def polar_reward(
@@ -140,7 +148,9 @@ class PolarRollout:
     `tasks` maps prompts (as the dataset holds them: ids or instructions) to a `Task` or a task
     path the server can read; any other prompt is an instruction scored by `evaluator` (default:
     the harness exited 0). `request` holds more TaskRequest fields for every task (`harness_cmd`,
-    `max_staleness`, timeouts, …). After each call `groups` holds the groups it returned and
+    `max_staleness`, timeouts, …). `row` is the row of a sample with several that TRL trains on
+    (`bridges.ROW_CHOICES`; the main agent's by default); the others are counted in TRL's
+    `polar/rows_dropped` metric. After each call `groups` holds the groups it returned and
     `prompts` the prompt of each, in order."""
 
     def __init__(
@@ -155,7 +165,9 @@ class PolarRollout:
         token: str | None = None,
         poll: float = 1.0,
         timeout: float | None = None,
+        row: str = "main",
     ) -> None:
+        self.row = check_row_choice(row)
         self.client = server if isinstance(server, RolloutClient) else RolloutClient(server, token=token)
         self.harness, self.runtime = harness, runtime
         self.tasks = dict(tasks or {})
@@ -195,15 +207,21 @@ class PolarRollout:
         return self.groups
 
     def __call__(self, prompts: list[Any], trainer: Any = None) -> dict[str, list[Any]]:
-        samples, pad_id = 1, 0
+        samples, pad_id, mode = 1, 0, "train"
         if trainer is not None:
             training = getattr(getattr(trainer, "model", None), "training", True)
+            mode = "train" if training else "eval"
             samples = trainer.num_generations if training else trainer.num_generations_eval
             tok = getattr(trainer, "processing_class", None)
             tok = getattr(tok, "tokenizer", tok)
             pad = getattr(tok, "pad_token_id", None)
             pad_id = pad if pad is not None else (getattr(tok, "eos_token_id", None) or 0)
-        return build_fields(self.rollout(prompts, samples), samples, pad_id)
+        fields = build_fields(self.rollout(prompts, samples), samples, pad_id, self.row)
+        # GRPOTrainer's metrics ({"train": defaultdict(list), "eval": ...}), averaged into its logs.
+        metrics = getattr(trainer, "_metrics", None)
+        if isinstance(metrics, dict) and mode in metrics:
+            metrics[mode]["polar/rows_dropped"].append(float(rows_dropped(fields)))
+        return fields
 
 
 def _trainer_callback_base() -> type:

@@ -14,6 +14,11 @@ A failed or cancelled sample comes back with an all-zero response_mask and rewar
 verl they are in `metrics` too). Checked against verl 0.9.1's
 `verl/experimental/agent_loop/agent_loop.py`: there `metrics` is an `AgentLoopMetrics` model
 (timings), so our fields go in `extra_fields`, which verl carries through to the batch.
+
+verl takes exactly one AgentLoopOutput per sample (its batch has one row per sample), so a sample
+with several rows (a subagent, a compaction) gives verl the row `row` chooses (the main agent's by
+default, `bridges.chosen_row`); `extra_fields` counts its rows (`polar_rows`) and those left out
+(`polar_rows_dropped`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from polar_mitm.bridges import check_row_choice, chosen_row
 from polar_mitm.client import AsyncRolloutClient
 from polar_mitm.outcomes import trainable
 from polar_mitm.tasks.model import EvaluatorSpec, Task
@@ -73,6 +79,7 @@ class PolarAgentLoop:
     runtime = os.environ.get("POLAR_MITM_RUNTIME", "docker")
     poll = 1.0
     request: dict[str, Any] = {}  # more TaskRequest fields for every sample (priority, timeouts, …)
+    row = os.environ.get("POLAR_MITM_ROW", "main")  # which row of a sample with several (ROW_CHOICES)
 
     async def run(self, sampling_params: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         async with AsyncRolloutClient(self.server, token=self.token) as client:
@@ -86,7 +93,7 @@ class PolarAgentLoop:
             )
             group = [g async for g in client.wait([tid], poll=self.poll)][0]
         outcome = group.outcomes[0] if group.outcomes else None
-        row = group.samples[-1] if group.samples else None
+        row = chosen_row(group.samples, check_row_choice(self.row))
         usable = (
             outcome is not None and trainable(outcome.status) and row is not None and not row.remove_sample
         )
@@ -94,7 +101,11 @@ class PolarAgentLoop:
         out_cls = _output_class()
         # verl's `metrics` is its AgentLoopMetrics (timings): our fields ride in extra_fields.
         metrics: dict[str, Any] = dict(polar) if out_cls is PolarLoopOutput else {}
-        extra = polar | {"polar_weight_versions": list(row.weight_versions) if row is not None else []}
+        extra = polar | {
+            "polar_weight_versions": list(row.weight_versions) if row is not None else [],
+            "polar_rows": len(group.samples),
+            "polar_rows_dropped": max(0, len(group.samples) - 1),
+        }
         if row is None:
             return out_cls(
                 prompt_ids=[],

@@ -59,6 +59,10 @@ def unknown_fields(body: Any) -> list[str]:
         unknown.remove("output_config")
     if "context_management" in unknown and _only_clears_thinking(body.get("context_management")):
         unknown.remove("context_management")
+    # Claude Code 2.1.33x names the previous reply it received (`{"previous_message_id": ...}`):
+    # client diagnostics, not prompt.
+    if "diagnostics" in unknown and _keys_within(body.get("diagnostics"), {"previous_message_id"}):
+        unknown.remove("diagnostics")
     return unknown
 
 

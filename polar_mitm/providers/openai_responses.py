@@ -1,8 +1,12 @@
 """OpenAI Responses API: native request → ChatRequest, Completion/events → native JSON or SSE.
 
-Spoken by Codex CLI, Pi and OpenCode. Requests are stateless: the whole conversation arrives as
-`input` items each time, and a harness that asks us to remember one (`previous_response_id`,
-`conversation`) is refused with a 400 that says so. Input items are grouped back into neutral
+Spoken by Codex CLI, Pi, OpenCode and OpenClaw. Most requests are stateless: the whole
+conversation arrives as `input` items each time. A stateful client sends only what is new, with
+`previous_response_id` naming our last response: the proxy hands `parse_request` the `history`
+that response continues (its request's items and its output items, as a stateless client would
+have echoed them, see `proxy/continuations.py`), so the prompt splices exactly as for a stateless
+client. An id we never gave, or gave another session, is refused in the provider's own shape
+(`previous_not_found`); a `conversation` object is refused. Input items are grouped back into neutral
 messages: the reasoning, message and function-call items of one model reply become one
 assistant message, in the order we render them, so an echoed reply hashes like the turn that
 sampled it. Reasoning we render carries its text in `encrypted_content` (a recognizable
@@ -51,8 +55,7 @@ from polar_mitm.sse import JsonEvent
 NAME = "openai-responses"
 ID_PREFIX = "call_"
 HOSTS = ["api.openai.com"]
-# Responses request fields: those read (or refused: previous_response_id, conversation,
-# background), then those that change neither the prompt nor what the policy may answer.
+# Responses request fields: those read (or refused: conversation, background), then those that change neither the prompt nor what the policy may answer.
 KNOWN_FIELDS = frozenset(
     {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature"}
     | {"top_p", "reasoning", "text", "stream", "background", "previous_response_id", "conversation"}
@@ -109,6 +112,8 @@ class ResponsesRequest(ChatRequest):
 
     tool_kinds: dict[str, str] = Field(default_factory=dict)  # tool name -> "custom" | "local_shell"
     compaction: bool = False  # the reply must be one `compaction` item (Codex compaction v2)
+    previous_response_id: str | None = None  # echoed in the response object
+    store: bool = False  # likewise (a response we give can always be continued)
 
 
 def endpoint(method: str, path: str) -> Endpoint | None:
@@ -126,6 +131,36 @@ def endpoint(method: str, path: str) -> Endpoint | None:
 
 
 # ---- request -----------------------------------------------------------------------------------
+
+
+def previous_not_found(resp_id: str, why: str) -> ProviderError:
+    """The Responses API's refusal of a `previous_response_id` it cannot continue from."""
+    e = ProviderError("not_found", f"Previous response with id {resp_id[:100]!r} not found: {why}.", 404)
+    e.param, e.code = "previous_response_id", "previous_response_not_found"  # type: ignore[attr-defined]
+    return e
+
+
+def previous_response(body: Any) -> str | None:
+    """The `previous_response_id` a request continues from, if any."""
+    prev = body.get("previous_response_id") if isinstance(body, dict) else None
+    if prev is not None and not isinstance(prev, str):
+        raise _bad("previous_response_id: must be a string (the id of an earlier response)")
+    return prev or None
+
+
+def turn_of(resp_id: str) -> str | None:
+    """The turn whose response `resp_id` is (`response_id`'s inverse), or None for an id of
+    another form (one we never gave)."""
+    rest = resp_id.removeprefix("resp_")
+    return "turn_" + rest if rest != resp_id and rest.isalnum() else None
+
+
+def input_items(body: dict[str, Any]) -> list[Any]:
+    """A request's own `input` as a list of items (a string is one user message)."""
+    raw = body.get("input")
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    return list(raw) if isinstance(raw, list) else []
 
 
 def _bad(msg: str) -> ProviderError:
@@ -343,8 +378,8 @@ class _Conversation:
             self.messages.append(Message(role="user", content=text))
         elif kind == "item_reference":
             raise _bad(
-                f"{where}: item_reference is not supported: polar-mitm keeps no server-side state; "
-                "send the full items in `input` (store: false)"
+                f"{where}: item_reference is not supported: send the full items in `input`, or only "
+                "the new ones with previous_response_id"
             )
         # Other items (web_search_call, image_generation_call, compaction markers…) carry nothing
         # a local policy can render; they are skipped rather than refused.
@@ -377,20 +412,30 @@ def _tool_choice(tc: Any) -> str | dict[str, Any] | None:
 
 
 def parse_request(
-    body: Any, *, path: str = "", require_max_tokens: bool = False, memo: ItemMemo | None = None
+    body: Any,
+    *,
+    path: str = "",
+    require_max_tokens: bool = False,
+    memo: ItemMemo | None = None,
+    history: list[Any] | None = None,
 ) -> ChatRequest:
+    """`history`: the input items that the response named by `previous_response_id` continues
+    (required with one), read before the request's own `input`; instructions are the request's
+    own, as the API does not carry them over."""
     # Everything is in the body; max_output_tokens is optional. Input items fold into the
     # messages around them (a function call joins the assistant message before it), so they do
     # not read alone (no memo).
     del path, require_max_tokens, memo
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
-    for key in ("previous_response_id", "conversation"):
-        if body.get(key):
-            raise _bad(
-                f"{key} is not supported: polar-mitm answers statelessly and keeps no responses to "
-                "continue from. Send the whole conversation in `input` (with store: false)."
-            )
+    prev = previous_response(body)
+    if prev is not None and history is None:
+        raise previous_not_found(prev, "only the polar-mitm proxy that gave a response can continue it")
+    if body.get("conversation"):
+        raise _bad(
+            "conversation is not supported: polar-mitm keeps no conversation objects. Send the whole "
+            "conversation in `input`, or continue a response with previous_response_id."
+        )
     if body.get("background"):
         raise _bad("background responses are not supported by polar-mitm; send stream or wait for the reply")
     conv = _Conversation()
@@ -402,14 +447,17 @@ def parse_request(
     raw_input = body.get("input")
     if raw_input is None:
         raise _bad("input: field required (a string or a list of input items)")
+    if not isinstance(raw_input, str | list):
+        raise _bad("input: must be a string or a list of input items")
+    for i, item in enumerate(history or []):
+        conv.add(f"(the conversation of {prev}).{i}", item)
     if isinstance(raw_input, str):
+        conv.flush()
         conv.messages.append(Message(role="user", content=raw_input))
-    elif isinstance(raw_input, list):
+    else:
         for i, item in enumerate(raw_input):
             conv.add(f"input.{i}", item)
-        conv.flush()
-    else:
-        raise _bad("input: must be a string or a list of input items")
+    conv.flush()
     tools = _tools(body.get("tools"), "tools", conv.tool_kinds) + conv.tools
     max_tokens = body.get("max_output_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
@@ -438,6 +486,8 @@ def parse_request(
         thinking=thinking,
         tool_kinds=conv.tool_kinds,
         compaction=conv.compaction,
+        previous_response_id=prev,
+        store=body.get("store") is True,
     )
 
 
@@ -582,9 +632,9 @@ def _response_object(
         "model": model,
         "output": output,
         "parallel_tool_calls": True,
-        "previous_response_id": None,
+        "previous_response_id": req.previous_response_id if isinstance(req, ResponsesRequest) else None,
         "reasoning": {"effort": None, "summary": None},
-        "store": False,
+        "store": req.store if isinstance(req, ResponsesRequest) else False,
         "temperature": s.temperature,
         "text": {"format": {"type": "text"}},
         "tool_choice": "auto",
@@ -635,6 +685,7 @@ def _sse(data: dict[str, Any]) -> bytes:
 
 def _error_body(e: ProviderError) -> dict[str, Any]:
     kind, code = ERROR_TYPES.get(e.kind, ("server_error", "server_error"))
+    code = getattr(e, "code", None) or code
     if e.kind == "invalid_request" and "too long" in e.message:
         code = "context_length_exceeded"  # harnesses compact or stop instead of retrying
     return {"message": e.message, "type": kind, "param": getattr(e, "param", None), "code": code}

@@ -95,19 +95,9 @@ def proxy_url(host: str, port: int, session: str, token: str | None) -> str:
     return f"http://{session}:{token or 'x'}@{host}:{port}"
 
 
-def make_tagger(recipe: str | None):
+def make_tagger(recipe: str | None) -> recipes.Tagger:
     """The side-call tagger: this recipe's rules, or every recipe's (None)."""
-    rs = [recipes.get(recipe)] if recipe else list(recipes.all_recipes().values())
-
-    def tag(req, path):
-        text = recipes.CallText(req)
-        for r in rs:
-            t = r.tag(req, path, text)
-            if t:
-                return t
-        return None
-
-    return tag
+    return recipes.Tagger(recipe)
 
 
 def mitmproxy_addons() -> list[object]:

@@ -21,7 +21,7 @@ import binascii
 import json
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -110,7 +110,7 @@ def scrub(text: str | None, secrets: Iterable[str]) -> str | None:
 
 # ---- one exchange → one stored turn ----------------------------------------------------------------
 
-Tagger = Callable[[ChatRequest, str], str | None]
+Tagger = Callable[[ChatRequest, str, Mapping[str, str]], str | None]  # (request, path, headers)
 _MODEL_IN_PATH = re.compile(r"/models/([^/:?]+)")
 
 
@@ -166,7 +166,9 @@ class Exchange:
         tag = None
         if tagger is not None and body is not None:
             try:
-                tag = tagger(self.style.parse_request(body, path=self.path), self.path)
+                tag = tagger(
+                    self.style.parse_request(body, path=self.path), self.path, dict(self.request_headers)
+                )
             except (ProviderError, ValueError, TypeError, KeyError):
                 tag = None
         reply: dict[str, Any] | None = None

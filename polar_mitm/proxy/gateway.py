@@ -14,6 +14,7 @@ answers anyone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import hmac
 import logging
@@ -24,12 +25,14 @@ from typing import Any
 
 from aiohttp import web
 
-from polar_mitm import providers, redact
+from polar_mitm import providers, recipes, redact
 from polar_mitm.backends import large_inputs
 from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
 from polar_mitm.policy import Policy, TurnContext
 from polar_mitm.providers import Style, fields, side_endpoints
 from polar_mitm.providers.base import ItemMemo
+from polar_mitm.proxy import repeats
+from polar_mitm.proxy.continuations import Continuations
 
 log = logging.getLogger("polar_mitm.proxy.gateway")
 
@@ -46,8 +49,6 @@ UNKNOWN_SAID_MAX = 100_000  # (session, style, field) entries remembered before 
 # Seconds `stop` lets calls under way finish before it cancels them (a cancelled turn stores what
 # it sampled); aiohttp's own 60 s would hold a stopping proxy for a minute on a hung engine.
 STOP_GRACE = 1.0
-
-Tagger = Callable[[ChatRequest, str], str | None]
 
 
 class _Call:
@@ -81,7 +82,7 @@ class Gateway:
         policy: Policy,
         *,
         default_session: str,
-        tagger: Tagger | None = None,
+        tagger: recipes.Tagger | None = None,
         default_host: str | None = None,
         secret: str | None = None,
         peers: Callable[[int], tuple[str, str] | None] | None = None,
@@ -96,6 +97,8 @@ class Gateway:
         self.secret = secret
         self.default_session = default_session
         self.tagger = tagger
+        # The conversations that stateful Responses clients continue (previous_response_id).
+        self.continuations = Continuations(policy.store) if policy is not None else None
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.turns_served = 0
@@ -108,6 +111,9 @@ class Gateway:
         # (session, style, field) of the unknown request fields already said (see _say_unknown).
         self._unknown_said: set[tuple[str, str, str]] = set()
         self._bounds: asyncio.Future[tuple[int, bool]] | None = None  # see _read_bounds
+        # Untagged calls shaped like side calls (see _side_signs), and the sessions told of one.
+        self.side_call_suspects = 0
+        self._suspects_said: set[str] = set()
 
     @property
     def max_request_bytes(self) -> int:
@@ -125,7 +131,8 @@ class Gateway:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> int:
         """Listen on loopback; with an ssl_context it can also stand in for a provider's HTTPS API."""
-        self.runner = web.AppRunner(
+        # Repeated headers are read as the providers read them (see repeats).
+        self.runner = repeats.AppRunner(
             self.app(), access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE
         )
         await self.runner.setup()
@@ -228,15 +235,18 @@ class Gateway:
         if ep == "models":
             return web.json_response(style.render_models(await self._model_names()))
         session = request.headers.get(SESSION_HEADER) or call.session or self.default_session
+        continued = await self.continuations.parse_kwargs(style, session, body) if self.continuations else {}
         if ep == "count_tokens":  # counting needs no max_tokens, even where generating does
-            req = style.parse_request(body, path=request.path_qs, require_max_tokens=False)
+            req = style.parse_request(body, path=request.path_qs, require_max_tokens=False, **continued)
             return web.json_response(style.render_count(await self.policy.count_tokens(req)))
         if large:  # in a thread, so without the session's memo (the loop's requests share it)
-            req = await asyncio.to_thread(style.parse_request, body, path=request.path_qs)
+            req = await asyncio.to_thread(
+                functools.partial(style.parse_request, body, path=request.path_qs, **continued)
+            )
         else:
             memo = self._memo(session, style, len(raw)) if by_orjson else None
             try:
-                req = style.parse_request(body, path=request.path_qs, memo=memo)
+                req = style.parse_request(body, path=request.path_qs, memo=memo, **continued)
                 if memo is not None:
                     memo.settle()
             finally:
@@ -249,7 +259,7 @@ class Gateway:
             path=redact.url(request.path_qs),
             headers=redact.headers(request.headers.items()),  # x-polar-* never stored
             raw_request=raw.decode("utf-8", "replace"),
-            tag=self.tagger(req, request.path) if self.tagger else None,
+            tag=self._tag(session, req, request),
             id_prefix=style.ID_PREFIX,
         )
         if req.stream:
@@ -337,6 +347,27 @@ class Gateway:
                 f"{longest}); shorten the conversation",
                 400,
             )
+
+    def _tag(self, session: str, req: ChatRequest, request: web.Request) -> str | None:
+        """The request's side-call tag; an untagged one shaped like a side call is counted, and
+        logged once per session: stored as a main turn, it would train the policy on a title."""
+        if self.tagger is None:
+            return None
+        tag = self.tagger(req, request.path, request.headers)
+        if tag is None:
+            signs = self.tagger.signs(req, session)
+            if recipes.looks_like_side_call(signs):
+                self.side_call_suspects += 1
+                if session not in self._suspects_said and len(self._suspects_said) < UNKNOWN_SAID_MAX:
+                    self._suspects_said.add(session)
+                    log.warning(
+                        "session %s: an untagged call looks like a side call (%s) and is stored as "
+                        "a main turn; a side_calls rule in the harness's recipe would tag it; said "
+                        "once per session",
+                        session,
+                        ", ".join(signs),
+                    )
+        return tag
 
     def _authorized(self, request: web.Request) -> bool:
         if self.secret is None:

@@ -1,11 +1,18 @@
 """Recipes: one TOML file per harness in polar_mitm/recipes/ — the binaries it matches, its
-environment, the hosts it calls, and its known side calls (tagged in the store)."""
+environment, the hosts it calls, and its known side calls (tagged in the store).
+
+A side call (a title, a topic check, a commit message) is known by its text and by its shape: no
+tools where the harness's main loop offers them, a small max_tokens, a structured-output schema.
+Which recipe's rules apply is chosen by the command run, and, for a program the command does not
+name (a Python script driving Claude Code through its SDK), by what the request shows of its
+sender (`Recognize`). An untagged call shaped like a side call is flagged (`side_call_signs`)."""
 
 from __future__ import annotations
 
 import os
 import tomllib
 from collections import OrderedDict
+from collections.abc import Mapping
 from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
@@ -59,15 +66,24 @@ class CallText:
 
 
 class SideCall(BaseModel):
+    """One rule: every condition given must hold (at least one must be given)."""
+
     tag: str
     system_contains: str | None = None
     user_contains: str | None = None
     path_contains: str | None = None
-    has_schema: bool | None = None
+    has_schema: bool | None = None  # a structured-output schema (output_format, json_schema)
+    has_tools: bool | None = None  # whether the request offers the model any tool
+    max_tokens_at_most: int | None = None
 
     def matches(self, req: ChatRequest, path: str, text: CallText | None = None) -> bool:
         text = text or CallText(req)
         checks = []
+        if self.has_tools is not None:
+            checks.append(bool(req.tools) == self.has_tools)
+        if self.max_tokens_at_most is not None:
+            limit = req.sampling.max_tokens
+            checks.append(limit is not None and limit <= self.max_tokens_at_most)
         if self.system_contains is not None:
             checks.append(text.system_contains(self.system_contains))
         if self.user_contains is not None:
@@ -78,6 +94,24 @@ class SideCall(BaseModel):
         if self.has_schema is not None:
             checks.append((req.sampling.json_schema is not None) == self.has_schema)
         return bool(checks) and all(checks)
+
+
+class Recognize(BaseModel):
+    """What shows that a request comes from this harness whatever program started it (one
+    marker is enough): a program driving the harness through its SDK is not named in the
+    command, but its requests carry the harness's own user agent and headers."""
+
+    user_agent_contains: list[str] = Field(default_factory=list)
+    headers: dict[str, str] = Field(default_factory=dict)  # lowercased name -> exact value
+    system_contains: list[str] = Field(default_factory=list)
+
+    def matches(self, headers: Mapping[str, str], text: CallText) -> bool:
+        agent = headers.get("user-agent", "")
+        return (
+            any(m in agent for m in self.user_agent_contains)
+            or any(headers.get(k) == v for k, v in self.headers.items())
+            or any(text.system_contains(m) for m in self.system_contains)
+        )
 
 
 class CAEnv(BaseModel):
@@ -106,6 +140,7 @@ class Recipe(BaseModel):
     # their values are left out of the stored command (see redact.argv).
     secret_flags: list[str] = Field(default_factory=list)
     side_calls: list[SideCall] = Field(default_factory=list)
+    recognize: Recognize = Field(default_factory=Recognize)
     # The headless command a rollout runs, one argument per item; "{instruction}" inside an item is
     # replaced by the task's instruction (as one argument, never through a shell).
     headless: list[str] = Field(default_factory=list)
@@ -157,6 +192,76 @@ class Recipe(BaseModel):
             if sc.matches(req, path, text):
                 return sc.tag
         return None
+
+
+class MainShape(BaseModel):
+    """How a session's main calls look (its first untagged call that offers tools)."""
+
+    model: str
+    max_tokens: int | None
+
+
+# A max_tokens this small leaves no room for an agent's turn (a title, a yes/no answer).
+SMALL_MAX_TOKENS = 1024
+
+
+def side_call_signs(req: ChatRequest, main: MainShape | None) -> list[str]:
+    """What makes a request look like a side call rather than a turn of the main loop, compared
+    with the session's main calls (`main`, None while none was seen). Pure."""
+    signs = []
+    if req.sampling.json_schema is not None:
+        signs.append("a structured-output schema")
+    limit = req.sampling.max_tokens
+    if limit is not None and limit <= SMALL_MAX_TOKENS and (main is None or (main.max_tokens or 0) > limit):
+        signs.append(f"max_tokens {limit}")
+    if main is not None and not req.tools:
+        signs.append("no tools (the session's main calls offer them)")
+    if main is not None and req.model and req.model != main.model:
+        signs.append(f"model {req.model!r} (the session's main calls ask for {main.model!r})")
+    return signs
+
+
+class Tagger:
+    """Tags a request's side calls by the recipes' rules: the recipe named (every recipe's with
+    None); under the generic recipe, also those of a recipe the request itself shows it comes
+    from (`Recognize`). `signs` says what makes an untagged call look like a side call anyway."""
+
+    SESSIONS = 10_000  # sessions whose main shape is remembered
+
+    def __init__(self, recipe: str | None):
+        self.rules = [get(recipe)] if recipe else list(all_recipes().values())
+        self.by_request = recipe == "generic"
+        self._main: OrderedDict[str, MainShape] = OrderedDict()
+
+    def __call__(self, req: ChatRequest, path: str, headers: Mapping[str, str] | None = None) -> str | None:
+        text = CallText(req)
+        rules = self.rules
+        if self.by_request and headers is not None:
+            lower: dict[str, str] = {}
+            for k, v in headers.items():  # a repeated header: every value (a User-Agent sent twice)
+                lower[k.lower()] = f"{lower[k.lower()]}, {v}" if k.lower() in lower else v
+            rules = [r for r in all_recipes().values() if r.recognize.matches(lower, text)] + rules
+        for r in rules:
+            if t := r.tag(req, path, text):
+                return t
+        return None
+
+    def signs(self, req: ChatRequest, session: str) -> list[str]:
+        """Of an untagged call of `session`: what makes it look like a side call (empty: it looks
+        like a main call). The session's first untagged call offering tools sets its main shape."""
+        main = self._main.get(session)
+        if main is None and req.tools:
+            self._main[session] = MainShape(model=req.model, max_tokens=req.sampling.max_tokens)
+            if len(self._main) > self.SESSIONS:
+                self._main.popitem(last=False)
+            return []
+        return side_call_signs(req, main)
+
+
+def looks_like_side_call(signs: list[str]) -> bool:
+    """Two signs at least: one alone (a main call without tools, a schema) is common enough in a
+    main loop."""
+    return len(signs) >= 2
 
 
 @cache

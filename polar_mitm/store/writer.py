@@ -363,5 +363,19 @@ class Store:
             self.cache.put(tid, seq, prompt_len)
         return seq, prompt_len
 
+    async def exchange(self, turn_id: str) -> tuple[str, str, str, str | None, str | None] | None:
+        """(session, style, status, raw request, response) of one turn, or None when the store has
+        no such turn (the response of a Responses-style turn is continued from these)."""
+
+        def read() -> tuple[str, str, str, str | None, str | None] | None:
+            row = self._conn.execute(
+                "SELECT session_id, style, status, response FROM turns WHERE id = ?", (turn_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            return row[0], row[1], row[2], requests.RequestReader(self._conn).request(turn_id), row[3]
+
+        return await self._run(read)
+
     async def set_reward(self, session_id: str, value: float | None) -> None:
         await self.write(("UPDATE sessions SET reward = ? WHERE id = ?", (value, session_id)))

@@ -378,7 +378,7 @@ def test_record_of_an_error_reply_a_failed_exchange_and_a_tagged_side_call():
 
     seen = []
 
-    def tagger(req, path):
+    def tagger(req, path, headers):
         seen.append((req.messages[0].content, path))
         return "title"
 
@@ -482,7 +482,7 @@ def harvested(messages, content, stop, *, session="s1", system=None) -> Turn:
         body["system"] = system
     ex = exchange(body, session=session)
     ex.tee(reply_sse(content, stop))
-    tagger = lambda req, path: "title" if "concise title" in req.messages[0].content else None  # noqa: E731
+    tagger = lambda req, path, headers: "title" if "concise title" in req.messages[0].content else None  # noqa: E731
     return ex.record(
         status_code=200, content_type="text/event-stream", reply_body=bytes(ex.reply), tagger=tagger
     )

@@ -233,7 +233,9 @@ def test_foreign_reasoning_falls_back_to_its_summary_and_bad_tokens_are_not_deco
         ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input.0.name"),
         ({"input": "x", "max_output_tokens": "many"}, "max_output_tokens"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools.0.name"),
-        ({"input": "x", "previous_response_id": "resp_1"}, "stateless"),
+        # Parsed alone (not through the proxy, which holds the responses it gave): not found.
+        ({"input": "x", "previous_response_id": "resp_1"}, "only the polar-mitm proxy that gave"),
+        ({"input": "x", "conversation": {"id": "conv_1"}}, "conversation is not supported"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
     ],
 )
@@ -241,7 +243,7 @@ def test_malformed_or_stateful_requests_are_openai_shaped_400s(body, fragment):
     with pytest.raises(ProviderError) as e:
         responses.parse_request(body)
     status, err = responses.render_error(e.value)
-    assert status == 400 and err["error"]["type"] == "invalid_request_error"
+    assert status in (400, 404) and err["error"]["type"] == "invalid_request_error"
     assert set(err["error"]) == {"message", "type", "param", "code"}
     assert fragment in err["error"]["message"]
 
@@ -552,7 +554,7 @@ async def test_websocket_attempt_gets_426_and_errors_are_openai_shaped(make_stac
         )
         assert ws.status_code == 426
         bad = await c.post(URL, json={"model": "m", "input": "x", "previous_response_id": "resp_1"})
-        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        assert bad.status_code == 404 and bad.json()["error"]["code"] == "previous_response_not_found"
     assert sqlite3.connect(stack.db).execute("SELECT COUNT(*) FROM turns").fetchone() == (0,)
 
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -77,6 +78,103 @@ def test_build_fields_keeps_tool_results_untrained_and_failed_samples_out():
     assert f["polar_reward"] == [1.0, None, None]  # None: TRL leaves it out of the group's baseline
     assert f["polar_status"] == ["completed", "failed", "cancelled"]
     assert f["polar_weight_versions"] == [["3"], ["3"], []] and f["polar_rows"] == [1, 1, 0]
+
+
+def _subagent_group() -> Group:
+    """Sample 0: a main row, then a subagent's (a row of its own, as prefix-merge breaks it off);
+    sample 1: one main row, reward 0; sample 2: no row (the harness never called the model)."""
+    main = _row(0, [1, 2, 3], [4, 5], [1, 1])
+    sub = _row(0, [7, 8], [9, 9, 9], [1, 0, 1]) | {"trajectory_id": "t0-sub", "role": "subagent"}
+    other = _row(1, [1, 2, 3], [6], [1]) | {"reward": 0.0}
+    return Group(
+        task_id="g",
+        state="finished",
+        samples=[Sample.from_row(main), Sample.from_row(sub), Sample.from_row(other)],
+        outcomes=[SampleView(index=0, state="finished", status="completed", reward=1.0),
+                  SampleView(index=1, state="finished", status="completed", reward=0.0),
+                  SampleView(index=2, state="finished", status="cancelled")],
+    )  # fmt: skip
+
+
+def test_trl_gets_the_main_row_of_a_sample_with_a_subagent_and_counts_the_other():
+    """TRL takes one completion per prompt: the main agent's row, not whatever came last."""
+    from polar_mitm.bridges.trl import rows_dropped
+
+    f = build_fields([_subagent_group()], 3)
+    assert f["completion_ids"][0] == [4, 5] and f["polar_rows"] == [2, 1, 0]
+    assert rows_dropped(f) == 1
+    last = build_fields([_subagent_group()], 3, row="last")
+    assert last["completion_ids"][0] == [9, 9, 9] and last["env_mask"][0] == [1, 0, 1]
+    assert build_fields([_subagent_group()], 3, row="subagent")["completion_ids"][1] == [6]  # none: its last
+    with pytest.raises(ValueError, match="choose one of main, subagent, compaction, last"):
+        build_fields([_subagent_group()], 3, row="first")
+
+
+def test_slime_gets_every_trained_row_of_a_sample_with_its_reward():
+    from polar_mitm.bridges.slime import fill_group, hand_over
+
+    class Target:
+        metadata: dict
+
+        def __init__(self):
+            self.metadata = {}
+
+    group = _subagent_group()
+    targets = [Target() for _ in range(3)]
+    filled = fill_group(targets, group, 0)
+    assert [len(one) for one in filled] == [2, 1, 1] and filled[0][0] is targets[0]
+    (main, sub), (other,), (empty,) = filled
+    assert (main.tokens, sub.tokens) == ([1, 2, 3, 4, 5], [7, 8, 9, 9, 9]) and sub.loss_mask == [1, 0, 1]
+    assert main.reward == sub.reward == 1.0 and other.reward == 0.0 and (main.index, sub.index) == (0, 0)
+    assert empty.remove_sample and empty.tokens == []
+    samples, metrics = hand_over([targets], [filled], rows=3)
+    assert samples == [filled]  # a list per sample: slime flattens it
+    assert main.rollout_id == sub.rollout_id != other.rollout_id != empty.rollout_id
+    assert metrics["polar/rows"] == 4 and metrics["polar/rows_dropped"] == 0
+    # One row per sample, when chosen: the main row, the subagent's counted as dropped.
+    one = fill_group([Target() for _ in range(3)], group, 0, rows="main")
+    assert [t.tokens for [t] in one][:2] == [[1, 2, 3, 4, 5], [1, 2, 3, 6]]
+    samples, metrics = hand_over([[t for [t] in one]], [one], rows=3)
+    assert samples == [[t for [t] in one]] and metrics["polar/rows_dropped"] == 1
+
+
+def test_slime_rewards_are_normalized_per_sample_not_per_row():
+    """A sample of two rows counts once in its group's baseline: rewards 1 (two rows) and 0
+    have mean 0.5, where slime's own row-wise mean would say 2/3."""
+    from polar_mitm.bridges.slime import POST_PROCESS, _rows_setting, post_process_rewards
+
+    rows = [SimpleNamespace(group_index=0, index=i, reward=r) for i, r in [(0, 1.0), (0, 1.0), (1, 0.0)]]
+    rows.append(SimpleNamespace(group_index=1, index=0, reward=1.0))
+    args = SimpleNamespace(
+        advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=False
+    )
+    raw, rewards = post_process_rewards(args, rows)
+    assert raw == [1.0, 1.0, 0.0, 1.0] and rewards == [0.5, 0.5, -0.5, 0.0]
+    args.grpo_std_normalization = True
+    _, scaled = post_process_rewards(args, rows)
+    assert scaled[:3] == pytest.approx([0.5 / 0.70710778, 0.5 / 0.70710778, -0.5 / 0.70710778])
+    assert post_process_rewards(SimpleNamespace(advantage_estimator="ppo"), rows)[1] == raw
+    # Every row to slime with its row-wise normalization: refused, with the way out.
+    with pytest.raises(ValueError, match="custom-reward-post-process-path polar_mitm.bridges.slime"):
+        _rows_setting(SimpleNamespace(advantage_estimator="grpo", rewards_normalization=True))
+    ok = SimpleNamespace(advantage_estimator="grpo", rewards_normalization=True,
+                         custom_reward_post_process_path=POST_PROCESS)  # fmt: skip
+    assert _rows_setting(ok) == "all"
+    assert (
+        _rows_setting(
+            SimpleNamespace(advantage_estimator="grpo", rewards_normalization=True, polar_rows="main")
+        )
+        == "main"
+    )
+
+
+def test_verl_gets_the_chosen_row():
+    from polar_mitm.bridges import chosen_row, trained_rows
+
+    rows = _subagent_group().samples[:2]
+    assert chosen_row(rows).role == "main" and chosen_row(rows, "last").role == "subagent"
+    assert chosen_row([], "main") is None
+    assert trained_rows(rows) == rows
 
 
 # --- the HF engine --------------------------------------------------------------------------------
@@ -224,6 +322,8 @@ async def test_verl_bridge_returns_verls_own_agent_loop_output_from_a_real_group
         "polar_status": "completed",
         "polar_removed": False,
         "polar_weight_versions": ["0"],
+        "polar_rows": 1,
+        "polar_rows_dropped": 0,
     }
     batch = out.as_dict()  # what verl's worker makes of it
     assert batch["responses"].tolist() == out.response_ids and batch["rollout_log_probs"].shape[0] == len(

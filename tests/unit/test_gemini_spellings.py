@@ -248,8 +248,11 @@ def test_unknown_top_level_fields_in_every_style():
     claude_code = {
         "output_config": {"effort": "high"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "diagnostics": {"previous_message_id": "msg_18ed56a45e8067da273d1820"},  # 2.1.33x
     }
     assert anthropic.unknown_fields({"model": "m", **claude_code}) == []
+    assert anthropic.unknown_fields({"model": "m", "diagnostics": {"previous_message_id": None}}) == []
+    assert anthropic.unknown_fields({"model": "m", "diagnostics": {"prompt_hint": "x"}}) == ["diagnostics"]
     changes_prompt = {
         "output_config": {"effort": "high", "task_budget": 5},
         "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
