@@ -14,8 +14,8 @@ answers anyone.
 from __future__ import annotations
 
 import asyncio
-import functools
 import contextlib
+import functools
 import hmac
 import logging
 import secrets
