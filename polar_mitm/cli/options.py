@@ -29,7 +29,7 @@ from polar_mitm.backends.parsers import (
     check_reasoning_parser,
     check_tool_parser,
 )
-from polar_mitm.policy import PolicyConfig
+from polar_mitm.policy.config import PolicyConfig
 
 DB_HELP = "SQLite database of sessions and turns [env POLAR_MITM_DB; default polar-mitm.sqlite]"
 
