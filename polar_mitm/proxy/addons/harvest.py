@@ -38,8 +38,10 @@ class Harvest:
         upstream_insecure: bool = False,
         tagger: Tagger | None = None,
         default_session: str = "default",
+        routes: providers.Routes = providers.BUILTIN,
     ):
         self.store = store
+        self.routes = routes
         self.upstreams = {h.lower(): u for h, u in (upstreams or {}).items()}
         self.upstream_insecure = upstream_insecure
         self.tagger = tagger
@@ -64,13 +66,13 @@ class Harvest:
             return
         host = flow.request.pretty_host.lower()
         if flow.request.headers.get("upgrade", "").lower() == "websocket":
-            ws = providers.route(host, "POST", flow.request.path)
+            ws = self.routes.route(host, "POST", flow.request.path)
             if ws is not None and ws[1] == "generate":
                 # A model call over a WebSocket could not be recorded; a 426 makes clients that
                 # try one first (Codex) fall back to HTTP at once.
                 flow.response = http.Response.make(426, b"Upgrade Required", {"content-type": "text/plain"})
                 return
-        found = providers.route(host, flow.request.method, flow.request.path)
+        found = self.routes.route(host, flow.request.method, flow.request.path)
         if found is not None and found[1] == "generate":
             flow.metadata[KEY] = Exchange(
                 session_id=flow.metadata.get("polar_session") or self.default_session,
