@@ -85,3 +85,12 @@ def test_the_listing_is_the_same_before_and_after_the_commands_are_imported():
     after = CliRunner().invoke(fresh, ["--help"]).output
     assert "Commands:" in before and "export" in before
     assert before == after
+
+
+def test_every_command_a_module_declares_is_one_of_main():
+    """The command modules' COMMANDS lists and LAZY name the same commands."""
+    from polar_mitm.cli import data, service, view
+
+    declared = {c.name: c for m in (data, service, view) for c in m.COMMANDS}
+    lazy = {name: lazy.load() for name, lazy in LAZY.items()}
+    assert all(lazy.get(name) is cmd for name, cmd in declared.items()), set(declared) - set(lazy)
