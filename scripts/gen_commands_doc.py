@@ -19,6 +19,7 @@ import click
 from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's polar_mitm, however the script is started
 DOC = ROOT / "docs" / "commands.md"
 MARKER = "<!-- Below: made by scripts/gen_commands_doc.py from each command's --help; do not edit. -->"
 WIDTH = 100

@@ -105,6 +105,7 @@ def build_fields(groups: Sequence[Group], samples: int, pad_id: int = 0) -> dict
     out: dict[str, list[Any]] = {k: [] for k in keys}
     for extra in ("polar_reward", "polar_status", "polar_weight_versions", "polar_task_id", "polar_rows"):
         out[extra] = []
+    row: Sample | None
     for group in groups:
         last: dict[int, Sample] = {}
         count: dict[int, int] = {}
@@ -310,7 +311,8 @@ def polar_grpo_trainer_class() -> type:
             reward_funcs: Any = None,
             **kwargs: Any,
         ) -> None:
-            super().__init__(*args, reward_funcs=reward_funcs or polar_reward, rollout_func=rollout, **kwargs)
+            # *args are GRPOTrainer's model and args, never these two.
+            super().__init__(*args, reward_funcs=reward_funcs or polar_reward, rollout_func=rollout, **kwargs)  # type: ignore[misc]
             self.polar_rollout = rollout
             if getattr(self.args, "bf16", False) or getattr(self.args, "fp16", False):
                 # TRL's GRPOConfig defaults to bf16 autocast, also on CPU: the trainer's logprobs are
@@ -328,7 +330,7 @@ def polar_grpo_trainer_class() -> type:
                 # TRL 1.16 applies the correction where `use_vllm` is set; nothing else on the
                 # rollout_func path reads it but the pre-rollout sync, which `_NoVLLMSync` skips.
                 self.use_vllm = True
-                self.vllm_generation = _NoVLLMSync()
+                self.vllm_generation = _NoVLLMSync()  # type: ignore[assignment]  # a stand-in, see _NoVLLMSync
                 self._last_loaded_step = -1
 
     return PolarGRPOTrainer

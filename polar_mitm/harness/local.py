@@ -34,8 +34,10 @@ _CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|AUTH|PASSWORD", re.IGNORECASE)
 
 
 def _same_dir(a: str | None, b: str) -> bool:
+    if not a:
+        return False
     try:
-        return bool(a) and os.path.samefile(a, b)
+        return os.path.samefile(a, b)
     except OSError:
         return False
 

@@ -6,7 +6,7 @@ splice, their caches), generation (render and chat mode) and the turn record."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from polar_mitm.backends.engines import EnginePool
 from polar_mitm.backends.sglang import ModelInfo, SGLangClient
@@ -95,7 +95,7 @@ class Policy:
     async def count_tokens(self, req: ChatRequest) -> int:
         return await self.prompts.count_tokens(req)
 
-    def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+    def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncGenerator[Event, None]:
         if self.config.backend_mode == "chat":
             return self.generation.stream_chat(req, ctx)
         return self.generation.stream(req, ctx)

@@ -261,6 +261,7 @@ class PolarProxy:
         return self.routes.names() | set(upstreams), [self.harvest]
 
     async def _wait_listening(self, timeout: float = 15.0) -> int:
+        assert self.master is not None and self._task is not None  # start() made them
         ps = self.master.addons.get("proxyserver")
         deadline = asyncio.get_running_loop().time() + timeout
         while asyncio.get_running_loop().time() < deadline:

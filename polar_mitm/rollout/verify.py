@@ -147,7 +147,7 @@ def without(data: bytes, keep: FromImage) -> tuple[bytes, list[str]]:
     """The tar `data` (members under the workdir's name) less what comes from the image; and the
     workdir-relative paths left out. A link or file standing where a kept path's directory
     belongs is left out too, so the image's files are put back where they were."""
-    out, dropped = io.BytesIO(), {}
+    out, dropped = io.BytesIO(), dict[str, None]()
     with tarfile.open(fileobj=io.BytesIO(data)) as src, tarfile.open(fileobj=out, mode="w") as dst:
         for m in src:
             rel = m.name.strip("/").partition("/")[2]

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import cast
 
-from mitmproxy import http, tls
+from mitmproxy import connection, http, tls
 from mitmproxy.net import encoding
 from OpenSSL import SSL
 
@@ -107,7 +108,7 @@ class Harvest:
         enc = resp.headers.get("content-encoding", "").strip().lower()
         if enc and enc != "identity":
             try:
-                body = encoding.decode(body, enc)
+                body = cast(bytes, encoding.decode(body, enc))  # bytes in, bytes out
             except ValueError as e:
                 log.warning("cannot decode a %s reply from %s: %s", enc, ex.host, e)
         rec = ex.record(
@@ -137,7 +138,13 @@ class Harvest:
     def tls_start_server(self, data: tls.TlsData) -> None:
         # Runs after mitmproxy's TlsConfig built the connection: relax verification for the
         # --upstream targets alone, so every other upstream is still checked.
-        if self.upstream_insecure and data.ssl_conn is not None and data.conn.address in self._insecure_addrs:
+        server = data.conn
+        if (
+            self.upstream_insecure
+            and data.ssl_conn is not None
+            and isinstance(server, connection.Server)
+            and server.address in self._insecure_addrs
+        ):
             data.ssl_conn.set_verify(SSL.VERIFY_NONE)
 
     async def _store(self, rec: Turn) -> None:
