@@ -12,7 +12,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "polar_mitm"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    ROOT / "CHANGELOG.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
 # The folders a path in backticks may start from: the repository's, and the package's own (as in
 # `proxy/addons/egress.py`). Paths under other folders are other projects' (`srt/managers/…`).
 TOP = ("polar_mitm", "tests", "docs", "scripts", "examples", "bench", ".ci", "certs") + tuple(
