@@ -3,7 +3,7 @@
 `/openapi.json` is built from these (`service/openapi.py`), and the client, the nodes and the
 server all import them, so the three cannot disagree. Every field a client sends is bounded here
 (numbers, lengths, ids), so a hostile body is a 422 naming its field, never a 500 or a value that
-breaks a loop later; the body's size and depth are bounded before parsing (`server.py`).
+breaks a loop later; the body's size and depth are bounded before parsing (`service/http.py`).
 """
 
 from __future__ import annotations

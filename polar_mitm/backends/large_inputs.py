@@ -36,7 +36,7 @@ import sys
 import threading
 from array import array
 from collections.abc import Iterable
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import orjson
 
@@ -214,13 +214,13 @@ def release_memory_soon(delay: float = 1.0) -> None:
 _HEADER = struct.Struct("<Q")  # the byte length of each message between a worker and the proxy
 
 
-def _send(stream: BinaryIO, data: bytes) -> None:
+def _send(stream: IO[bytes], data: bytes) -> None:
     stream.write(_HEADER.pack(len(data)))
     stream.write(data)
     stream.flush()
 
 
-def _receive(stream: BinaryIO) -> bytes:
+def _receive(stream: IO[bytes]) -> bytes:
     head = stream.read(_HEADER.size)
     if len(head) < _HEADER.size:
         raise EOFError("the worker's pipe closed")

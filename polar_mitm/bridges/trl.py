@@ -328,7 +328,8 @@ def polar_grpo_trainer_class() -> type:
             reward_funcs: Any = None,
             **kwargs: Any,
         ) -> None:
-            super().__init__(*args, reward_funcs=reward_funcs or polar_reward, rollout_func=rollout, **kwargs)
+            # *args are GRPOTrainer's model and args, never these two.
+            super().__init__(*args, reward_funcs=reward_funcs or polar_reward, rollout_func=rollout, **kwargs)  # type: ignore[misc]
             self.polar_rollout = rollout
             if getattr(self.args, "bf16", False) or getattr(self.args, "fp16", False):
                 # TRL's GRPOConfig defaults to bf16 autocast, also on CPU: the trainer's logprobs are
@@ -346,7 +347,7 @@ def polar_grpo_trainer_class() -> type:
                 # TRL 1.16 applies the correction where `use_vllm` is set; nothing else on the
                 # rollout_func path reads it but the pre-rollout sync, which `_NoVLLMSync` skips.
                 self.use_vllm = True
-                self.vllm_generation = _NoVLLMSync()
+                self.vllm_generation = _NoVLLMSync()  # type: ignore[assignment]  # a stand-in, see _NoVLLMSync
                 self._last_loaded_step = -1
 
     return PolarGRPOTrainer

@@ -3,7 +3,8 @@ tokenizer); each other module holds one domain's commands (data.py: export, show
 check-logprobs; rollout.py; service.py: serve, submit, node; view.py; fake.py: fake-backend), and
 options.py the options they share, made from their config models once.
 
-`main` is loaded when asked for, so `polar_mitm.cli.options` can be imported alone.
+`main` is loaded when asked for, so `polar_mitm.cli.options` can be imported alone; its commands
+from the other modules are imported only when run or asked for their help (`app.LAZY`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,111 @@
-"""Command line: a thin layer of click commands over the packages."""
+"""Command line: a thin layer of click commands over the packages.
+
+`main` holds run, proxy, certs, recipes and tokenizer itself; the other commands live in their
+domain's module (see `polar_mitm/cli/__init__.py`) and are imported only when run or asked for
+their help (`LAZY`), so `polar-mitm --help` and these commands load no engine client, store
+writer or parquet library.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import sys
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 
 from polar_mitm.cli.options import listen_option, make_policy_config, policy_options
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Lazy(NamedTuple):
+    """A command imported when it is needed: where it is (`module:attribute`), and its summary
+    (the first paragraph of its docstring, which `polar-mitm --help` lists without importing it;
+    tests/unit/test_cli_light.py holds the two equal)."""
+
+    target: str
+    summary: str
+
+    def load(self) -> click.Command:
+        module, _, attr = self.target.partition(":")
+        command = getattr(importlib.import_module(module), attr)
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{self.target} is not a click command")
+        return command
+
+
+LAZY: dict[str, Lazy] = {
+    "fake-backend": Lazy(
+        "polar_mitm.cli.fake:fake_backend",
+        "An SGLang-compatible policy server for demos and CI (no GPU, no model).",
+    ),
+    "rollout": Lazy(
+        "polar_mitm.cli.rollout:rollout",
+        "Run each task SAMPLES times in a fresh sandbox with an unmodified harness, score every "
+        "sample with the task's own tests, and write the groups for GRPO.",
+    ),
+    "serve": Lazy("polar_mitm.cli.service:serve", "The rollout server and its gateway nodes."),
+    "node": Lazy("polar_mitm.cli.service:node", "A gateway node for a rollout server, on this machine."),
+    "submit": Lazy("polar_mitm.cli.service:submit", "Submit tasks to a rollout server."),
+    "export": Lazy(
+        "polar_mitm.cli.data:export", "Export recorded turns as training rows (parquet or JSON lines)."
+    ),
+    "stats": Lazy("polar_mitm.cli.data:stats", "Summarize a store as prefix-merge sees it."),
+    "show": Lazy(
+        "polar_mitm.cli.data:show", "Show a trajectory's sequence with the trained tokens highlighted."
+    ),
+    "reward": Lazy(
+        "polar_mitm.cli.data:reward",
+        "Attach an outcome reward to a session; every trajectory of it carries it on export.",
+    ),
+    "check-logprobs": Lazy(
+        "polar_mitm.cli.data:check_logprobs",
+        "Train/inference agreement: the trainer's logprob of every trained token (one forward pass "
+        "over prompt_ids + response_ids) against the engine's response_logprobs.",
+    ),
+    "view": Lazy(
+        "polar_mitm.cli.view:view",
+        "A local web page over the store: sessions, trajectories as the trainer reads them (tokens "
+        "coloured by loss mask, shaded by logprob), turns, rollout groups, plots, and with --server "
+        "the live rollout service.",
+    ),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose `LAZY` commands are imported on first use, and listed by their summaries."""
+
+    def __init__(self, *args, lazy: dict[str, Lazy], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in self.lazy:
+            self.add_command(self.lazy[cmd_name].load(), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's listing, with a command not yet imported standing in by its summary."""
+        listed = [
+            (name, self.commands.get(name) or click.Command(name, help=self.lazy[name].summary))
+            for name in self.list_commands(ctx)
+        ]
+        listed = [(name, cmd) for name, cmd in listed if not cmd.hidden]
+        if not listed:
+            return
+        limit = formatter.width - 6 - max(len(name) for name, _ in listed)
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, cmd.get_short_help_str(limit)) for name, cmd in listed])
+
+
+@click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="polar-mitm")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 def main(verbose: int) -> None:
@@ -391,23 +482,6 @@ def tokenizer_build(kind, out) -> None:
     else:
         path = tb.build_qwen(out) if kind == "qwen" else tb.build_tiny(out)
     click.echo(str(path))
-
-
-from polar_mitm.cli.fake import fake_backend  # noqa: E402
-
-main.add_command(fake_backend)
-
-from polar_mitm.cli.data import COMMANDS  # noqa: E402
-from polar_mitm.cli.rollout import rollout  # noqa: E402
-from polar_mitm.cli.service import COMMANDS as SERVICE_COMMANDS  # noqa: E402
-from polar_mitm.cli.view import COMMANDS as VIEW_COMMANDS  # noqa: E402
-
-main.add_command(rollout)
-for _c in SERVICE_COMMANDS:
-    main.add_command(_c)
-
-for _c in [*COMMANDS, *VIEW_COMMANDS]:
-    main.add_command(_c)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The offline commands: export, stats, show, reward, check-logprobs. `cli.py` adds each of `COMMANDS`.
+"""The offline commands: export, stats, show, reward, check-logprobs. `app.py` lists each
+of `COMMANDS` in its `LAZY`.
 
 Thin click wrappers; the work happens in `export`, `show` and `source`.
 """

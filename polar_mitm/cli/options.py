@@ -29,7 +29,7 @@ from polar_mitm.backends.parsers import (
     check_reasoning_parser,
     check_tool_parser,
 )
-from polar_mitm.policy import PolicyConfig
+from polar_mitm.policy.config import PolicyConfig
 
 DB_HELP = "SQLite database of sessions and turns [env POLAR_MITM_DB; default polar-mitm.sqlite]"
 
@@ -166,7 +166,7 @@ def _click_type(field: str, annotation: Any, metadata: Iterable[Any] = ()) -> cl
     if origin in (typing.Union, types.UnionType) and len(args) == 1:
         return _click_type(field, args[0], metadata)
     if annotation is int:
-        low = [m.ge for m in metadata if isinstance(m, annotated_types.Ge)]
+        low = [m.ge for m in metadata if isinstance(m, annotated_types.Ge) and isinstance(m.ge, int)]
         if low:
             return click.IntRange(min=low[0])
     if annotation in (str, int, float, bool):

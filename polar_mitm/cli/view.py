@@ -1,4 +1,4 @@
-"""`polar-mitm view`: serve the viewer. `cli.py` adds each of `COMMANDS`."""
+"""`polar-mitm view`: serve the viewer, listed in `app.py`'s `LAZY`."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,7 +333,7 @@ class _ChatCompletions(_Handlers):
 
     async def _chat_stream(
         self, body: dict[str, Any], item: _Item, fault: FaultMode | None, model: str, tools_active: bool
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         created = int(time.time())
         head = {"id": item.rid, "object": "chat.completion.chunk", "created": created, "model": model}
         opts = body.get("stream_options")

@@ -275,6 +275,7 @@ def tiny_causal_lm(
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
+        assert isinstance(emb, torch.Tensor)
         emb.normal_(0.0, 0.02)
         emb[:, 0] = 1.0
         head = model.get_output_embeddings().weight

@@ -156,7 +156,8 @@ def minimal_json_instance(schema: Any, root: Any = None, _depth: int = 0) -> Any
         count = _int(schema.get("minItems")) or 0
         if (most := _int(schema.get("maxItems"))) is not None:
             count = min(count, most)
-        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        prefix_items = schema.get("prefixItems")
+        prefix = prefix_items if isinstance(prefix_items, list) else []
         items = schema.get("items", {})
         out = [minimal_json_instance(p, root, _depth + 1) for p in prefix[:count]]
         while len(out) < count:

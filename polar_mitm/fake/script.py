@@ -157,7 +157,8 @@ def declared_tools(prompt_text: str) -> list[dict[str, Any]]:
         for c in candidates:
             if not isinstance(c, dict):
                 continue
-            fn = c.get("function") if isinstance(c.get("function"), dict) else c
+            function = c.get("function")
+            fn = function if isinstance(function, dict) else c
             name = fn.get("name")
             if isinstance(name, str):
                 params = fn.get("parameters") or fn.get("input_schema") or {}
@@ -210,14 +211,17 @@ def shell_arguments(tool: dict[str, Any], command: str) -> dict[str, Any]:
             "input": f"const r = await tools.exec_command({{cmd: {json.dumps(command)}}});\ntext(r.output);"
         }
     # A harness's schema may be anything JSON: what is not the expected shape counts as absent.
-    schema = tool.get("parameters") if isinstance(tool.get("parameters"), dict) else {}
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    parameters, properties = tool.get("parameters"), None
+    schema = parameters if isinstance(parameters, dict) else {}
+    properties = schema.get("properties")
+    props = properties if isinstance(properties, dict) else {}
     key = next((k for k in ("command", "cmd", "commands") if k in props), "command")
     is_array = _schema_type(props.get(key)) == "array"
     # An array `command` is an argv (Codex); an array `commands` is a list of command lines (Cline).
     value: Any = ([command] if key == "commands" else ["bash", "-lc", command]) if is_array else command
     args: dict[str, Any] = {key: value}
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    listed = schema.get("required")
+    required = listed if isinstance(listed, list) else []
     for name in required:
         if isinstance(name, str) and name not in args:
             args[name] = minimal_json_instance(props.get(name) or {"type": "string"}, schema)

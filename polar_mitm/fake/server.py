@@ -39,7 +39,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
@@ -138,7 +138,9 @@ class _Server(_Handlers):
                 )
         return items, batch or len(items) > 1
 
-    async def _stream_item(self, item: _Item, fault: FaultMode | None, tagged: bool) -> AsyncIterator[bytes]:
+    async def _stream_item(
+        self, item: _Item, fault: FaultMode | None, tagged: bool
+    ) -> AsyncGenerator[bytes, None]:
         started = time.perf_counter()
         gen = self._start(item)
         incremental = self.s.config.incremental_streaming_output

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +103,7 @@ class _Handlers:
 
     async def _steps(
         self, item: _Item, gen: Generation, fault: FaultMode | None
-    ) -> AsyncIterator[tuple[int, dict[str, Any] | None]]:
+    ) -> AsyncGenerator[tuple[int, dict[str, Any] | None], None]:
         """(tokens so far, finish reason or None) as the tokens are "generated": honors the delays,
         aborts, `stream_interval` and the abort / drop_midstream faults."""
         cfg = self.s.config

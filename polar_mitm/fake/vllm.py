@@ -173,9 +173,10 @@ class _Completions(_Handlers):
                 async with contextlib.aclosing(self._steps(item, gen, fault)) as steps:
                     async for k, finish in steps:
                         if finish is None:
-                            text = engine.partial_text(gen.output_ids[:k], item.params)
-                            if text is None:
+                            partial = engine.partial_text(gen.output_ids[:k], item.params)
+                            if partial is None:
                                 continue
+                            text = partial
                         else:
                             text = self._final_text(item, gen, k, finish)
                         delta = text[len(sent_text) :] if text.startswith(sent_text) else text

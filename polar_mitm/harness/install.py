@@ -227,10 +227,10 @@ def _python_mount(recipe: Recipe, venv_real: Path, hint: str) -> HarnessMount:
     # Editable installs (`pip install -e`): their source trees, at the paths the venv names them by.
     shown = {*trees, *(str(host) for host in trees.values())}  # as named and as resolved
     for source in _editable_sources(venv_real):
-        inside = PurePosixPath(source)
-        if any(inside.is_relative_to(q) for q in shown):
+        tree = PurePosixPath(source)
+        if any(tree.is_relative_to(q) for q in shown):
             continue  # already shown (a `pip install -e git+…` clone under the venv's src/)
-        if source in SYSTEM_PREFIXES or any(inside.is_relative_to(s) for s in SYSTEM_TREES):
+        if source in SYSTEM_PREFIXES or any(tree.is_relative_to(s) for s in SYSTEM_TREES):
             raise HarnessNotInstalled(
                 f"{recipe.name}: {venv_real} has an editable install from {source}, a system "
                 "directory a container cannot be shown without hiding its own; install it from a "
@@ -281,15 +281,17 @@ def _finder_mapping(finder: Path) -> list[str]:
         tree = ast.parse(finder.read_text(errors="replace"))
     except SyntaxError:
         return []
+    target: ast.expr
     for node in tree.body:
-        target = (
-            node.target
-            if isinstance(node, ast.AnnAssign)
-            else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        )
-        if isinstance(target, ast.Name) and target.id == "MAPPING" and node.value is not None:
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign):
+            target, value = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "MAPPING" and value is not None:
             try:
-                mapping = ast.literal_eval(node.value)
+                mapping = ast.literal_eval(value)
             except ValueError:
                 return []
             return [v for v in mapping.values() if isinstance(v, str)] if isinstance(mapping, dict) else []

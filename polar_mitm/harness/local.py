@@ -29,16 +29,15 @@ from polar_mitm.recipes import Recipe
 from polar_mitm.store.queries import session_summary
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# The host variables a process started for a rollout sample on the host (the local runtime) gets:
-# what a shell and its tools need to run, nothing that could hold a secret (AWS_*, HF_TOKEN, the
-# service token, ...). The recipe's settings and the task's env come on top.
 EXIT_UNTRUSTED = 69  # EX_UNAVAILABLE: the harness never trusted our CA
 _CREDENTIAL_NAME = re.compile(r"KEY|TOKEN|SECRET|AUTH|PASSWORD", re.IGNORECASE)
 
 
 def _same_dir(a: str | None, b: str) -> bool:
+    if not a:
+        return False
     try:
-        return bool(a) and os.path.samefile(a, b)
+        return os.path.samefile(a, b)
     except OSError:
         return False
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from polar_mitm.backends.engines import EnginePool
 from polar_mitm.backends.sglang import ModelInfo, SGLangClient
@@ -56,7 +56,7 @@ class Policy:
         self.generation = Generation(
             config, store, self.client, self.engines, self.discovery, self.prompts, self.weights
         )
-        self._turns: weakref.WeakSet[AsyncIterator[Event]] = weakref.WeakSet()  # streams under way
+        self._turns: weakref.WeakSet[AsyncGenerator[Event, None]] = weakref.WeakSet()  # streams under way
         self._closing = False
 
     # -- weight sync -----------------------------------------------------------------------------
@@ -110,7 +110,7 @@ class Policy:
     async def count_tokens(self, req: ChatRequest) -> int:
         return await self.prompts.count_tokens(req)
 
-    def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+    def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncGenerator[Event, None]:
         if self._closing:
             raise ProviderError("overloaded", "polar-mitm is shutting down; retry the request", 529)
         if self.config.backend_mode == "chat":

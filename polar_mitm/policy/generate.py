@@ -15,8 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeGuard, TypeVar
 
 from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
 from polar_mitm.backends.engines import Engine, EnginePool
@@ -57,7 +57,7 @@ log = logging.getLogger("polar_mitm.policy")
 T = TypeVar("T")
 
 
-def _aborted(fr: Any) -> bool:
+def _aborted(fr: Any) -> TypeGuard[dict[str, Any]]:
     return isinstance(fr, dict) and fr.get("type") == "abort"
 
 
@@ -127,7 +127,7 @@ class Generation:
         receive: Callable[[float], Awaitable[T | None]],
         engine: Engine,
         waiting_first: Callable[[], bool],
-    ) -> AsyncIterator[T | None]:
+    ) -> AsyncGenerator[T | None, None]:
         """What `receive(timeout)` brings, and None each `ping_interval` that brought nothing (the
         caller pings the harness). While `waiting_first()` the first-token limit applies; after, the
         idle limit since the last arrival. The engine's liveness is watched until the first
@@ -143,7 +143,9 @@ class Generation:
                 limit = self.config.first_token_timeout if first else self.config.idle_timeout
                 left = heard + limit - loop.time() if limit else None
                 last_wait = left is not None and left <= self.config.ping_interval
-                got = await receive(max(left, 0.0) if last_wait else self.config.ping_interval)
+                got = await receive(
+                    max(left, 0.0) if last_wait and left is not None else self.config.ping_interval
+                )
                 if got is None:
                     if last_wait:
                         raise self.silence(first_token=first, url=engine.url)
@@ -195,7 +197,7 @@ class Generation:
 
     # -- render mode -----------------------------------------------------------------------------
 
-    async def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+    async def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncGenerator[Event, None]:
         t0 = time.perf_counter()
         tok = await self.discovery.tokenizer()
         prompt_ids, ref, ref_len, hashes = await self.prompts.prompt(req, ctx.session_id)
@@ -353,7 +355,7 @@ class Generation:
 
     # -- chat mode -------------------------------------------------------------------------------
 
-    async def stream_chat(self, req: ChatRequest, ctx: TurnContext) -> AsyncIterator[Event]:
+    async def stream_chat(self, req: ChatRequest, ctx: TurnContext) -> AsyncGenerator[Event, None]:
         t0 = time.perf_counter()
         turn_id = new_turn_id()
         max_tokens = req.sampling.max_tokens or self.config.default_max_tokens

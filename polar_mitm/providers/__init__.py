@@ -6,19 +6,31 @@ to native JSON or SSE, `assemble` of a recorded stream, and its errors. `STYLES`
 is where the type checker holds each module to the protocol; a new style is a new module added
 there.
 
-The registry is built once, at import: each style's own hosts plus the hosts the harness recipes
-name (e.g. Codex's chatgpt.com), and it is not changed afterwards.
+`Routes` says which styles answer which host: each style's own hosts plus the hosts the harness
+recipes name (e.g. Codex's chatgpt.com), and a proxy's `--provider-host`s. Each proxy builds its
+own (`Routes.build`) and hands it to what routes requests; `BUILTIN`, the one without extra
+hosts, is built once at import, and no table is changed after it is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from polar_mitm.providers import anthropic, gemini, openai_chat, openai_responses
 from polar_mitm.providers.base import Endpoint, Style
 
-__all__ = ["HOST_STYLES", "STYLES", "Style", "add_hosts", "error_style", "parse_provider_host", "route"]
+__all__ = [
+    "BUILTIN",
+    "HOST_STYLES",
+    "STYLES",
+    "Routes",
+    "Style",
+    "error_style",
+    "parse_provider_host",
+    "route",
+]
 
 # The order a host's styles are tried in: OpenAI's host serves Chat Completions and Responses.
 _ALL: tuple[Style, ...] = (anthropic, gemini, openai_chat, openai_responses)
@@ -49,12 +61,6 @@ def _host_styles(extra: Mapping[str, str] | None = None) -> Mapping[str, tuple[S
     return MappingProxyType({h: tuple(sorted(ss, key=_ALL.index)) for h, ss in hosts.items()})
 
 
-# host -> the styles that may answer it. A request to one of these hosts is answered locally: by
-# the policy when its path is a model endpoint, by a stub otherwise.
-HOST_STYLES: Mapping[str, tuple[Style, ...]] = _host_styles()
-_EXTRA: dict[str, str] = {}
-
-
 def parse_provider_host(spec: str) -> tuple[str, str]:
     """`HOST=STYLE` (--provider-host) as (host, style name); ValueError saying what is wrong."""
     host, eq, style = spec.partition("=")
@@ -71,26 +77,45 @@ def parse_provider_host(spec: str) -> tuple[str, str]:
     return host, style
 
 
-def add_hosts(hosts: Mapping[str, str]) -> None:
-    """Answer these provider hosts too (host -> style name, as --provider-host gives them), from
-    now on in this process: the proxy calls it at its start, before its addons read the table."""
-    global HOST_STYLES
-    new = {h.lower(): s for h, s in hosts.items() if _EXTRA.get(h.lower()) != s}
-    if new:
-        _EXTRA.update(new)
-        HOST_STYLES = _host_styles(_EXTRA)
+@dataclass(frozen=True, eq=False)
+class Routes:
+    """host -> the styles that may answer it. A request to one of these hosts is answered
+    locally: by the policy when its path is a model endpoint, by a stub otherwise."""
+
+    hosts: Mapping[str, tuple[Style, ...]]
+
+    @classmethod
+    def build(cls, extra: Mapping[str, str] | None = None) -> Routes:
+        """The built-in and recipe hosts, plus `extra` (host -> style name, as --provider-host
+        gives them)."""
+        return cls(_host_styles(extra))
+
+    def __contains__(self, host: object) -> bool:
+        return isinstance(host, str) and host.lower() in self.hosts
+
+    def names(self) -> set[str]:
+        """Every host answered."""
+        return set(self.hosts)
+
+    def styles(self, host: str) -> tuple[Style, ...]:
+        return self.hosts.get(host.lower(), ())
+
+    def route(self, host: str, method: str, path: str) -> tuple[Style, Endpoint] | None:
+        """The style and endpoint that answer (host, method, path), if any."""
+        for style in self.styles(host):
+            ep = style.endpoint(method, path)
+            if ep is not None:
+                return style, ep
+        return None
+
+    def error_style(self, host: str) -> Style:
+        """The style an error for `host` is written in when no endpoint matched."""
+        styles = self.styles(host)
+        return styles[0] if styles else anthropic
 
 
-def route(host: str, method: str, path: str) -> tuple[Style, Endpoint] | None:
-    """The style and endpoint that answer (host, method, path), if any."""
-    for style in HOST_STYLES.get(host.lower(), ()):
-        ep = style.endpoint(method, path)
-        if ep is not None:
-            return style, ep
-    return None
-
-
-def error_style(host: str) -> Style:
-    """The style an error for `host` is written in when no endpoint matched."""
-    styles = HOST_STYLES.get(host.lower())
-    return styles[0] if styles else anthropic
+# The routes of a proxy given no --provider-host.
+BUILTIN = Routes.build()
+HOST_STYLES = BUILTIN.hosts
+route = BUILTIN.route
+error_style = BUILTIN.error_style

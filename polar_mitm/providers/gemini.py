@@ -242,8 +242,8 @@ def json_names(value: Any, kind: str = "GenerateContentRequest", where: str = ""
     if not isinstance(value, dict) or kind in (_FREE, _SCALAR):
         return value
     if kind == _SCHEMA_MAP:
-        out = {k: json_names(v, "Schema", f"{where}.{k}") for k, v in value.items()}
-        return value if all(out[k] is v for k, v in value.items()) else out
+        named = {k: json_names(v, "Schema", f"{where}.{k}") for k, v in value.items()}
+        return value if all(named[k] is v for k, v in value.items()) else named
     fields_of = _MESSAGES[kind]
     renamed: dict[str, Any] = {}
     changed = False
@@ -561,7 +561,8 @@ def parse_reply(reply: Any, *, lenient: bool = False) -> tuple[list[Message], Fi
     """A GenerateContentResponse's first candidate as one assistant message, read as the same
     content echoed in a later request is."""
     cand = first_of(reply, "candidates", lenient=lenient)
-    content = cand.get("content") if isinstance(cand.get("content"), dict) else {}
+    given = cand.get("content")
+    content = given if isinstance(given, dict) else {}
     msg = _parse_model(0, content, lenient=lenient)
     if cand.get("finishReason") == "MAX_TOKENS":
         return [msg], "length"

@@ -399,7 +399,8 @@ def parse_reply(reply: Any, *, lenient: bool = False) -> tuple[list[Message], Fi
     """A chat.completion's first choice as one assistant message, read as the same message
     echoed in a later request is."""
     choice = first_of(reply, "choices", lenient=lenient)
-    m = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    message = choice.get("message")
+    m = message if isinstance(message, dict) else {}
     msg = _assistant(m, "choices.0.message", lenient=lenient)
     finish = _REPLY_FINISH.get(str(choice.get("finish_reason")), "stop")
     return [msg], "tool_calls" if msg.tool_calls and finish == "stop" else finish

@@ -239,7 +239,8 @@ def _tool_call(item: dict[str, Any], where: str) -> ToolCall:
     kind = item.get("type")
     call_id = fields.opt_str(item, "call_id", where) or fields.opt_str(item, "id", where)
     if kind == "local_shell_call":
-        action = item.get("action") if isinstance(item.get("action"), dict) else {}
+        given = item.get("action")
+        action = given if isinstance(given, dict) else {}
         args: dict[str, Any] = {"command": action.get("command") or []}
         if action.get("working_directory"):
             args["workdir"] = action["working_directory"]
@@ -736,7 +737,7 @@ class _StreamWriter:
         iid = self.item_id()
         if kind == "reasoning":
             item = {"type": "reasoning", "id": iid, "summary": []}
-            part = {"type": "summary_text", "text": ""}
+            part: dict[str, Any] = {"type": "summary_text", "text": ""}
             return (
                 out
                 + self.ev("response.output_item.added", output_index=self.index, item=item)

@@ -124,14 +124,21 @@ class PolicySide:
     port and `stubs` answers the rest, as it does for the side hosts the recipes stub (the only
     hosts whose TLS mitmproxy itself needs to intercept: `intercepted`)."""
 
-    def __init__(self, sessions: Sessions, tls: TlsWatch, default_session: str):
-        hosts = set(providers.HOST_STYLES)
+    def __init__(
+        self,
+        sessions: Sessions,
+        tls: TlsWatch,
+        default_session: str,
+        routes: providers.Routes = providers.BUILTIN,
+    ):
+        self.routes = routes
+        hosts = routes.names()
         answered = hosts | recipes.stub_hosts()
         self.intercepted = recipes.stub_hosts()
         self.handoff = Handoff(hosts, sessions, default_session, tls)
         self.egress = Egress(answered)
-        self.routing = Routing(0)
-        self.addons: list[object] = [self.handoff, self.egress, self.routing, Stubs(answered)]
+        self.routing = Routing(0, routes=routes)
+        self.addons: list[object] = [self.handoff, self.egress, self.routing, Stubs(answered, routes)]
         self.policy: Policy | None = None
         self.gateway: Gateway | None = None
 
@@ -144,12 +151,11 @@ class PolicySide:
             tagger=make_tagger(config.recipe),
             secret=Gateway.new_secret(),
             peers=self.handoff.peer,
+            routes=self.routes,
         )
         self.routing.gateway_port = await self.gateway.start()
         self.routing.secret = self.gateway.secret
-        self.handoff.gateway_port = await self.gateway.start_tls(
-            provider_tls(confdir, set(providers.HOST_STYLES))
-        )
+        self.handoff.gateway_port = await self.gateway.start_tls(provider_tls(confdir, self.routes.names()))
 
     async def stop(self) -> None:
         if self.gateway is not None:
@@ -175,7 +181,8 @@ class _AddressedWriter(asyncio.StreamWriter):
 class PolarProxy:
     def __init__(self, config: ProxyConfig):
         self.config = config
-        providers.add_hosts(config.provider_hosts)
+        # The hosts this proxy answers: its own, never another proxy's of the same process.
+        self.routes = providers.Routes.build(config.provider_hosts)
         self.ca: CA | None = None
         self.store: Store | None = None
         self.policy: Policy | None = None
@@ -226,7 +233,7 @@ class PolarProxy:
     async def _policy_addons(self, sessions: Sessions) -> tuple[set[str], list[object]]:
         """Policy mode: the gateway answers model calls (`PolicySide`)."""
         assert self.ca is not None and self.store is not None
-        side = PolicySide(sessions, self.tls, self.config.default_session)
+        side = PolicySide(sessions, self.tls, self.config.default_session, self.routes)
         self.side, self.handoff, self.egress = side, side.handoff, side.egress
         await side.start(self.config, self.store, self.ca.dir)
         self.policy, self.gateway = side.policy, side.gateway
@@ -243,10 +250,12 @@ class PolarProxy:
             upstream_insecure=self.config.upstream_insecure,
             tagger=self.tagger(),
             default_session=self.config.default_session,
+            routes=self.routes,
         )
-        return set(providers.HOST_STYLES) | set(upstreams), [self.harvest]
+        return self.routes.names() | set(upstreams), [self.harvest]
 
     async def _wait_listening(self, timeout: float = 15.0) -> int:
+        assert self.master is not None and self._task is not None  # start() made them
         ps = self.master.addons.get("proxyserver")
         deadline = asyncio.get_running_loop().time() + timeout
         while asyncio.get_running_loop().time() < deadline:

@@ -35,7 +35,7 @@ from polar_mitm.store.turn import Turn
 
 
 def is_sse(content_type: str | None) -> bool:
-    return bool(content_type) and "text/event-stream" in content_type.lower()
+    return bool(content_type and "text/event-stream" in content_type.lower())
 
 
 def assemble(style: Style, body: bytes, content_type: str | None) -> dict[str, Any]:

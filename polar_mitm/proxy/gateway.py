@@ -86,8 +86,10 @@ class Gateway:
         default_host: str | None = None,
         secret: str | None = None,
         peers: Callable[[int], tuple[str, str] | None] | None = None,
+        routes: providers.Routes = providers.BUILTIN,
     ):
         self.policy = policy
+        self.routes = routes  # the hosts this gateway answers, and in which styles
         # (session, provider host) of a connection that the proxy handed over still encrypted,
         # by the connection's remote port (`proxy/addons/handoff.py`); such a connection is authorized.
         self.peers = peers
@@ -175,12 +177,12 @@ class Gateway:
             host = peer[1]
         else:
             host = request.headers.get(HOST_HEADER) or request.host.rsplit(":", 1)[0]
-        if host.lower() not in providers.HOST_STYLES and self.default_host:
+        if host not in self.routes and self.default_host:
             host = self.default_host
-        found = providers.route(host, request.method, request.path_qs)
+        found = self.routes.route(host, request.method, request.path_qs)
         if peer is None and not self._authorized(request):
             log.warning("refused a %s %s that did not come through the proxy", request.method, request.path)
-            style = found[0] if found else providers.error_style(host)
+            style = found[0] if found else self.routes.error_style(host)
             return self._error(
                 style,
                 ProviderError(
@@ -193,11 +195,11 @@ class Gateway:
                 request.method,
                 request.path_qs,
                 request.headers.get("upgrade", ""),
-                providers.error_style(host),
+                self.routes.error_style(host),
             )
             return web.Response(status=status, body=body, content_type=ctype)
         if found is None:
-            style = providers.error_style(host)
+            style = self.routes.error_style(host)
             return self._error(
                 style, ProviderError("not_found", f"{request.method} {request.path} is not served", 404)
             )

@@ -63,6 +63,12 @@ def pick(session: str | None, workers: int) -> int:
     return zlib.crc32((session or "").encode()) % workers
 
 
+def _wake(f: asyncio.Future[None]) -> None:
+    """Wake the sender waiting on `f` (the control socket is writable again)."""
+    if not f.done():
+        f.set_result(None)
+
+
 class WorkerPool:
     """The front: listens, starts the workers, and passes each new connection to one of them."""
 
@@ -167,8 +173,8 @@ class WorkerPool:
                         socket.send_fds(ctl, [head], [fd])
                         return
                     except BlockingIOError:
-                        writable = loop.create_future()
-                        loop.add_writer(ctl.fileno(), lambda f=writable: f.done() or f.set_result(None))
+                        writable: asyncio.Future[None] = loop.create_future()
+                        loop.add_writer(ctl.fileno(), _wake, writable)
                         try:
                             await writable
                         finally:

@@ -21,7 +21,9 @@ from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm.neutral import ChatRequest
 
-# Recent system prompts -> {rule text: whether the prompt contains it}.
+# Recent system prompts -> {rule text: whether the prompt contains it}. Shared by every proxy of
+# the process and harmless so: each entry is keyed by the whole prompt text and holds only what
+# `needle in prompt` answers, which no proxy, session or recipe can change.
 _system_found: OrderedDict[str, dict[str, bool]] = OrderedDict()
 
 

@@ -59,8 +59,8 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def classify_break(
-    old: Sequence[int],
-    new: Sequence[int],
+    old: Sequence[int] | np.ndarray,
+    new: Sequence[int] | np.ndarray,
     k: int,
     *,
     in_sampled: bool,

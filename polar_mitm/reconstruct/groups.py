@@ -26,7 +26,7 @@ from polar_mitm.store.rollouts import SampleInfo
 from polar_mitm.strategies import Normalize, choices
 
 
-def advantages(rewards: Mapping[str, float], mode: Normalize) -> dict[str, float]:
+def advantages[K](rewards: Mapping[K, float], mode: Normalize) -> dict[K, float]:
     """Key (sample) → advantage within one group."""
     keys = list(rewards)
     r = np.array([rewards[k] for k in keys], dtype=np.float64)

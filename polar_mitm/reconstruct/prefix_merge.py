@@ -212,7 +212,7 @@ class SessionMerger:
             return self.root
         limit = min(turn.prompt_ref_len, len(prompt))
         node = hint
-        while node.length > limit:
+        while node.length > limit and node.parent is not None:
             node = node.parent  # the root has length 0, so this stops
         if self._is_prefix(node, prompt):
             return node

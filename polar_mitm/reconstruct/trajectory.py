@@ -3,7 +3,8 @@
 One `Trajectory` is one training example: the token sequence a trainer feeds the model, split
 into an untrained prefix (`prompt_ids`) and the rest (`response_ids`), with a `loss_mask` that is
 1 exactly on tokens the model sampled and `response_logprobs` that hold the engine's logprob there
-(0.0 elsewhere). `TRAJECTORY_SCHEMA` is the parquet contract of DESIGN.md, column for column.
+(0.0 elsewhere). `TRAJECTORY_SCHEMA` is the parquet contract every export follows, column for column (docs/data.md
+lists and explains its columns).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rich.live import Live
+
     from polar_mitm.rollout.pipeline import Pipeline
 
 from polar_mitm.rollout.pipeline import STAGES
@@ -32,7 +34,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.interval = interval
         self.live_mode = self.stream.isatty() if live is None else live
-        self._live = None
+        self._live: Live | None = None
         self._last = 0.0
         self._done: object = None
 

@@ -1,5 +1,6 @@
-"""Launching harnesses: the embedded proxy, the CA, recipes, the local runner, and the sandbox
-runtimes rollouts use (`make_runtime`)."""
+"""The sandboxes rollouts run samples in: the interface every runtime implements (`base`), the
+runtimes `local` (`tempdir`), `docker` and `apptainer`, made by name (`make_runtime`), and a
+container's one way to the proxy (`channel`, with the relay it runs inside, `forwarder/`)."""
 
 from __future__ import annotations
 

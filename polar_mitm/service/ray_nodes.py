@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polar_mitm.netaddr import is_loopback
+
+if TYPE_CHECKING:
+    from polar_mitm.service.node import GatewayNode
 
 # Ray's single-node switch (the mode it runs in on macOS and Windows), read when ray is imported.
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -56,7 +59,7 @@ def _actor_class():
             from polar_mitm.service.node import NodeConfig
 
             self.config = NodeConfig.model_validate(config)
-            self.node = None
+            self.node: GatewayNode | None = None
 
         async def run(self) -> str:
             from polar_mitm.service.node import GatewayNode

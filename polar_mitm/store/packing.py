@@ -55,7 +55,7 @@ def unpack_logprobs(blob: bytes | None) -> list[float]:
     tag, body = blob[:1], blob[1:]
     if tag not in (b"f", b"d"):
         raise ValueError(f"unknown logprob packing tag {tag!r}")
-    a = array(tag.decode())
+    a: array[float] = array("f" if tag == b"f" else "d")
     a.frombytes(body)
     if not _LITTLE:
         a.byteswap()

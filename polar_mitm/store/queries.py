@@ -193,10 +193,10 @@ _TEXT_FIELDS = (
 
 def _text_turn(row: tuple, requests: RequestReader) -> Turn:
     n = len(_TEXT_FIELDS)
-    fields = dict(zip(_TEXT_FIELDS, row[:n], strict=True))
+    fields: dict[str, Any] = dict(zip(_TEXT_FIELDS, row[:n], strict=True))
     fields["request"] = requests.text(fields["id"], fields["request"], *row[n:])
     fields["text_only"] = bool(fields["text_only"])
-    no_ids = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "prompt_ref_len": 0}
+    no_ids: dict[str, Any] = {"prompt_ids": [], "output_ids": [], "output_logprobs": [], "prompt_ref_len": 0}
     return Turn.model_construct(**fields, **no_ids, prompt_ref=None, weight_version=None)
 
 
@@ -281,7 +281,8 @@ def list_sessions(
 ) -> list[SessionListing]:
     """Sessions newest first with their turn and token counts; `search` matches a part of the id
     (or of the task id). The status filter is the caller's (`SessionListing.status` is derived)."""
-    where, args = [], []
+    where: list[str] = []
+    args: list[object] = []
     if task:
         where.append("s.task_id = ?")
         args.append(task)

@@ -4,8 +4,9 @@ their references) and `turn_filter`, the selection every reader shares."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +16,10 @@ from polar_mitm.store.requests import COLUMNS as REQUEST_COLUMNS
 from polar_mitm.store.requests import RequestReader
 from polar_mitm.store.sequences import SequenceCache
 from polar_mitm.store.turn import Turn
+
+# A token sequence as read: a list of ints, or with `read_turns(arrays=True)` a read-only numpy
+# array; both slice, measure and join alike (`_join`), and Turn keeps either as it is given.
+Ids = Any
 
 
 def turn_filter(
@@ -74,9 +79,8 @@ def read_turns(
     """
     db = connect(path)
     cache = SequenceCache()
-    ids_of, logprobs_of = (
-        (unpack_ids_array, unpack_logprobs_array) if arrays else (unpack_ids, unpack_logprobs)
-    )
+    ids_of: Callable[[bytes | None], Ids] = unpack_ids_array if arrays else unpack_ids
+    logprobs_of: Callable[[bytes | None], Ids] = unpack_logprobs_array if arrays else unpack_logprobs
     where, args = turn_filter(
         session=session, task=task, since=since, tokens=None if include_text_only else True, rollout=rollout
     )
@@ -147,21 +151,19 @@ def read_turns(
         db.close()
 
 
-def _join(head: list[int] | np.ndarray, tail: list[int] | np.ndarray) -> list[int] | np.ndarray:
+def _join(head: Ids, tail: Ids) -> Ids:
     """Two token sequences as one: lists stay lists, arrays (`read_turns(arrays=True)`) arrays."""
     return head + tail if isinstance(head, list) else np.concatenate((head, tail))
 
 
-def _resolve_sync(
-    db: sqlite3.Connection, turn_id: str, cache: SequenceCache, *, arrays: bool = False
-) -> list[int] | np.ndarray:
+def _resolve_sync(db: sqlite3.Connection, turn_id: str, cache: SequenceCache, *, arrays: bool = False) -> Ids:
     row = db.execute(
         "SELECT prompt_ref, prompt_ref_len, prompt_suffix, output_ids FROM turns WHERE id = ?", (turn_id,)
     ).fetchone()
     if row is None:
         raise KeyError(f"turn {turn_id} referenced but missing")
     ref, ref_len, suffix, out = row
-    ids_of = unpack_ids_array if arrays else unpack_ids
+    ids_of: Callable[[bytes | None], Ids] = unpack_ids_array if arrays else unpack_ids
     prompt = ids_of(suffix)
     if ref:
         base = cache.get(ref)

@@ -17,6 +17,7 @@ import json
 import sqlite3
 import sys
 from collections import OrderedDict
+from typing import cast
 
 from polar_mitm.store import deltas
 
@@ -119,7 +120,10 @@ class RequestReader:
             elif isinstance(request, bytes):
                 request = decompress(request, zdict)
         if ref is not None:
-            request = deltas.apply(self._of(ref), head, tail, delta or "")
+            # A compressed delta was decompressed above; an uncompressed one is stored as text.
+            request = deltas.apply(self._of(ref), head, tail, cast(str | None, delta) or "")
+        elif isinstance(request, bytes):  # the text a zstd frame held, decompressed above
+            request = cast(str, request)
         if request is not None:
             self.memo.put(turn_id, request)
         return request

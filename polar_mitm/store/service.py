@@ -138,14 +138,16 @@ class ServiceStore:
         return TaskRow(*row) if row else None
 
     def tasks(self, states: tuple[str, ...] | None = None) -> list[TaskRow]:
-        sql, args = "SELECT * FROM service_tasks", ()
+        sql = "SELECT * FROM service_tasks"
+        args: tuple[str, ...] = ()
         if states:
             sql += f" WHERE state IN ({','.join('?' * len(states))})"
             args = states
         return [TaskRow(*r) for r in self.db.execute(sql + " ORDER BY created_at", args)]
 
     def summaries(self, task_id: str | None = None) -> list[TaskSummary]:
-        sql, args = f"SELECT {_SUMMARY_COLS} FROM service_tasks", ()
+        sql = f"SELECT {_SUMMARY_COLS} FROM service_tasks"
+        args: tuple[str, ...] = ()
         if task_id is not None:
             sql, args = sql + " WHERE id = ?", (task_id,)
         return [TaskSummary(*r) for r in self.db.execute(sql + " ORDER BY created_at", args)]

@@ -199,7 +199,7 @@ class Viewer:
 
     def _version(self) -> tuple:
         """Changes whenever the store does (its file or its write-ahead log)."""
-        out = []
+        out: list[tuple[int, int] | None] = []
         for p in (self.config.db, Path(str(self.config.db) + "-wal")):
             try:
                 st = p.stat()

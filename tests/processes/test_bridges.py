@@ -27,7 +27,7 @@ def task_file(tmp_path: Path, name: str, word: str) -> str:
 
 
 @pytest.mark.slow
-async def test_slime_rollout_function_fills_groups_and_flags_failures(service, tmp_path):  # noqa: F811
+async def test_slime_rollout_function_fills_groups_and_flags_failures(service, tmp_path):
     svc = await service(nodes=1)
     example = runpy.run_path(str(EXAMPLES / "slime_rollout.py"))
     source = example["DataSource"](
@@ -53,7 +53,7 @@ async def test_slime_rollout_function_fills_groups_and_flags_failures(service, t
 
 
 @pytest.mark.slow
-async def test_slime_marks_samples_that_failed_and_keeps_them(service, tmp_path):  # noqa: F811
+async def test_slime_marks_samples_that_failed_and_keeps_them(service, tmp_path):
     svc = await service(nodes=1)
     example = runpy.run_path(str(EXAMPLES / "slime_rollout.py"))
     # The evaluator cannot read its reward file: the samples fail after calling the model.
@@ -70,7 +70,7 @@ async def test_slime_marks_samples_that_failed_and_keeps_them(service, tmp_path)
 
 
 @pytest.mark.slow
-async def test_verl_agent_loop_returns_agent_loop_output_fields(service, tmp_path):  # noqa: F811
+async def test_verl_agent_loop_returns_agent_loop_output_fields(service, tmp_path):
     svc = await service(nodes=1)
     # With verl installed its subclass takes verl's worker arguments; the run is PolarAgentLoop's.
     cls = agent_loop_class()
@@ -96,7 +96,7 @@ async def test_verl_agent_loop_returns_agent_loop_output_fields(service, tmp_pat
 
 
 @pytest.mark.slow
-async def test_client_example_prints_each_group(service, tmp_path, capsys, monkeypatch):  # noqa: F811
+async def test_client_example_prints_each_group(service, tmp_path, capsys, monkeypatch):
     svc = await service(nodes=1)
     example = runpy.run_path(str(EXAMPLES / "client_rollout.py"))
     # The example runs the recipe's harness; here its shell stand-in, through the same client call.

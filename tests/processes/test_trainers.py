@@ -287,7 +287,7 @@ async def test_check_logprobs_fails_loudly_on_an_off_by_one(tiny_lm, qwen_tokeni
 
 
 @pytest.mark.slow
-async def test_verl_bridge_returns_verls_own_agent_loop_output_from_a_real_group(service):  # noqa: F811
+async def test_verl_bridge_returns_verls_own_agent_loop_output_from_a_real_group(service):
     """verl 0.9.1 installed (--no-deps, as scripts/install.sh does): its AgentLoopOutput, and the
     loop in its own registry."""
     agent_loop = pytest.importorskip(
@@ -351,7 +351,7 @@ def test_slime_bridge_writes_the_fields_slimes_sample_has():
 @pytest.mark.e2e
 @pytest.mark.slow
 async def test_trl_grpo_trainer_takes_two_steps_on_claude_code_groups_and_masks_what_it_must(
-    service,  # noqa: F811
+    service,
     tiny_lm,
     qwen_tokenizer_dir,
     tmp_path,

@@ -76,7 +76,10 @@ def test_strategy_and_normalize_choices_are_the_enums_everywhere():
         "--group-normalize": choices(Normalize),
     }
     seen = set()
-    for name, command in main.commands.items():
+    ctx = click.Context(main)
+    for name in main.list_commands(ctx):
+        command = main.get_command(ctx, name)
+        assert command is not None
         for p in command.params:
             for flag in set(p.opts) & set(want):
                 assert isinstance(p.type, click.Choice), (name, flag)
@@ -95,7 +98,7 @@ def test_the_pipeline_sizes_are_options_of_rollout_serve_and_node_made_from_roll
     from polar_mitm.rollout.options import WORKER_FIELDS, RolloutOptions
 
     for command in ("rollout", "serve", "node"):
-        params = {p.name: p for p in main.commands[command].params}
+        params = {p.name: p for p in main.get_command(click.Context(main), command).params}
         for field in WORKER_FIELDS:
             [bound] = [m.ge for m in RolloutOptions.model_fields[field].metadata]
             assert isinstance(params[field].type, click.IntRange), (command, field)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import cast
 
-from mitmproxy import http, tls
+from mitmproxy import connection, http, tls
 from mitmproxy.net import encoding
 from OpenSSL import SSL
 
@@ -38,8 +39,10 @@ class Harvest:
         upstream_insecure: bool = False,
         tagger: Tagger | None = None,
         default_session: str = "default",
+        routes: providers.Routes = providers.BUILTIN,
     ):
         self.store = store
+        self.routes = routes
         self.upstreams = {h.lower(): u for h, u in (upstreams or {}).items()}
         self.upstream_insecure = upstream_insecure
         self.tagger = tagger
@@ -64,13 +67,13 @@ class Harvest:
             return
         host = flow.request.pretty_host.lower()
         if flow.request.headers.get("upgrade", "").lower() == "websocket":
-            ws = providers.route(host, "POST", flow.request.path)
+            ws = self.routes.route(host, "POST", flow.request.path)
             if ws is not None and ws[1] == "generate":
                 # A model call over a WebSocket could not be recorded; a 426 makes clients that
                 # try one first (Codex) fall back to HTTP at once.
                 flow.response = http.Response.make(426, b"Upgrade Required", {"content-type": "text/plain"})
                 return
-        found = providers.route(host, flow.request.method, flow.request.path)
+        found = self.routes.route(host, flow.request.method, flow.request.path)
         if found is not None and found[1] == "generate":
             flow.metadata[KEY] = Exchange(
                 session_id=flow.metadata.get("polar_session") or self.default_session,
@@ -105,7 +108,7 @@ class Harvest:
         enc = resp.headers.get("content-encoding", "").strip().lower()
         if enc and enc != "identity":
             try:
-                body = encoding.decode(body, enc)
+                body = cast(bytes, encoding.decode(body, enc))  # bytes in, bytes out
             except ValueError as e:
                 log.warning("cannot decode a %s reply from %s: %s", enc, ex.host, e)
         rec = ex.record(
@@ -135,7 +138,13 @@ class Harvest:
     def tls_start_server(self, data: tls.TlsData) -> None:
         # Runs after mitmproxy's TlsConfig built the connection: relax verification for the
         # --upstream targets alone, so every other upstream is still checked.
-        if self.upstream_insecure and data.ssl_conn is not None and data.conn.address in self._insecure_addrs:
+        server = data.conn
+        if (
+            self.upstream_insecure
+            and data.ssl_conn is not None
+            and isinstance(server, connection.Server)
+            and server.address in self._insecure_addrs
+        ):
             data.ssl_conn.set_verify(SSL.VERIFY_NONE)
 
     async def _store(self, rec: Turn) -> None:

@@ -13,8 +13,11 @@ from polar_mitm.proxy.gateway import HOST_HEADER, SECRET_HEADER, SESSION_HEADER
 
 
 class Routing:
-    def __init__(self, gateway_port: int, secret: str | None = None):
+    def __init__(
+        self, gateway_port: int, secret: str | None = None, routes: providers.Routes = providers.BUILTIN
+    ):
         self.gateway_port = gateway_port
+        self.routes = routes
         self.secret = secret  # the gateway's, so it can tell our flows from other local clients
         self.routed = 0
 
@@ -22,7 +25,7 @@ class Routing:
         if flow.response is not None:
             return
         host = flow.request.pretty_host.lower()
-        found = providers.route(host, flow.request.method, flow.request.path)
+        found = self.routes.route(host, flow.request.method, flow.request.path)
         if found is None:
             return
         flow.metadata["polar_route"] = found[1]

@@ -25,8 +25,9 @@ def host_pattern(host: str) -> str:
 
 
 class Stubs:
-    def __init__(self, hosts: set[str]):
+    def __init__(self, hosts: set[str], routes: providers.Routes = providers.BUILTIN):
         self.hosts = {h.lower() for h in hosts}
+        self.routes = routes
         self.pattern = re.compile("^(?:" + "|".join(host_pattern(h) for h in sorted(self.hosts)) + ")$")
         self.answered = 0
 
@@ -47,7 +48,7 @@ class Stubs:
             return
         self.answered += 1
         flow.metadata["polar_stub"] = True
-        flow.response = stub_response(flow.request)
+        flow.response = stub_response(flow.request, self.routes)
         log.info(
             "answered %s %s%s locally: %d",
             flow.request.method,
@@ -57,8 +58,8 @@ class Stubs:
         )
 
 
-def stub_response(req: http.Request) -> http.Response:
-    styles = providers.HOST_STYLES.get(req.pretty_host.lower())
+def stub_response(req: http.Request, routes: providers.Routes = providers.BUILTIN) -> http.Response:
+    styles = routes.styles(req.pretty_host)
     status, body, ctype = side_endpoints.answer(
         req.method, req.path, req.headers.get("upgrade", ""), styles[0] if styles else None
     )
