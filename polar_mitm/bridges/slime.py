@@ -113,9 +113,9 @@ def fill_group(slime_group: list[Any], group: Group, gi: int, rows: str = "all")
     for i, target in enumerate(slime_group):
         outcome = group.outcomes[i] if i < len(group.outcomes) else None
         own = by_sample.get(i, [])
-        picked: list[Sample | None] = (trained_rows(own) if rows == "all" else [chosen_row(own, rows)]) or [
-            None
-        ]
+        picked: list[Sample | None] = []
+        picked += trained_rows(own) if rows == "all" else [chosen_row(own, rows)]
+        picked = picked or [None]
         filled = []
         for k, row in enumerate(picked):
             t = target if k == 0 else copy.deepcopy(target)

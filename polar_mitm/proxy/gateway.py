@@ -228,6 +228,7 @@ class Gateway:
         if ep not in ("models", "count_tokens"):
             await self._refuse_what_cannot_fit(raw)
         large = len(raw) >= large_inputs.RELEASE_AFTER_BYTES
+        body: Any
         if not raw:
             body, by_orjson = ({} if ep == "models" else None, False)
         elif large:  # seconds of work for a long conversation: other sessions' turns go on meanwhile
