@@ -28,7 +28,15 @@ PATH = re.compile(r"^[\w.\-/]+$")
 MODULE = re.compile(r"^polar_mitm(?:\.\w+)+(?:\(\))?$")
 # Files a doc names that live outside this repository (a harness's or the user's).
 # A Harbor task's files; the interpreter's hook the threat model speaks of; a model directory's.
-OUTSIDE = {"task.toml", "test.sh", "solve.sh", "tests/test.sh", "sitecustomize.py", "chat_template.jinja"}
+OUTSIDE = {
+    "task.toml",
+    "test.sh",
+    "solve.sh",
+    "tests/test.sh",
+    "sitecustomize.py",
+    "pytest.py",
+    "chat_template.jinja",
+}
 # Upper-case stems that are placeholders (`polar_mitm/recipes/NAME.toml`), not files.
 NOT_PLACEHOLDERS = {"README", "CHANGELOG", "CONTRIBUTING", "LICENSE"}
 
