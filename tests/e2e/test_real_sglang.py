@@ -37,7 +37,9 @@ def hop(sglang_server):
     h.stop()
 
 
-def run_claude(tmp_path: Path, backend_url: str, tokenizer: Path, session: str, *extra: str):
+def run_claude(
+    tmp_path: Path, backend_url: str, tokenizer: Path, session: str, *extra: str, env: dict | None = None
+):
     work = tmp_path / f"work-{session}"
     work.mkdir()
     return polar_run(
@@ -58,7 +60,7 @@ def run_claude(tmp_path: Path, backend_url: str, tokenizer: Path, session: str, 
         ],
         ["claude", "-p", "Say hello"],
         cwd=work,
-        env=harness_env(tmp_path / f"home-{session}"),
+        env={**harness_env(tmp_path / f"home-{session}"), **(env or {})},
         timeout=400,
     )
 
@@ -123,7 +125,8 @@ def test_weight_update_between_sessions_shows_in_the_next_sessions_turns(
     before = sglang_server.get("/model_info")["weight_version"]
     r = run_claude(tmp_path, hop.url, qwen_tokenizer_dir, "w-before")
     assert r.returncode == 0, r.stderr
-    first = assert_store_is_what_sglang_said(db, "w-before", hop.exchanges, streamed=True)
+    # Against SGLang's default (cumulative chunks) `--backend-stream auto` asks for whole replies.
+    first = assert_store_is_what_sglang_said(db, "w-before", hop.exchanges, streamed=False)
     assert {t.weight_version for t in first} == {before}
 
     other = make_tiny_model(qwen_tokenizer_dir, tmp_path / "model-v2", seed=1)
@@ -135,7 +138,7 @@ def test_weight_update_between_sessions_shows_in_the_next_sessions_turns(
         assert sglang_server.get("/model_info")["weight_version"] == "step-2"
         r = run_claude(tmp_path, hop.url, qwen_tokenizer_dir, "w-after")
         assert r.returncode == 0, r.stderr
-        second = assert_store_is_what_sglang_said(db, "w-after", hop.exchanges, streamed=True)
+        second = assert_store_is_what_sglang_said(db, "w-after", hop.exchanges, streamed=False)
         assert {t.weight_version for t in second} == {"step-2"}
         # New weights, new numbers: the same first prompt is sampled with other logprobs.
         assert bits(second[0].output_logprobs) != bits(first[0].output_logprobs)
@@ -146,33 +149,45 @@ def test_weight_update_between_sessions_shows_in_the_next_sessions_turns(
         assert status == 200 and reply["success"] is True, reply
 
 
-def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(
-    tmp_path, tmp_path_factory, sglang_model_dir, qwen_tokenizer_dir
-):
+def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qwen_tokenizer_dir):
     """Its own engine (the session's stays up), SIGKILLed (the whole group) once a turn streams."""
     require_binary("claude")
-    server = SGLangServer(sglang_model_dir, tmp_path / "killed.log")
+    # A model that (nearly) never samples <|im_end|>: the kill lands while it is still writing.
+    model = make_tiny_model(qwen_tokenizer_dir, tmp_path / "model-long", eos_share=1e-9)
+    server = SGLangServer(model, tmp_path / "killed.log")
     try:
         h = RecordingHop(server.url).start()
-        killed = threading.Event()
+        killed, done = threading.Event(), threading.Event()
 
         def kill_once_streaming() -> None:
             deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and not killed.is_set():
-                if any(ex.streamed and not ex.raw for ex in h.exchanges):
+            while time.monotonic() < deadline and not done.is_set():
+                if any(ex.received and not ex.raw for ex in h.exchanges):
                     procs.signal_group(server.proc.pid, signal.SIGKILL)
                     killed.set()
+                    return
                 time.sleep(0.05)
 
         watcher = threading.Thread(target=kill_once_streaming, daemon=True)
         watcher.start()
         # Long replies: the kill lands while SGLang is still sampling the first one.
-        r = run_claude(tmp_path, h.url, qwen_tokenizer_dir, "killed", "--max-tokens-cap", "4000")
-        killed.set()
+        r = run_claude(
+            tmp_path,
+            h.url,
+            qwen_tokenizer_dir,
+            "killed",
+            "--backend-stream",
+            "stream",
+            "--max-tokens-cap",
+            "4000",
+            env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt: the engine stays dead
+        )
+        done.set()
         watcher.join(10)
         h.stop()
     finally:
         server.stop()
+    assert killed.is_set(), "no reply was streaming to kill"
     assert r.returncode != 0 or "error" in r.stderr.lower(), r.stderr
     con = sqlite3.connect(tmp_path / "runs.sqlite")
     rows = con.execute("SELECT status, error FROM turns WHERE session_id = 'killed' ORDER BY seq").fetchall()

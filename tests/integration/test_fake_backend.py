@@ -630,6 +630,13 @@ async def test_generate_errors_in_sglang_shapes(fake, http, tiny):
         assert r.status == 400
         err = await r.json()
         assert err["object"] == "error" and err["code"] == 400 and err["type"] == "Bad Request"
+    # Real SGLang (0.5.23, observed) parses no body without `Content-Type: application/json`.
+    good = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}).encode()
+    for headers in ({}, {"Content-Type": "text/plain"}):
+        async with http.post(url + "/generate", data=good, headers=headers) as r:
+            err = await r.json()
+            assert r.status == 400 and err["type"] == "Bad Request", err
+            assert "Input should be a dictionary" in err["message"]
     status, out = await post(http, url + "/generate", {"input_ids": [1, tiny.vocab_size + 5]})
     assert status == 400 and "out-of-vocabulary" in out["error"]["message"]
     status, out = await post(http, url + "/generate", {"sampling_params": {}})

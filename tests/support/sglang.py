@@ -83,19 +83,21 @@ def sglang_python() -> Path:
     return py
 
 
-def make_tiny_model(tokenizer_dir: Path, out: Path, *, seed: int = 0) -> Path:
-    """A tiny Qwen2 over `tokenizer_dir`'s vocabulary in `out`, ready for SGLang to serve."""
+def make_tiny_model(tokenizer_dir: Path, out: Path, *, seed: int = 0, eos_share: float = 0.15) -> Path:
+    """A tiny Qwen2 over `tokenizer_dir`'s vocabulary in `out`, ready for SGLang to serve
+    (`eos_share`: how likely its first token is <|im_end|>, as `tiny_causal_lm` says)."""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
         code = (
             "import sys; from polar_mitm.fake.hf import tiny_causal_lm; "
-            "tiny_causal_lm(sys.argv[1], sys.argv[2], seed=int(sys.argv[3]), hidden=64)"
+            "tiny_causal_lm(sys.argv[1], sys.argv[2], seed=int(sys.argv[3]), hidden=64, "
+            "eos_share=float(sys.argv[4]))"
         )
         repo = Path(__file__).resolve().parents[2]
         subprocess.run(
-            [str(sglang_python()), "-c", code, str(tokenizer_dir), str(out), str(seed)],
+            [str(sglang_python()), "-c", code, str(tokenizer_dir), str(out), str(seed), str(eos_share)],
             check=True,
             env={**os.environ, "PYTHONPATH": str(repo)},
             timeout=600,
@@ -103,7 +105,7 @@ def make_tiny_model(tokenizer_dir: Path, out: Path, *, seed: int = 0) -> Path:
     else:
         from polar_mitm.fake.hf import tiny_causal_lm
 
-        tiny_causal_lm(tokenizer_dir, out, seed=seed, hidden=64)
+        tiny_causal_lm(tokenizer_dir, out, seed=seed, hidden=64, eos_share=eos_share)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
@@ -201,6 +203,7 @@ class Exchange:
     status: int = 0
     content_type: str = ""
     raw: bytes = b""
+    received: int = 0  # bytes of the reply so far (set while it streams; `raw` once it ended)
 
     @property
     def streamed(self) -> bool:
@@ -268,18 +271,32 @@ class RecordingHop:
         async with self._http.request(
             request.method, self.upstream + request.path_qs, data=body, headers=headers
         ) as up:
+            if ex is not None:
+                ex.status, ex.content_type = up.status, up.headers.get("Content-Type", "")
             resp = web.StreamResponse(status=up.status)
             for k in ("Content-Type", "Cache-Control"):
                 if k in up.headers:
                     resp.headers[k] = up.headers[k]
             await resp.prepare(request)
-            raw = bytearray()
+            raw, downstream = bytearray(), True
+            # Read the engine's reply to its end even when the proxy hangs up first (it may,
+            # once the chunk with the finish reason came): the record is the engine's whole reply.
             async for chunk in up.content.iter_any():
                 raw.extend(chunk)
-                await resp.write(chunk)
+                if ex is not None:
+                    ex.received = len(raw)
+                if downstream:
+                    try:
+                        await resp.write(chunk)
+                    except ConnectionError:
+                        downstream = False
             if ex is not None:
-                ex.status, ex.content_type, ex.raw = up.status, up.headers.get("Content-Type", ""), bytes(raw)
-            await resp.write_eof()
+                ex.raw = bytes(raw)
+            if downstream:
+                try:
+                    await resp.write_eof()
+                except ConnectionError:
+                    pass
             return resp
 
     def stop(self) -> None:
