@@ -86,7 +86,8 @@ class GenParams:
         p.sampling_seed = sp.get("sampling_seed")
         # SGLang's verify(), in its order and words.
         if not np.isfinite(p.temperature) or p.temperature < 0.0:
-            raise ValueError(f"temperature must be a non-negative finite number, got {p.temperature}.")
+            # SGLang prints the value as sent: `got -1.`, not `got -1.0.`.
+            raise ValueError(f"temperature must be a non-negative finite number, got {sp['temperature']}.")
         if p.temperature < 1e-6:  # greedy: SGLang sets top_k = 1 and temperature = 1
             p.temperature, p.top_k = 1.0, 1
         if not 0.0 < p.top_p <= 1.0:
@@ -301,7 +302,8 @@ def _dumps(obj: Any) -> str:
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(text=_dumps(obj), status=status, content_type="application/json")
+    # As bytes: SGLang's JSON answers say `application/json`, without aiohttp's `; charset=utf-8`.
+    return web.Response(body=_dumps(obj).encode(), status=status, content_type="application/json")
 
 
 def _sse(obj: Any) -> bytes:
@@ -327,9 +329,13 @@ async def _read_json(request: web.Request) -> tuple[Any, bytes, web.Response | N
     body without `Content-Type: application/json` is not parsed at all: 400, whatever it holds."""
     raw = await request.read()
     if request.content_type != "application/json":
-        return None, raw, _bad_request_validation(
-            "1 validation error:\n  {'type': 'dataclass_type', 'loc': ('body',), 'msg': 'Input should "
-            f"be a dictionary or an instance of GenerateReqInput', 'input': {raw[:200]!r}}}"
+        return (
+            None,
+            raw,
+            _bad_request_validation(
+                "1 validation error:\n  {'type': 'dataclass_type', 'loc': ('body',), 'msg': 'Input should "
+                f"be a dictionary or an instance of GenerateReqInput', 'input': {raw[:200]!r}}}"
+            ),
         )
     try:
         body = json.loads(raw) if raw else None
