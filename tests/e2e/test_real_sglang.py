@@ -9,7 +9,6 @@ treats them as its answer: the point is the path of the ids and logprobs, not wh
 
 from __future__ import annotations
 
-import json
 import signal
 import sqlite3
 import struct
@@ -97,6 +96,9 @@ def assert_store_is_what_sglang_said(db: Path, session: str, exchanges: list[Exc
         assert t.output_ids == final["output_ids"]
         assert bits(t.output_logprobs) == bits([e[0] for e in lps])
         assert t.weight_version == meta["weight_version"]
+        # SGLang 0.5.23 says which weights sampled which tokens: here one span, the turn's version.
+        n = len(final["output_ids"])
+        assert meta["weight_versions"] == [{"version": t.weight_version, "start": 0, "end": n}]
         assert t.status == "ok"
         assert int(ex.request["sampling_params"]["max_new_tokens"]) <= int(CAP)
     return turns
@@ -193,4 +195,3 @@ def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, 
     rows = con.execute("SELECT status, error FROM turns WHERE session_id = 'killed' ORDER BY seq").fetchall()
     assert rows and rows[0][0] == "error", rows
     assert "policy backend" in rows[0][1], rows[0][1]
-    print(json.dumps(rows[:3]))
