@@ -145,6 +145,32 @@ for entry in "${PY_ENVS[@]}"; do
   for cmd in $cmds; do ln -sf "$venv/bin/$cmd" "$CACHE/bin/$cmd"; done
 done
 
+# Real SGLang on CPU for the `engines` tests (tests/e2e/test_real_sglang.py): the PyPI wheel in a
+# CPython 3.11 venv of its own, built by ../shared/sglang-cpu/build.sh (pip only, ~3 min the first
+# time). Its version is pinned here and in tests/support/sglang.py. Off with POLAR_MITM_NO_SGLANG=1.
+SGLANG_PIN="sglang==0.5.23"
+SGLANG_BUILD=../shared/sglang-cpu/build.sh
+sglang_venv="$CACHE/venvs/sglang-cpu-${SGLANG_PIN#*==}"
+sglang_py=""
+for cand in python3.11 "$HOME/.pyenv/versions/3.11"*/bin/python3.11; do
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    sglang_py="$cand"; break
+  fi
+done
+if [ "${POLAR_MITM_NO_SGLANG:-}" = 1 ]; then
+  say "skipping real SGLang (POLAR_MITM_NO_SGLANG=1): the engines tests will skip"
+elif [ ! -f "$SGLANG_BUILD" ]; then
+  say "skipping real SGLang: no $SGLANG_BUILD here; the engines tests will skip"
+elif [ -z "$sglang_py" ]; then
+  say "skipping real SGLang: it needs Python 3.11, not found; the engines tests will skip"
+elif [ "$(cat "$sglang_venv/.polar-mitm-installed" 2>/dev/null)" = "$SGLANG_PIN" ]; then
+  say "real SGLang up to date"
+else
+  say "building $SGLANG_PIN for CPU into $sglang_venv (~3 min the first time)"
+  PYTHON="$sglang_py" bash "$SGLANG_BUILD" "$sglang_venv"
+  echo "$SGLANG_PIN" > "$sglang_venv/.polar-mitm-installed"
+fi
+
 # Docker for the rollout tests: Debian's docker.io, a daemon in the background, the base image.
 if [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then
   say "skipping Docker (POLAR_MITM_NO_DOCKER=1): run the tests with -m 'not docker'"

@@ -21,7 +21,7 @@ pin_to_loopback()
 # or containers or takes more than about a second: marked where it is written, and here for whatever
 # uses a fixture that stands for processes (so a new test using one is counted without a mark).
 
-PROCESS_FIXTURES = frozenset({"docker_client", "backend_process"})
+PROCESS_FIXTURES = frozenset({"docker_client", "backend_process", "sglang_server"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,6 +31,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "slow"
         ):
             item.add_marker(pytest.mark.slow)
+        if "sglang_server" in uses and not item.get_closest_marker("engines"):
+            item.add_marker(pytest.mark.engines)
 
 
 # --- tokenizers (polar_mitm.backends.tokenizer, tokenizer_build) --------------------------------
@@ -158,6 +160,31 @@ def fake_provider(tmp_path):
 
 
 # --- end harvest ---------------------------------------------------------------------------------
+
+
+# --- real SGLang on CPU (tests marked `engines`; tests/support/sglang.py) -------------------------
+
+
+@pytest.fixture(scope="session")
+def sglang_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
+    """A tiny Qwen2 over the Qwen tokenizer's 151,669 ids, with the tokenizer beside it."""
+    from tests.support.sglang import make_tiny_model, sglang_python
+
+    sglang_python()  # skip before building a model nothing will serve
+    return make_tiny_model(qwen_tokenizer_dir, tmp_path_factory.mktemp("sglang-model"))
+
+
+@pytest.fixture(scope="session")
+def sglang_server(tmp_path_factory, sglang_model_dir):
+    """Real SGLang (the PyPI wheel, CPU) serving `sglang_model_dir`, for the whole session."""
+    from tests.support.sglang import SGLangServer
+
+    server = SGLangServer(sglang_model_dir, tmp_path_factory.mktemp("sglang-log") / "server.log")
+    yield server
+    server.stop()
+
+
+# --- end real SGLang -----------------------------------------------------------------------------
 
 
 # --- docker (tests marked `docker`: real containers from the test image) ----------------------------

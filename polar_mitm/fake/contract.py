@@ -5,8 +5,11 @@ SGLang's JSON contract gate with HTTP 400 `{"error": "unknown field `x`, expecte
 plain string); a body that is not JSON is FastAPI's validation error, which SGLang turns into 400
 `{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}`; semantic
 errors (`ValueError` in SGLang: no prompt, bad temperature, prompt too long) are 400
-`{"error": {"message": ...}}`. Unknown top-level keys are ignored, as SGLang does. An
-`input_ids` entry outside the vocabulary is a 400 here (SGLang itself does not check it).
+`{"error": {"message": ...}}`. Unknown top-level keys are ignored, as SGLang does. A body
+without `Content-Type: application/json` is a 400 validation error whatever it holds (FastAPI
+does not parse it). An `input_ids` entry outside the vocabulary is a 400 here; real SGLang
+0.5.23 does not check it: its scheduler dies of an IndexError and the whole server exits
+(observed on CPU), so the proxy must only ever send the served model's tokenizer's ids.
 
 `check_generate_body` / `check_sampling_params` are the JSON contract gate (the generated
 `sglang/api/v1/api_types.py`), and `GenParams.from_sglang` is `SamplingParams`' normalization and
@@ -83,7 +86,8 @@ class GenParams:
         p.sampling_seed = sp.get("sampling_seed")
         # SGLang's verify(), in its order and words.
         if not np.isfinite(p.temperature) or p.temperature < 0.0:
-            raise ValueError(f"temperature must be a non-negative finite number, got {p.temperature}.")
+            # SGLang prints the value as sent: `got -1.`, not `got -1.0.`.
+            raise ValueError(f"temperature must be a non-negative finite number, got {sp['temperature']}.")
         if p.temperature < 1e-6:  # greedy: SGLang sets top_k = 1 and temperature = 1
             p.temperature, p.top_k = 1.0, 1
         if not 0.0 < p.top_p <= 1.0:
@@ -298,7 +302,8 @@ def _dumps(obj: Any) -> str:
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(text=_dumps(obj), status=status, content_type="application/json")
+    # As bytes: SGLang's JSON answers say `application/json`, without aiohttp's `; charset=utf-8`.
+    return web.Response(body=_dumps(obj).encode(), status=status, content_type="application/json")
 
 
 def _sse(obj: Any) -> bytes:
@@ -320,8 +325,18 @@ def _openai_error(message: str, status: int = 400, err_type: str = "BadRequestEr
 
 
 async def _read_json(request: web.Request) -> tuple[Any, bytes, web.Response | None]:
-    """(parsed body, raw body, error response if it is not JSON)."""
+    """(parsed body, raw body, error response if it is not JSON). As SGLang's FastAPI does, a
+    body without `Content-Type: application/json` is not parsed at all: 400, whatever it holds."""
     raw = await request.read()
+    if request.content_type != "application/json":
+        return (
+            None,
+            raw,
+            _bad_request_validation(
+                "1 validation error:\n  {'type': 'dataclass_type', 'loc': ('body',), 'msg': 'Input should "
+                f"be a dictionary or an instance of GenerateReqInput', 'input': {raw[:200]!r}}}"
+            ),
+        )
     try:
         body = json.loads(raw) if raw else None
     except (ValueError, UnicodeDecodeError) as e:

@@ -165,6 +165,10 @@ class _Handlers:
         meta["completion_tokens"] = k
         meta["cached_tokens"] = item.cached_tokens
         if finish is not None:
+            # SGLang 0.5.23: which weights sampled which tokens, in the last output only.
+            meta["weight_versions"] = [{"version": self.s.weight_version, "start": 0, "end": k}]
+        meta["dp_rank"] = None
+        if finish is not None:
             meta["e2e_latency"] = time.perf_counter() - started
             meta["response_sent_to_client_ts"] = time.time()
         out: dict[str, Any] = {"text": text, "output_ids": list(ids), "meta_info": meta}

@@ -617,6 +617,22 @@ async def test_generate_incremental_streaming_output(fake, http, tiny):
     )
 
 
+async def test_generate_reply_has_real_sglangs_header_and_weight_spans(fake, http, tiny):
+    """What real SGLang 0.5.23 was seen to send (tests/e2e/test_real_sglang.py, docs/engines.md):
+    `Content-Type: application/json` without a charset; the last output's `weight_versions`
+    spans (one per weight version that sampled tokens) and `dp_rank`."""
+    url, _ = await fake()
+    body = {"input_ids": prompt_ids(tiny, "hi"), "sampling_params": {"max_new_tokens": 3}}
+    async with http.post(url + "/generate", json=body) as r:
+        assert r.headers["Content-Type"] == "application/json"
+        out = await r.json()
+    n = len(out["output_ids"])
+    assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": n}]
+    assert out["meta_info"]["dp_rank"] is None
+    chunks = [json.loads(e) for e in (await stream(http, url + "/generate", {**body, "stream": True}))[:-1]]
+    assert ["weight_versions" in c["meta_info"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
 async def test_generate_errors_in_sglang_shapes(fake, http, tiny):
     url, _ = await fake()
     ids = prompt_ids(tiny, "hi")
@@ -630,6 +646,13 @@ async def test_generate_errors_in_sglang_shapes(fake, http, tiny):
         assert r.status == 400
         err = await r.json()
         assert err["object"] == "error" and err["code"] == 400 and err["type"] == "Bad Request"
+    # Real SGLang (0.5.23, observed) parses no body without `Content-Type: application/json`.
+    good = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}).encode()
+    for headers in ({}, {"Content-Type": "text/plain"}):
+        async with http.post(url + "/generate", data=good, headers=headers) as r:
+            err = await r.json()
+            assert r.status == 400 and err["type"] == "Bad Request", err
+            assert "Input should be a dictionary" in err["message"]
     status, out = await post(http, url + "/generate", {"input_ids": [1, tiny.vocab_size + 5]})
     assert status == 400 and "out-of-vocabulary" in out["error"]["message"]
     status, out = await post(http, url + "/generate", {"sampling_params": {}})

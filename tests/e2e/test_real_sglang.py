@@ -1,0 +1,197 @@
+"""Real Claude Code through `polar-mitm run` against real SGLang (the PyPI wheel on CPU, a tiny
+random Qwen2 over the Qwen tokenizer), with a recording hop between the proxy and the engine: what
+the store keeps is what SGLang said, bit for bit, streamed and whole; a weight update between two
+sessions shows in the next session's turns; an engine SIGKILLed mid-turn fails the turn clearly.
+
+The model is random, so Claude Code gets a few random tokens per call (`--max-tokens-cap`) and
+treats them as its answer: the point is the path of the ids and logprobs, not what they say.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import struct
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from polar_mitm import procs
+from polar_mitm.store.reader import read_turns
+from tests.support.harness import harness_env, polar_run, require_binary
+from tests.support.sglang import Exchange, RecordingHop, SGLangServer, make_tiny_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.engines, pytest.mark.slow]
+
+CAP = "12"  # tokens per reply: a random model writes until the cap
+
+
+@pytest.fixture
+def hop(sglang_server):
+    h = RecordingHop(sglang_server.url).start()
+    yield h
+    h.stop()
+
+
+def run_claude(
+    tmp_path: Path, backend_url: str, tokenizer: Path, session: str, *extra: str, env: dict | None = None
+):
+    work = tmp_path / f"work-{session}"
+    work.mkdir()
+    return polar_run(
+        [
+            "--backend",
+            backend_url,
+            "--tokenizer",
+            str(tokenizer),
+            "--tool-parser",
+            "qwen25",
+            "--max-tokens-cap",
+            CAP,
+            "--db",
+            str(tmp_path / "runs.sqlite"),
+            "--session",
+            session,
+            *extra,
+        ],
+        ["claude", "-p", "Say hello"],
+        cwd=work,
+        env={**harness_env(tmp_path / f"home-{session}"), **(env or {})},
+        timeout=400,
+    )
+
+
+def bits(values: list[float]) -> bytes:
+    return struct.pack(f"<{len(values)}d", *values)
+
+
+def assert_store_is_what_sglang_said(db: Path, session: str, exchanges: list[Exchange], *, streamed: bool):
+    """Every stored turn of `session` is one recorded /generate: its prompt ids are the input_ids
+    sent, its sampled ids and logprobs the reply's (float64 bits), its weight version the reply's."""
+    turns = list(read_turns(db, session=session))
+    assert turns, "no turn was stored"
+    sent = defaultdict(list)
+    for ex in exchanges:
+        sent[tuple(ex.request["input_ids"])].append(ex)
+    for t in turns:  # turns in creation order; several with one prompt (a retry) pair in order
+        queue = sent[tuple(t.prompt_ids)]
+        assert queue, f"turn {t.id}: SGLang never received its prompt ids"
+        ex = queue.pop(0)
+        assert ex.status == 200 and ex.streamed is streamed and ex.request["return_logprob"] is True
+        outs = ex.outputs()
+        if streamed:
+            assert ex.content_type.startswith("text/event-stream")
+            for a, b in zip(outs, outs[1:], strict=False):  # SGLang's chunks repeat everything so far
+                assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+        else:
+            assert ex.content_type.startswith("application/json") and len(outs) == 1
+        final = outs[-1]
+        meta = final["meta_info"]
+        lps = meta["output_token_logprobs"]
+        assert all(len(e) == 3 and e[2] is None for e in lps)  # [logprob, id, null]
+        assert [e[1] for e in lps] == final["output_ids"]
+        assert t.output_ids == final["output_ids"]
+        assert bits(t.output_logprobs) == bits([e[0] for e in lps])
+        assert t.weight_version == meta["weight_version"]
+        # SGLang 0.5.23 says which weights sampled which tokens: here one span, the turn's version.
+        n = len(final["output_ids"])
+        assert meta["weight_versions"] == [{"version": t.weight_version, "start": 0, "end": n}]
+        assert t.status == "ok"
+        assert int(ex.request["sampling_params"]["max_new_tokens"]) <= int(CAP)
+    return turns
+
+
+@pytest.mark.parametrize("stream", ["stream", "whole"])
+def test_claude_code_turns_are_sglangs_replies_bit_for_bit(
+    tmp_path, sglang_server, hop, qwen_tokenizer_dir, stream
+):
+    require_binary("claude")
+    r = run_claude(tmp_path, hop.url, qwen_tokenizer_dir, f"real-{stream}", "--backend-stream", stream)
+    assert r.returncode == 0, r.stderr
+    assert "session real-" in r.stderr
+    turns = assert_store_is_what_sglang_said(
+        tmp_path / "runs.sqlite", f"real-{stream}", hop.exchanges, streamed=stream == "stream"
+    )
+    # Claude Code's main call has the tool list: a prompt of thousands of tokens, all sent.
+    assert max(len(t.prompt_ids) for t in turns) > 2000
+
+
+def test_weight_update_between_sessions_shows_in_the_next_sessions_turns(
+    tmp_path, sglang_server, hop, sglang_model_dir, qwen_tokenizer_dir
+):
+    require_binary("claude")
+    db = tmp_path / "runs.sqlite"
+    before = sglang_server.get("/model_info")["weight_version"]
+    r = run_claude(tmp_path, hop.url, qwen_tokenizer_dir, "w-before")
+    assert r.returncode == 0, r.stderr
+    # Against SGLang's default (cumulative chunks) `--backend-stream auto` asks for whole replies.
+    first = assert_store_is_what_sglang_said(db, "w-before", hop.exchanges, streamed=False)
+    assert {t.weight_version for t in first} == {before}
+
+    other = make_tiny_model(qwen_tokenizer_dir, tmp_path / "model-v2", seed=1)
+    try:
+        status, reply = sglang_server.post(
+            "/update_weights_from_disk", {"model_path": str(other), "weight_version": "step-2"}
+        )
+        assert status == 200 and reply["success"] is True, reply
+        assert sglang_server.get("/model_info")["weight_version"] == "step-2"
+        r = run_claude(tmp_path, hop.url, qwen_tokenizer_dir, "w-after")
+        assert r.returncode == 0, r.stderr
+        second = assert_store_is_what_sglang_said(db, "w-after", hop.exchanges, streamed=False)
+        assert {t.weight_version for t in second} == {"step-2"}
+        # New weights, new numbers: the same first prompt is sampled with other logprobs.
+        assert bits(second[0].output_logprobs) != bits(first[0].output_logprobs)
+    finally:  # the server is the session's: give it back its weights
+        status, reply = sglang_server.post(
+            "/update_weights_from_disk", {"model_path": str(sglang_model_dir), "weight_version": before}
+        )
+        assert status == 200 and reply["success"] is True, reply
+
+
+def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qwen_tokenizer_dir):
+    """Its own engine (the session's stays up), SIGKILLed (the whole group) once a turn streams."""
+    require_binary("claude")
+    # A model that (nearly) never samples <|im_end|>: the kill lands while it is still writing.
+    model = make_tiny_model(qwen_tokenizer_dir, tmp_path / "model-long", eos_share=1e-9)
+    server = SGLangServer(model, tmp_path / "killed.log")
+    try:
+        h = RecordingHop(server.url).start()
+        killed, done = threading.Event(), threading.Event()
+
+        def kill_once_streaming() -> None:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not done.is_set():
+                if any(ex.received and not ex.raw for ex in h.exchanges):
+                    procs.signal_group(server.proc.pid, signal.SIGKILL)
+                    killed.set()
+                    return
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=kill_once_streaming, daemon=True)
+        watcher.start()
+        # Long replies: the kill lands while SGLang is still sampling the first one.
+        r = run_claude(
+            tmp_path,
+            h.url,
+            qwen_tokenizer_dir,
+            "killed",
+            "--backend-stream",
+            "stream",
+            "--max-tokens-cap",
+            "4000",
+            env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt: the engine stays dead
+        )
+        done.set()
+        watcher.join(10)
+        h.stop()
+    finally:
+        server.stop()
+    assert killed.is_set(), "no reply was streaming to kill"
+    assert r.returncode != 0 or "error" in r.stderr.lower(), r.stderr
+    con = sqlite3.connect(tmp_path / "runs.sqlite")
+    rows = con.execute("SELECT status, error FROM turns WHERE session_id = 'killed' ORDER BY seq").fetchall()
+    assert rows and rows[0][0] == "error", rows
+    assert "policy backend" in rows[0][1], rows[0][1]
