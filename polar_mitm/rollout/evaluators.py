@@ -333,6 +333,7 @@ async def swebench(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Sco
         output=r.output,
         left=left,
         check_pytest=False,
+        require_report=True,
     )
     return Score(reward, detail)
 

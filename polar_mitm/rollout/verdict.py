@@ -60,7 +60,12 @@ def test_env(task: Task, sandbox: Sandbox) -> dict[str, str]:
     """The environment the tests run with: SAFE_PYTHON, the JUnit report where pytest runs in a
     supervised sandbox, then the task's and the evaluator's own variables."""
     spec = task.evaluator
-    env = {**SAFE_PYTHON, **proxy_env(sandbox), **task.env, **spec.env}
+    safe = dict(SAFE_PYTHON)
+    if spec.kind == "swebench":
+        # The workdir is the repository, which its tests import from (`python -m pytest` puts it
+        # on sys.path): keep that, and require pytest's own report instead (see judge).
+        del safe["PYTHONSAFEPATH"]
+    env = {**safe, **proxy_env(sandbox), **task.env, **spec.env}
     if sandbox.supervises and uses_pytest(spec):
         own = env.get("PYTEST_ADDOPTS", "")
         env["PYTEST_ADDOPTS"] = f"--junitxml={JUNIT} {own}".strip()
@@ -201,10 +206,16 @@ async def judge(
     output: str,
     left: list[Leftover],
     check_pytest: bool = True,
+    require_report: bool = False,
 ) -> float:
-    """The reward to keep once the run's evidence is weighed; records it in `detail`."""
+    """The reward to keep once the run's evidence is weighed; records it in `detail`.
+    `require_report`: a positive reward from tests that run pytest needs pytest's JUnit report
+    (SWE-bench, whose totals are not compared: see evaluators.swebench)."""
     spec = task.evaluator
     reasons = []
+    if require_report and reward > 0 and sandbox.supervises and uses_pytest(spec):
+        if await sandbox.read(JUNIT) is None:
+            reasons.append("the tests run pytest, but pytest wrote no report (was it pytest that ran?)")
     if left:
         detail["left_running"] = [p.describe() for p in left[:LISTED]]
         reasons.append(f"{len(left)} processes outlived the tests (a detached process, live or exited)")
