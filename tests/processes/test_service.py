@@ -324,7 +324,7 @@ def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backe
             "--nodes",
             "0",
             "--node-timeout",
-            "2",
+            "6",  # a loaded 2-core machine can hold a live node's heartbeat past 2 s
             "--allow-local-runtime",
             "--db",
             str(tmp_path / "s.sqlite"),
