@@ -24,6 +24,9 @@ from tests.support.service import TOKEN, node_args, served_url, spawn, wait_http
 
 GROUPS, SAMPLES = 20, 4
 INSTANT = ["sh", "-c", 'echo "$1" > out.txt', "harness", "{instruction}"]
+# A sample that lasts a moment, so that a lease is held whenever the server is killed: with
+# instant samples the kill could fall between one batch of leases and the next.
+LINGERING = ["sh", "-c", 'sleep 0.3; echo "$1" > out.txt', "harness", "{instruction}"]
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +42,7 @@ def backend(tiny_tokenizer_dir):
     b.stop()
 
 
-def submit_all(client: RolloutClient, scores: Path) -> list[str]:
+def submit_all(client: RolloutClient, scores: Path, harness_cmd: list[str] = INSTANT) -> list[str]:
     """GROUPS tasks of SAMPLES instant samples; the evaluator appends one line per scoring run."""
     check = f'grep -q pass out.txt && echo "$PWD" >> {scores}'
     return [
@@ -48,18 +51,22 @@ def submit_all(client: RolloutClient, scores: Path) -> list[str]:
             samples=SAMPLES,
             harness="claude-code",
             runtime="local",
-            harness_cmd=INSTANT,
+            harness_cmd=harness_cmd,
         )
         for i in range(GROUPS)
     ]
 
 
-def finished(db: Path) -> int:
+def count(db: Path, state: str) -> int:
     con = sqlite3.connect(db)
     try:
-        return con.execute("SELECT COUNT(*) FROM service_samples WHERE state = 'finished'").fetchone()[0]
+        return con.execute("SELECT COUNT(*) FROM service_samples WHERE state = ?", (state,)).fetchone()[0]
     finally:
         con.close()
+
+
+def finished(db: Path) -> int:
+    return count(db, "finished")
 
 
 def check_every_sample_once(client: RolloutClient, ids: list[str], db: Path, log: Path) -> list:
@@ -97,9 +104,13 @@ def test_a_server_killed_mid_run_restarts_on_its_store_and_loses_nothing(
         ]
         procs += nodes
         client = RolloutClient(url)
-        ids = submit_all(client, scores)
+        ids = submit_all(client, scores, LINGERING)
         total = GROUPS * SAMPLES
-        wait_until(lambda: finished(db) >= total // 4, timeout=120, message="a quarter of the samples")
+        wait_until(
+            lambda: finished(db) >= total // 4 and count(db, "dispatched") > 0,
+            timeout=120,
+            message="a quarter of the samples, and leases held",
+        )
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         con = sqlite3.connect(db)
