@@ -171,6 +171,39 @@ else
   echo "$SGLANG_PIN" > "$sglang_venv/.polar-mitm-installed"
 fi
 
+# Apptainer for the `apptainer` tests (tests/processes/test_apptainer_real.py): the `apptainer` on
+# PATH where there is one (a cluster's own); else POLAR_MITM_APPTAINER, an existing binary; else
+# built non-setuid from the vendored source by POLAR_MITM_APPTAINER_BUILD (default
+# ../shared/apptainer/build.sh, ~5-8 min of make the first time, then cached). The binary is
+# linked as $CACHE/bin/apptainer, where polar-mitm looks after PATH. Off with POLAR_MITM_NO_APPTAINER=1.
+APPTAINER_BUILD=${POLAR_MITM_APPTAINER_BUILD:-../shared/apptainer/build.sh}
+if [ "${POLAR_MITM_NO_APPTAINER:-}" = 1 ]; then
+  say "skipping Apptainer (POLAR_MITM_NO_APPTAINER=1): the apptainer tests will skip"
+elif [ -n "${POLAR_MITM_APPTAINER:-}" ]; then
+  "$POLAR_MITM_APPTAINER" --version >/dev/null || { say "POLAR_MITM_APPTAINER=$POLAR_MITM_APPTAINER does not run"; exit 1; }
+  ln -sf "$(readlink -f "$POLAR_MITM_APPTAINER")" "$CACHE/bin/apptainer"
+  say "Apptainer: $POLAR_MITM_APPTAINER ($("$POLAR_MITM_APPTAINER" --version))"
+elif command -v apptainer >/dev/null 2>&1; then
+  say "Apptainer: $(command -v apptainer) ($(apptainer --version))"
+elif [ -f "$APPTAINER_BUILD" ]; then
+  if [ -x "$CACHE/bin/apptainer" ] && "$CACHE/bin/apptainer" --version >/dev/null 2>&1; then
+    say "Apptainer up to date ($("$CACHE/bin/apptainer" --version))"
+  else
+    say "building Apptainer with $APPTAINER_BUILD (~5-8 min the first time)"
+    bin=$(bash "$APPTAINER_BUILD" | tail -1)
+    ln -sf "$bin" "$CACHE/bin/apptainer"
+  fi
+  # Our build, as root on a host whose init is not systemd: cgroupfs, so that the task's memory,
+  # CPU and pids limits apply (Apptainer's default asks systemd and refuses every limit).
+  conf="$(dirname "$(dirname "$(readlink -f "$CACHE/bin/apptainer")")")/etc/apptainer/apptainer.conf"
+  if [ "$(id -u)" = 0 ] && [ "$(cat /proc/1/comm 2>/dev/null)" != systemd ] && grep -q '^systemd cgroups = yes' "$conf" 2>/dev/null; then
+    sed -i 's/^systemd cgroups = yes/systemd cgroups = no/' "$conf"
+    say "Apptainer: systemd cgroups = no (this host's init is not systemd)"
+  fi
+else
+  say "skipping Apptainer: none on PATH and no $APPTAINER_BUILD here; the apptainer tests will skip"
+fi
+
 # Docker for the rollout tests: Debian's docker.io, a daemon in the background, the base image.
 if [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then
   say "skipping Docker (POLAR_MITM_NO_DOCKER=1): run the tests with -m 'not docker'"

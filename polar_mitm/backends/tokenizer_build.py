@@ -26,6 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from polar_mitm.cache import cache_dir
+
 # Bump when the builders' output changes, so cached directories are rebuilt.
 BUILD_VERSION = 1
 STAMP_FILE = "polar_mitm_build.json"
@@ -177,8 +179,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
 
 def default_cache_dir() -> Path:
     """Where built tokenizers live: `$POLAR_MITM_CACHE/tokenizers`, else `~/.cache/polar-mitm/tokenizers`."""
-    root = os.environ.get("POLAR_MITM_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "polar-mitm") / "tokenizers"
+    return cache_dir() / "tokenizers"
 
 
 def ensure_tokenizer(kind: str = "qwen", cache_dir: Path | None = None) -> Path:

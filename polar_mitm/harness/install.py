@@ -28,6 +28,7 @@ import shutil
 import stat
 from pathlib import Path, PurePosixPath
 
+from polar_mitm.cache import cache_dir
 from polar_mitm.recipes import Recipe
 from polar_mitm.sandbox.base import HarnessMount
 
@@ -42,10 +43,6 @@ PYTHON_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 class HarnessNotInstalled(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("POLAR_MITM_CACHE") or Path.home() / ".cache" / "polar-mitm")
 
 
 def _modules_root(real: Path) -> Path | None:

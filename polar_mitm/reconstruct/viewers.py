@@ -7,11 +7,12 @@ import json
 import os
 from pathlib import Path
 
+from polar_mitm.cache import cache_dir
+
 
 def registry_path() -> Path:
     """Where a running viewer says which store it shows and at which URL (for `show`)."""
-    base = os.environ.get("POLAR_MITM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "polar-mitm")
-    return Path(base) / "viewers.json"
+    return cache_dir() / "viewers.json"
 
 
 def running_url(db: str | Path) -> str | None:

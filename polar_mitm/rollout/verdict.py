@@ -104,10 +104,7 @@ async def run_tests(
     work on the sandbox."""
     if not sandbox.supervises:
         return await sandbox.exec(argv, env=env, timeout=timeout, workdir=workdir), []
-    before = {p.pid for p in await sandbox.processes()}
-    r = await sandbox.exec(argv, env=env, timeout=timeout, workdir=workdir)
-    left = [p for p in await sandbox.seal() if p.pid not in before]
-    return r, left
+    return await sandbox.exec_sealed(argv, env=env, timeout=timeout, workdir=workdir)
 
 
 @dataclass(frozen=True)

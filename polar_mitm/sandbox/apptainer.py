@@ -1,22 +1,44 @@
 """The `apptainer` runtime: each sample in its own Apptainer instance (HPC clusters without Docker).
 
-One instance per sample, started from the task's image with no network (`--net --network none`:
-its own namespace with loopback only), without the host's home, working directory or /tmp, with a
-writable overlay directory in the sample's session directory, and with our session directory, CA
-certificate and bundle, (read-only) harness installation, and the sample's channel to the proxy
-(its Unix socket and the forwarder, read-only; `sandbox/channel.py`) bound in at the paths
-`sandbox/base.py` names. Untested against a real Apptainer here (no binary can be installed). Commands run with
-`apptainer exec instance://NAME`, with a clean environment plus the variables asked for.
+Tested on the real binary (Apptainer 1.4.5, non-setuid, as root and as an unprivileged user:
+tests/processes/test_apptainer_real.py). Each sample gets an instance started from the task's
+image as a SIF (`sandbox/sif.py`: converted once per image content and cached), with:
 
-The command lines are built by the pure functions below (`start_argv`, `exec_argv`, `env_options`,
-`image_ref`, `instance_name`) and run as asyncio subprocesses. spython finds the binary
-(`spython.utils.check_install`) and lists instances (`spython.utils.run_command`); its `Client`
-is not used because it always runs `singularity` (hosts with only `apptainer` have none) and its
-`execute` blocks without a timeout.
+- **no network** but loopback (`--net --network none`); the proxy is reached through the sample's
+  own channel (its Unix socket and the forwarder, read-only; `sandbox/channel.py`);
+- **a minimal /dev** (`--contain`: no host block device, no host /tmp or home) and none of the
+  host's home, working directory or /tmp (`--no-mount home,cwd,tmp`);
+- **no privilege**: as root on the host, the harness runs as HARNESS_USER with no capability
+  (the image's `setpriv`, inside an exec with no-new-privileges), and root's own steps (setup,
+  scoring) keep only ROOT_CAPS (`--no-privs --add-caps`); run by an unprivileged user, every
+  process is that user's, with no capability (Apptainer's user namespace);
+- the task's memory, CPU and a pids limit (`--memory`, `--cpus`, `--pids-limit`) where Apptainer
+  can apply cgroups (cgroup v2, or cgroupfs with `systemd cgroups = no` as root); where it
+  cannot, the instance starts without them, once logged and recorded in `describe()`;
+- its writes in an overlay directory of its own on the host (so the host reads a verdict file
+  without running anything in the sandbox), the harness's HOME bound from the sample's `home`,
+  our CA's public files and the (read-only) harness installation at the paths `sandbox/base.py`
+  names, and a transfer directory for copies in and out.
 
+The instance has its own PID namespace: the host lists and kills its processes by that namespace
+(`processes`, `kill_all`, `seal`), whatever the image holds or the harness replaced. Its init
+reaps orphans, so a verifier's tests run under `forwarder/reap.py`, a child subreaper that keeps
+what they abandon in sight (see there); the host checks its report and seals the instance after.
+
+A verifier (`SandboxSpec.purpose = "verifier"`) is a fresh instance from the same SIF with
+nothing of ours bound but its transfer directory and the supervisor (and its channel, where the
+task lets its verifier reach the internet); the agent's workdir comes in as a tar
+(`rollout/verify.py`). The agent's tar is made by the agent instance's own `tar` once every
+process in it is killed: a replaced `tar` can only change what the artefacts are, which the agent
+controls anyway; the host reads it as untrusted (bounded by the overlay's file sizes first, then
+by bytes; members outside the workdir, devices and paths through links dropped).
+
+The command lines are built by the pure functions below and run as asyncio subprocesses. spython
+finds the binary (`spython.utils.check_install`); its `Client` is not used because it always runs
+`singularity` (hosts with only `apptainer` have none) and its `execute` blocks without a timeout.
 Apptainer keeps no labels, so each instance we start is recorded as a JSON file in a registry
-directory (`$POLAR_MITM_CACHE/apptainer/instances`, else `~/.cache/polar-mitm/apptainer/instances`);
-`cleanup(labels)` stops the recorded instances whose labels match.
+directory (`$POLAR_MITM_CACHE/apptainer/instances`); `cleanup(labels)` stops the recorded
+instances whose labels match.
 """
 
 from __future__ import annotations
@@ -24,63 +46,69 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import re
+import secrets
 import shlex
 import shutil
+import signal
+import stat
+import tarfile
 import time
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, BinaryIO
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO, Literal
 
 from pydantic import BaseModel, Field
 
+from polar_mitm.cache import cache_dir
 from polar_mitm.procs import kill_group
 from polar_mitm.sandbox.base import (
     CHANNEL_SOCKET,
     FORWARDER_ROOT,
     HARNESS_BIN,
+    HARNESS_ROOT,
+    HOME_DIR,
     NODE_BIN,
     NPM_MODULES,
-    SESSION_DIR,
+    PIDS_LIMIT,
+    ROOT_CAPS,
     ExecResult,
+    ExportTooLarge,
     Leftover,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
     ca_mounts,
+    chown,
+    host_process,
+    name_user,
+    open_traversed,
     run_process,
     sandbox_ca,
+    tree_size,
 )
 from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
+from polar_mitm.sandbox.sif import TRANSPORTS, SifCache, is_path
 from polar_mitm.tasks.model import Task
+
+log = logging.getLogger("polar_mitm.apptainer")
 
 BINARIES = ("apptainer", "singularity")  # `singularity` is Apptainer's compatibility name too
 UNAVAILABLE = (
-    "apptainer: neither 'apptainer' nor 'singularity' is on PATH; install Apptainer "
+    "apptainer: no 'apptainer' (or 'singularity') found: not on PATH, not POLAR_MITM_APPTAINER, "
+    "not in polar-mitm's cache (scripts/install.sh builds one there); install Apptainer "
     "(https://apptainer.org) or use --runtime docker / local"
 )
 # Host paths Apptainer would otherwise mount: the sandbox sees only its image and our binds.
-# (`--containall` would also do this, but it gives the instance its own network namespace.)
 NO_MOUNT = "home,cwd,tmp"
 NO_NETWORK = ["--net", "--network", "none"]  # a network namespace of its own, loopback only
-# Apptainer's own transports (`internal/pkg/util/uri`): a reference starting with one is kept.
-TRANSPORTS = frozenset(
-    {
-        "library",
-        "shub",
-        "docker",
-        "docker-archive",
-        "docker-daemon",
-        "oci",
-        "oci-archive",
-        "http",
-        "https",
-        "oras",
-        "ipfs",
-    }
-)
+CONTAIN = "--contain"  # a minimal /dev (no host disk), empty /tmp and home
+XFER_DIR = f"{HARNESS_ROOT}/xfer"  # the sandbox's end of its transfer directory
+REAPER = f"{HARNESS_ROOT}/reap.py"  # a verifier's test supervisor (forwarder/reap.py), read-only
+REAPER_HOST = FORWARDER_DIR / "reap.py"
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")  # Apptainer's instance names: ^[a-zA-Z0-9._-]+$
 NAME_MAX = 100
 # `--env K=V` is parsed as CSV (pflag's string-to-string): a comma splits the pair, a quote
@@ -89,6 +117,9 @@ _ENV_INLINE_UNSAFE = re.compile(r"[,\"\n\r]")
 ENV_INLINE_MAX_VARS = 32
 ENV_INLINE_MAX_CHARS = 4096
 EXIT_NOT_A_FILE = 3  # `read`'s shell line: the path is missing or not a regular file
+EXIT_NO_DIR = 3  # `export`'s shell line: the directory is missing
+CGROUPS_REFUSED = ("cannot use cgroups", "cgroups", "while applying cgroups config")
+STOP_WAIT = 5.0  # seconds for a killed namespace to empty
 
 
 # --- names and images ---------------------------------------------------------------------------
@@ -105,16 +136,11 @@ def instance_name(name: str) -> str:
 
 
 def image_ref(image: str) -> str:
-    """What `apptainer instance start` is given for a task's `image`.
-
-    A path (`.sif`, `.simg`, or starting with `/`, `.` or `~`) is used as is; a reference with one
-    of Apptainer's transports (`docker://`, `docker-daemon:`, `oras://`, `library://`, ...) too;
-    anything else is a Docker image name (`ubuntu:24.04`, `ghcr.io/org/img@sha256:...`) and becomes
-    `docker://NAME`: Apptainer pulls it and converts it to a SIF in its own cache
-    (`$APPTAINER_CACHEDIR`) on first use and reuses the conversion after.
-    """
+    """What a task's `image` is without a local Docker daemon or conversion (`sif.SifCache`
+    resolves the rest): a path is kept, a reference with one of Apptainer's transports too, and
+    anything else is a Docker image name that becomes `docker://NAME`."""
     image = image.strip()
-    if image.startswith(("/", ".", "~")) or image.endswith((".sif", ".simg")):
+    if is_path(image):
         return os.path.expanduser(image)
     if not is_local_image(image):
         return image
@@ -124,20 +150,6 @@ def image_ref(image: str) -> str:
 def is_local_image(ref: str) -> bool:
     """True for an image_ref that is a file or directory on the host (not a transport reference)."""
     return "://" not in ref and ref.split(":", 1)[0] not in TRANSPORTS
-
-
-def task_image(task: Task) -> str:
-    """The task's image reference for Apptainer, or a SandboxError saying what to do."""
-    if task.image:
-        return image_ref(task.image)
-    if task.dockerfile is not None:
-        raise SandboxError(
-            f"apptainer: task {task.id!r} has only a Dockerfile ({task.dockerfile}) and Apptainer "
-            "cannot build Dockerfiles: build it with docker (`docker build -t NAME ...`), then set "
-            "the task's image to NAME (a pushed image, or docker-daemon:NAME for the local daemon), "
-            "or use --runtime docker"
-        )
-    raise SandboxError(f"apptainer: task {task.id!r} names no image (a .sif file or a docker image)")
 
 
 # --- command lines ------------------------------------------------------------------------------
@@ -155,17 +167,34 @@ def bind_option(src: Path | str, dst: str, *, read_only: bool = False) -> str:
     return f"{src}:{dst}:ro" if read_only else f"{src}:{dst}"
 
 
+def own_dir(spec: SandboxSpec) -> Path:
+    """The host directory of one instance's own state (overlay, transfers, env files): the agent's
+    and its verifier's are apart, and neither is visible to the other."""
+    return spec.session_dir / f"apptainer-{spec.purpose}"
+
+
 def binds(spec: SandboxSpec) -> list[str]:
-    """The session directory (read-write), our CA's public files, the harness installation and
-    the channel's socket and forwarder (read-only). The CA files are bound one by one: the
-    directory also holds the private key."""
-    out = [bind_option(spec.session_dir.resolve(), SESSION_DIR)]
+    """An agent: its HOME (the sample's `home`, read-write), our CA's public files, the harness
+    installation and the channel's socket and forwarder (read-only). A verifier: the supervisor
+    and, where it may reach the internet, its channel, the forwarder and the node it runs on.
+    Both: the transfer directory. The CA files are bound one by one: the directory also holds the
+    private key."""
+    out = [bind_option((own_dir(spec) / "xfer").resolve(), XFER_DIR)]
+    if spec.purpose == "verifier":
+        out.append(bind_option(REAPER_HOST.resolve(), REAPER, read_only=True))
+        if spec.channel is not None:
+            out.append(bind_option(spec.channel, CHANNEL_SOCKET, read_only=True))
+            out.append(bind_option(FORWARDER_DIR.resolve(), FORWARDER_ROOT, read_only=True))
+            if spec.forwarder_node is not None:
+                out.append(bind_option(spec.forwarder_node.resolve(), f"{NODE_BIN}/node", read_only=True))
+        return out
+    out.append(bind_option((spec.session_dir / "home").resolve(), HOME_DIR))
     for host, inside in ca_mounts(spec.ca):
         out.append(bind_option(host.resolve(), inside, read_only=True))
-    if spec.channel is not None and spec.purpose == "agent":
+    if spec.channel is not None:
         out.append(bind_option(spec.channel, CHANNEL_SOCKET, read_only=True))
         out.append(bind_option(FORWARDER_DIR.resolve(), FORWARDER_ROOT, read_only=True))
-    if spec.harness is not None and spec.purpose == "agent":
+    if spec.harness is not None:
         if spec.harness.modules is not None:
             out.append(bind_option(spec.harness.modules.resolve(), NPM_MODULES, read_only=True))
         for host, inside in spec.harness.trees:  # a PyPI harness: at the host's own paths
@@ -183,16 +212,56 @@ def harness_path(spec: SandboxSpec) -> list[str]:
     return [HARNESS_BIN, NODE_BIN] if spec.harness.node is not None else [HARNESS_BIN]
 
 
-def start_argv(binary: str, image: str, name: str, spec: SandboxSpec, overlay: Path | None) -> list[str]:
-    """`instance start`: no network but loopback (`--net --network none`; the proxy is reached
-    through the channel's socket), no host home/cwd/tmp, the environment left out (variables come
-    with each exec), writes going to `overlay` (a directory, kept for the instance's life and not
-    limited in size) or, without one, to a tmpfs."""
-    argv = [binary, "instance", "start", "--cleanenv", "--no-mount", NO_MOUNT, *NO_NETWORK]
+def limit_options(task: Task) -> list[str]:
+    """The task's memory and CPU, and the pids limit, as `instance start` options (cgroups)."""
+    out = ["--pids-limit", str(PIDS_LIMIT)]
+    if task.memory_mb:
+        out += ["--memory", str(int(task.memory_mb) << 20)]
+    if task.cpus:
+        out += ["--cpus", f"{task.cpus:g}"]
+    return out
+
+
+def start_argv(
+    binary: str,
+    image: str,
+    name: str,
+    spec: SandboxSpec,
+    overlay: Path | None,
+    limits: list[str] | None = None,
+) -> list[str]:
+    """`instance start`: no network but loopback, a minimal /dev, no host home/cwd/tmp, the
+    environment left out (variables come with each exec), writes going to `overlay` (a directory
+    on the host) or, without one, to a tmpfs, and the cgroup limits asked for."""
+    argv = [binary, "instance", "start", "--cleanenv", CONTAIN, "--no-mount", NO_MOUNT, *NO_NETWORK]
     argv += ["--overlay", str(overlay)] if overlay is not None else ["--writable-tmpfs"]
+    argv += limits or []
     for bind in binds(spec):
         argv += ["--bind", bind]
     return [*argv, image, name]
+
+
+Privileges = Literal["root", "harness"]
+
+
+def privilege_options(kind: Privileges, *, host_root: bool) -> list[str]:
+    """The exec options of who runs. Run by root: root with ROOT_CAPS only and no-new-privileges
+    (the harness then drops to its user: `as_user`); by another user: nothing to add (that
+    user, with no capability)."""
+    if not host_root:
+        return []
+    return ["--no-privs", "--add-caps", ",".join(f"CAP_{c}" for c in ROOT_CAPS)]
+
+
+def as_user(cmd: list[str], user: str) -> list[str]:
+    """cmd run as `user` ("UID:GID") with no capability, no supplementary group and
+    no-new-privileges, by the image's `setpriv` (util-linux). Apptainer's own `--security uid:`
+    cannot join an instance that has cgroup limits unless systemd manages them."""
+    uid, _, gid = user.partition(":")
+    return [
+        "setpriv", f"--reuid={uid}", f"--regid={gid or uid}", "--clear-groups",
+        "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--", *cmd,
+    ]  # fmt: skip
 
 
 def needs_env_file(env: Mapping[str, str]) -> bool:
@@ -232,56 +301,181 @@ def exec_env(env: Mapping[str, str] | None, path_prefix: list[str]) -> dict[str,
     return out
 
 
-def exec_argv(binary: str, name: str, cmd: list[str], workdir: str, env_opts: list[str]) -> list[str]:
+def exec_argv(
+    binary: str, name: str, cmd: list[str], workdir: str, env_opts: list[str], privs: list[str] | None = None
+) -> list[str]:
     """`exec` in the running instance, in `workdir`, with only the image's environment and ours."""
-    return [binary, "exec", "--cleanenv", "--pwd", workdir, *env_opts, f"instance://{name}", *cmd]
+    return [
+        binary,
+        "exec",
+        "--cleanenv",
+        *(privs or []),
+        "--pwd",
+        workdir,
+        *env_opts,
+        f"instance://{name}",
+        *cmd,
+    ]
 
 
 def stop_argv(binary: str, name: str) -> list[str]:
-    return [binary, "instance", "stop", name]
+    return [binary, "instance", "stop", "--force", name]
 
 
 def list_argv(binary: str, name: str | None = None) -> list[str]:
     return [binary, "instance", "list", "--json", *([name] if name else [])]
 
 
-def listed_names(text: str) -> set[str]:
-    """Instance names in `instance list --json` output (`{"instances": [{"instance": NAME, ...}]}`)."""
+def listed(text: str) -> dict[str, int]:
+    """{instance name: its init's host pid} in `instance list --json` output."""
     try:
         data = json.loads(text)
     except ValueError:
-        return set()
-    return {i.get("instance") or i.get("daemon_name") for i in data.get("instances") or []} - {None}
+        return {}
+    out = {}
+    for i in data.get("instances") or []:
+        name = i.get("instance") or i.get("daemon_name")
+        if name:
+            out[name] = int(i.get("pid") or 0)
+    return out
+
+
+def listed_names(text: str) -> set[str]:
+    """Instance names in `instance list --json` output (`{"instances": [{"instance": NAME, ...}]}`)."""
+    return set(listed(text))
+
+
+def report_of(output: str, secret: str) -> tuple[str, dict[str, Any] | None]:
+    """The tests' output without the supervisor's last line, and that line's report (None when
+    it printed none: killed, or it could not run)."""
+    at = output.rfind(f"\n{secret} ")
+    if at < 0:
+        return output, None
+    line = output[at + 1 :].split("\n", 1)[0]
+    try:
+        report = json.loads(line[len(secret) + 1 :])
+    except ValueError:
+        return output, None
+    return output[:at], report if isinstance(report, dict) else None
 
 
 # --- processes ----------------------------------------------------------------------------------
 
 
 def find_binary() -> str | None:
-    """The full path of `apptainer` (or `singularity`) when it is on PATH and answers --version."""
+    """`POLAR_MITM_APPTAINER`, else `apptainer` (or `singularity`) on PATH, else the one
+    scripts/install.sh linked into polar-mitm's cache, when it answers --version."""
     from spython.utils import check_install
 
-    for name in BINARIES:
-        path = shutil.which(name)
+    given = os.environ.get("POLAR_MITM_APPTAINER")
+    cands: list[str | None] = [given] if given else []
+    cands += [shutil.which(n) for n in BINARIES]
+    cands += [shutil.which(n, path=str(cache_dir() / "bin")) for n in BINARIES]
+    for path in cands:
         if path and check_install(path):
             return path
     return None
 
 
 async def run_argv(
-    argv: list[str], timeout: float | None = None, procs: set[asyncio.subprocess.Process] | None = None
+    argv: list[str],
+    timeout: float | None = None,
+    procs: set[asyncio.subprocess.Process] | None = None,
+    stdin: bytes | None = None,
 ) -> ExecResult:
     """`run_process` for Apptainer's command lines: killing `apptainer exec` ends the command in
     the instance too (it runs as its child)."""
-    return await run_process(argv, timeout=timeout, procs=procs)
+    return await run_process(argv, timeout=timeout, procs=procs, stdin=stdin)
+
+
+def namespace_pids(init: int) -> list[int]:
+    """The host pids of the processes in the PID namespace whose init is host pid `init`, but it."""
+    try:
+        ns = os.readlink(f"/proc/{init}/ns/pid")
+    except OSError:
+        return []
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == init:
+            continue
+        try:
+            if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                out.append(int(name))
+        except OSError:
+            continue
+    return out
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def safe_members(src: BinaryIO, into: BinaryIO, top: str) -> list[str]:
+    """Copy the tar `src` into `into` keeping only members under `top/` that stay there: no
+    absolute or `..` paths, no devices or fifos, no hard link to outside, no member reached through
+    a symbolic link of the archive. Returns the names dropped (streamed: neither held whole)."""
+    dropped: list[str] = []
+    links: set[str] = set()
+    src.seek(0)
+    with tarfile.open(fileobj=src, mode="r|") as tin, tarfile.open(fileobj=into, mode="w|") as tout:
+        for m in tin:
+            p = PurePosixPath(m.name)
+            parts = p.parts
+            bad = (
+                p.is_absolute()
+                or ".." in parts
+                or not parts
+                or parts[0] != top
+                or m.ischr()
+                or m.isblk()
+                or m.isfifo()
+                or any(str(PurePosixPath(*parts[:i])) in links for i in range(1, len(parts)))
+            )
+            if m.islnk():
+                target = PurePosixPath(m.linkname)
+                bad = bad or target.is_absolute() or ".." in target.parts or target.parts[:1] != (top,)
+            if bad:
+                dropped.append(m.name)
+                continue
+            if m.issym():
+                links.add(str(p))
+            tout.addfile(m, tin.extractfile(m) if m.isfile() else None)
+    return dropped
+
+
+def read_beneath(root: Path, path: str, limit: int = 64 << 20) -> bytes | None:
+    """The regular file at `path` under the directory `root` (an overlay's upper directory), no
+    link followed on the way; None when it is not there (or not a regular file)."""
+    parts = [p for p in PurePosixPath(path).parts if p not in ("/", "")]
+    if not parts or ".." in parts:
+        return None
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        os.close(fd)
+        return None
+    os.close(fd)
+    with os.fdopen(f, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return fh.read(limit)
 
 
 # --- registry -----------------------------------------------------------------------------------
 
 
 def default_registry_dir() -> Path:
-    root = os.environ.get("POLAR_MITM_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "polar-mitm") / "apptainer" / "instances"
+    return cache_dir() / "apptainer" / "instances"
 
 
 class InstanceRecord(BaseModel):
@@ -299,7 +493,7 @@ class InstanceRecord(BaseModel):
 
 
 class ApptainerSandbox:
-    """One running instance. Files cross through the session directory, which both sides see."""
+    """One running instance. Files cross through its transfer directory, which both sides see."""
 
     def __init__(
         self,
@@ -308,27 +502,48 @@ class ApptainerSandbox:
         name: str,
         workdir: str,
         spec: SandboxSpec,
+        image: str = "",
         record_path: Path | None = None,
         overlay: Path | None = None,
+        init_pid: int = 0,
+        limits: str = "applied",
     ):
         self.binary = binary
         self.name = name
         self.workdir = workdir
+        self.image = image
+        self.purpose = spec.purpose
         self.ca = sandbox_ca(spec.ca)
         self.path_prefix = harness_path(spec)
         self.proxy_address = ("127.0.0.1", FORWARD_PORT) if spec.channel is not None else None
-        self.session_dir = spec.session_dir
+        self.dir = own_dir(spec)
         self.record_path = record_path
         self.overlay = overlay
+        self.init_pid = init_pid
+        self.limits = limits
+        self.host_root = os.geteuid() == 0
+        self.user = spec.user if spec.purpose == "agent" and self.host_root else None
+        self.traversed = (
+            spec.harness.traversed() if spec.harness is not None and spec.purpose == "agent" else []
+        )
+        self.supervisor: str | None = None  # the interpreter that runs REAPER, for a verifier
+        self.supervises = self.seen
         self._procs: set[asyncio.subprocess.Process] = set()
         self._stopped = False
+        self._sealed = False
+
+    @property
+    def seen(self) -> bool:
+        """Its processes are seen from the host (its own PID namespace) and its files read there
+        (the overlay directory)."""
+        return self.overlay is not None and self.init_pid > 0
 
     def _xfer(self) -> tuple[Path, str]:
         """A fresh transfer directory: its host path and its path in the sandbox."""
-        rel = Path("xfer") / uuid.uuid4().hex
-        host = self.session_dir / rel
+        rel = uuid.uuid4().hex
+        host = self.dir / "xfer" / rel
         host.mkdir(parents=True)
-        return host, f"{SESSION_DIR}/{rel.as_posix()}"
+        return host, f"{XFER_DIR}/{rel}"
 
     async def exec(
         self,
@@ -337,20 +552,28 @@ class ApptainerSandbox:
         env: dict[str, str] | None = None,
         timeout: float | None = None,
         workdir: str | None = None,
+        privileges: Privileges = "root",
+        stdin: bytes | None = None,
     ) -> ExecResult:
         if self._stopped:
             raise SandboxError(f"sandbox {self.name} is stopped")
         full_env = exec_env(env, self.path_prefix)
-        env_file = self.session_dir / "env" / f"{uuid.uuid4().hex}.env"
+        home = full_env.pop("HOME", None)
+        if home is not None:  # Apptainer sets HOME itself and refuses another through --env
+            cmd = ["env", f"HOME={home}", *cmd]
+        env_file = self.dir / "env" / f"{uuid.uuid4().hex}.env"
         opts, text = env_options(full_env, env_file)
         if text is not None:
             env_file.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # may hold credentials
             with os.fdopen(fd, "w") as f:
                 f.write(text)
-        argv = exec_argv(self.binary, self.name, cmd, workdir or self.workdir, opts)
+        if privileges == "harness" and self.user is not None:
+            cmd = as_user(cmd, self.user)
+        privs = privilege_options(privileges, host_root=self.host_root)
+        argv = exec_argv(self.binary, self.name, cmd, workdir or self.workdir, opts, privs)
         try:
-            result = await run_argv(argv, timeout, self._procs)
+            result = await run_argv(argv, timeout, self._procs, stdin)
         finally:
             env_file.unlink(missing_ok=True)
         if result.exit_code == 255 and not self._stopped and not await self.alive():
@@ -360,16 +583,54 @@ class ApptainerSandbox:
     async def exec_harness(
         self, cmd: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
     ) -> ExecResult:
-        r = await self.exec(cmd, env=env, timeout=timeout)
-        await self.kill_all()
+        owner = await self._hand_over()
+        try:
+            r = await self.exec(cmd, env=env, timeout=timeout, privileges="harness")
+        finally:
+            await self.kill_all()
+        if owner is not None:
+            await chown(self, owner, [self.workdir])
         return r
 
+    async def _hand_over(self) -> str | None:
+        """Make the workdir and HOME the harness user's (see the docker runtime); returns the
+        workdir's owner before. Where that fails the harness runs as root, without capabilities."""
+        if self.user is None:
+            return None
+        r = await self.exec(
+            ["sh", "-c", 'command -v setpriv >/dev/null && stat -c %u:%g -- "$1"', "sh", self.workdir],
+            workdir="/",
+        )
+        owner = r.output.strip().splitlines()[-1] if r.exit_code == 0 and r.output.strip() else None
+        if owner is None or not await chown(self, self.user, [self.workdir, HOME_DIR]):
+            log.warning(
+                "instance %s: cannot hand %s to %s (or the image has no setpriv); the harness runs as root",
+                self.name,
+                self.workdir,
+                self.user,
+            )
+            self.user = None
+            return None
+        await name_user(self, self.user, HOME_DIR)
+        await open_traversed(self, self.traversed)
+        return owner
+
+    def _pids(self) -> list[int]:
+        return namespace_pids(self.init_pid) if self.init_pid > 0 else []
+
     async def kill_all(self) -> None:
-        """Kill the `apptainer exec` process groups we started (what they started in the instance
-        is their child; a process that left its group stays: Apptainer has no container-wide kill
-        short of stopping the instance)."""
+        """SIGKILL to every process in the instance's PID namespace but its init (setsid'd or
+        not: the host sees them all), and to the `apptainer exec` groups we started; the instance
+        stays, its files too, and `exec` still works."""
         for proc in list(self._procs):
             kill_group(proc.pid)
+        await self._kill_namespace()
+
+    async def _kill_namespace(self) -> None:
+        deadline = time.monotonic() + STOP_WAIT
+        while (pids := self._pids()) and time.monotonic() < deadline:
+            signal_all(pids, signal.SIGKILL)
+            await asyncio.sleep(0.02)
 
     async def start_forwarder(self, node: bool, python: str | None = None) -> None:
         """The forwarder on 127.0.0.1:FORWARD_PORT to the channel socket (see `sandbox/docker.py`):
@@ -387,7 +648,7 @@ class ApptainerSandbox:
         )
 
     async def _exec_checked(self, cmd: list[str], what: str) -> ExecResult:
-        result = await self.exec(cmd)
+        result = await self.exec(cmd, workdir="/")
         if result.exit_code != 0:
             raise SandboxError(
                 f"apptainer: {what} failed in {self.name} (exit {result.exit_code}): {result.output}"
@@ -411,6 +672,10 @@ class ApptainerSandbox:
             shutil.rmtree(host, ignore_errors=True)
 
     async def read(self, path: str) -> bytes | None:
+        if self._sealed and self.overlay is not None:
+            # Nothing runs in the sandbox once it is sealed: the file is read from its overlay on
+            # the host (the tests may have replaced every binary in it).
+            return await asyncio.to_thread(read_beneath, self.overlay / "upper", path)
         host, inside = self._xfer()
         try:
             script = f'[ -f "$1" ] || exit {EXIT_NOT_A_FILE}; cp -- "$1" "$2"'
@@ -430,29 +695,138 @@ class ApptainerSandbox:
             return False
         return self.name in await list_instances(self.binary, self.name)
 
-    # Scoring stays in the instance (`ApptainerRuntime.fresh_verifier` is False): a fresh,
-    # trustworthy copy of an instance's files is not built yet (untested here, no Apptainer).
     async def halt(self) -> None:
-        for proc in list(self._procs):
-            kill_group(proc.pid)
+        """Every process in the instance ends at once (the host kills its PID namespace but the
+        init); its files stay, for `export`."""
+        await self.kill_all()
 
     async def export(self, path: str, limit: int, into: BinaryIO) -> int:
-        raise SandboxError(f"instance {self.name}: export is not supported by the apptainer runtime")
+        path = PurePosixPath(path).as_posix()
+        parent, base = os.path.split(path.rstrip("/"))
+        if self.overlay is not None:
+            claimed = await asyncio.to_thread(tree_size, self.overlay / "upper" / path.lstrip("/"), limit)
+            if claimed > limit:
+                raise ExportTooLarge(
+                    f"instance {self.name}: {path} holds more than {limit} bytes (by its files' sizes)"
+                )
+        host, inside = self._xfer()
+        try:
+            script = (
+                f'cd -- "$1" 2>/dev/null && [ -d "$2" ] || exit {EXIT_NO_DIR}; '
+                f'tar -cf - -- "$2" | head -c {limit + 1} > "$3"'
+            )
+            r = await self.exec(
+                ["sh", "-c", script, "sh", parent or "/", base, f"{inside}/out.tar"], workdir="/", timeout=600
+            )
+            if r.exit_code == EXIT_NO_DIR:
+                raise FileNotFoundError(f"instance {self.name}: {path} does not exist")
+            out = host / "out.tar"
+            if r.exit_code != 0 or not out.is_file():
+                raise SandboxError(
+                    f"instance {self.name}: export {path} failed (exit {r.exit_code}): {r.output[-500:]}"
+                )
+            size = out.stat().st_size
+            if size > limit:
+                raise ExportTooLarge(f"instance {self.name}: {path} holds more than {limit} bytes")
+            start = into.tell()
+            with open(out, "rb") as f:
+                try:
+                    dropped = await asyncio.to_thread(safe_members, f, into, base)
+                except tarfile.TarError as e:
+                    raise SandboxError(
+                        f"instance {self.name}: the tar of {path} is unreadable: {e}"
+                    ) from None
+            if dropped:
+                log.info(
+                    "instance %s: %d members of %s's tar dropped (outside it): %s",
+                    self.name,
+                    len(dropped),
+                    path,
+                    dropped[:5],
+                )
+            return into.tell() - start
+        finally:
+            shutil.rmtree(host, ignore_errors=True)
 
     async def put_tar(self, dest: str, data: BinaryIO) -> None:
-        raise SandboxError(f"instance {self.name}: put_tar is not supported by the apptainer runtime")
-
-    supervises = False  # scoring stays in the instance (see above)
+        host, inside = self._xfer()
+        try:
+            data.seek(0)
+            with open(host / "in.tar", "wb") as f:
+                shutil.copyfileobj(data, f, 1 << 20)
+            await self._exec_checked(["tar", "-xf", f"{inside}/in.tar", "-C", dest], f"unpacking into {dest}")
+        finally:
+            shutil.rmtree(host, ignore_errors=True)
 
     async def processes(self) -> list[Leftover]:
-        return []
+        return [host_process(p) for p in sorted(self._pids())]
 
     async def seal(self) -> list[Leftover]:
-        await self.halt()
-        return []
+        """Every process of the instance stopped (SIGSTOP until none runs: a stopped process
+        cannot fork or write), listed, then killed; its files stay readable, from the host."""
+        self._sealed = True
+        for _ in range(50):
+            pids = self._pids()
+            running = [p for p in pids if host_process(p).state not in ("T", "t", "Z", "?")]
+            if not running:
+                break
+            signal_all(running, signal.SIGSTOP)
+            await asyncio.sleep(0.01)
+        left = await self.processes()
+        await self.kill_all()
+        return left
+
+    async def exec_sealed(
+        self,
+        cmd: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        workdir: str | None = None,
+    ) -> tuple[ExecResult, list[Leftover]]:
+        """The tests under the supervisor (forwarder/reap.py) with a secret on its stdin; what it
+        saw abandoned, and what the host still finds, are what they left. A supervisor that
+        printed no report (killed by the tests) leaves a suspect entry of its own."""
+        before = {p.pid for p in await self.processes()}
+        if self.supervisor is None:
+            r = await self.exec(cmd, env=env, timeout=timeout, workdir=workdir)
+            left = [p for p in await self.seal() if p.pid not in before]
+            return r, left
+        secret = secrets.token_hex(16)
+        r = await self.exec(
+            [self.supervisor, REAPER, *cmd],
+            env=env,
+            timeout=timeout,
+            workdir=workdir,
+            stdin=f"{secret}\n".encode(),
+        )
+        output, report = report_of(r.output, secret)
+        left = [p for p in await self.seal() if p.pid not in before]
+        if report is None:
+            if not r.timed_out:
+                left.append(Leftover(0, "?", "the tests' supervisor printed no report (was it killed?)"))
+        else:
+            left += [Leftover(int(p), str(s), str(c)) for p, s, c in report.get("left") or []]
+            if int(report.get("status", -1)) != r.exit_code:
+                left.append(
+                    Leftover(
+                        0, "?", f"the supervisor reported exit {report.get('status')}, the exec {r.exit_code}"
+                    )
+                )
+        return ExecResult(r.exit_code, output, timed_out=r.timed_out, seconds=r.seconds), left
 
     def describe(self) -> dict[str, Any]:
-        return {"runtime": "apptainer", "instance": self.name}
+        out: dict[str, Any] = {
+            "runtime": "apptainer",
+            "instance": self.name,
+            "image": self.image,
+            "network": "none",
+        }
+        out["user"] = self.user or ("root, without capabilities" if self.host_root else str(os.geteuid()))
+        out["limits"] = self.limits
+        if self.purpose == "verifier":
+            out["supervisor"] = "reap.py" if self.supervisor else "none (the image has no python3)"
+        return out
 
     async def stop(self) -> None:
         first = not self._stopped
@@ -461,21 +835,18 @@ class ApptainerSandbox:
             kill_group(proc.pid)
         if first:
             await run_argv(stop_argv(self.binary, self.name), timeout=60)  # non-zero: already gone
+            await self._kill_namespace()
         if self.record_path is not None:
             self.record_path.unlink(missing_ok=True)
-        shutil.rmtree(self.session_dir / "xfer", ignore_errors=True)
-        if self.overlay is not None:
-            shutil.rmtree(self.overlay, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def list_instances(binary: str, name: str | None = None) -> set[str]:
-    """Names of the running instances (all of the user's, or just `name`), through spython."""
-    from spython.utils import run_command
-
-    result = await asyncio.to_thread(run_command, list_argv(binary, name), quiet=True)
-    if not result or result.get("return_code") != 0:
-        return set()
-    return set().union(*(listed_names(m) for m in result.get("message") or []))
+async def list_instances(binary: str, name: str | None = None) -> dict[str, int]:
+    """The running instances (all of the user's, or just `name`) and their inits' host pids."""
+    r = await run_argv(list_argv(binary, name), timeout=60)
+    if r.exit_code != 0:
+        return {}
+    return listed(r.output[r.output.find("{") :] if "{" in r.output else "")
 
 
 # --- runtime ------------------------------------------------------------------------------------
@@ -484,22 +855,34 @@ async def list_instances(binary: str, name: str | None = None) -> set[str]:
 class ApptainerRuntime:
     """`--runtime apptainer`.
 
-    `binary`: the apptainer (or singularity) executable, else found on PATH by `check()`.
+    `binary`: the apptainer (or singularity) executable, else found by `check()` (find_binary).
     `registry_dir`: where started instances are recorded for `cleanup` (default above).
-    `overlay`: True for a writable overlay directory per sample under its session directory;
-    False for `--writable-tmpfs` (in memory, small by default: Apptainer's `sessiondir max size`).
-    Hosts that run Apptainer setuid allow overlay directories to root only: when a start fails on
-    the overlay, the runtime retries it, and the later ones, with the tmpfs.
+    `overlay`: True for a writable overlay directory per instance on the host (what lets the
+    host read a sealed verifier's files and bound an export by file sizes); False for
+    `--writable-tmpfs` (in memory; such instances are not supervised). Hosts that run Apptainer
+    setuid allow overlay directories to root only: when a start fails on the overlay, the runtime
+    retries it, and the later ones, with the tmpfs.
     """
 
     name = "apptainer"
     isolated = True
-    fresh_verifier = False  # scored in the agent's own instance, as the detail records
+    fresh_verifier = True
 
-    def __init__(self, *, binary: str | None = None, registry_dir: Path | None = None, overlay: bool = True):
+    def __init__(
+        self,
+        *,
+        binary: str | None = None,
+        registry_dir: Path | None = None,
+        overlay: bool = True,
+        sif_dir: Path | None = None,
+    ):
         self.binary = binary
         self.registry_dir = registry_dir or default_registry_dir()
         self.overlay = overlay
+        self.sif_dir = sif_dir
+        self.limits = True  # cleared when Apptainer cannot apply cgroups here
+        self._sifs: SifCache | None = None
+        self._images: dict[str, str] = {}
 
     async def _binary(self) -> str:
         if self.binary is None:
@@ -511,18 +894,44 @@ class ApptainerRuntime:
     async def check(self) -> None:
         await self._binary()
 
+    @property
+    def sifs(self) -> SifCache:
+        assert self.binary is not None
+        if self._sifs is None:
+            self._sifs = SifCache(self.binary, self.sif_dir)
+        return self._sifs
+
     async def prepare(self, task: Task) -> None:
-        """Check the task's image can be given to Apptainer (a docker reference is pulled and
-        converted by Apptainer itself on the first start, cached in its own cache)."""
-        image = task_image(task)
-        if is_local_image(image) and not Path(image).exists():
-            raise SandboxError(f"apptainer: task {task.id!r}: image file {image} does not exist")
+        """The task's image as Apptainer starts it (converted once per image; see sandbox/sif.py)."""
+        if task.id not in self._images:
+            await self._binary()
+            self._images[task.id] = await self.sifs.resolve(task)
+
+    async def _start_instance(
+        self, binary: str, image: str, name: str, spec: SandboxSpec, task: Task, overlay: Path | None
+    ) -> ExecResult:
+        limits = limit_options(task) if self.limits else []
+        r = await run_argv(start_argv(binary, image, name, spec, overlay, limits))
+        if r.exit_code != 0 and limits and "cgroups" in r.output:
+            self.limits = False
+            log.warning(
+                "apptainer cannot apply cgroups here (%s): instances start without the memory, CPU and "
+                "pids limits (as root without systemd: `systemd cgroups = no` in apptainer.conf)",
+                r.output.strip().splitlines()[-1][-200:],
+            )
+            r = await run_argv(start_argv(binary, image, name, spec, overlay, []))
+        return r
 
     async def start(self, task: Task, spec: SandboxSpec) -> ApptainerSandbox:
         binary = await self._binary()
-        image = task_image(task)
+        await self.prepare(task)
+        image = self._images[task.id]
         name = instance_name(spec.name)
-        spec.session_dir.mkdir(parents=True, exist_ok=True)
+        mine = own_dir(spec)
+        shutil.rmtree(mine, ignore_errors=True)
+        (mine / "xfer").mkdir(parents=True)
+        if spec.purpose == "agent":
+            (spec.session_dir / "home").mkdir(parents=True, exist_ok=True)
         self.registry_dir.mkdir(parents=True, exist_ok=True)
         record_path = self.registry_dir / f"{name}.json"
         record = InstanceRecord(
@@ -534,45 +943,59 @@ class ApptainerRuntime:
             started_at=time.time(),
         )
         record_path.write_text(record.model_dump_json())  # before the start: a crash mid-start is found too
-        overlay = spec.session_dir / "overlay" if self.overlay else None
+        overlay = mine / "overlay" if self.overlay else None
         if overlay is not None:
             overlay.mkdir(parents=True, exist_ok=True)
-        result = await run_argv(start_argv(binary, image, name, spec, overlay))
+        result = await self._start_instance(binary, image, name, spec, task, overlay)
         if result.exit_code != 0 and overlay is not None and "overlay" in result.output.lower():
             self.overlay = False
             shutil.rmtree(overlay, ignore_errors=True)
             overlay = None
-            result = await run_argv(start_argv(binary, image, name, spec, None))
+            result = await self._start_instance(binary, image, name, spec, task, None)
         if result.exit_code != 0:
             record_path.unlink(missing_ok=True)
-            raise SandboxError(f"apptainer: instance start for {task.id!r} ({image}) failed: {result.output}")
+            raise SandboxError(
+                f"apptainer: instance start for {task.id!r} ({image}) failed: {result.output[-2000:]}"
+            )
+        pid = (await list_instances(binary, name)).get(name, 0)
         sandbox = ApptainerSandbox(
             binary=binary,
             name=name,
             workdir=task.workdir,
             spec=spec,
+            image=image,
             record_path=record_path,
             overlay=overlay,
+            init_pid=pid,
+            limits="applied" if self.limits else "not applied: Apptainer cannot use cgroups here",
         )
-        # The workdir, and $HOME: without the host's home mounted, the path Apptainer gives HOME
-        # does not exist in the image, and harnesses keep their settings there.
-        made = await sandbox.exec(
-            ["sh", "-c", 'mkdir -p -- "$1" ${HOME:+"$HOME"}', "sh", task.workdir], workdir="/"
-        )
-        if made.exit_code != 0:
-            await sandbox.stop()
-            raise SandboxError(
-                f"apptainer: cannot create the workdir {task.workdir} in {name}: {made.output}"
-            )
-        if spec.channel is not None and spec.purpose == "agent":
-            try:
-                await sandbox.start_forwarder(
-                    node=spec.harness is not None and spec.harness.node is not None,
-                    python=spec.harness.python if spec.harness is not None else None,
+        try:
+            made = await sandbox.exec(["sh", "-c", 'mkdir -p -- "$1"', "sh", task.workdir], workdir="/")
+            if made.exit_code != 0:
+                raise SandboxError(
+                    f"apptainer: cannot create the workdir {task.workdir} in {name}: {made.output}"
                 )
-            except BaseException:
-                await sandbox.stop()
-                raise
+            if spec.purpose == "verifier":
+                found = await sandbox.exec(["sh", "-c", "command -v python3"], workdir="/")
+                path = (
+                    found.output.strip().splitlines()[-1]
+                    if found.exit_code == 0 and found.output.strip()
+                    else ""
+                )
+                sandbox.supervisor = path if path.startswith("/") else None
+                if sandbox.supervisor is None:
+                    log.warning("instance %s: the image has no python3: its tests run unsupervised", name)
+            if spec.channel is not None:
+                agent = spec.purpose == "agent"
+                await sandbox.start_forwarder(
+                    node=(spec.harness is not None and spec.harness.node is not None)
+                    if agent
+                    else spec.forwarder_node is not None,
+                    python=spec.harness.python if agent and spec.harness is not None else None,
+                )
+        except BaseException:
+            await sandbox.stop()
+            raise
         return sandbox
 
     async def cleanup(self, labels: dict[str, str]) -> int:

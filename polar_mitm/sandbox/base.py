@@ -10,6 +10,7 @@ to this interface.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -33,6 +34,11 @@ CHANNEL_SOCKET = f"{HARNESS_ROOT}/channel/proxy.sock"  # the sample's socket to 
 FORWARDER_ROOT = f"{HARNESS_ROOT}/forwarder"  # the forwarder's scripts (sandbox/forwarder/)
 HARNESS_USER = "1000:1000"  # who the harness runs as in a container, where the image allows
 PIDS_LIMIT = 4096  # processes a container may hold at once (a fork bomb stops there)
+# What root's own steps in a container (setup, handing the workdir over, scoring) may still do.
+# No NET_RAW (no packet sockets), no NET_BIND_SERVICE, MKNOD, SYS_CHROOT, KILL, AUDIT_WRITE,
+# SYS_PTRACE, SYS_ADMIN. An unprivileged harness has none of them (and no-new-privileges: no
+# setuid binary gives them back).
+ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"]
 
 
 def sandbox_ca(ca: CA) -> CA:
@@ -98,6 +104,40 @@ class Leftover:
         return f"{self.pid} {self.state} {self.command[:120]}"
 
 
+def host_process(pid: int) -> Leftover:
+    """A process of this host by its /proc entry (gone by now: state "?")."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = stat.rsplit(")", 1)[1].split()[0]
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+    except (OSError, IndexError, ValueError):
+        return Leftover(pid, "?", "")
+    try:
+        args = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        )
+    except OSError:
+        args = ""
+    return Leftover(pid, state, args or f"[{comm}]")
+
+
+async def exec_then_seal(
+    sandbox: Sandbox,
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None,
+    timeout: float | None,
+    workdir: str | None,
+) -> tuple[ExecResult, list[Leftover]]:
+    """`Sandbox.exec_sealed` where the sandbox's init keeps what the command abandons in sight
+    (Docker's verifier: an init that reaps nothing): the processes before, the command, then
+    `seal`, and what is new."""
+    before = {p.pid for p in await sandbox.processes()}
+    r = await sandbox.exec(cmd, env=env, timeout=timeout, workdir=workdir)
+    left = [p for p in await sandbox.seal() if p.pid not in before]
+    return r, left
+
+
 @dataclass
 class ExecResult:
     exit_code: int
@@ -143,12 +183,14 @@ async def run_process(
     cwd: str | None = None,
     timeout: float | None = None,
     procs: set[asyncio.subprocess.Process] | None = None,
+    stdin: bytes | None = None,
 ) -> ExecResult:
     """Run argv on the host in its own process group to its end; on timeout (or cancellation)
     kill the whole group, so nothing it started outlives it (exit 124 on timeout).
 
     `procs` holds the process while it runs, so whoever owns that set can kill it (a sandbox's
     `stop`). The local runtime runs commands with it; Apptainer runs `apptainer exec` with it.
+    `stdin`: bytes the command reads on its standard input (else /dev/null).
     """
     t0 = time.monotonic()
     try:
@@ -156,7 +198,7 @@ async def run_process(
             *argv,
             cwd=cwd,
             env=dict(env) if env is not None else None,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
@@ -168,7 +210,7 @@ async def run_process(
     timed_out = False
     try:
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+            out, _ = await asyncio.wait_for(proc.communicate(stdin), timeout)
         except TimeoutError:
             timed_out = True
             kill_group(proc.pid)
@@ -318,6 +360,19 @@ class Sandbox(Protocol):
         nothing that ran in it can write anything afterwards; files stay readable."""
         ...
 
+    async def exec_sealed(
+        self,
+        cmd: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        workdir: str | None = None,
+    ) -> tuple[ExecResult, list[Leftover]]:
+        """Run cmd (a verifier's tests), then `seal` the moment it ends; returns its result and
+        every process it left behind (not there before it began), running or exited. Only
+        `read` and `export` work afterwards."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """Where this sandbox is, for the record (`reward_detail`): container, image, user, network."""
         ...
@@ -347,3 +402,42 @@ class Runtime(Protocol):
     async def cleanup(self, labels: dict[str, str]) -> int:
         """Remove every sandbox carrying these labels (left by a crash); returns how many."""
         ...
+
+
+# --- handing a sandbox's workdir to its harness user (docker, apptainer) -------------------------
+
+log = logging.getLogger("polar_mitm.sandbox")
+
+
+async def chown(sandbox: Sandbox, owner: str, paths: list[str]) -> bool:
+    r = await sandbox.exec(["chown", "-R", owner, "--", *paths], workdir="/")
+    if r.exit_code != 0:
+        log.warning("sandbox %s: chown %s: %s", sandbox.name, owner, r.output[-300:])
+    return r.exit_code == 0
+
+
+async def name_user(sandbox: Sandbox, user: str, home: str | None) -> None:
+    """Give the harness user a name in the image's /etc/passwd and /etc/group where it has
+    none: Node's os.userInfo() (Qwen Code calls it at start) fails for a uid without one."""
+    uid, _, gid = user.partition(":")
+    gid = gid or uid
+    line = (
+        f"grep -q '^[^:]*:[^:]*:{uid}:' /etc/passwd || echo 'polar:x:{uid}:{gid}:polar-mitm harness:{home or '/tmp'}:/bin/sh' >> /etc/passwd; "
+        f"grep -q '^[^:]*:[^:]*:{gid}:' /etc/group || echo 'polar:x:{gid}:' >> /etc/group"
+    )
+    r = await sandbox.exec(["sh", "-c", line], workdir="/")
+    if r.exit_code != 0:
+        log.info("sandbox %s: no name for uid %s: %s", sandbox.name, uid, r.output[-200:])
+
+
+async def open_traversed(sandbox: Sandbox, dirs: list[str]) -> None:
+    """Let the harness user pass through the directories above a PyPI harness's trees
+    (search permission only, no listing): an image's /root is 0700, and the trees sit at the
+    host's own paths, often under /root. Nothing in them becomes writable or listable."""
+    if not dirs:
+        return
+    r = await sandbox.exec(
+        ["sh", "-c", 'for d; do [ -d "$d" ] && chmod o+x -- "$d"; done; true', "sh", *dirs], workdir="/"
+    )
+    if r.exit_code != 0:
+        log.warning("sandbox %s: opening %s: %s", sandbox.name, dirs, r.output[-300:])

@@ -50,6 +50,7 @@ from polar_mitm.sandbox.base import (
     NODE_BIN,
     NPM_MODULES,
     PIDS_LIMIT,
+    ROOT_CAPS,
     ExecResult,
     ExportTooLarge,
     Leftover,
@@ -57,6 +58,11 @@ from polar_mitm.sandbox.base import (
     SandboxError,
     SandboxSpec,
     ca_mounts,
+    chown,
+    exec_then_seal,
+    host_process,
+    name_user,
+    open_traversed,
     sandbox_ca,
     tail,
     tree_size,
@@ -69,29 +75,8 @@ log = logging.getLogger("polar_mitm.docker")
 CHUNK = 1 << 20  # bytes per read of an archive stream
 
 
-def _proc(pid: int) -> Leftover:
-    """A process of this host by its /proc entry (gone by now: state "?")."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        state = stat.rsplit(")", 1)[1].split()[0]
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-    except (OSError, IndexError, ValueError):
-        return Leftover(pid, "?", "")
-    try:
-        args = (
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
-        )
-    except OSError:
-        args = ""
-    return Leftover(pid, state, args or f"[{comm}]")
-
-
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LABEL = "polar-mitm"
-# What root's own steps in the container (setup, handing the workdir over, scoring) may still do.
-# No NET_RAW (no packet sockets), no NET_BIND_SERVICE, MKNOD, SYS_CHROOT, KILL, AUDIT_WRITE. An
-# unprivileged harness has none of them (and no-new-privileges: no setuid binary gives them back).
-ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"]
 
 
 class ImageUnavailable(RuntimeUnavailable):
@@ -295,38 +280,14 @@ class DockerSandbox:
         return owner
 
     async def _open_traversed(self) -> None:
-        """Let the harness user pass through the directories above a PyPI harness's trees
-        (search permission only, no listing): an image's /root is 0700, and the trees sit at the
-        host's own paths, often under /root. Nothing in them becomes writable or listable."""
-        if not self.traversed:
-            return
-        r = await self.exec(
-            ["sh", "-c", 'for d; do [ -d "$d" ] && chmod o+x -- "$d"; done; true', "sh", *self.traversed],
-            workdir="/",
-        )
-        if r.exit_code != 0:
-            log.warning("container %s: opening %s: %s", self.name, self.traversed, r.output[-300:])
+        await open_traversed(self, self.traversed)
 
     async def _name_user(self) -> None:
-        """Give the harness user a name in the image's /etc/passwd and /etc/group where it has
-        none: Node's os.userInfo() (Qwen Code calls it at start) fails for a uid without one."""
         assert self.user is not None
-        uid, _, gid = self.user.partition(":")
-        gid = gid or uid
-        home = self.home or "/tmp"
-        line = (
-            f"grep -q '^[^:]*:[^:]*:{uid}:' /etc/passwd || echo 'polar:x:{uid}:{gid}:polar-mitm harness:{home}:/bin/sh' >> /etc/passwd; "
-            f"grep -q '^[^:]*:[^:]*:{gid}:' /etc/group || echo 'polar:x:{gid}:' >> /etc/group"
-        )
-        r = await self.exec(["sh", "-c", line], workdir="/")
-        if r.exit_code != 0:
-            log.info("container %s: no name for uid %s: %s", self.name, uid, r.output[-200:])
+        await name_user(self, self.user, self.home)
 
     async def _chown(self, owner: str, paths: list[str]) -> bool:
-        r = await self.exec(["chown", "-R", owner, "--", *paths], workdir="/")
-        if r.exit_code != 0:
-            log.warning("container %s: chown %s: %s", self.name, owner, r.output[-300:])
-        return r.exit_code == 0
+        return await chown(self, owner, paths)
 
     async def put(self, src: Path, dest: str) -> None:
         d = PurePosixPath(dest)
@@ -445,6 +406,16 @@ class DockerSandbox:
 
     supervises = True
 
+    async def exec_sealed(
+        self,
+        cmd: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        workdir: str | None = None,
+    ) -> tuple[ExecResult, list[Leftover]]:
+        return await exec_then_seal(self, cmd, env=env, timeout=timeout, workdir=workdir)
+
     def _host_processes(self) -> list[Leftover]:
         """The container's processes but its init, read from this host's /proc: the children of
         its init (those the init never reaps stay there as zombies) and everything the daemon's
@@ -458,7 +429,7 @@ class DockerSandbox:
             except OSError:
                 kids = []
             for pid in map(int, kids):
-                found[pid] = _proc(pid)
+                found[pid] = host_process(pid)
         if init <= 0 and self.container.status != "paused":
             return []
         try:
@@ -560,6 +531,10 @@ class DockerRuntime:
             raise ImageUnavailable(
                 f"task {task.id}: no image and no Dockerfile; the docker runtime needs one"
             )
+
+    def image_of(self, task: Task) -> str:
+        """The image `prepare(task)` made available (a tag or a name)."""
+        return self._images[task.id]
 
     async def _ensure_image(self, image: str) -> str:
         import docker.errors

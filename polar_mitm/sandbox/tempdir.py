@@ -24,6 +24,7 @@ from polar_mitm.sandbox.base import (
     Leftover,
     SandboxError,
     SandboxSpec,
+    exec_then_seal,
     host_env,
     run_process,
     tree_size,
@@ -124,6 +125,16 @@ class TempdirSandbox:
         await asyncio.to_thread(unpack)
 
     supervises = False  # host processes: one that left its group (setsid) is not seen
+
+    async def exec_sealed(
+        self,
+        cmd: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        workdir: str | None = None,
+    ) -> tuple[ExecResult, list[Leftover]]:
+        return await exec_then_seal(self, cmd, env=env, timeout=timeout, workdir=workdir)
 
     async def processes(self) -> list[Leftover]:
         return []

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from polar_mitm.harness.install import cache_dir
+from polar_mitm.cache import cache_dir
 from polar_mitm.store.reader import read_turns
 from tests.e2e import sdk_clients as c
 from tests.support.harness import FakeBackend, assert_turns_match_backend, harness_env, polar_run

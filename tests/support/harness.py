@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.harness.install import cache_dir
+from polar_mitm.cache import cache_dir
 from polar_mitm.store.reader import read_turns
 
 POLAR = [sys.executable, "-m", "polar_mitm"]

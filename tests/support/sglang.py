@@ -35,7 +35,7 @@ import pytest
 from aiohttp import ClientSession, ClientTimeout, web
 
 from polar_mitm import procs
-from polar_mitm.harness.install import cache_dir
+from polar_mitm.cache import cache_dir
 from tests.support.harness import free_port
 
 SGLANG_VERSION = "0.5.23"  # scripts/install.sh pins the same
