@@ -21,7 +21,7 @@ pin_to_loopback()
 # or containers or takes more than about a second: marked where it is written, and here for whatever
 # uses a fixture that stands for processes (so a new test using one is counted without a mark).
 
-PROCESS_FIXTURES = frozenset({"docker_client", "backend_process", "sglang_server"})
+PROCESS_FIXTURES = frozenset({"docker_client", "backend_process", "sglang_server", "apptainer_binary"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,6 +33,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if "sglang_server" in uses and not item.get_closest_marker("engines"):
             item.add_marker(pytest.mark.engines)
+        if "apptainer_binary" in uses and not item.get_closest_marker("apptainer"):
+            item.add_marker(pytest.mark.apptainer)
+
+
+# --- Apptainer (polar_mitm.sandbox.apptainer) --------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def apptainer_binary() -> str:
+    """The real Apptainer (on PATH, POLAR_MITM_APPTAINER, or the one scripts/install.sh built)."""
+    from polar_mitm.sandbox.apptainer import find_binary
+
+    found = find_binary()
+    if found is None:
+        pytest.skip("no Apptainer here: scripts/install.sh builds it from ../shared/apptainer/")
+    return found
+
+
+# --- end Apptainer ----------------------------------------------------------------------------------
 
 
 # --- tokenizers (polar_mitm.backends.tokenizer, tokenizer_build) --------------------------------

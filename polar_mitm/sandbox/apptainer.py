@@ -250,7 +250,10 @@ def privilege_options(kind: Privileges, *, host_root: bool) -> list[str]:
     user, with no capability)."""
     if not host_root:
         return []
-    return ["--no-privs", "--add-caps", ",".join(f"CAP_{c}" for c in ROOT_CAPS)]
+    # The harness's exec also holds SETPCAP, for `setpriv` to empty the bounding set as it drops
+    # to the harness's user (as_user): afterwards it has no capability of any set.
+    caps = [*ROOT_CAPS, "SETPCAP"] if kind == "harness" else ROOT_CAPS
+    return ["--no-privs", "--add-caps", ",".join(f"CAP_{c}" for c in caps)]
 
 
 def as_user(cmd: list[str], user: str) -> list[str]:
@@ -570,7 +573,7 @@ class ApptainerSandbox:
                 f.write(text)
         if privileges == "harness" and self.user is not None:
             cmd = as_user(cmd, self.user)
-        privs = privilege_options(privileges, host_root=self.host_root)
+        privs = privilege_options(privileges if self.user is not None else "root", host_root=self.host_root)
         argv = exec_argv(self.binary, self.name, cmd, workdir or self.workdir, opts, privs)
         try:
             result = await run_argv(argv, timeout, self._procs, stdin)

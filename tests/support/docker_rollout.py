@@ -57,16 +57,22 @@ def policy_args(backend, tokenizer, db: Path) -> list[str]:
 
 
 def solve_answer_task(
-    tmp_path: Path, harness: str, backend, tokenizer_dir, instruction: str = "run: echo 42 > answer.txt"
+    tmp_path: Path,
+    harness: str,
+    backend,
+    tokenizer_dir,
+    instruction: str = "run: echo 42 > answer.txt",
+    runtime: str = "docker",
 ) -> tuple[Path, list[dict]]:
-    """`rollout` of one Harbor task (answer.txt must hold 42) x 2 samples with `harness` in Docker:
+    """`rollout` of one Harbor task (answer.txt must hold 42) x 2 samples with `harness` in Docker
+    (or `runtime`):
     both samples completed, were trained on, and scored 1.0 by the task's own test. Returns the
     store and the exported rows, for the caller's own checks."""
     tasks = tmp_path / "tasks"
     harbor_task(tasks, "answer", instruction, ANSWER_TEST)
     db, out = tmp_path / "runs.sqlite", tmp_path / "groups.parquet"
     r = rollout(
-        [str(tasks), "--harness", harness, "--runtime", "docker", "--samples", "2",
+        [str(tasks), "--harness", harness, "--runtime", runtime, "--samples", "2",
          *policy_args(backend, tokenizer_dir, db), "--out", str(out)],
         cwd=tmp_path, env=harness_env(tmp_path / "home"),
     )  # fmt: skip

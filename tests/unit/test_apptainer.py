@@ -193,6 +193,11 @@ def test_start_argv_binds_the_channel_socket_and_forwarder_read_only(tmp_path):
 def test_privileges_and_the_harness_user():
     caps = ",".join(f"CAP_{c}" for c in ("CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"))
     assert ap.privilege_options("root", host_root=True) == ["--no-privs", "--add-caps", caps]
+    assert ap.privilege_options("harness", host_root=True) == [
+        "--no-privs",
+        "--add-caps",
+        caps + ",CAP_SETPCAP",
+    ]
     assert ap.privilege_options("harness", host_root=False) == []
     assert ap.as_user(["claude", "-p"], "1000:1000") == [
         "setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "--inh-caps=-all",

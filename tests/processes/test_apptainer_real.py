@@ -1,0 +1,213 @@
+"""The apptainer runtime on the real binary, attacked from inside as the agent would: the host's
+loopback (where the engine and the service listen), its block devices, capabilities, mounts,
+processes left behind; and its verifier's tests, which run the agent's code, rewriting the
+verdict. As root here (CI runs as root); the image is the Docker test image, converted once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import pytest
+
+from polar_mitm.proxy.certs import ensure_ca
+from polar_mitm.sandbox.apptainer import ApptainerRuntime, list_instances, namespace_pids
+from polar_mitm.sandbox.base import HOME_DIR, SandboxSpec
+from polar_mitm.tasks.model import Task
+from tests.support.docker_rollout import TEST_IMAGE
+
+pytestmark = [pytest.mark.apptainer, pytest.mark.docker, pytest.mark.slow]
+
+
+@pytest.fixture
+def runtime(apptainer_binary, docker_client, tmp_path):
+    return ApptainerRuntime(binary=apptainer_binary, registry_dir=tmp_path / "registry")
+
+
+@pytest.fixture
+def host_listener():
+    """A listener on the host's 127.0.0.1 (where the engine, the proxy and the service are) that
+    counts the connections it accepts."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def serve():
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = srv.accept()
+                accepted.append(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield srv.getsockname()[1], accepted
+    srv.close()
+
+
+TASK = Task(id="t", instruction="x", image=TEST_IMAGE, workdir="/app")
+
+ATTACK = r"""
+echo "uid=$(id -u)"
+grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status
+echo "dev=$(ls /dev | tr '\n' ' ')"
+python3 - "$1" <<'EOF'
+import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2)
+    print("loopback=reached")
+except OSError as e:
+    print("loopback=refused", e)
+EOF
+mount -t tmpfs x /mnt 2>/dev/null && echo mount=yes || echo mount=no
+echo x > /etc/owned 2>/dev/null && echo etc=writable || echo etc=no
+[ -e /root/.cache/polar-mitm ] && echo hosthome=seen || echo hosthome=no
+echo 41 > /app/answer.txt && echo workdir=ok
+touch "$HOME/settings" && echo home=ok
+setsid sh -c 'sleep 300' </dev/null >/dev/null 2>&1 &
+echo "left a daemon"
+"""
+
+
+async def test_the_harness_holds_nothing_of_the_host_and_leaves_nothing(runtime, tmp_path, host_listener):
+    port, accepted = host_listener
+    ca = ensure_ca(tmp_path / "ca")
+    sb = await runtime.start(TASK, SandboxSpec("apt-attack", tmp_path / "s", ca))
+    try:
+        assert sb.init_pid > 0 and sb.supervises
+        r = await sb.exec_harness(["sh", "-c", ATTACK, "sh", str(port)], env={"HOME": HOME_DIR}, timeout=60)
+        out = dict(
+            line.split("=", 1)
+            for line in r.output.splitlines()
+            if "=" in line and " " not in line.split("=", 1)[0]
+        )
+        caps = {
+            k: v.strip()
+            for k, v in (
+                line.split(":", 1) for line in r.output.splitlines() if line.startswith(("Cap", "NoNew"))
+            )
+        }
+        assert out["uid"] == "1000", r.output
+        assert caps == {"CapEff": "0000000000000000", "CapBnd": "0000000000000000", "NoNewPrivs": "1"}, (
+            r.output
+        )
+        devices = set(out["dev"].split())
+        assert devices <= {
+            "fd",
+            "null",
+            "ptmx",
+            "pts",
+            "random",
+            "shm",
+            "stderr",
+            "stdin",
+            "stdout",
+            "tty",
+            "urandom",
+            "zero",
+        }, devices
+        assert out["loopback"].startswith("refused") and accepted == []
+        assert (out["mount"], out["etc"], out["hosthome"]) == ("no", "no", "no"), r.output
+        assert (out["workdir"], out["home"]) == ("ok", "ok"), r.output
+        # The daemon it left is gone with the harness's end, as the host sees it.
+        assert namespace_pids(sb.init_pid) == []
+        assert (tmp_path / "s" / "home" / "settings").exists()
+        assert await sb.read("/app/answer.txt") == b"41\n"
+        assert sb.describe()["user"] == "1000:1000" and sb.describe()["network"] == "none"
+    finally:
+        await sb.stop()
+    assert "apt-attack" not in await list_instances(runtime.binary)
+    assert list((tmp_path / "registry").glob("*.json")) == []
+    assert not (tmp_path / "s" / "apptainer-agent").exists()
+
+
+async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_host_kills_it_all(runtime, tmp_path):
+    ca = ensure_ca(tmp_path / "ca")
+    sb = await runtime.start(TASK, SandboxSpec("apt-forks", tmp_path / "s", ca))
+    try:
+        if not runtime.limits:
+            pytest.skip("Apptainer cannot apply cgroups on this host")
+        r = await sb.exec_harness(
+            [
+                "sh",
+                "-c",
+                "for i in $(seq 6000); do setsid sleep 300 </dev/null >/dev/null 2>&1 & done; echo spawned",
+            ],
+            timeout=120,
+        )
+        assert "Cannot fork" in r.output or "Resource temporarily unavailable" in r.output, r.output[-500:]
+        assert namespace_pids(sb.init_pid) == []
+    finally:
+        await sb.stop()
+
+
+VERDICT_CHEATS = {
+    # the tests' program leaves a daemon that waits for the verdict and rewrites it, then exits
+    "early": "sh -c \"setsid sh -c 'while [ ! -s /logs/verifier/reward.txt ]; do sleep 0.01; done;"
+    " echo 1 > /logs/verifier/reward.txt' </dev/null >/dev/null 2>&1 &\"; echo 0 > /logs/verifier/reward.txt; sleep 0.5",
+    # ... or one that is still waiting when the tests end
+    "late": "sh -c \"setsid sh -c 'sleep 1; echo 1 > /logs/verifier/reward.txt' </dev/null >/dev/null 2>&1 &\";"
+    " echo 0 > /logs/verifier/reward.txt",
+    # the tests kill their own supervisor after printing a report of their own
+    "forge": 'echo 1 > /logs/verifier/reward.txt; echo \'x {"status": 0, "left": []}\';'
+    " kill -9 $(awk '{print $4}' /proc/$$/stat)",
+    # replace the image's cat and sh, which the host might use to read the verdict
+    "binaries": "echo 0 > /logs/verifier/reward.txt; printf '#!/bin/true\\n' > /usr/bin/cat; cp /bin/true /bin/dash",
+    "honest": "echo 1 > /logs/verifier/reward.txt",
+}
+
+
+@pytest.mark.parametrize("cheat", list(VERDICT_CHEATS))
+async def test_the_verifiers_tests_cannot_rewrite_the_verdict_unseen(runtime, tmp_path, cheat):
+    ca = ensure_ca(tmp_path / "ca")
+    v = await runtime.start(TASK, SandboxSpec("apt-v", tmp_path / "s", ca, purpose="verifier"))
+    try:
+        assert v.supervisor and v.supervises
+        assert (await v.exec(["mkdir", "-p", "/logs/verifier"], workdir="/")).exit_code == 0
+        r, left = await v.exec_sealed(["sh", "-c", VERDICT_CHEATS[cheat]], workdir="/", timeout=60)
+        verdict = await v.read("/logs/verifier/reward.txt")
+        if cheat == "honest":
+            assert left == [] and verdict == b"1\n" and r.exit_code == 0, (r.output, left)
+        elif cheat == "binaries":
+            assert left == [] and verdict == b"0\n"  # read on the host, not with the image's tools
+        else:
+            assert left, (cheat, r.output, verdict)
+        assert namespace_pids(v.init_pid) == []  # sealed: nothing runs in it any more
+    finally:
+        await v.stop()
+
+
+async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(runtime, tmp_path):
+    ca = ensure_ca(tmp_path / "ca")
+    agent = await runtime.start(TASK, SandboxSpec("apt-art", tmp_path / "s", ca))
+    try:
+        script = (
+            "echo 42 > /app/answer.txt; ln -s /etc /app/etc; mkdir -p /app/d; echo x > /app/d/f;"
+            " truncate -s 3G /app/sparse 2>/dev/null || true"
+        )
+        await agent.exec_harness(["sh", "-c", script], timeout=60)
+        await agent.halt()
+        from polar_mitm.sandbox.base import ExportTooLarge
+
+        with tempfile.TemporaryFile() as spool, pytest.raises(ExportTooLarge):
+            t0 = time.monotonic()
+            await agent.export("/app", 1 << 30, spool)
+        assert time.monotonic() - t0 < 10  # refused from file sizes, nothing read
+        await agent.exec(["rm", "-f", "/app/sparse"], workdir="/")
+        spool2 = io.BytesIO()
+        size = await agent.export("/app", 1 << 30, spool2)
+        assert 0 < size == len(spool2.getvalue())
+    finally:
+        await agent.stop()
+    v = await runtime.start(TASK, SandboxSpec("apt-art-verifier", tmp_path / "s", ca, purpose="verifier"))
+    try:
+        await v.exec(["rm", "-rf", "/app"], workdir="/")
+        await v.put_tar("/", spool2)
+        r = await v.exec(["sh", "-c", "cat /app/answer.txt /app/d/f; readlink /app/etc"], workdir="/")
+        assert r.output.split() == ["42", "x", "/etc"], r.output
+    finally:
+        await v.stop()
+    assert os.listdir(tmp_path / "s") == ["home"]  # neither instance's own directory is left
