@@ -837,8 +837,17 @@ class ApptainerSandbox:
         for proc in list(self._procs):
             kill_group(proc.pid)
         if first:
-            await run_argv(stop_argv(self.binary, self.name), timeout=60)  # non-zero: already gone
             await self._kill_namespace()
+            for attempt in range(5):  # a stop can fail while another apptainer command holds the instance
+                r = await run_argv(stop_argv(self.binary, self.name), timeout=60)
+                if self.name not in await list_instances(self.binary, self.name):
+                    break
+                log.info("instance %s: stop %d failed: %s", self.name, attempt + 1, r.output[-300:])
+                await asyncio.sleep(0.5 * (attempt + 1))
+            else:
+                log.warning(
+                    "instance %s could not be stopped; `apptainer instance stop %s`", self.name, self.name
+                )
         if self.record_path is not None:
             self.record_path.unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -122,36 +122,61 @@ def samples(db: str) -> dict[str, tuple[str, float, dict]]:
     return {t: (st, r, json.loads(d) if d else {"cause": c}) for t, st, r, d, c in rows}
 
 
+@pytest.fixture(params=["docker", "apptainer"])
+def runtime(request, docker_client, tmp_path):
+    """Each cheat against both runtimes with a fresh verifier: Docker, and Apptainer (the real
+    binary; the image converted from the local daemon once)."""
+    if request.param == "docker":
+        return DockerRuntime()
+    from polar_mitm.sandbox.apptainer import ApptainerRuntime
+
+    return ApptainerRuntime(
+        binary=request.getfixturevalue("apptainer_binary"), registry_dir=tmp_path / "registry"
+    )
+
+
 async def rollout(
-    stack, tasks: list[Task], tmp_path: Path, docker_client
+    stack, tasks: list[Task], tmp_path: Path, docker_client, runtime=None
 ) -> dict[str, tuple[str, float, dict]]:
+    runtime = runtime or DockerRuntime()
     options = RolloutOptions(
         harness="claude-code",
         harness_cmd=["sh", "-c", HARNESS, "harness", "{instruction}"],
-        runtime="docker",
+        runtime=runtime.name,
         init_workers=4,
         run_workers=4,
         postrun_workers=4,
         retries=0,
     )
-    p = Pipeline(options, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
+    p = Pipeline(options, stack.proxy, runtime, work_dir=tmp_path / "work")
     await p.run(tasks)
     left = docker_client.containers.list(all=True, filters={"label": f"{LABEL}={p.rollout_id}"})
     assert [c.name for c in left] == []  # neither the agents' containers nor the verifiers'
+    if runtime.name == "apptainer":
+        from polar_mitm.sandbox.apptainer import list_instances
+
+        assert list(runtime.registry_dir.glob("*.json")) == []
+        assert not [n for n in await list_instances(runtime.binary) if n.startswith("polar-")]
     return samples(stack.db)
 
 
 def assert_fresh_verifier(detail: dict, image: str) -> None:
-    """Scored in a container of its own, started from the task's image after the agent's was stopped."""
+    """Scored in a container (or instance) of its own, started from the task's image after the
+    agent's was stopped."""
     v = detail["verifier"]
     assert v["sandbox"] == "fresh", v
-    assert v["image"] == image and v["network"] == "none" and v["user"] == "root"
-    assert v["container"] != v["agent_sandbox"] and v["agent_stopped_first"] is True
+    assert v["network"] == "none" and v["agent_stopped_first"] is True
+    if v.get("runtime") == "apptainer":
+        assert v["image"].endswith(".sif") and v["user"] == "root, without capabilities", v
+        assert v["instance"] != v["agent_sandbox"] and v["supervisor"] == "reap.py"
+    else:
+        assert v["image"] == image and v["user"] == "root"
+        assert v["container"] != v["agent_sandbox"]
     assert v["copied"]["from"] == "/app" or v["copied"]["from"] == "/testbed"
 
 
 async def test_harbor_and_command_cheats_get_nothing_and_an_honest_solution_full_reward(
-    make_stack, tmp_path, docker_client
+    make_stack, tmp_path, docker_client, runtime
 ):
     root = tmp_path / "tasks"
     for cheat in ("loop", "bash", "watch"):
@@ -165,7 +190,7 @@ async def test_harbor_and_command_cheats_get_nothing_and_an_honest_solution_full
         command_task("command-honest", "solve", "reward.txt"),  # in the workdir
     ]
     stack = await make_stack()
-    got = await rollout(stack, tasks, tmp_path, docker_client)
+    got = await rollout(stack, tasks, tmp_path, docker_client, runtime)
     rewards = {t: (status, reward) for t, (status, reward, _) in got.items()}
     assert rewards == {
         "cheat-loop": ("completed", 0.0),
@@ -202,7 +227,7 @@ TEST_SOLUTION = "import sys\nsys.path.insert(0, '/app')\nfrom solution import an
 
 
 async def test_what_the_agents_program_does_inside_the_verifier_gets_nothing(
-    make_stack, tmp_path, docker_client
+    make_stack, tmp_path, docker_client, runtime
 ):
     """The tests run the agent's code, as root, in the verifier. Each cheat here got reward 1.0
     before the tests' run was supervised: a detached daemon (bash, Python) that rewrites
@@ -225,7 +250,7 @@ async def test_what_the_agents_program_does_inside_the_verifier_gets_nothing(
         d = harbor_task(root, name, cheat, test_sh)
         (d / "tests" / "test_solution.py").write_text(TEST_SOLUTION)
     stack = await make_stack()
-    got = await rollout(stack, load_tasks([root]), tmp_path, docker_client)
+    got = await rollout(stack, load_tasks([root]), tmp_path, docker_client, runtime)
     rewards = {t: (status, reward) for t, (status, reward, _) in got.items()}
     assert rewards == {
         "daemon-bash": ("completed", 0.0),
