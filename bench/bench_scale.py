@@ -291,10 +291,11 @@ def main() -> None:
             for i in range(groups)
         ]
         submitted = time.monotonic() - t0
-        rows = completed = 0
+        rows = completed = passed = 0
         tokens = 0
         for g in client.wait(ids, poll=1.0, timeout=24 * 3600):
             completed += sum(o.status == "completed" for o in g.outcomes)
+            passed += sum(o.reward == 1.0 for o in g.outcomes)
             rows += len(g.samples)
             tokens += sum(len(s.tokens) for s in g.samples)
         elapsed = time.monotonic() - t0
@@ -331,7 +332,10 @@ def main() -> None:
         f" {a.capacity} each), rows: {a.rows}; {os.cpu_count()} cores shared with other work (load"
         f" average at the end {load[0]:.1f}), nice {nice}; work dir {work}"
     )
-    print(f"completed {completed:,}/{total:,}; {rows:,} rows, {tokens:,} tokens")
+    print(
+        f"completed {completed:,}/{total:,}, reward 1 (the harness's call answered) {passed:,};"
+        f" {rows:,} rows, {tokens:,} tokens"
+    )
     print("\n| measure | value |\n|---|---|")
     print(f"| samples/s (submit to the last group collected) | {total / elapsed:.1f} ({elapsed:.0f} s) |")
     print(f"| submitting {groups:,} tasks | {submitted:.1f} s ({groups / submitted:.0f} tasks/s) |")
