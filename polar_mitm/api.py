@@ -312,9 +312,10 @@ class ResumeRequest(BaseModel):
 
 
 class Event(BaseModel):
-    """One line of `GET /v1/events`."""
+    """One line of `GET /v1/events`. `lost`: this subscriber read too slowly and missed
+    `data.events` events before the next one (the oldest are dropped first)."""
 
-    kind: Literal["task", "sample", "node", "weights"]
+    kind: Literal["task", "sample", "node", "weights", "lost"]
     task_id: str | None = None
     index: int | None = None
     state: str | None = None

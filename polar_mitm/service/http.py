@@ -9,10 +9,12 @@ alone. Nothing here knows a route's meaning: the route table (`server.py`) says 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
+import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
@@ -99,6 +101,16 @@ async def body_of(request: web.Request, model: type[BaseModel], cap: int) -> Any
     if len(raw) > PARSE_INLINE:
         return await asyncio.to_thread(parse_body, raw, model)
     return parse_body(raw, model)
+
+
+def json_body(data: Any, status: int = 200) -> web.Response:
+    """A JSON answer written by orjson: a group's rows (millions of token ids) in milliseconds
+    where `json` takes tenths of a second; `json` writes what orjson does not (huge integers)."""
+    try:
+        body = orjson.dumps(data)
+    except TypeError:
+        body = json.dumps(data).encode()
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 @web.middleware

@@ -141,7 +141,8 @@ class RolloutServer:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[http.errors, self.guard.middleware], client_max_size=self.max_result
+            middlewares=[self.metrics.timed, http.errors, self.guard.middleware],
+            client_max_size=self.max_result,
         )
         for method, path, handler, *_, who in self.routes():
             app.router.add_route(method, path, handler)

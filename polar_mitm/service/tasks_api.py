@@ -21,11 +21,12 @@ from polar_mitm import api as m
 from polar_mitm import auth
 from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.reconstruct.groups import advantages
+from polar_mitm.service import http
 from polar_mitm.service.callbacks import Callbacks
 from polar_mitm.service.events import Events
 from polar_mitm.service.http import ApiError, body_of, forbid
 from polar_mitm.service.metrics import Metrics
-from polar_mitm.store.service import SampleRow, ServiceStore, TaskRow, TaskSummary
+from polar_mitm.store.service import SampleRow, ServiceStore, TaskRow, TaskSummary, unpack_rows
 from polar_mitm.strategies import Normalize, choices
 from polar_mitm.tasks import TaskFileError, load_tasks
 from polar_mitm.tasks.model import Task
@@ -270,7 +271,7 @@ class Tasks:
         adv = advantages(rewards, normalize) if normalize else {}  # type: ignore[arg-type]
         out = []
         for s in samples:
-            for row in json.loads(s.rows or "[]"):
+            for row in unpack_rows(s.rows):
                 row["group_id"] = task_id
                 row["sample_index"] = s.idx
                 row["advantage"] = adv.get(s.idx, 0.0) if normalize else None
@@ -296,7 +297,7 @@ class Tasks:
             )
         rows = self.rows(row.id, None if normalize == "none" else normalize)
         if fmt == "json":
-            return web.json_response({"task_id": row.id, "state": row.state, "rows": rows})
+            return http.json_body({"task_id": row.id, "state": row.state, "rows": rows})
         if fmt == "parquet":
             return web.Response(body=parquet_bytes(rows), content_type="application/vnd.apache.parquet")
         raise ApiError(422, "invalid_request", f"format: {fmt!r} is not one of json, parquet")
@@ -319,7 +320,7 @@ class Tasks:
         if row is None:
             return
         req = m.TaskRequest.model_validate_json(row.request)
-        samples = self.store.samples(task_id)
+        samples = self.store.samples(task_id, rows=False)  # states only: no group's rows read
         usable = sum(1 for s in samples if s.state == "finished" and s.status in TRAINABLE)
         if (
             req.early_stop_min_usable
@@ -327,7 +328,7 @@ class Tasks:
             and any(s.state in ("queued", "dispatched") for s in samples)
         ):
             self.store.cancel_samples(task_id, f"early stop: {usable} usable samples in")
-            samples = self.store.samples(task_id)
+            samples = self.store.samples(task_id, rows=False)
         if all(s.state == "finished" for s in samples) and row.state not in ("done",):
             if row.state != "cancelled":
                 self.store.set_task_state(task_id, "done")

@@ -196,6 +196,17 @@ def m006_request_zstd(db: sqlite3.Connection) -> None:
     )
 
 
+def m007_service_rows_zstd(db: sqlite3.Connection) -> None:
+    """A service sample's `rows` may hold a BLOB: a zstd frame of the rows' JSON
+    (`store.service.pack_rows`); text written before stays and reads as it did. And the open tasks
+    in dispatch order (a partial index: queued and running tasks only), so a lease walks them from
+    the first and stops at its capacity instead of sorting every queued sample."""
+    db.execute(
+        "CREATE INDEX service_tasks_open ON service_tasks(priority DESC, created_at, id)"
+        " WHERE state IN ('queued', 'running')"
+    )
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
     m002_rollouts,
@@ -203,6 +214,7 @@ MIGRATIONS: list[Migration] = [
     m004_turns_seq,
     m005_request_delta,
     m006_request_zstd,
+    m007_service_rows_zstd,
 ]
 
 

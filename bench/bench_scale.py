@@ -1,0 +1,393 @@
+"""The rollout service's control plane at scale: the real `polar-mitm serve` and N real
+`polar-mitm node` processes on this machine, S samples in groups of 8, a trainer that submits
+them all at once and collects every group with the client (`RolloutClient.wait`), and two
+subscribers to the event stream, one of them slow.
+
+A sample is instant but its report is not small: with `--rows session` (the default) the
+harness (the `local` runtime, a shell line) posts the first request of the captured Claude Code
+session (`bench/fixtures/claude_code_session.jsonl.zst`: 11.6k prompt tokens) through its node's
+proxy once, and the fake backend answers at once with ~15k tokens, so the node builds and reports
+a row of that session's shape (11.6k prompt + 14.8k response tokens with mask and logprobs);
+`--rows none` writes the instruction and makes no model call (no rows: the control plane alone).
+
+Printed: samples/s; the server's CPU per sample (and the rate one core of it would carry); the
+p50/p99 of the lease and result calls as the server timed them (`/metrics`); the server's RSS,
+CPU and the store's size over time; the parquet export of every group; what each subscriber of
+`/v1/events` received.
+
+    nice .venv/bin/python bench/bench_scale.py [--samples 10000] [--nodes 16] [--rows session|none]
+        [--profile]   # py-spy on the server (pip install py-spy), its busiest frames at the end
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _procs import Profile, _start, ensure_ca, free_port, start_fake, workdir  # noqa: E402
+from bench_request_storage import load_session  # noqa: E402
+
+from polar_mitm import procs  # noqa: E402
+from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
+from polar_mitm.client import RolloutClient  # noqa: E402
+from polar_mitm.tasks.model import EvaluatorSpec, Task  # noqa: E402
+
+SESSION = ROOT / "bench" / "fixtures" / "claude_code_session.jsonl.zst"
+REPLY_TOKENS = 14_800  # the captured session's response part (its last prompt less its first)
+INSTANT = ["sh", "-c", 'echo "$1" > out.txt', "harness", "{instruction}"]
+
+
+def session_harness(body: Path) -> list[str]:
+    """One model call through the node's proxy (curl, the proxy's CA), then the instruction."""
+    call = (
+        'curl -sS --fail -o /dev/null --cacert "$SSL_CERT_FILE" -H "content-type: application/json"'
+        ' -H "x-api-key: k" -H "anthropic-version: 2023-06-01"'
+        f" --data-binary @{body} https://api.anthropic.com/v1/messages"
+    )
+    return ["sh", "-c", call + ' && echo "$1" > out.txt', "harness", "{instruction}"]
+
+
+def session_body(work: Path) -> Path:
+    """The captured session's first request, answered whole (no stream) and long enough."""
+    first = load_session(SESSION)[0]
+    body = json.loads(first["request"])
+    body.update(stream=False, max_tokens=REPLY_TOKENS + 200)
+    path = work / "request.json"
+    path.write_text(json.dumps(body))
+    return path
+
+
+def long_reply(tokenizer: Path, tokens: int) -> str:
+    """Source text of this repository cut to `tokens` tokens: what the fake backend answers."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    text = ""
+    for f in sorted((ROOT / "polar_mitm" / "store").glob("*.py")) * 4:
+        text += f.read_text()
+        if len(tok.encode(text).ids) > tokens:
+            break
+    ids = tok.encode(text).ids[:tokens]
+    out = tok.decode(ids)
+    assert "<tool_call>" not in out and "<think>" not in out
+    return out
+
+
+# -- what the server did ----------------------------------------------------------------------
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def store_mb(db: Path) -> float:
+    return sum(p.stat().st_size for p in db.parent.glob(db.name + "*")) / 2**20
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """histogram_quantile: linear inside the bucket that holds the q-th observation."""
+    total = buckets[-1][1]
+    if total == 0:
+        return float("nan")
+    rank, lo_le, lo_n = q * total, 0.0, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            if le == float("inf"):
+                return lo_le
+            return lo_le + (le - lo_le) * (rank - lo_n) / max(n - lo_n, 1e-9)
+        lo_le, lo_n = le, n
+    return lo_le
+
+
+def route_times(metrics: str) -> dict[str, tuple[int, float, float, float]]:
+    """route → (calls, mean, p50, p99) seconds from `polar_service_request_seconds`."""
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    sums: dict[str, float] = {}
+    for line in metrics.splitlines():
+        m = re.match(r'polar_service_request_seconds_bucket\{le="([^"]+)",route="([^"]+)"\} (\S+)', line)
+        if m:
+            buckets.setdefault(m[2], []).append((float(m[1]), float(m[3])))
+        m = re.match(r'polar_service_request_seconds_sum\{route="([^"]+)"\} (\S+)', line)
+        if m:
+            sums[m[1]] = float(m[2])
+    out = {}
+    for route, b in buckets.items():
+        b.sort()
+        n = int(b[-1][1])
+        out[route] = (n, sums.get(route, 0.0) / max(n, 1), quantile(b, 0.5), quantile(b, 0.99))
+    return out
+
+
+class Subscriber(threading.Thread):
+    """`GET /v1/events` over a raw socket, read at `rate` bytes/s at most (None: as fast as it
+    comes); counts the events it received."""
+
+    def __init__(self, port: int, token: str, rate: float | None):
+        super().__init__(daemon=True)
+        self.port, self.token, self.rate = port, token, rate
+        self.events = 0
+        self.bytes = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        s = socket.create_connection(("127.0.0.1", self.port))
+        if self.rate is not None:  # a small window, so the server's writes back up soon
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(
+            f"GET /v1/events HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {self.token}\r\n\r\n".encode()
+        )
+        s.settimeout(1.0)
+        chunk = 4096 if self.rate is None else 1024
+        while not self.stop.is_set():
+            try:
+                data = s.recv(chunk)
+            except TimeoutError:
+                continue
+            if not data:
+                break
+            self.bytes += len(data)
+            self.events += data.count(b"\ndata: ")
+            if self.rate is not None:
+                time.sleep(len(data) / self.rate)
+        s.close()
+
+
+class Monitor(threading.Thread):
+    """Every `every` seconds: finished samples, the server's RSS and CPU, the store's size."""
+
+    def __init__(self, pid: int, db: Path, every: float):
+        super().__init__(daemon=True)
+        self.pid, self.db, self.every = pid, db, every
+        self.curve: list[tuple[float, int, float, float, float]] = []
+        self.stop = threading.Event()
+        self.t0 = time.monotonic()
+
+    def finished(self) -> int:
+        import sqlite3
+
+        con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=30)
+        try:
+            return con.execute("SELECT COUNT(*) FROM service_samples WHERE state = 'finished'").fetchone()[0]
+        finally:
+            con.close()
+
+    def point(self) -> None:
+        self.curve.append(
+            (
+                time.monotonic() - self.t0,
+                self.finished(),
+                rss_mb(self.pid),
+                cpu_s(self.pid),
+                store_mb(self.db),
+            )
+        )
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.point()
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=10_000)
+    ap.add_argument("--nodes", type=int, default=16)
+    ap.add_argument("--group", type=int, default=8, help="samples per task (a GRPO group)")
+    ap.add_argument("--rows", choices=("session", "none"), default="session")
+    ap.add_argument("--capacity", type=int, default=4, help="samples each node holds at most")
+    ap.add_argument("--slow-rate", type=float, default=2048, help="the slow subscriber's bytes/s")
+    ap.add_argument("--every", type=float, default=10.0, help="seconds between points of the curve")
+    ap.add_argument("--profile", action="store_true", help="py-spy the server while the samples run")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    a = ap.parse_args()
+    groups = a.samples // a.group
+    total = groups * a.group
+    work = workdir("polar-scale-")
+    token = "bench-scale-token"
+    os.environ.update(POLAR_MITM_SERVICE_TOKEN=token, XDG_CONFIG_HOME=str(work / "config"))
+    tok = ensure_tokenizer("qwen")
+    ensure_ca(work)
+    started: list[Any] = []  # the fake backend, the server
+    nodes: list[subprocess.Popen] = []
+    try:
+        if a.rows == "session":
+            script = [{"match": "", "text": long_reply(tok, REPLY_TOKENS)}]
+            fake = start_fake(work, tokenizer_path=str(tok), script=script)
+            cmd = session_harness(session_body(work))
+        else:
+            fake = start_fake(work, tokenizer_path=str(tok))
+            cmd = INSTANT
+        started.append(fake.popen)
+        db = work / "service.sqlite"
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server, _ = _start(
+            [sys.executable, "-m", "polar_mitm", "serve", "--listen", f"127.0.0.1:{port}", "--nodes", "0",
+             "--allow-local-runtime", "--db", str(db)],
+            "rollout server on", work / "serve.log",
+        )  # fmt: skip
+        started.append(server)
+        for i in range(a.nodes):
+            argv = [sys.executable, "-m", "polar_mitm", "node", "--server", url, "--node-id", f"n{i}",
+                    "--backend", fake.url, "--tokenizer", str(tok), "--db", str(work / f"node{i}.sqlite"),
+                    "--certs", str(work / "certs"), "--capacity", str(a.capacity)]  # fmt: skip
+            log = (work / f"node{i}.log").open("w")
+            nodes.append(subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True))
+        http = httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=300)
+        deadline = time.monotonic() + 300
+        while len([n for n in http.get("/v1/nodes").json() if n["healthy"]]) < a.nodes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the nodes did not all register; logs in {work}")
+            time.sleep(0.5)
+        fast, slow = Subscriber(port, token, None), Subscriber(port, token, a.slow_rate)
+        fast.start()
+        slow.start()
+        time.sleep(0.5)
+        rss0 = rss_mb(server.pid)
+        monitor = Monitor(server.pid, db, a.every)
+        client = RolloutClient(url, token=token, timeout=300)
+        cpu0 = cpu_s(server.pid)
+        profile = Profile(server.pid, work / "server.pyspy.txt", rate=100) if a.profile else None
+        if profile:
+            profile.__enter__()
+        t0 = time.monotonic()
+        monitor.t0 = t0
+        monitor.start()
+        evaluator = EvaluatorSpec(kind="command", command="grep -q pass out.txt")
+        ids = [
+            client.submit(
+                Task(id=f"g{i:05d}", instruction="pass", evaluator=evaluator),
+                samples=a.group,
+                harness="claude-code",
+                runtime="local",
+                harness_cmd=cmd,
+            )
+            for i in range(groups)
+        ]
+        submitted = time.monotonic() - t0
+        rows = completed = passed = 0
+        tokens = 0
+        for g in client.wait(ids, poll=1.0, timeout=24 * 3600):
+            completed += sum(o.status == "completed" for o in g.outcomes)
+            passed += sum(o.reward == 1.0 for o in g.outcomes)
+            rows += len(g.samples)
+            tokens += sum(len(s.tokens) for s in g.samples)
+        elapsed = time.monotonic() - t0
+        if profile:
+            profile.__exit__(None, None, None)
+        monitor.stop.set()
+        monitor.join()
+        monitor.point()
+        cpu = cpu_s(server.pid) - cpu0
+        times = route_times(http.get("/metrics").text)
+        # The export: every group's parquet, one after another (what a trainer fetches).
+        e0 = time.monotonic()
+        parquet_bytes = sum(
+            len(http.get(f"/v1/tasks/{t}/results", params={"format": "parquet"}).content) for t in ids
+        )
+        export = time.monotonic() - e0
+        listing0 = time.monotonic()
+        http.get("/v1/tasks").raise_for_status()
+        listing = time.monotonic() - listing0
+        time.sleep(2)
+        fast.stop.set()
+        slow.stop.set()
+        per_sample_events = 2  # dispatched + finished, besides the tasks' own
+        load = os.getloadavg()
+    finally:
+        for p in nodes:
+            procs.stop(p, 15, group=True)
+        for p in reversed(started):
+            procs.stop(p, 15)
+
+    nice = os.nice(0)
+    print(
+        f"\n{total:,} samples ({groups:,} groups of {a.group}), {a.nodes} node processes (capacity"
+        f" {a.capacity} each), rows: {a.rows}; {os.cpu_count()} cores shared with other work (load"
+        f" average at the end {load[0]:.1f}), nice {nice}; work dir {work}"
+    )
+    print(
+        f"completed {completed:,}/{total:,}, reward 1 (the harness's call answered) {passed:,};"
+        f" {rows:,} rows, {tokens:,} tokens"
+    )
+    print("\n| measure | value |\n|---|---|")
+    print(f"| samples/s (submit to the last group collected) | {total / elapsed:.1f} ({elapsed:.0f} s) |")
+    print(f"| submitting {groups:,} tasks | {submitted:.1f} s ({groups / submitted:.0f} tasks/s) |")
+    print(
+        f"| server CPU per sample | {1000 * cpu / total:.1f} ms ({cpu:.0f} s in all; one core of it:"
+        f" {total / max(cpu, 1e-9):.0f} samples/s) |"
+    )
+    for route, label in (
+        ("POST /v1/nodes/{node_id}/lease", "lease"),
+        ("POST /v1/nodes/{node_id}/results", "result"),
+        ("POST /v1/nodes/{node_id}/heartbeat", "heartbeat"),
+        ("GET /v1/tasks/{task_id}", "task status (the client's poll)"),
+        ("GET /v1/tasks/{task_id}/results", "group results"),
+        ("POST /v1/tasks", "submit"),
+    ):
+        n, mean, p50, p99 = times.get(route, (0, 0.0, 0.0, 0.0))
+        print(
+            f"| {label} calls: p50 / p99 / mean (server-side) | {1000 * p50:.1f} / {1000 * p99:.1f} /"
+            f" {1000 * mean:.1f} ms over {n:,} |"
+        )
+    print(f"| server RSS before / after | {rss0:.0f} / {rss_mb_last(monitor):.0f} MB |")
+    print(
+        f"| store at the end | {monitor.curve[-1][4]:.0f} MB ({1024 * monitor.curve[-1][4] / total:.0f} kB"
+        " per sample) |"
+    )
+    print(
+        f"| parquet export, every group (`GET …/results?format=parquet`) | {export:.1f} s"
+        f" ({1000 * export / groups:.1f} ms a group, {parquet_bytes / 2**20:.0f} MB) |"
+    )
+    print(f"| `GET /v1/tasks` (every task) at the end | {listing:.2f} s |")
+    expected = total * per_sample_events
+    print(
+        f"| events: a fast subscriber / a slow one ({a.slow_rate:.0f} B/s) | {fast.events:,} /"
+        f" {slow.events:,} (≥ {expected:,} published) |"
+    )
+    print("\nover time (server):\n\n| s | finished | RSS MB | CPU s | store MB | store kB/sample |")
+    print("|---|---|---|---|---|---|")
+    for t, n, rss, c, size in monitor.curve:
+        print(
+            f"| {t:.0f} | {n:,} | {rss:.0f} | {c - cpu0:.0f} | {size:.0f} | {1024 * size / max(n, 1):.0f} |"
+        )
+    if profile:
+        profile.print_top(40)
+    if not a.keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def rss_mb_last(monitor: Monitor) -> float:
+    return monitor.curve[-1][2] if monitor.curve else 0.0
+
+
+if __name__ == "__main__":
+    main()
