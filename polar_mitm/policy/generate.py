@@ -267,71 +267,73 @@ class Generation:
             return await gen.next(timeout, self.config.chunk_interval)
 
         started = False
-        counted = False
         stopped: str | None = None  # why the turn's stream was ended from outside, if it was
         try:
             async for ev in self.gate.through(turn_id, len(prompt_ids)):
                 started = True
                 yield ev
-            self.gate.generating += 1
-            counted = True
-            # Until a first chunk (in whole mode: until the reply), the first-token limit.
-            async with contextlib.aclosing(self.paced(receive, engine, lambda: not state.chunks)) as deltas:
-                async for delta in deltas:
-                    if delta is None:
+            with self.gate.generation():
+                # Until a first chunk (in whole mode: until the reply), the first-token limit.
+                async with contextlib.aclosing(
+                    self.paced(receive, engine, lambda: not state.chunks)
+                ) as deltas:
+                    async for delta in deltas:
+                        if delta is None:
+                            if not started:
+                                started = True
+                                yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
+                            yield Ping()
+                            continue
+                        if not state.chunks:
+                            break  # the stream ended without a chunk
+                        if _aborted(state.finish_reason):
+                            break  # before Started: an abort on the first chunk sends the harness nothing
                         if not started:
                             started = True
                             yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
-                        yield Ping()
-                        continue
-                    if not state.chunks:
-                        break  # the stream ended without a chunk
-                    if _aborted(state.finish_reason):
-                        break  # before Started: an abort on the first chunk sends the harness nothing
-                    if not started:
-                        started = True
-                        yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
-                    for ev in parser.feed(delta):
-                        yield ev
-                    if state.finish_reason is not None or gen.finished:
-                        break
-            if _aborted(state.finish_reason):
-                aborted = abort_error(state.finish_reason, engine.url)
-                error = aborted.message
-                # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
-                await asyncio.shield(self.store.insert_turn(record("aborted", None, finish_reason="abort")))
-                committed = True
-                raise aborted
-            for ev in parser.finish():
-                yield ev
-            finish, stop_seq = _finish(state if state.chunks else None, bool(parser.tool_calls))
-            completion = Completion(
-                turn_id=turn_id,
-                model=req.model,
-                text=parser.text,
-                reasoning=parser.reasoning,
-                tool_calls=parser.tool_calls,
-                finish_reason=finish,
-                stop_sequence=stop_seq,
-                usage=Usage(
-                    prompt_tokens=len(prompt_ids),
-                    completion_tokens=len(state.output_ids),
-                    cached_tokens=state.cached_tokens or 0,
-                    reasoning_tokens=reasoning_token_count(
-                        tok, state.output_ids, reasoning_parser, bool(parser.reasoning)
+                        for ev in parser.feed(delta):
+                            yield ev
+                        if state.finish_reason is not None or gen.finished:
+                            break
+                if _aborted(state.finish_reason):
+                    aborted = abort_error(state.finish_reason, engine.url)
+                    error = aborted.message
+                    # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
+                    await asyncio.shield(
+                        self.store.insert_turn(record("aborted", None, finish_reason="abort"))
+                    )
+                    committed = True
+                    raise aborted
+                for ev in parser.finish():
+                    yield ev
+                finish, stop_seq = _finish(state if state.chunks else None, bool(parser.tool_calls))
+                completion = Completion(
+                    turn_id=turn_id,
+                    model=req.model,
+                    text=parser.text,
+                    reasoning=parser.reasoning,
+                    tool_calls=parser.tool_calls,
+                    finish_reason=finish,
+                    stop_sequence=stop_seq,
+                    usage=Usage(
+                        prompt_tokens=len(prompt_ids),
+                        completion_tokens=len(state.output_ids),
+                        cached_tokens=state.cached_tokens or 0,
+                        reasoning_tokens=reasoning_token_count(
+                            tok, state.output_ids, reasoning_parser, bool(parser.reasoning)
+                        ),
                     ),
-                ),
-            )
-            await asyncio.shield(self.store.insert_turn(record("ok", completion)))
-            committed = True
-            self.prompts.keep_key(turn_id, key)
-            self.prompts.keep_sent(
-                turn_id,
-                ref,
-                len(prompt_ids) + len(state.output_ids),
-                join_ids(sent_ids, ids_json(state.output_ids)),
-            )
-            yield Done(completion=completion)
+                )
+                await asyncio.shield(self.store.insert_turn(record("ok", completion)))
+                committed = True
+                self.prompts.keep_key(turn_id, key)
+                self.prompts.keep_sent(
+                    turn_id,
+                    ref,
+                    len(prompt_ids) + len(state.output_ids),
+                    join_ids(sent_ids, ids_json(state.output_ids)),
+                )
+                yield Done(completion=completion)
         except ProviderError as e:
             error = e.message
             if isinstance(e, EngineUnreachable):
@@ -341,8 +343,6 @@ class Generation:
             stopped = "closed" if isinstance(e, GeneratorExit) else "cancelled"
             raise
         finally:
-            if counted:
-                self.gate.generating -= 1
             await gen.aclose()
             if not committed and state.chunks:
                 status = "error" if error else "aborted"
@@ -371,33 +371,31 @@ class Generation:
         task = asyncio.ensure_future(
             self.client.chat(chat_body(req, max_tokens), url=engine.url, routing_key=key)
         )
-        gate = self.gate
-        gate.generating += 1
-        task.add_done_callback(lambda _: setattr(gate, "generating", gate.generating - 1))
 
         async def receive(timeout: float) -> asyncio.Future | None:
             done, _ = await asyncio.wait({task}, timeout=timeout)
             return task if done else None
 
-        try:
-            if not gated:
-                yield Started(turn_id=turn_id, prompt_tokens=0)
-            # The reply arrives whole: the first-token limit bounds it, the engine is watched throughout.
-            async with contextlib.aclosing(self.paced(receive, engine, lambda: True)) as waits:
-                async for done in waits:
-                    if done is not None:
-                        break
-                    yield Ping()
+        with self.gate.generation():  # from the call until its task is done
             try:
-                data = task.result()
-            except EngineUnreachable as e:
-                self.engines.mark_dead(engine, e.message)
-                raise
-            result = parse_chat_result(data)
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.wait({task})
+                if not gated:
+                    yield Started(turn_id=turn_id, prompt_tokens=0)
+                # The reply arrives whole: the first-token limit bounds it, the engine is watched throughout.
+                async with contextlib.aclosing(self.paced(receive, engine, lambda: True)) as waits:
+                    async for done in waits:
+                        if done is not None:
+                            break
+                        yield Ping()
+                try:
+                    data = task.result()
+                except EngineUnreachable as e:
+                    self.engines.mark_dead(engine, e.message)
+                    raise
+                result = parse_chat_result(data)
+            finally:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.wait({task})
         abort = _chat_abort(data)
         aborted = abort_error(abort, engine.url) if abort is not None else None
         ref, ref_len = (
@@ -416,6 +414,7 @@ class Generation:
                 prompt_tokens=len(result.prompt_ids),
                 completion_tokens=len(result.output_ids),
                 cached_tokens=result.cached_tokens,
+                reasoning_tokens=result.reasoning_tokens,
             ),
         )
         rec = turn_record(
