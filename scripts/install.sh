@@ -56,7 +56,7 @@ if [ "$have" = "test $hash" ] || [ "$have" = "$extra $hash" ]; then
 else
   say "installing polar-mitm[$extra] into .venv (a few minutes the first time)"
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/pip install -q -e ".[$extra]"
+  .venv/bin/pip install -q -e ".[$extra]" 2> >(grep -v "^WARNING: Location" >&2)
   echo "$extra $hash" > "$stamp"
 fi
 
