@@ -28,12 +28,12 @@ say() { echo "install: $*" >&2; }
 # What this run will install, before anything starts (first-time figures: README's "Two commands").
 on() { [ "${1:-}" != 1 ]; }  # a POLAR_MITM_NO_* switch left unset
 if [ "$MODE" = main ]; then
-  say "the main job only (about 2-3 min and 0.5 GB the first time):"
+  say "the main job only (about 2 min and 1.2 GB the first time):"
   say "  .venv: polar-mitm and the tokenizer builder (no torch, trainers, browser or test tools)"
   say "  npm: Claude Code and undici (the Node fetch proxy preload)"
   on "${POLAR_MITM_NO_DOCKER:-}" && say "  Docker: docker.io, dockerd, the base image (scripts/docker.sh)"
 else
-  say "the test world (about 20 min and 8 GB the first time; only the main job: --main):"
+  say "the test world (about 20 min and 16 GB the first time; only the main job: --main):"
   say "  .venv: polar-mitm with its test extras (tokenizer builder, Ray, pytest, ruff, mypy, selenium, ...)"
   on "${POLAR_MITM_NO_TRAINERS:-}" && say "  .venv: torch, transformers, TRL, verl's types (~3.5 GB; off: POLAR_MITM_NO_TRAINERS=1)"
   say "  apt: tmux, chromium and chromedriver"
