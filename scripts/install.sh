@@ -40,6 +40,7 @@ else
   say "  npm: ten harness CLIs (Claude Code, Codex, Gemini CLI, ...) and undici"
   say "  \$POLAR_MITM_CACHE/venvs: the SDKs, mini-swe-agent, aider, kimi-cli, openhands"
   on "${POLAR_MITM_NO_SGLANG:-}" && say "  real SGLang on CPU where ../shared/sglang-cpu is (off: POLAR_MITM_NO_SGLANG=1)"
+  on "${POLAR_MITM_NO_APPTAINER:-}" && say "  Apptainer: the one on PATH, else built where ../shared/apptainer is (~5-8 min; off: POLAR_MITM_NO_APPTAINER=1)"
   on "${POLAR_MITM_NO_DOCKER:-}" && say "  Docker: docker.io, dockerd, the base image (scripts/docker.sh; off: POLAR_MITM_NO_DOCKER=1)"
 fi
 
