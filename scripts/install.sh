@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# Install polar-mitm and everything its tests drive, from nothing: a Python 3.12 virtualenv with
-# the package and its test extras, and the real harness CLIs from npm.
+# Install polar-mitm from nothing. Two sizes:
+#   bash scripts/install.sh          everything the tests drive (the test world): the package with
+#                                    its test extras, the trainers, every harness, browser, engines
+#   bash scripts/install.sh --main   only what the main job uses (scripts/demo.sh): the package
+#                                    (core and the tokenizer builder), Claude Code, Docker
+# Each step says what it does and is skipped when it is already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+MODE=test
+case "${1:-}" in
+  --main) MODE=main ;;
+  "") ;;
+  *) echo "usage: bash scripts/install.sh [--main]" >&2; exit 2 ;;
+esac
 
 PY=""
 for cand in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12" python3 python; do
@@ -14,17 +25,76 @@ if [ -z "$PY" ]; then echo "install: Python 3.12 not found (mitmproxy 12 needs i
 
 say() { echo "install: $*" >&2; }
 
-if [ ! -x .venv/bin/python ]; then say "creating .venv with $PY"; "$PY" -m venv .venv; fi
-# Reinstall the package only when its dependencies changed (a stamp holds pyproject.toml's hash).
-stamp=.venv/.polar-mitm-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  say "installing polar-mitm and its test extras into .venv (a few minutes the first time)"
-  .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/pip install -q -e '.[test]'
-  echo "$want" > "$stamp"
+# What this run will install, before anything starts (first-time figures: README's "Two commands").
+on() { [ "${1:-}" != 1 ]; }  # a POLAR_MITM_NO_* switch left unset
+if [ "$MODE" = main ]; then
+  say "the main job only (about 2 min and 1.2 GB the first time):"
+  say "  .venv: polar-mitm and the tokenizer builder (no torch, trainers, browser or test tools)"
+  say "  npm: Claude Code and undici (the Node fetch proxy preload)"
+  on "${POLAR_MITM_NO_DOCKER:-}" && say "  Docker: docker.io, dockerd, the base image (scripts/docker.sh)"
 else
+  say "the test world (about 20 min and 16 GB the first time; only the main job: --main):"
+  say "  .venv: polar-mitm with its test extras (tokenizer builder, Ray, pytest, ruff, mypy, selenium, ...)"
+  on "${POLAR_MITM_NO_TRAINERS:-}" && say "  .venv: torch, transformers, TRL, verl's types (~3.5 GB; off: POLAR_MITM_NO_TRAINERS=1)"
+  say "  apt: tmux, chromium and chromedriver"
+  say "  npm: ten harness CLIs (Claude Code, Codex, Gemini CLI, ...) and undici"
+  say "  \$POLAR_MITM_CACHE/venvs: the SDKs, mini-swe-agent, aider, kimi-cli, openhands"
+  on "${POLAR_MITM_NO_SGLANG:-}" && say "  real SGLang on CPU where ../shared/sglang-cpu is (off: POLAR_MITM_NO_SGLANG=1)"
+  on "${POLAR_MITM_NO_APPTAINER:-}" && say "  Apptainer: the one on PATH, else built where ../shared/apptainer is (~5-8 min; off: POLAR_MITM_NO_APPTAINER=1)"
+  on "${POLAR_MITM_NO_DOCKER:-}" && say "  Docker: docker.io, dockerd, the base image (scripts/docker.sh; off: POLAR_MITM_NO_DOCKER=1)"
+fi
+
+if [ ! -x .venv/bin/python ]; then say "creating .venv with $PY"; "$PY" -m venv .venv; fi
+# Reinstall the package only when its dependencies changed: a stamp holds the extra installed and
+# pyproject.toml's hash (the test extra holds the main job's, so it does for --main too).
+stamp=.venv/.polar-mitm-installed
+hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
+have=$(cat "$stamp" 2>/dev/null || true)
+[ "$have" = "$hash" ] && have="test $hash"  # written before --main: the test extra
+if [ "$MODE" = main ]; then extra=tokenizer; else extra=test; fi
+if [ "$have" = "test $hash" ] || [ "$have" = "$extra $hash" ]; then
   say "Python packages up to date"
+else
+  say "installing polar-mitm[$extra] into .venv (a few minutes the first time)"
+  .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/pip install -q -e ".[$extra]" 2> >(grep -v "^WARNING: Location" >&2)
+  echo "$extra $hash" > "$stamp"
+fi
+
+if ! command -v npm >/dev/null 2>&1; then
+  say "npm not found: install Node.js 20 or newer with npm (e.g. apt-get install nodejs npm), then run this again"
+  exit 1
+fi
+
+# npm_install SPEC...: the global npm packages not already at their pinned version.
+npm_install() {
+  local missing=() spec installed
+  installed=$(npm ls -g --depth=0 --json 2>/dev/null | .venv/bin/python -c "import json,sys; d=json.load(sys.stdin).get('dependencies',{}); print(' '.join(f'{k}@{v.get(\"version\",\"\")}' for k, v in d.items()))" || true)
+  for spec in "$@"; do
+    [[ " $installed " == *" $spec "* ]] || missing+=("$spec")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    say "installing from npm: ${missing[*]}"
+    npm install -g --no-fund --no-audit "${missing[@]}"
+  else
+    say "npm packages up to date: $*"
+  fi
+}
+
+# Claude Code (the demo's harness) and undici, pinned: the versions the end-to-end tests were
+# written against. undici is not a harness: the fetch proxy preload (polar_mitm/harness/
+# node_proxy.cjs) takes undici's EnvHttpProxyAgent from it, so Node 18-22's fetch honours HTTPS_PROXY.
+MAIN_NPM=("@anthropic-ai/claude-code@2.1.197" "undici@6.29.1")
+
+if [ "$MODE" = main ]; then
+  npm_install "${MAIN_NPM[@]}"
+  if [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then
+    say "skipping Docker (POLAR_MITM_NO_DOCKER=1)"
+  else
+    bash scripts/docker.sh
+  fi
+  say "done (the main job; the tests need the rest: bash scripts/install.sh)"
+  exit 0
 fi
 
 # Trainers (torch, transformers, TRL; verl's types): the tests of polar_mitm.bridges and of
@@ -64,14 +134,9 @@ else
   say "no chromium and no apt-get: install chromium and chromedriver yourself for the viewer's browser tests (skipped without them)"
 fi
 
-if ! command -v npm >/dev/null 2>&1; then
-  say "npm not found: install Node.js 20 or newer with npm (e.g. apt-get install nodejs npm), then run this again"
-  exit 1
-fi
-
-# Harness CLIs, pinned to the versions the end-to-end tests were written against.
+# The other harness CLIs, pinned to the versions the end-to-end tests were written against.
 NPM_PACKAGES=(
-  "@anthropic-ai/claude-code@2.1.197"
+  "${MAIN_NPM[@]}"
   "@openai/codex@0.171.0"
   "@google/gemini-cli@0.61.0"
   "@qwen-code/qwen-code@0.15.10"
@@ -83,23 +148,8 @@ NPM_PACKAGES=(
   "@continuedev/cli@1.5.47"
   "@github/copilot@1.0.102"
   "@kilocode/cli@7.7.7"
-  # Not a harness: the fetch proxy preload (polar_mitm/harness/node_proxy.cjs) takes undici's
-  # EnvHttpProxyAgent from it, so Node 18-22's fetch honours HTTPS_PROXY.
-  "undici@6.29.1"
 )
-missing=()
-for spec in "${NPM_PACKAGES[@]}"; do
-  name="${spec%@*}"
-  want="${spec##*@}"
-  have=$(npm ls -g --depth=0 --json 2>/dev/null | .venv/bin/python -c "import json,sys; d=json.load(sys.stdin).get('dependencies',{}); print(d.get('$name',{}).get('version',''))" || true)
-  [ "$have" = "$want" ] || missing+=("$spec")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  say "installing harness CLIs from npm: ${missing[*]}"
-  npm install -g --no-fund --no-audit "${missing[@]}"
-else
-  say "harness CLIs up to date"
-fi
+npm_install "${NPM_PACKAGES[@]}"
 
 # Python harnesses and SDKs, each in a virtualenv of its own under the cache directory (never the
 # project's .venv: litellm and aider pin dozens of packages the project does not want). Their

@@ -29,6 +29,7 @@ class ChatResult(BaseModel):
     stop_sequence: str | None = None
     weight_version: str | None = None
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of output_ids, those of the reasoning block (the engine's count)
 
 
 def chat_body(req: ChatRequest, max_tokens: int) -> dict[str, Any]:
@@ -130,4 +131,9 @@ def parse_chat_result(data: Any) -> ChatResult:
         stop_sequence=matched if isinstance(matched, str) else None,
         weight_version=meta.get("weight_version") or (data.get("metadata") or {}).get("weight_version"),
         cached_tokens=int(meta.get("cached_tokens") or details.get("cached_tokens") or 0),
+        reasoning_tokens=int(
+            usage.get("reasoning_tokens")
+            or (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+            or 0
+        ),
     )

@@ -6,7 +6,8 @@ opens; `generating` counts the generations under way, so a pause can drain them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
 from polar_mitm.neutral import Event, Ping, Started
 
@@ -27,6 +28,15 @@ class WeightGate:
 
     def resume(self) -> None:
         self.event.set()
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[None]:
+        """One generation under way (what a pause drains) for as long as the block runs."""
+        self.generating += 1
+        try:
+            yield
+        finally:
+            self.generating -= 1
 
     async def through(self, turn_id: str, prompt_tokens: int) -> AsyncIterator[Event]:
         """While paused: the turn starts for the harness and keeps it alive with pings."""

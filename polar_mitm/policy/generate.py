@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeGuard, TypeVar
 
 from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
@@ -25,11 +26,13 @@ from polar_mitm.backends.render import PromptIds
 from polar_mitm.backends.sglang import (
     EngineUnreachable,
     GenerateState,
+    GenerateStream,
     SGLangClient,
     ids_json,
     sampling_params,
     vllm_params,
 )
+from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import (
     ChatRequest,
     Completion,
@@ -97,6 +100,55 @@ def _finish(chunk: GenerateState | None, has_tool_calls: bool) -> tuple[str, str
     matched = fr.get("matched")
     stop_seq = matched if isinstance(matched, str) else None
     return ("tool_calls" if has_tool_calls else "stop"), stop_seq
+
+
+@dataclass(eq=False)
+class _RenderTurn:
+    """A render-mode turn once planned: the prompt, how its output is parsed, the engine and its
+    call (`gen`, whose state gathers the sampled ids and logprobs), and how it stands."""
+
+    req: ChatRequest
+    ctx: TurnContext
+    turn_id: str
+    t0: float
+    tok: Tokenizer
+    reasoning_parser: str | None
+    parser: OutputParser
+    prompt_ids: list[int]
+    ref: str | None
+    ref_len: int
+    hashes: list[str]
+    sent_ids: bytes
+    key: str
+    engine: Engine
+    gen: GenerateStream
+    started: bool = False  # the harness was sent Started
+    error: str | None = None  # why the turn failed, once it did
+    committed: bool = False  # its record is in the store
+
+    @property
+    def state(self) -> GenerateState:
+        return self.gen.state
+
+    def record(self, status: str, completion: Completion | None, finish_reason: str | None = None) -> Turn:
+        state = self.gen.state
+        return turn_record(
+            self.turn_id,
+            self.req,
+            self.ctx,
+            status=status,
+            completion=completion,
+            prompt_ids=self.prompt_ids,
+            ref=self.ref,
+            ref_len=self.ref_len,
+            output_ids=state.output_ids,
+            output_logprobs=state.output_logprobs,
+            weight_version=state.weight_version,
+            msg_hash=self.hashes[-1],
+            error=self.error,
+            started=self.t0,
+            finish_reason=finish_reason,
+        )
 
 
 class Generation:
@@ -198,6 +250,44 @@ class Generation:
     # -- render mode -----------------------------------------------------------------------------
 
     async def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncGenerator[Event, None]:
+        """A render-mode turn: planned (`_plan`), run through the gate and the engine's stream
+        (`_run`), committed to the store before its last event (`_commit`). Whatever ends it
+        early, the tokens the engine sent are recorded (as an error or an aborted turn)."""
+        turn = await self._plan(req, ctx)
+        stopped: str | None = None  # why the turn's stream was ended from outside, if it was
+        try:
+            async for ev in self.gate.through(turn.turn_id, len(turn.prompt_ids)):
+                turn.started = True
+                yield ev
+            with self.gate.generation():
+                async with contextlib.aclosing(self._run(turn)) as events:
+                    async for ev in events:
+                        yield ev
+                completion = await self._commit(turn)
+                yield Done(completion=completion)
+        except ProviderError as e:
+            turn.error = e.message
+            if isinstance(e, EngineUnreachable):
+                self.engines.mark_dead(turn.engine, e.message)
+            raise
+        except (GeneratorExit, asyncio.CancelledError) as e:  # the reader went away, or shutdown
+            stopped = "closed" if isinstance(e, GeneratorExit) else "cancelled"
+            raise
+        finally:
+            await turn.gen.aclose()
+            if not turn.committed and turn.state.chunks:
+                status = "error" if turn.error else "aborted"
+                try:
+                    await asyncio.shield(self.store.insert_turn(turn.record(status, None)))
+                except Exception:  # never mask the original failure
+                    log.exception("could not record %s turn %s", status, turn.turn_id)
+            elif not turn.committed and stopped:
+                log.info("turn %s %s before the engine sent a token: nothing to store", turn.turn_id, stopped)
+
+    async def _plan(self, req: ChatRequest, ctx: TurnContext) -> _RenderTurn:
+        """The prompt ids (spliced), the parsers, the token budget within the policy's context, the
+        engine for the conversation and its call, opened last (nothing is sent before it is read).
+        Raises the harness's error for a prompt the policy cannot take."""
         t0 = time.perf_counter()
         tok = await self.discovery.tokenizer()
         prompt_ids, ref, ref_len, hashes = await self.prompts.prompt(req, ctx.session_id)
@@ -227,9 +317,6 @@ class Generation:
             req.sampling.model_copy(update={"max_tokens": max_tokens}),
             default_max_tokens=self.config.default_max_tokens,
         )
-        turn_id = new_turn_id()
-        committed = False
-        error: str | None = None
         streamed, cumulative = await self.discovery.backend_streaming()
         sent_ids = self.prompts.serialized(prompt_ids, ref, ref_len)
         if isinstance(prompt_ids, PromptIds):
@@ -242,116 +329,94 @@ class Generation:
             gen = self.client.generate(
                 sent_ids, params, stream=streamed, cumulative=cumulative, url=engine.url, routing_key=key
             )
-        state = gen.state
+        return _RenderTurn(
+            req=req,
+            ctx=ctx,
+            turn_id=new_turn_id(),
+            t0=t0,
+            tok=tok,
+            reasoning_parser=reasoning_parser,
+            parser=parser,
+            prompt_ids=prompt_ids,
+            ref=ref,
+            ref_len=ref_len,
+            hashes=hashes,
+            sent_ids=sent_ids,
+            key=key,
+            engine=engine,
+            gen=gen,
+        )
 
-        def record(status: str, completion: Completion | None, finish_reason: str | None = None) -> Turn:
-            return turn_record(
-                turn_id,
-                req,
-                ctx,
-                status=status,
-                completion=completion,
-                prompt_ids=prompt_ids,
-                ref=ref,
-                ref_len=ref_len,
-                output_ids=state.output_ids,
-                output_logprobs=state.output_logprobs,
-                weight_version=state.weight_version,
-                msg_hash=hashes[-1],
-                error=error,
-                started=t0,
-                finish_reason=finish_reason,
-            )
+    async def _run(self, turn: _RenderTurn) -> AsyncGenerator[Event, None]:
+        """The engine's stream, parsed as it comes, with pings while it is silent; an abort is
+        recorded (the sampled tokens kept) before the harness hears of it."""
+        state, parser, gen = turn.state, turn.parser, turn.gen
 
         async def receive(timeout: float) -> str | None:
             return await gen.next(timeout, self.config.chunk_interval)
 
-        started = False
-        counted = False
-        stopped: str | None = None  # why the turn's stream was ended from outside, if it was
-        try:
-            async for ev in self.gate.through(turn_id, len(prompt_ids)):
-                started = True
-                yield ev
-            self.gate.generating += 1
-            counted = True
-            # Until a first chunk (in whole mode: until the reply), the first-token limit.
-            async with contextlib.aclosing(self.paced(receive, engine, lambda: not state.chunks)) as deltas:
-                async for delta in deltas:
-                    if delta is None:
-                        if not started:
-                            started = True
-                            yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
-                        yield Ping()
-                        continue
-                    if not state.chunks:
-                        break  # the stream ended without a chunk
-                    if _aborted(state.finish_reason):
-                        break  # before Started: an abort on the first chunk sends the harness nothing
-                    if not started:
-                        started = True
-                        yield Started(turn_id=turn_id, prompt_tokens=len(prompt_ids))
-                    for ev in parser.feed(delta):
-                        yield ev
-                    if state.finish_reason is not None or gen.finished:
-                        break
-            if _aborted(state.finish_reason):
-                aborted = abort_error(state.finish_reason, engine.url)
-                error = aborted.message
-                # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
-                await asyncio.shield(self.store.insert_turn(record("aborted", None, finish_reason="abort")))
-                committed = True
-                raise aborted
-            for ev in parser.finish():
-                yield ev
-            finish, stop_seq = _finish(state if state.chunks else None, bool(parser.tool_calls))
-            completion = Completion(
-                turn_id=turn_id,
-                model=req.model,
-                text=parser.text,
-                reasoning=parser.reasoning,
-                tool_calls=parser.tool_calls,
-                finish_reason=finish,
-                stop_sequence=stop_seq,
-                usage=Usage(
-                    prompt_tokens=len(prompt_ids),
-                    completion_tokens=len(state.output_ids),
-                    cached_tokens=state.cached_tokens or 0,
-                    reasoning_tokens=reasoning_token_count(
-                        tok, state.output_ids, reasoning_parser, bool(parser.reasoning)
-                    ),
+        # Until a first chunk (in whole mode: until the reply), the first-token limit.
+        async with contextlib.aclosing(self.paced(receive, turn.engine, lambda: not state.chunks)) as deltas:
+            async for delta in deltas:
+                if delta is None:
+                    if not turn.started:
+                        turn.started = True
+                        yield Started(turn_id=turn.turn_id, prompt_tokens=len(turn.prompt_ids))
+                    yield Ping()
+                    continue
+                if not state.chunks:
+                    break  # the stream ended without a chunk
+                if _aborted(state.finish_reason):
+                    break  # before Started: an abort on the first chunk sends the harness nothing
+                if not turn.started:
+                    turn.started = True
+                    yield Started(turn_id=turn.turn_id, prompt_tokens=len(turn.prompt_ids))
+                for ev in parser.feed(delta):
+                    yield ev
+                if state.finish_reason is not None or gen.finished:
+                    break
+        if _aborted(state.finish_reason):
+            aborted = abort_error(state.finish_reason, turn.engine.url)
+            turn.error = aborted.message
+            # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
+            await asyncio.shield(self.store.insert_turn(turn.record("aborted", None, finish_reason="abort")))
+            turn.committed = True
+            raise aborted
+        for ev in parser.finish():
+            yield ev
+
+    async def _commit(self, turn: _RenderTurn) -> Completion:
+        """The finished turn's completion, stored; the conversation's routing key and sent ids
+        kept for its next turn."""
+        state, parser = turn.state, turn.parser
+        finish, stop_seq = _finish(state if state.chunks else None, bool(parser.tool_calls))
+        completion = Completion(
+            turn_id=turn.turn_id,
+            model=turn.req.model,
+            text=parser.text,
+            reasoning=parser.reasoning,
+            tool_calls=parser.tool_calls,
+            finish_reason=finish,
+            stop_sequence=stop_seq,
+            usage=Usage(
+                prompt_tokens=len(turn.prompt_ids),
+                completion_tokens=len(state.output_ids),
+                cached_tokens=state.cached_tokens or 0,
+                reasoning_tokens=reasoning_token_count(
+                    turn.tok, state.output_ids, turn.reasoning_parser, bool(parser.reasoning)
                 ),
-            )
-            await asyncio.shield(self.store.insert_turn(record("ok", completion)))
-            committed = True
-            self.prompts.keep_key(turn_id, key)
-            self.prompts.keep_sent(
-                turn_id,
-                ref,
-                len(prompt_ids) + len(state.output_ids),
-                join_ids(sent_ids, ids_json(state.output_ids)),
-            )
-            yield Done(completion=completion)
-        except ProviderError as e:
-            error = e.message
-            if isinstance(e, EngineUnreachable):
-                self.engines.mark_dead(engine, e.message)
-            raise
-        except (GeneratorExit, asyncio.CancelledError) as e:  # the reader went away, or shutdown
-            stopped = "closed" if isinstance(e, GeneratorExit) else "cancelled"
-            raise
-        finally:
-            if counted:
-                self.gate.generating -= 1
-            await gen.aclose()
-            if not committed and state.chunks:
-                status = "error" if error else "aborted"
-                try:
-                    await asyncio.shield(self.store.insert_turn(record(status, None)))
-                except Exception:  # never mask the original failure
-                    log.exception("could not record %s turn %s", status, turn_id)
-            elif not committed and stopped:
-                log.info("turn %s %s before the engine sent a token: nothing to store", turn_id, stopped)
+            ),
+        )
+        await asyncio.shield(self.store.insert_turn(turn.record("ok", completion)))
+        turn.committed = True
+        self.prompts.keep_key(turn.turn_id, turn.key)
+        self.prompts.keep_sent(
+            turn.turn_id,
+            turn.ref,
+            len(turn.prompt_ids) + len(state.output_ids),
+            join_ids(turn.sent_ids, ids_json(state.output_ids)),
+        )
+        return completion
 
     # -- chat mode -------------------------------------------------------------------------------
 
@@ -371,33 +436,31 @@ class Generation:
         task = asyncio.ensure_future(
             self.client.chat(chat_body(req, max_tokens), url=engine.url, routing_key=key)
         )
-        gate = self.gate
-        gate.generating += 1
-        task.add_done_callback(lambda _: setattr(gate, "generating", gate.generating - 1))
 
         async def receive(timeout: float) -> asyncio.Future | None:
             done, _ = await asyncio.wait({task}, timeout=timeout)
             return task if done else None
 
-        try:
-            if not gated:
-                yield Started(turn_id=turn_id, prompt_tokens=0)
-            # The reply arrives whole: the first-token limit bounds it, the engine is watched throughout.
-            async with contextlib.aclosing(self.paced(receive, engine, lambda: True)) as waits:
-                async for done in waits:
-                    if done is not None:
-                        break
-                    yield Ping()
+        with self.gate.generation():  # from the call until its task is done
             try:
-                data = task.result()
-            except EngineUnreachable as e:
-                self.engines.mark_dead(engine, e.message)
-                raise
-            result = parse_chat_result(data)
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.wait({task})
+                if not gated:
+                    yield Started(turn_id=turn_id, prompt_tokens=0)
+                # The reply arrives whole: the first-token limit bounds it, the engine is watched throughout.
+                async with contextlib.aclosing(self.paced(receive, engine, lambda: True)) as waits:
+                    async for done in waits:
+                        if done is not None:
+                            break
+                        yield Ping()
+                try:
+                    data = task.result()
+                except EngineUnreachable as e:
+                    self.engines.mark_dead(engine, e.message)
+                    raise
+                result = parse_chat_result(data)
+            finally:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.wait({task})
         abort = _chat_abort(data)
         aborted = abort_error(abort, engine.url) if abort is not None else None
         ref, ref_len = (
@@ -416,6 +479,7 @@ class Generation:
                 prompt_tokens=len(result.prompt_ids),
                 completion_tokens=len(result.output_ids),
                 cached_tokens=result.cached_tokens,
+                reasoning_tokens=result.reasoning_tokens,
             ),
         )
         rec = turn_record(

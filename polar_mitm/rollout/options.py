@@ -22,9 +22,11 @@ WORKER_FIELDS = ("retries", "init_workers", "run_workers", "postrun_workers", "r
 
 
 class RolloutOptions(BaseModel):
-    """How a rollout runs. Task fields (timeouts) apply unless overridden here."""
+    """How a rollout runs. Task fields (timeouts) apply unless overridden here. `harness`,
+    `harness_cmd` and `runtime` say what runs by default (a `rollout`'s every sample); a node's
+    pipeline has none, each of its samples says what it runs (`pipeline.SampleSpec`)."""
 
-    harness: str = Field(description="a recipe name (`polar-mitm recipes` lists them)")
+    harness: str | None = Field(None, description="a recipe name (`polar-mitm recipes` lists them)")
     harness_cmd: list[str] | None = None  # overrides the recipe's headless command
     runtime: str = "docker"
     samples: int = Field(1, ge=1)

@@ -8,6 +8,9 @@ queue ──▶ INIT workers: start a sandbox, run the task's setup      (init_w
 ```
 
 Sandboxes start ahead of time, so a RUN worker never waits for one while the buffer holds any.
+The stages are sized for the pipeline, whatever runs in it: each sample carries what runs for it
+(a `SampleSpec`: the harness, its command, the runtime), so one pipeline serves every harness a
+node is sent and `run_workers` bounds the harnesses running at once across all of them.
 Every sample is a session of the shared proxy with a token of its own (the proxy lets in no
 session it did not issue), so its turns are recorded token-exactly like any `run`. A container
 sample reaches the proxy only through its own channel (`sandbox/channel.py`), which names the
@@ -46,6 +49,7 @@ from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
 from polar_mitm.harness.local import child_env
 from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.proxy.embedded import PolarProxy, proxy_url
+from polar_mitm.recipes import Recipe
 from polar_mitm.rollout import verify
 from polar_mitm.rollout.evaluators import EvaluatorError, HarnessOutcome, Score
 from polar_mitm.rollout.options import RolloutOptions
@@ -71,11 +75,27 @@ ROLLOUT_LABEL = "polar-mitm.rollout"
 FORWARDER_START_SEC = 30.0  # a sandbox's forwarder says it listens within this
 
 
+@dataclass(frozen=True, eq=False)
+class SampleSpec:
+    """What runs for a sample, resolved once where its task enters (`Pipeline.spec`): the
+    harness's recipe, its command (None: the recipe's headless one), the runtime, and the host's
+    installation of the harness that a container mounts."""
+
+    recipe: Recipe
+    harness_cmd: list[str] | None
+    runtime: Runtime
+    mount: HarnessMount | None
+
+    def command(self, instruction: str) -> list[str]:
+        return self.recipe.headless_command(instruction, self.harness_cmd)
+
+
 @dataclass(eq=False)
 class SampleJob:
     task: Task
     group: GroupState
     index: int
+    spec: SampleSpec
     attempt: int = 0
     session_id: str = ""
     stage: Stage = "queued"
@@ -159,11 +179,14 @@ class _Cancelled(Exception):
 
 
 class Pipeline:
+    """Stage workers sized by `options` (their what-runs fields, with `runtime`, are the samples'
+    default: `run`, and `add` without a spec); a sample added with a `SampleSpec` runs that."""
+
     def __init__(
         self,
         options: RolloutOptions,
         proxy: PolarProxy,
-        runtime: Runtime,
+        runtime: Runtime | None,
         *,
         work_dir: Path,
         on_change: Callable[[Pipeline], None] | None = None,
@@ -175,7 +198,7 @@ class Pipeline:
         self.work_dir = work_dir
         self.on_change = on_change
         self.rollout_id = rollout_id or f"ro_{uuid.uuid4().hex[:12]}"
-        self.recipe = recipes.get(options.harness)
+        self.recipe = recipes.get(options.harness) if options.harness is not None else None
         self.counts: Counter[str] = Counter()  # stage -> jobs in it; plus passed / failed tallies
         self.outcomes: Counter[str] = Counter()
         self.jobs: list[SampleJob] = []
@@ -189,7 +212,8 @@ class Pipeline:
         self._idle.set()
         self._groups: dict[str, GroupState] = {}
         self._workers: list[asyncio.Task] = []
-        self._harness: HarnessMount | None = None
+        self._specs: dict[tuple[str, tuple[str, ...], int], SampleSpec] = {}
+        self._runtimes: list[Runtime] = []  # each checked once; cleaned up at the end
         # Called with each sample once its outcome is recorded (a node reports it to its server).
         self.on_done: Callable[[SampleJob], Awaitable[None]] | None = None
 
@@ -199,13 +223,12 @@ class Pipeline:
         """Run every task `samples` times; returns when every sample has an outcome. Cancelling
         this coroutine (Ctrl-C) stops every sandbox and records the unfinished samples as cancelled."""
         t0 = time.monotonic()
-        await self.runtime.check()
-        self._harness = self._harness_mount() if self.runtime.isolated else None
+        spec = await self._default_spec()
         for t in tasks:  # every task checked and its image ready before anything is recorded
-            self._check_task(t)
+            self._check_task(t, spec)
         for t in tasks:
-            await self.runtime.prepare(t)
-        await self.start(tasks=[t.id for t in tasks], checked=True)
+            await spec.runtime.prepare(t)
+        await self.start(tasks=[t.id for t in tasks])
         interrupted = False
         try:
             for t in tasks:
@@ -225,14 +248,13 @@ class Pipeline:
             seconds=time.monotonic() - t0,
         )
 
-    async def start(self, *, checked: bool = False, **config: Any) -> None:
+    async def start(self, **config: Any) -> None:
         """Start the stage workers; samples come with `add` (a long-lived pipeline, e.g. a node's)."""
         store = self.proxy.store
         assert store is not None, "start the proxy first"
         self._log = RolloutLog(store)
-        if not checked:
-            await self.runtime.check()
-            self._harness = self._harness_mount() if self.runtime.isolated else None
+        if self.recipe is not None and self.runtime is not None:
+            await self._default_spec()  # its runtime checked before anything is recorded
         self._ready = asyncio.Queue(maxsize=self.opts.ready_size or self.opts.run_workers)
         self.proxy.serve_issued_only()  # a sample's token is its own; no other name gets in
         await self._log.begin_rollout(self.rollout_id, {**self.opts.model_dump(), **config})
@@ -252,11 +274,14 @@ class Pipeline:
         indices: Sequence[int] | None = None,
         group_id: str | None = None,
         size: int | None = None,
+        spec: SampleSpec | None = None,
     ) -> list[SampleJob]:
-        """Queue samples of `task` (indices 0…samples-1 by default) in its group (made on first use)."""
+        """Queue samples of `task` (indices 0…samples-1 by default) in its group (made on first
+        use), running `spec` (from `spec()`; by default the pipeline's options')."""
         assert self._log is not None, "start the pipeline first"
-        self._check_task(task)
-        await self.runtime.prepare(task)
+        spec = spec or await self._default_spec()
+        self._check_task(task, spec)
+        await spec.runtime.prepare(task)
         gid = group_id or f"{self.rollout_id}/{task.id}"
         g = self._groups.get(gid)
         if g is None:
@@ -266,7 +291,7 @@ class Pipeline:
             await self._log.add_group(g.id, self.rollout_id, task.id, g.size, task.model_dump_json())
         jobs = []
         for i in indices if indices is not None else range(g.size):
-            job = SampleJob(task=task, group=g, index=i)
+            job = SampleJob(task=task, group=g, index=i, spec=spec)
             g.jobs.append(job)
             self.jobs.append(job)
             jobs.append(job)
@@ -298,49 +323,62 @@ class Pipeline:
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def _harness_mount(self) -> HarnessMount | None:
-        """The host's installation of the harness, for containers. A --harness-cmd that runs
-        something else (a script in the image) needs none."""
-        cmd = self.opts.harness_cmd
-        if cmd and os.path.basename(cmd[0]) not in self.recipe.binaries:
-            try:
-                return harness_mount(self.recipe)
-            except HarnessNotInstalled:
-                return None
-        return harness_mount(self.recipe, os.path.basename(cmd[0]) if cmd else None)
+    async def spec(self, harness: str, harness_cmd: Sequence[str] | None, runtime: Runtime) -> SampleSpec:
+        """What runs for samples of `harness` (with `harness_cmd`, else the recipe's command) in
+        `runtime`, resolved once per combination: the recipe loaded, the runtime checked, the host's
+        installation of the harness found for containers."""
+        key = (harness, tuple(harness_cmd or ()), id(runtime))  # runtimes are kept: ids stay theirs
+        got = self._specs.get(key)
+        if got is None:
+            recipe = recipes.get(harness)
+            if all(r is not runtime for r in self._runtimes):
+                await runtime.check()
+                self._runtimes.append(runtime)
+            cmd = list(harness_cmd) if harness_cmd else None
+            mount = _harness_mount(recipe, cmd) if runtime.isolated else None
+            got = self._specs[key] = SampleSpec(recipe, cmd, runtime, mount)
+        return got
 
-    def _check_task(self, task: Task) -> None:
-        if not self.runtime.isolated and task.evaluator.kind in ("harbor", "swebench"):
+    async def _default_spec(self) -> SampleSpec:
+        assert self.opts.harness is not None and self.runtime is not None, "no harness or runtime given"
+        return await self.spec(self.opts.harness, self.opts.harness_cmd, self.runtime)
+
+    def _check_task(self, task: Task, spec: SampleSpec | None = None) -> None:
+        if spec is None:  # the options' harness and runtime, before anything is resolved
+            assert self.recipe is not None and self.runtime is not None
+            spec = SampleSpec(self.recipe, self.opts.harness_cmd, self.runtime, None)
+        if not spec.runtime.isolated and task.evaluator.kind in ("harbor", "swebench"):
             raise ValueError(
                 f"task {task.id}: its {task.evaluator.kind} evaluator works on absolute paths "
                 f"(/tests, /logs, {task.workdir}) and needs a container: use --runtime docker or apptainer"
             )
-        self.recipe.headless_command(task.instruction, self.opts.harness_cmd)  # raises when unusable
+        spec.command(task.instruction)  # raises when unusable
 
     async def _new_attempt(self, job: SampleJob) -> None:
         assert self._log is not None and self.proxy.store is not None
         job.session_id = f"s_{uuid.uuid4().hex[:16]}"
         job.stage, job.sandbox, job.outcome, job.timings = "queued", None, None, {}
         self.counts["queued"] += 1
+        spec = job.spec
         await self.proxy.store.ensure_session(
             job.session_id,
             task_id=job.task.id,
-            harness=self.recipe.name,
-            command=self.recipe.headless_command(job.task.instruction, self.opts.harness_cmd),
-            secret_flags=self.recipe.secret_flags,
+            harness=spec.recipe.name,
+            command=spec.command(job.task.instruction),
+            secret_flags=spec.recipe.secret_flags,
             metadata={
                 "rollout": self.rollout_id,
                 "group": job.group.id,
                 "sample_index": job.index,
                 "attempt": job.attempt,
-                "runtime": self.runtime.name,
+                "runtime": spec.runtime.name,
                 "backend": self.proxy.config.policy.backend_url,
             },
         )
         await self._log.add_sample(job.session_id, job.group.id, job.index, job.attempt, "queued")
         self.proxy.issue_session(job.session_id)
         if self.proxy.egress is not None:
-            if self.runtime.isolated:
+            if spec.runtime.isolated:
                 self.proxy.egress.contain(job.session_id)
             if not job.task.allow_internet:
                 self.proxy.egress.deny_internet(job.session_id)
@@ -408,12 +446,12 @@ class Pipeline:
         job.session_dir = self.work_dir / job.session_id
         job.session_dir.mkdir(parents=True, exist_ok=True)
         (job.session_dir / "home").mkdir(exist_ok=True)
-        self.recipe.write_home_files(job.session_dir / "home")  # before the sandbox can touch it
-        if self.runtime.isolated:
+        job.spec.recipe.write_home_files(job.session_dir / "home")  # before the sandbox can touch it
+        if job.spec.runtime.isolated:
             token = self.proxy.issue_session(job.session_id)
             job.channel = await open_channel(job.session_id, token, serve=self._adopt)
         spec = self._sandbox_spec(job)
-        job.sandbox = await asyncio.wait_for(self.runtime.start(job.task, spec), self._budget(job))
+        job.sandbox = await asyncio.wait_for(job.spec.runtime.start(job.task, spec), self._budget(job))
         for n, line in enumerate(job.task.setup, 1):
             r = await job.sandbox.exec(["sh", "-c", line], env=job.task.env, timeout=self._budget(job))
             if r.exit_code != 0:
@@ -422,15 +460,16 @@ class Pipeline:
     def _sandbox_spec(self, job: SampleJob) -> SandboxSpec:
         """The agent's sandbox of this attempt (the verifier's is made from it, rollout/verify.py)."""
         assert self.proxy.ca is not None and job.session_dir is not None
+        mount = job.spec.mount
         return SandboxSpec(
             name=f"polar-{job.session_id}",
             session_dir=job.session_dir,
             ca=self.proxy.ca,
-            harness=self._harness,
+            harness=mount,
             labels={ROLLOUT_LABEL: self.rollout_id, "polar-mitm.session": job.session_id},
             channel=job.channel.socket_path if job.channel is not None else None,
             user=self.opts.harness_user,
-            forwarder_node=self._harness.node if self._harness is not None else None,
+            forwarder_node=mount.node if mount is not None else None,
         )
 
     async def _run_worker(self) -> None:
@@ -487,12 +526,13 @@ class Pipeline:
         recipe's settings, a fresh HOME; on the host (local runtime) the few host variables a
         process needs (`host_env`), never the host's secrets."""
         assert job.sandbox is not None and job.session_dir is not None
-        home = str(job.session_dir / "home") if not self.runtime.isolated else HOME_DIR
+        isolated, mount = job.spec.runtime.isolated, job.spec.mount
+        home = str(job.session_dir / "home") if not isolated else HOME_DIR
         base = {"HOME": home, "CI": "1", "TERM": "dumb", "LANG": "C.UTF-8"}
-        if not self.runtime.isolated:  # a host process: keep the host's PATH and the like
+        if not isolated:  # a host process: keep the host's PATH and the like
             base = {**host_env(), **base}
-        elif self._harness is not None:  # what the mounted installation needs (PyPI: no .pyc writes)
-            base.update(self._harness.env)
+        elif mount is not None:  # what the mounted installation needs (PyPI: no .pyc writes)
+            base.update(mount.env)
         address = job.sandbox.proxy_address
         if address is not None:
             url = proxy_url(*address, job.session_id, self.proxy.session_token(job.session_id))
@@ -500,11 +540,11 @@ class Pipeline:
             url = self.proxy.session_url(job.session_id)
         env = child_env(
             base,
-            self.recipe,
+            job.spec.recipe,
             url,
             job.sandbox.ca,
             job.session_id,
-            node_preload=not self.runtime.isolated,  # the host's preload path means nothing inside a container
+            node_preload=not isolated,  # the host's preload path means nothing inside a container
         )
         env["PWD"] = job.sandbox.workdir
         env.update(job.task.env)
@@ -513,7 +553,7 @@ class Pipeline:
 
     async def _run_harness(self, job: SampleJob) -> None:
         assert job.sandbox is not None
-        cmd = self.recipe.headless_command(job.task.instruction, self.opts.harness_cmd)
+        cmd = job.spec.command(job.task.instruction)
         if job.channel is not None and job.sandbox.proxy_address is not None:
             # Set long before, as a rule (the forwarder starts with the sandbox); the harness never
             # starts before its way to the proxy is open.
@@ -565,7 +605,7 @@ class Pipeline:
                 await self._finish_job(job, "completed", reward=score.reward, detail=score.detail)
 
     def _scores_in_place(self, job: SampleJob) -> bool:
-        return not self.runtime.fresh_verifier or job.task.evaluator.kind == "session_completed"
+        return not job.spec.runtime.fresh_verifier or job.task.evaluator.kind == "session_completed"
 
     async def _score(self, job: SampleJob) -> Score:
         """The evaluator's score; on runtimes with fresh sandboxes, in a new one holding the agent's
@@ -574,13 +614,14 @@ class Pipeline:
         if not await job.sandbox.alive():
             raise SandboxDied(f"sandbox died: while scoring: {job.sandbox.name} is gone")
         limit = job.task.evaluator.timeout_sec + 60
+        runtime = job.spec.runtime
         work = verify.score(
-            self.runtime,
+            runtime,
             job.task,
             job.sandbox,
             self._sandbox_spec(job),
             job.outcome,
-            open_channel=(lambda: self._verifier_channel(job)) if self.runtime.isolated else None,
+            open_channel=(lambda: self._verifier_channel(job)) if runtime.isolated else None,
         )
         return await asyncio.wait_for(work, self._budget(job, limit))
 
@@ -689,7 +730,8 @@ class Pipeline:
             if job.final is None:
                 await self._finish_job(job, "cancelled", reward=None, cause="interrupted")
         # Any sandbox a crash left behind (a worker cancelled mid-start): found by label.
-        await self.runtime.cleanup({ROLLOUT_LABEL: self.rollout_id})
+        for runtime in self._runtimes:
+            await runtime.cleanup({ROLLOUT_LABEL: self.rollout_id})
         await self._log.end_rollout(self.rollout_id, "interrupted" if interrupted else "done")
 
     def _results(self) -> list[SampleOutcome]:
@@ -707,6 +749,17 @@ class Pipeline:
             )
             for j in self.jobs
         ]
+
+
+def _harness_mount(recipe: Recipe, cmd: list[str] | None) -> HarnessMount | None:
+    """The host's installation of the harness, for containers. A --harness-cmd that runs
+    something else (a script in the image) needs none."""
+    if cmd and os.path.basename(cmd[0]) not in recipe.binaries:
+        try:
+            return harness_mount(recipe)
+        except HarnessNotInstalled:
+            return None
+    return harness_mount(recipe, os.path.basename(cmd[0]) if cmd else None)
 
 
 def _describe(e: BaseException) -> str:

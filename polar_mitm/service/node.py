@@ -1,8 +1,9 @@
 """A gateway node: one proxy and the rollout pipeline, fed by a rollout server.
 
 The node registers, then loops: a heartbeat (its load per stage, its proxy's generations) and,
-when it has room, a lease of samples. Each sample runs through a `Pipeline` (one per harness and
-runtime, created on first use); when it has an outcome, the node builds its rows from its own
+when it has room, a lease of samples. Every sample runs through the node's one `Pipeline`, with
+what it runs (harness, command, runtime) as its own `SampleSpec`, so the node's worker counts bound
+it whatever the harnesses; when a sample has an outcome, the node builds its rows from its own
 store with the request's builder and reports them under the sample's lease. The server's replies
 carry its switches: pause or resume generation (the proxy's gate), samples to cancel, drain.
 
@@ -38,8 +39,9 @@ from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.retry import Backoff
 from polar_mitm.rollout.options import WORKER_FIELDS
-from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, new_token
+from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, SampleSpec, new_token
 from polar_mitm.sandbox import make_runtime
+from polar_mitm.sandbox.base import Runtime
 
 log = logging.getLogger("polar_mitm.node")
 REPORT_ATTEMPTS = 5  # a finished sample's report to an unreachable server, pauses 0.5, 1, 2, 4 s
@@ -81,7 +83,8 @@ class GatewayNode:
                 policy=config.policy,
             )
         )
-        self.pipelines: dict[tuple[str, str, tuple[str, ...]], Pipeline] = {}
+        self.pipeline: Pipeline | None = None  # started with the node
+        self._runtimes: dict[str, Runtime] = {}  # by name, made on first use
         self.jobs: dict[
             tuple[str, int], tuple[SampleJob, str, str]
         ] = {}  # (task, index) -> job, lease, builder
@@ -95,7 +98,7 @@ class GatewayNode:
         self._enroll = config.node_token or auth.node_token(config.token)  # type: ignore[arg-type]
         self._key: str | None = None  # issued at registration
         self._workers: dict[str, int] = {}
-        defaults = RolloutOptions(harness="claude-code")
+        defaults = RolloutOptions()
         self.capacity = config.capacity or (config.init_workers or defaults.init_workers) + (
             config.run_workers or defaults.run_workers
         )
@@ -123,6 +126,16 @@ class GatewayNode:
 
     async def start(self) -> None:
         await self.proxy.start()
+        sizes = {f: v for f in WORKER_FIELDS if (v := getattr(self.config, f)) is not None}
+        self.pipeline = Pipeline(
+            RolloutOptions(keep_workdirs=self.config.keep_workdirs, **sizes),
+            self.proxy,
+            None,  # each sample brings its runtime
+            work_dir=self._work_dir / "samples",
+            rollout_id=f"{self.node_id}-0",
+        )
+        self.pipeline.on_done = self._report
+        await self.pipeline.start(node=self.node_id, server=self.config.server)
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         workers = {
             k: v
@@ -197,8 +210,8 @@ class GatewayNode:
     async def stop(self) -> None:
         """Stop taking work; cancel what runs (recorded as cancelled, reported); close."""
         self._stop.set()
-        for p in self.pipelines.values():
-            await p.close(interrupted=True)
+        if self.pipeline is not None:
+            await self.pipeline.close(interrupted=True)
         if self._http is not None:
             await self._http.close()
         await self.proxy.stop()
@@ -212,29 +225,13 @@ class GatewayNode:
 
     # -- work -----------------------------------------------------------------------------------
 
-    async def _pipeline(self, a: m.Assignment) -> Pipeline:
-        key = (a.harness, a.runtime, tuple(a.harness_cmd or ()))
-        p = self.pipelines.get(key)
-        if p is None:
-            sizes = {f: v for f in WORKER_FIELDS if (v := getattr(self.config, f)) is not None}
-            options = RolloutOptions(
-                harness=a.harness,
-                harness_cmd=a.harness_cmd,
-                runtime=a.runtime,
-                keep_workdirs=self.config.keep_workdirs,
-                **sizes,
-            )
-            p = Pipeline(
-                options,
-                self.proxy,
-                make_runtime(a.runtime),
-                work_dir=self._work_dir / f"p{len(self.pipelines)}",
-                rollout_id=f"{self.node_id}-{len(self.pipelines)}",
-            )
-            p.on_done = self._report
-            await p.start(node=self.node_id, server=self.config.server)
-            self.pipelines[key] = p
-        return p
+    async def _spec(self, a: m.Assignment) -> SampleSpec:
+        """What the assignment runs, resolved by the pipeline (once per harness, command, runtime)."""
+        assert self.pipeline is not None, "start the node first"
+        runtime = self._runtimes.get(a.runtime)
+        if runtime is None:
+            runtime = self._runtimes[a.runtime] = make_runtime(a.runtime)
+        return await self.pipeline.spec(a.harness, a.harness_cmd, runtime)
 
     async def _take(self, a: m.Assignment) -> None:
         task = a.task
@@ -246,8 +243,11 @@ class GatewayNode:
         if update:
             task = task.model_copy(update=update)
         try:
-            p = await self._pipeline(a)
-            [job] = await p.add(task, indices=[a.index], group_id=a.task_id, size=a.num_samples)
+            assert self.pipeline is not None
+            spec = await self._spec(a)
+            [job] = await self.pipeline.add(
+                task, indices=[a.index], group_id=a.task_id, size=a.num_samples, spec=spec
+            )
         except Exception as e:  # the runtime cannot work here, the image is missing, …
             log.warning("sample %s#%d cannot run on %s: %s", a.task_id, a.index, self.node_id, e)
             await self._send(
@@ -326,18 +326,12 @@ class GatewayNode:
                 policy.resume()
         for task_id, index in c.cancel:
             entry = self.jobs.get((task_id, index))
-            if entry is not None:
-                job = entry[0]
-                for p in self.pipelines.values():
-                    if job in p.jobs:
-                        p.cancel(job, "cancelled by the server")
+            if entry is not None and self.pipeline is not None:
+                self.pipeline.cancel(entry[0], "cancelled by the server")
         self.control = c
 
     def load(self) -> m.Heartbeat:
-        counts: dict[str, int] = {}
-        for p in self.pipelines.values():
-            for k, v in p.counts.items():
-                counts[k] = counts.get(k, 0) + v
+        counts = self.pipeline.counts if self.pipeline is not None else {}
         stages = {
             "init": m.StageLoad(queued=counts.get("queued", 0), in_flight=counts.get("starting", 0)),
             "ready": m.StageLoad(queued=counts.get("ready", 0), in_flight=0),

@@ -5,6 +5,8 @@ import httpx
 import pytest
 
 from polar_mitm.backends.chat_mode import parse_chat_result
+from polar_mitm.backends.tokenizer import Tokenizer
+from polar_mitm.fake import Rule
 from polar_mitm.neutral import ProviderError
 from polar_mitm.store.reader import read_turns
 from tests.support.helpers import BASH, sse_events
@@ -51,6 +53,21 @@ async def test_chat_mode_turns_are_token_exact_and_linked(make_stack):
     # The server rendered the echoed reply canonically; here it equals prompt + sampled ids.
     assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
     assert t2.prompt_ref == t1.id
+
+
+async def test_chat_mode_counts_reasoning_tokens_as_render_mode_does(make_stack, qwen_tokenizer_dir):
+    """The reasoning block's tokens (through `</think>`) in the harness's usage, chat mode too."""
+    rules = [Rule(match="think", reasoning="pondering the files", text="answer")]
+    stack = await make_stack(policy={"backend_mode": "chat"}, backend={"script": rules})
+    async with stack.client() as c:
+        r = await c.post(
+            "https://api.openai.com/v1/responses", json={"model": "gpt-x", "input": "think, then answer"}
+        )
+    usage = r.json()["usage"]
+    [turn] = list(read_turns(stack.db))
+    end = Tokenizer.load(qwen_tokenizer_dir).token_id("</think>")
+    assert usage["output_tokens_details"]["reasoning_tokens"] == turn.output_ids.index(end) + 1
+    assert 0 < usage["output_tokens_details"]["reasoning_tokens"] < usage["output_tokens"]
 
 
 def test_missing_token_ids_are_refused_clearly():

@@ -176,7 +176,7 @@ async def test_cancelling_a_task_stops_its_samples_everywhere(service):
         view = await client.status(tid)
     assert [s.status for s in view.samples] == ["cancelled"] * 3
     assert svc.nodes[0].jobs == {}  # the node let go of every one
-    pipeline = next(iter(svc.nodes[0].pipelines.values()))
+    pipeline = svc.nodes[0].pipeline
     assert pipeline.counts["running"] == 0 and pipeline.counts["done"] == 3
 
 
@@ -203,6 +203,39 @@ async def test_early_stop_cancels_the_rest_of_a_group(service):
     statuses = sorted(o.status for o in g.outcomes)
     assert statuses == ["cancelled", "cancelled", "cancelled", "completed"]
     assert {o.cause for o in g.outcomes if o.status == "cancelled"} == {"early stop: 1 usable samples in"}
+
+
+@pytest.mark.slow
+async def test_a_node_serving_two_harnesses_runs_no_more_at_once_than_its_run_workers(
+    service, tmp_path, qwen_tokenizer_dir, certs_dir
+):
+    """--run-workers bounds the node, not each harness: two harnesses' samples, all leased at
+    once, still run one at a time on a node with one run worker."""
+    svc = await service(nodes=0)
+    await svc.add_node(tmp_path, qwen_tokenizer_dir, certs_dir, 0, run_workers=1, init_workers=3, capacity=6)
+    runs = tmp_path / "runs.txt"  # each run appends "NAME start" and "NAME end"
+
+    def timed(name: str) -> list[str]:
+        line = f'echo "{name} start" >> {runs}; sleep 0.5; echo "{name} end" >> {runs}; echo "$1" > out.txt'
+        return ["sh", "-c", line, "harness", "{instruction}"]
+
+    async with AsyncRolloutClient(svc.url) as client:
+        ids = [
+            await client.submit(
+                task(f"t-{h}", "pass"), samples=3, harness=h, runtime="local", harness_cmd=timed(h)
+            )
+            for h in ("claude-code", "codex")
+        ]
+        groups = [g async for g in client.wait(ids, poll=0.2, timeout=60)]
+    assert sorted(o.status for g in groups for o in g.outcomes) == ["completed"] * 6
+    lines = runs.read_text().split()
+    events = list(zip(lines[::2], lines[1::2], strict=True))
+    assert sorted(name for name, what in events if what == "start") == ["claude-code"] * 3 + ["codex"] * 3
+    at_once, most = 0, 0
+    for _, what in events:
+        at_once += 1 if what == "start" else -1
+        most = max(most, at_once)
+    assert most == 1, events
 
 
 @pytest.mark.slow

@@ -40,8 +40,9 @@ class Service:
         return self.server.url
 
     async def add_node(
-        self, tmp_path: Path, tokenizer: Path, certs: Path, i: int, process: bool = False
+        self, tmp_path: Path, tokenizer: Path, certs: Path, i: int, process: bool = False, **sizes: int
     ) -> None:
+        """Node `n{i}`; `sizes` are NodeConfig's pipeline sizes (run_workers=1, capacity=6, …)."""
         config = NodeConfig(
             server=self.url,
             token=self.server.token,
@@ -52,6 +53,7 @@ class Service:
             work_dir=tmp_path / f"work{i}",
             poll_interval=0.1,
             heartbeat_interval=0.3,
+            **sizes,
         )
         if process:  # mitmproxy keeps per-process state: one proxy (node) per process beyond the first
             self.procs.append(spawn_node(config, log=tmp_path / f"node{i}.log"))

@@ -14,7 +14,19 @@ PACKAGE = Path(__file__).resolve().parents[2] / "polar_mitm"
 # From the bottom up; a part may import parts of its own floor or below. Where two parts share a
 # floor they do not import each other (the circle check below holds them to it).
 FLOORS: list[set[str]] = [
-    {"neutral", "sse", "outcomes", "redact", "auth", "tasks", "procs", "strategies", "retry", "netaddr", "cache"},
+    {
+        "neutral",
+        "sse",
+        "outcomes",
+        "redact",
+        "auth",
+        "tasks",
+        "procs",
+        "strategies",
+        "retry",
+        "netaddr",
+        "cache",
+    },
     {"recipes", "store", "providers"},
     {"backends", "api"},
     {"policy"},
