@@ -193,6 +193,10 @@ def rollout(
         **given(policy, WORKER_FIELDS),  # the pipeline's sizes, out of the policy's options
     )
     rt = make_runtime(runtime)
+    if runtime == "apptainer":  # an image's one-time conversion, and how long it took, shows in the progress
+        import logging
+
+        logging.getLogger("polar_mitm.apptainer").setLevel(logging.INFO)
     work_dir = Path(tempfile.mkdtemp(prefix="polar-rollout-"))
     proxy = PolarProxy(
         ProxyConfig(

@@ -1,0 +1,81 @@
+"""A sandbox's start under Apptainer (the image's SIF already cached) against Docker's, as a ratio
+measured in one run, and the one-time conversion of the image into the SIF cache.
+
+Each round starts and stops one agent sandbox of each runtime, alternated, from the Docker test
+image (`scripts/docker.sh`'s), as a rollout does for a sample: the instance or container, the
+workdir, the harness's HOME. `--convert` first converts the image into an empty SIF cache and
+reports how long that took (what the first sample of a new image costs).
+
+    .venv/bin/python bench/bench_sandbox_start.py [--rounds 10] [--convert]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from polar_mitm.proxy.certs import ensure_ca  # noqa: E402
+from polar_mitm.sandbox.apptainer import ApptainerRuntime  # noqa: E402
+from polar_mitm.sandbox.base import SandboxSpec  # noqa: E402
+from polar_mitm.sandbox.docker import DockerRuntime  # noqa: E402
+from polar_mitm.tasks.model import Task  # noqa: E402
+
+IMAGE = "polar-mitm/rollout-base:bookworm"
+
+
+async def start_stop(runtime, task: Task, spec: SandboxSpec) -> float:
+    t0 = time.perf_counter()
+    sb = await runtime.start(task, spec)
+    took = time.perf_counter() - t0
+    await sb.stop()
+    return took
+
+
+async def main(rounds: int, convert: bool) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench-start-"))
+    ca = ensure_ca(work / "ca")
+    task = Task(id="bench", instruction="x", image=IMAGE, workdir="/app")
+    apptainer = ApptainerRuntime(registry_dir=work / "registry", sif_dir=(work / "sif") if convert else None)
+    await apptainer.check()
+    docker = DockerRuntime()
+    await docker.check()
+    t0 = time.perf_counter()
+    await apptainer.prepare(task)
+    prepared = time.perf_counter() - t0
+    await docker.prepare(task)
+    if convert:
+        print(f"first conversion of {IMAGE} into the SIF cache: {prepared:.1f} s")
+    else:
+        print(f"SIF found in the cache in {prepared * 1000:.0f} ms (--convert measures a fresh conversion)")
+    times: dict[str, list[float]] = {"docker": [], "apptainer": []}
+    for i in range(rounds):
+        for name, rt in (
+            (("docker", docker), ("apptainer", apptainer))
+            if i % 2 == 0
+            else (("apptainer", apptainer), ("docker", docker))
+        ):
+            spec = SandboxSpec(f"bench-{name}-{i}", work / f"s-{name}-{i}", ca)
+            times[name].append(await start_stop(rt, task, spec))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in times.items():
+        print(
+            f"{k:10s} start: median {med[k] * 1000:.0f} ms (min {min(v) * 1000:.0f}, max {max(v) * 1000:.0f}) over {len(v)}"
+        )
+    print(f"apptainer / docker: {med['apptainer'] / med['docker']:.2f}x")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument(
+        "--convert", action="store_true", help="convert into an empty SIF cache first, and time it"
+    )
+    args = ap.parse_args()
+    asyncio.run(main(args.rounds, args.convert))
