@@ -887,13 +887,14 @@ class ApptainerRuntime:
         registry_dir: Path | None = None,
         overlay: bool = True,
         sif_dir: Path | None = None,
+        sifs: SifCache | None = None,
     ):
         self.binary = binary
         self.registry_dir = registry_dir or default_registry_dir()
         self.overlay = overlay
         self.sif_dir = sif_dir
         self.limits = True  # cleared when Apptainer cannot apply cgroups here
-        self._sifs: SifCache | None = None
+        self._sifs: SifCache | None = sifs
         self._images: dict[str, str] = {}
 
     async def _binary(self) -> str:

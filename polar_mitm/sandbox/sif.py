@@ -7,8 +7,10 @@ instance start` is given:
 - `docker-daemon:NAME`, or a plain Docker image name the local Docker daemon holds: converted
   from the daemon (`apptainer build X.sif docker-daemon:NAME`), keyed by the image's id;
 - `docker-archive:PATH` (a `docker save` tar): converted, keyed by the file's sha256;
-- a task with only a Dockerfile: built with Docker (the docker runtime's build, tagged by the
-  content of its context), then converted as above; without Docker it is refused, saying so;
+- a task with only a Dockerfile: built with Docker where it is usable (the docker runtime's
+  build, tagged by the content of its context), then converted as above; else built by
+  `apptainer build` from a definition generated from it (`sandbox/dockerfile.py`), keyed by the
+  context's content;
 - a reference with another of Apptainer's transports (`docker://`, `oras://`, `library://`,
   `oci:`...), or a plain name no local daemon holds (it becomes `docker://NAME`): given to
   Apptainer as is; it pulls and converts it once into its own cache (`$APPTAINER_CACHEDIR`).
@@ -28,11 +30,13 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from polar_mitm.cache import cache_dir
-from polar_mitm.sandbox.base import SandboxError, run_process
+from polar_mitm.sandbox.base import ExecResult, SandboxError, run_process
 from polar_mitm.tasks.model import Task
 
 log = logging.getLogger("polar_mitm.apptainer")
@@ -93,8 +97,21 @@ def file_sha256(path: Path) -> str:
 class SifCache:
     """Converted images by content key, on disk, bounded; see the module docstring."""
 
-    def __init__(self, binary: str, root: Path | None = None, limit: int | None = None):
+    def __init__(
+        self,
+        binary: str,
+        root: Path | None = None,
+        limit: int | None = None,
+        *,
+        dockerfiles: str = "auto",
+        bootstrap: str = "docker",
+    ):
+        """`dockerfiles`: "auto" (Docker where usable, else a generated definition), "docker" or
+        "apptainer"; `bootstrap`: where a generated definition's FROM comes from ("docker": a
+        registry; "docker-daemon": the local daemon)."""
         self.binary = binary
+        self.dockerfiles = dockerfiles
+        self.bootstrap = bootstrap
         self.root = root or default_dir()
         self.limit = limit_bytes() if limit is None else limit
         self.in_use: set[Path] = set()
@@ -144,21 +161,41 @@ class SifCache:
         return f"docker://{image}"
 
     async def _from_dockerfile(self, task: Task) -> str:
-        from polar_mitm.sandbox.docker import DockerRuntime
+        from polar_mitm.sandbox.docker import DockerRuntime, context_digest
 
-        docker = DockerRuntime()
+        dockerfile = Path(task.dockerfile)  # type: ignore[arg-type]
+        if not dockerfile.is_file():
+            raise SandboxError(f"apptainer: task {task.id!r}: Dockerfile {dockerfile} does not exist")
+        if self.dockerfiles != "apptainer":
+            docker = DockerRuntime()
+            try:
+                await docker.check()
+            except Exception as e:
+                if self.dockerfiles == "docker":
+                    raise SandboxError(
+                        f"apptainer: task {task.id!r}: Docker is not usable here ({e})"
+                    ) from None
+            else:
+                await docker.prepare(task)
+                return await self.resolve_image(f"docker-daemon:{docker.image_of(task)}", task.id)
+        from polar_mitm.sandbox.dockerfile import DockerfileError, translate
+
+        context = dockerfile.parent
         try:
-            await docker.check()
-        except Exception as e:
+            steps = translate(dockerfile.read_text(), bootstrap=self.bootstrap)
+        except DockerfileError as e:
             raise SandboxError(
-                f"apptainer: task {task.id!r} has only a Dockerfile ({task.dockerfile}); building it "
-                f"needs Docker, which is not usable here ({e}). Build it elsewhere and set the task's "
-                "image to the result (a .sif file, docker-archive:TAR or a pushed image)"
+                f"apptainer: task {task.id!r}: {e}. Build the image elsewhere and set the task's image "
+                "to the result (a .sif file, docker-archive:TAR or a pushed image)"
             ) from None
-        await docker.prepare(task)
-        return await self.resolve_image(f"docker-daemon:{docker.image_of(task)}", task.id)
+        key = "dockerfile-" + await asyncio.to_thread(context_digest, context, dockerfile)
+        return str(
+            await self.convert(
+                key, f"{dockerfile} (from {steps.bootstrap}:{steps.image})", steps=(steps, context)
+            )
+        )
 
-    async def convert(self, key: str, source: str) -> Path:
+    async def convert(self, key: str, source: str, steps: tuple[Any, Path] | None = None) -> Path:
         """The SIF of `source` for content `key`, converting it when the cache lacks it."""
         self.root.mkdir(parents=True, exist_ok=True)
         target = self.root / f"{key}.sif"
@@ -170,19 +207,22 @@ class SifCache:
                 return target
             with await asyncio.to_thread(_enter, self.root / f".{key}.lock"):
                 if not target.is_file():
-                    await self._build(target, source)
+                    await self._build(target, source, steps)
         self.in_use.add(target)
         await asyncio.to_thread(self.evict)
         return target
 
-    async def _build(self, target: Path, source: str) -> None:
+    async def _build(self, target: Path, source: str, steps: tuple[Any, Path] | None = None) -> None:
         partial = target.with_name(f".{target.stem}.{os.getpid()}.partial.sif")
         partial.unlink(missing_ok=True)
         log.info("apptainer: converting %s to a SIF (once per image; %s)", source, target.name)
         t0 = time.monotonic()
-        r = await run_process(
-            [self.binary, "build", "--force", str(partial), source], timeout=CONVERT_TIMEOUT
-        )
+        if steps is None:
+            r = await run_process(
+                [self.binary, "build", "--force", str(partial), source], timeout=CONVERT_TIMEOUT
+            )
+        else:
+            r = await self._build_steps(partial, *steps)
         seconds = time.monotonic() - t0
         if r.exit_code != 0 or not partial.is_file():
             partial.unlink(missing_ok=True)
@@ -192,6 +232,42 @@ class SifCache:
         os.replace(partial, target)
         self.conversions.append({"source": source, "sif": str(target), "seconds": round(seconds, 1)})
         log.info("apptainer: converted %s in %.1f s (%.0f MB)", source, seconds, target.stat().st_size / 1e6)
+
+    async def _build_steps(self, out: Path, steps: Any, context: Path) -> ExecResult:
+        """A translated Dockerfile, built as `apptainer build` would build its definition, in
+        three plain commands: the base image as a writable sandbox directory, the `%post` script
+        run in it by `exec --writable` with the context bound read-only (exec, unlike build,
+        keeps to the capabilities apptainer.conf gives root: hosts whose root lacks some fail
+        every `%post`), the environment written, then the directory built into the SIF."""
+        from polar_mitm.sandbox.dockerfile import CONTEXT_IN
+
+        tree = out.with_suffix(".tree")
+        shutil.rmtree(tree, ignore_errors=True)
+        try:
+            r = await run_process(
+                [self.binary, "build", "--force", "--sandbox", str(tree), f"{steps.bootstrap}:{steps.image}"],
+                timeout=CONVERT_TIMEOUT,
+            )
+            if r.exit_code != 0:
+                return r
+            (tree / CONTEXT_IN.lstrip("/")).mkdir(parents=True, exist_ok=True)
+            r = await run_process(
+                [self.binary, "exec", "--writable", "--cleanenv", "--no-mount", "home,cwd,tmp",
+                 "--bind", f"{context.resolve()}:{CONTEXT_IN}:ro", str(tree), "sh", "-c", steps.script()],
+                timeout=CONVERT_TIMEOUT,
+            )  # fmt: skip
+            if r.exit_code != 0:
+                return r
+            (tree / CONTEXT_IN.lstrip("/")).rmdir()
+            if steps.environment:
+                env = tree / ".singularity.d" / "env" / "90-polar-mitm-dockerfile.sh"
+                env.parent.mkdir(parents=True, exist_ok=True)
+                env.write_text("#!/bin/sh\n" + "\n".join(steps.environment) + "\n")
+            return await run_process(
+                [self.binary, "build", "--force", str(out), str(tree)], timeout=CONVERT_TIMEOUT
+            )
+        finally:
+            await asyncio.to_thread(shutil.rmtree, tree, True)
 
     def evict(self) -> list[Path]:
         """Remove the least recently used SIFs until the cache is within its bound; never one in use."""

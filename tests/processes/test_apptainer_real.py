@@ -13,6 +13,7 @@ import socket
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,42 @@ async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(runtime, t
     finally:
         await v.stop()
     assert os.listdir(tmp_path / "s") == ["home"]  # neither instance's own directory is left
+
+
+async def test_a_dockerfile_builds_without_docker_from_a_generated_definition(
+    apptainer_binary, docker_client, tmp_path
+):
+    """The path for hosts without Docker: the Dockerfile translated (sandbox/dockerfile.py) and
+    built by `apptainer build`; FROM comes from the local daemon here (no registry), the rest is
+    what the translation wrote."""
+    from polar_mitm.sandbox.sif import SifCache
+
+    ctx = tmp_path / "ctx"
+    (ctx / "src").mkdir(parents=True)
+    (ctx / "src" / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    (ctx / "requirements.txt").write_text("nothing\n")
+    (ctx / "Dockerfile").write_text(
+        f"FROM {TEST_IMAGE}\nENV GREETING=hello\nWORKDIR /srv/app\nCOPY requirements.txt .\n"
+        'COPY src/ ./src/\nRUN test -f src/calc.py && echo "$GREETING" > built.txt\nCMD ["sh"]\n'
+    )
+    sifs = SifCache(apptainer_binary, tmp_path / "sif", dockerfiles="apptainer", bootstrap="docker-daemon")
+    rt = ApptainerRuntime(binary=apptainer_binary, registry_dir=tmp_path / "registry", sifs=sifs)
+    task = Task(id="df", instruction="x", dockerfile=ctx / "Dockerfile", workdir="/app")
+    await rt.prepare(task)
+    assert Path(rt._images["df"]).name.startswith("dockerfile-") and len(sifs.conversions) == 1
+    sb = await rt.start(task, SandboxSpec("apt-df", tmp_path / "s", ensure_ca(tmp_path / "ca")))
+    try:
+        r = await sb.exec(
+            [
+                "sh",
+                "-c",
+                "cat /srv/app/built.txt /srv/app/requirements.txt; ls /srv/app/src; ls /.polar-mitm-context 2>&1 | head -1; echo $GREETING",
+            ]
+        )
+        lines = r.output.split("\n")
+        assert lines[:3] == ["hello", "nothing", "calc.py"] and "No such file" in lines[3], r.output
+        assert lines[4] == "hello"  # ENV reaches the image's environment too
+    finally:
+        await sb.stop()
+    await rt.prepare(Task(id="df2", instruction="x", dockerfile=ctx / "Dockerfile", workdir="/app"))
+    assert len(sifs.conversions) == 1  # the same context: the cached SIF
