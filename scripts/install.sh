@@ -240,7 +240,9 @@ elif [ -f "$APPTAINER_BUILD" ]; then
     say "Apptainer up to date ($("$CACHE/bin/apptainer" --version))"
   else
     say "building Apptainer with $APPTAINER_BUILD (~5-8 min the first time)"
-    bin=$(bash "$APPTAINER_BUILD" | tail -1)
+    # As root, under /opt: where an unprivileged user can run it too (the rootless tests do).
+    prefix=""; [ "$(id -u)" = 0 ] && prefix=/opt/polar-mitm/apptainer-1.4.5
+    bin=$(bash "$APPTAINER_BUILD" $prefix | tail -1)
     ln -sf "$bin" "$CACHE/bin/apptainer"
   fi
   # Our build, as root on a host whose init is not systemd: cgroupfs, so that the task's memory,

@@ -119,6 +119,7 @@ ENV_INLINE_MAX_CHARS = 4096
 EXIT_NOT_A_FILE = 3  # `read`'s shell line: the path is missing or not a regular file
 EXIT_NO_DIR = 3  # `export`'s shell line: the directory is missing
 CGROUPS_REFUSED = ("cannot use cgroups", "cgroups", "while applying cgroups config")
+ROOTLESS = "rootless: the user running Apptainer, without capabilities"
 STOP_WAIT = 5.0  # seconds for a killed namespace to empty
 
 
@@ -510,6 +511,7 @@ class ApptainerSandbox:
         overlay: Path | None = None,
         init_pid: int = 0,
         limits: str = "applied",
+        host_root: bool | None = None,
     ):
         self.binary = binary
         self.name = name
@@ -524,7 +526,7 @@ class ApptainerSandbox:
         self.overlay = overlay
         self.init_pid = init_pid
         self.limits = limits
-        self.host_root = os.geteuid() == 0
+        self.host_root = os.geteuid() == 0 if host_root is None else host_root
         self.user = spec.user if spec.purpose == "agent" and self.host_root else None
         self.traversed = (
             spec.harness.traversed() if spec.harness is not None and spec.purpose == "agent" else []
@@ -825,7 +827,7 @@ class ApptainerSandbox:
             "image": self.image,
             "network": "none",
         }
-        out["user"] = self.user or ("root, without capabilities" if self.host_root else str(os.geteuid()))
+        out["user"] = self.user or ("root, without capabilities" if self.host_root else ROOTLESS)
         out["limits"] = self.limits
         if self.purpose == "verifier":
             out["supervisor"] = "reap.py" if self.supervisor else "none (the image has no python3)"
@@ -888,12 +890,16 @@ class ApptainerRuntime:
         overlay: bool = True,
         sif_dir: Path | None = None,
         sifs: SifCache | None = None,
+        host_root: bool | None = None,
     ):
         self.binary = binary
         self.registry_dir = registry_dir or default_registry_dir()
         self.overlay = overlay
         self.sif_dir = sif_dir
         self.limits = True  # cleared when Apptainer cannot apply cgroups here
+        # Whether Apptainer runs as root (else rootless: every process is its user's); by default
+        # this process's user. A binary that is a wrapper running Apptainer as another user says.
+        self.host_root = os.geteuid() == 0 if host_root is None else host_root
         self._sifs: SifCache | None = sifs
         self._images: dict[str, str] = {}
 
@@ -981,6 +987,7 @@ class ApptainerRuntime:
             overlay=overlay,
             init_pid=pid,
             limits="applied" if self.limits else "not applied: Apptainer cannot use cgroups here",
+            host_root=self.host_root,
         )
         try:
             made = await sandbox.exec(["sh", "-c", 'mkdir -p -- "$1"', "sh", task.workdir], workdir="/")

@@ -1,23 +1,31 @@
 """The apptainer runtime on the real binary, attacked from inside as the agent would: the host's
 loopback (where the engine and the service listen), its block devices, capabilities, mounts,
 processes left behind; and its verifier's tests, which run the agent's code, rewriting the
-verdict. As root here (CI runs as root); the image is the Docker test image, converted once.
+verdict. Each as root (what CI runs as) and rootless: Apptainer run by an unprivileged user
+(`polartest`, made here; the runtime's binary a wrapper that drops to it), with the image, the
+session directories and the CA where that user can read them. The image is the Docker test
+image, converted once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import os
+import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from polar_mitm.proxy.certs import ensure_ca
+from polar_mitm.proxy.certs import CA, ensure_ca
+from polar_mitm.sandbox import apptainer as ap
 from polar_mitm.sandbox.apptainer import ApptainerRuntime, list_instances, namespace_pids
 from polar_mitm.sandbox.base import HOME_DIR, SandboxSpec
 from polar_mitm.tasks.model import Task
@@ -26,9 +34,79 @@ from tests.support.docker_rollout import TEST_IMAGE
 pytestmark = [pytest.mark.apptainer, pytest.mark.docker, pytest.mark.slow]
 
 
-@pytest.fixture
-def runtime(apptainer_binary, docker_client, tmp_path):
-    return ApptainerRuntime(binary=apptainer_binary, registry_dir=tmp_path / "registry")
+ROOTLESS_USER, ROOTLESS_UID = "polartest", 2001
+
+
+@dataclass
+class Where:
+    runtime: ApptainerRuntime
+    base: Path  # where the session directories go
+    task: Task
+    harness_uid: str  # who the harness runs as
+    rootless: bool
+
+
+def rootless_user() -> None:
+    if subprocess.run(["id", ROOTLESS_USER], capture_output=True).returncode != 0:
+        subprocess.run(
+            ["useradd", "-m", "-u", str(ROOTLESS_UID), ROOTLESS_USER], check=True, capture_output=True
+        )
+
+
+@pytest.fixture(params=["root", "rootless"])
+def where(request, apptainer_binary, docker_client, tmp_path):
+    if request.param == "root":
+        rt = ApptainerRuntime(binary=apptainer_binary, registry_dir=tmp_path / "registry")
+        return Where(rt, tmp_path, TASK, "1000", False)
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
+        pytest.skip("the rootless variant makes its user: it needs root, useradd and setpriv")
+    rootless_user()
+    apptainer_binary = os.path.realpath(apptainer_binary)
+    as_user = ["setpriv", f"--reuid={ROOTLESS_UID}", f"--regid={ROOTLESS_UID}", "--init-groups"]
+    if subprocess.run([*as_user, apptainer_binary, "--version"], capture_output=True).returncode != 0:
+        pytest.skip(
+            f"{apptainer_binary} cannot be run by an unprivileged user (install.sh puts it under /opt as root)"
+        )
+    base = Path(tempfile.mkdtemp(prefix="polar-rootless-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    base.chmod(0o755)
+    sif = asyncio.run(_converted(apptainer_binary))
+    shutil.copy(sif, base / "image.sif")
+    wrapper = base / "apptainer-as-user"
+    # The runtime runs as root in this process and Apptainer as the user, so the directories the
+    # runtime makes are handed to the user before each call (a rootless user runs both as itself).
+    wrapper.write_text(
+        f"#!/bin/sh\nchown -R {ROOTLESS_USER}: {base} 2>/dev/null\n"
+        f'exec {" ".join(as_user)} env HOME=/home/{ROOTLESS_USER} {apptainer_binary} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    shutil.chown(base, ROOTLESS_USER)
+    rt = ApptainerRuntime(binary=str(wrapper), registry_dir=base / "registry", host_root=False)
+    task = TASK.model_copy(update={"image": str(base / "image.sif")})
+    return Where(rt, base, task, str(ROOTLESS_UID), True)
+
+
+async def _converted(binary: str) -> str:
+    rt = ApptainerRuntime(binary=binary)
+    await rt.prepare(TASK)
+    return rt._images[TASK.id]
+
+
+def ca_for(where: Where) -> CA:
+    ca = ensure_ca(where.base / "ca")
+    if where.rootless:
+        for f in (where.base / "ca").iterdir():
+            f.chmod(0o644 if f.name != ca.key_and_cert.name else 0o600)
+        (where.base / "ca").chmod(0o755)
+    return ca
+
+
+def session(where: Where, name: str) -> Path:
+    d = where.base / name
+    d.mkdir(parents=True, exist_ok=True)
+    if where.rootless:
+        shutil.chown(d, ROOTLESS_USER)
+    return d
 
 
 @pytest.fixture
@@ -73,10 +151,11 @@ echo "left a daemon"
 """
 
 
-async def test_the_harness_holds_nothing_of_the_host_and_leaves_nothing(runtime, tmp_path, host_listener):
+async def test_the_harness_holds_nothing_of_the_host_and_leaves_nothing(where, host_listener):
+    runtime, tmp_path = where.runtime, where.base
     port, accepted = host_listener
-    ca = ensure_ca(tmp_path / "ca")
-    sb = await runtime.start(TASK, SandboxSpec("apt-attack", tmp_path / "s", ca))
+    ca = ca_for(where)
+    sb = await runtime.start(where.task, SandboxSpec("apt-attack", session(where, "s"), ca))
     try:
         assert sb.init_pid > 0 and sb.supervises
         r = await sb.exec_harness(["sh", "-c", ATTACK, "sh", str(port)], env={"HOME": HOME_DIR}, timeout=60)
@@ -91,7 +170,7 @@ async def test_the_harness_holds_nothing_of_the_host_and_leaves_nothing(runtime,
                 line.split(":", 1) for line in r.output.splitlines() if line.startswith(("Cap", "NoNew"))
             )
         }
-        assert out["uid"] == "1000", r.output
+        assert out["uid"] == where.harness_uid, r.output
         assert caps == {"CapEff": "0000000000000000", "CapBnd": "0000000000000000", "NoNewPrivs": "1"}, (
             r.output
         )
@@ -111,26 +190,32 @@ async def test_the_harness_holds_nothing_of_the_host_and_leaves_nothing(runtime,
             "zero",
         }, devices
         assert out["loopback"].startswith("refused") and accepted == []
-        assert (out["mount"], out["etc"], out["hosthome"]) == ("no", "no", "no"), r.output
+        assert (out["mount"], out["hosthome"]) == ("no", "no"), r.output
+        # Rootless, the image's files are the user's own copy-on-write layer: a write lands in
+        # the instance's overlay, never the host's /etc or the SIF.
+        assert out["etc"] == ("writable" if where.rootless else "no") and not os.path.exists("/etc/owned")
         assert (out["workdir"], out["home"]) == ("ok", "ok"), r.output
         # The daemon it left is gone with the harness's end, as the host sees it.
         assert namespace_pids(sb.init_pid) == []
         assert (tmp_path / "s" / "home" / "settings").exists()
         assert await sb.read("/app/answer.txt") == b"41\n"
-        assert sb.describe()["user"] == "1000:1000" and sb.describe()["network"] == "none"
+        assert sb.describe()["user"] == ("1000:1000" if not where.rootless else ap.ROOTLESS)
+        assert sb.describe()["network"] == "none"
     finally:
         await sb.stop()
-    assert "apt-attack" not in await list_instances(runtime.binary)
+    assert "apt-attack" not in await list_instances(runtime.binary)  # type: ignore[arg-type]
     assert list((tmp_path / "registry").glob("*.json")) == []
     assert not (tmp_path / "s" / "apptainer-agent").exists()
 
 
-async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_host_kills_it_all(runtime, tmp_path):
-    ca = ensure_ca(tmp_path / "ca")
-    sb = await runtime.start(TASK, SandboxSpec("apt-forks", tmp_path / "s", ca))
+async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_host_kills_it_all(where):
+    runtime = where.runtime
+    ca = ca_for(where)
+    sb = await runtime.start(where.task, SandboxSpec("apt-forks", session(where, "s"), ca))
     try:
         if not runtime.limits:
-            pytest.skip("Apptainer cannot apply cgroups on this host")
+            assert sb.describe()["limits"].startswith("not applied")  # said, where it cannot
+            pytest.skip("Apptainer cannot apply cgroups here (rootless without systemd)")
         r = await sb.exec_harness(
             [
                 "sh",
@@ -162,9 +247,10 @@ VERDICT_CHEATS = {
 
 
 @pytest.mark.parametrize("cheat", list(VERDICT_CHEATS))
-async def test_the_verifiers_tests_cannot_rewrite_the_verdict_unseen(runtime, tmp_path, cheat):
-    ca = ensure_ca(tmp_path / "ca")
-    v = await runtime.start(TASK, SandboxSpec("apt-v", tmp_path / "s", ca, purpose="verifier"))
+async def test_the_verifiers_tests_cannot_rewrite_the_verdict_unseen(where, cheat):
+    runtime = where.runtime
+    ca = ca_for(where)
+    v = await runtime.start(where.task, SandboxSpec("apt-v", session(where, "s"), ca, purpose="verifier"))
     try:
         assert v.supervisor and v.supervises
         assert (await v.exec(["mkdir", "-p", "/logs/verifier"], workdir="/")).exit_code == 0
@@ -181,9 +267,10 @@ async def test_the_verifiers_tests_cannot_rewrite_the_verdict_unseen(runtime, tm
         await v.stop()
 
 
-async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(runtime, tmp_path):
-    ca = ensure_ca(tmp_path / "ca")
-    agent = await runtime.start(TASK, SandboxSpec("apt-art", tmp_path / "s", ca))
+async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(where):
+    runtime, tmp_path, TASK = where.runtime, where.base, where.task
+    ca = ca_for(where)
+    agent = await runtime.start(TASK, SandboxSpec("apt-art", session(where, "s"), ca))
     try:
         script = (
             "echo 42 > /app/answer.txt; ln -s /etc /app/etc; mkdir -p /app/d; echo x > /app/d/f;"
@@ -203,7 +290,9 @@ async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(runtime, t
         assert 0 < size == len(spool2.getvalue())
     finally:
         await agent.stop()
-    v = await runtime.start(TASK, SandboxSpec("apt-art-verifier", tmp_path / "s", ca, purpose="verifier"))
+    v = await runtime.start(
+        TASK, SandboxSpec("apt-art-verifier", session(where, "s"), ca, purpose="verifier")
+    )
     try:
         await v.exec(["rm", "-rf", "/app"], workdir="/")
         await v.put_tar("/", spool2)
