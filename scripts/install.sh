@@ -71,7 +71,9 @@ fi
 
 # Harness CLIs, pinned to the versions the end-to-end tests were written against.
 NPM_PACKAGES=(
-  "@anthropic-ai/claude-code@2.1.197"
+  # Claude Code 2.1.33x ships a native binary in an optional platform package (no install script
+  # needed); its e2e tests pass on 2.1.197 too (scripts/harness-drift.sh runs them on the newest).
+  "@anthropic-ai/claude-code@2.1.332"
   "@openai/codex@0.171.0"
   "@google/gemini-cli@0.61.0"
   "@qwen-code/qwen-code@0.15.10"
@@ -110,6 +112,8 @@ fi
 CACHE="${POLAR_MITM_CACHE:-$HOME/.cache/polar-mitm}"
 PY_ENVS=(
   "sdks|anthropic==2.15.0 openai==3.57.0 google-genai==3.6.1 litellm==1.110.2||"
+  # The Claude Agent SDK bundles its own Claude Code (2.1.332 in 0.2.189): about 15 s, 450 MB.
+  "claude-agent-sdk|claude-agent-sdk==0.2.189||"
   "mini-swe-agent|mini-swe-agent==2.4.6|mini|"
   "aider-chat|aider-chat==0.86.2|aider|"
   "kimi-cli-313|kimi-cli==1.51.0|kimi|3.13"
