@@ -85,6 +85,8 @@ NPM_PACKAGES=(
   "@continuedev/cli@1.5.47"
   "@github/copilot@1.0.102"
   "@kilocode/cli@7.7.7"
+  # Factory's Droid (its native binary, 295 MB; 5.5 min to install here on 2026-12-03).
+  "droid@0.215.0"
   # Not a harness: the fetch proxy preload (polar_mitm/harness/node_proxy.cjs) takes undici's
   # EnvHttpProxyAgent from it, so Node 18-22's fetch honours HTTPS_PROXY.
   "undici@6.29.1"
