@@ -122,6 +122,8 @@ PY_ENVS=(
   # The OpenHands CLI (`openhands --headless`), about 2 minutes and 800 MB; not openhands-ai, the
   # GUI server (5 minutes, 1.4 GB), which has no headless command of its own.
   "openhands-cli|openhands==1.16.0|openhands|"
+  # Hermes Agent: about 3 minutes and 220 MB.
+  "hermes-agent|hermes-agent==0.19.0|hermes|"
 )
 mkdir -p "$CACHE/venvs" "$CACHE/bin"
 for entry in "${PY_ENVS[@]}"; do
