@@ -85,8 +85,14 @@ def newest(h: Harness) -> str | None:
     return m[1] if m else None
 
 
-def _tail(text: str, lines: int = 3) -> str:
-    kept = [ln.strip() for ln in text.strip().splitlines() if ln.strip() and not ln.startswith("npm warn")]
+def _tail(text: str, lines: int = 2) -> str:
+    """The last lines that say something (npm's log-file pointers and warnings left out)."""
+    kept = [
+        ln.removeprefix("npm error").strip()
+        for ln in text.strip().splitlines()
+        if ln.strip() and not ln.startswith("npm warn") and "A complete log of this run" not in ln
+    ]
+    kept = [ln for ln in kept if ln]
     return " / ".join(kept[-lines:])[:300]
 
 
@@ -184,6 +190,9 @@ def run_tests(h: Harness, env_changes: dict[str, str], python: str) -> str:
     if r.returncode == 0:
         return f"works ({counts}, {took:.0f} s)"
     why = "; ".join(failed)
+    errors = [ln[1:].strip() for ln in r.stdout.splitlines() if ln.startswith("E ") and ln[1:].strip()]
+    if errors:  # the first line pytest marked as the error: the assertion or exception
+        why += f" ({errors[0][:200]})"
     return f"fails ({counts or 'rc ' + str(r.returncode)}): {why or _tail(r.stdout + r.stderr)}"
 
 

@@ -76,7 +76,7 @@ NPM_PACKAGES=(
   "@anthropic-ai/claude-code@2.1.332"
   "@openai/codex@0.171.0"
   "@google/gemini-cli@0.61.0"
-  "@qwen-code/qwen-code@0.15.10"
+  "@qwen-code/qwen-code@0.24.4"
   "@mariozechner/pi-coding-agent@0.73.1"
   "opencode-ai@1.18.33"
   # Cline 3 wants Node 22 by its engines field but runs on 20; Kilo 7.7.7 is the newest whose
@@ -152,6 +152,22 @@ for entry in "${PY_ENVS[@]}"; do
   fi
   for cmd in $cmds; do ln -sf "$venv/bin/$cmd" "$CACHE/bin/$cmd"; done
 done
+
+# OpenClaw needs Node >= 24.16 (its preinstall refuses an older one): npm's `node` package gives it
+# a prefix of its own, and $CACHE/bin/openclaw runs it with that prefix first on PATH (about 30 s
+# and 840 MB).
+OPENCLAW_PINS="node@24.21.0 openclaw@2026.9.6"
+claw="$CACHE/openclaw"
+if [ "$(cat "$claw/.polar-mitm-installed" 2>/dev/null)" = "$OPENCLAW_PINS" ]; then
+  say "openclaw up to date"
+else
+  say "installing $OPENCLAW_PINS into $claw"
+  npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS%% *}"
+  PATH="$claw/bin:$PATH" npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS##* }"
+  echo "$OPENCLAW_PINS" > "$claw/.polar-mitm-installed"
+fi
+printf '#!/bin/sh\nPATH="%s/bin:$PATH" exec "%s/bin/openclaw" "$@"\n' "$claw" "$claw" > "$CACHE/bin/openclaw"
+chmod +x "$CACHE/bin/openclaw"
 
 # Real SGLang on CPU for the `engines` tests (tests/e2e/test_real_sglang.py): the PyPI wheel in a
 # CPython 3.11 venv of its own, built by ../shared/sglang-cpu/build.sh (pip only, ~3 min the first
