@@ -36,6 +36,7 @@ class Harness:
     pinned: str | None
     venv: str | None = None  # PyPI: the install.sh entry's virtualenv name
     commands: tuple[str, ...] = ()
+    node: str | None = None  # npm: the Node it is installed with, where it needs its own
     newest: str | None = None
     result: str = ""
 
@@ -46,7 +47,11 @@ def pins(install_sh: Path) -> tuple[dict[str, str], dict[str, tuple[str, str, tu
     npm_block = re.search(r"NPM_PACKAGES=\((.*?)\n\)", text, re.S)
     py_block = re.search(r"PY_ENVS=\((.*?)\n\)", text, re.S)
     npm: dict[str, str] = {}
-    for spec in re.findall(r'^\s*"([^"#]+)"', npm_block[1] if npm_block else "", re.M):
+    specs = re.findall(r'^\s*"([^"#]+)"', npm_block[1] if npm_block else "", re.M)
+    # Harnesses installed with a Node of their own: NAME_PINS="node@V package@V" (OpenClaw's).
+    for line in re.findall(r'^[A-Z_]+_PINS="([^"]*node@[^"]*)"', text, re.M):
+        specs += line.split()
+    for spec in specs:
         name, _, version = spec.rpartition("@")
         npm[name] = version
     py: dict[str, tuple[str, str, tuple[str, ...]]] = {}
@@ -63,7 +68,8 @@ def harnesses(install_sh: Path) -> list[Harness]:
     out = []
     for r in sorted(recipes.all_recipes().values(), key=lambda r: r.name):
         if r.npm:
-            out.append(Harness(r.name, "npm", r.npm, npm.get(r.npm)))
+            own_node = re.search(rf'_PINS="node@(\S+) {re.escape(r.npm)}@', install_sh.read_text())
+            out.append(Harness(r.name, "npm", r.npm, npm.get(r.npm), node=own_node[1] if own_node else None))
         elif r.pypi:
             pkg = re.split(r"[=<>!~ ]", r.pypi, maxsplit=1)[0]
             version, venv, cmds = py.get(pkg, (None, None, ()))
@@ -99,31 +105,28 @@ def _tail(text: str, lines: int = 2) -> str:
 def install(h: Harness, scratch: Path) -> tuple[dict[str, str] | None, str]:
     """Install h.newest under `scratch`; the environment changes that put it first, or None and why."""
     assert h.newest is not None
+    cache = _scratch_cache(scratch, h.name)
     if h.registry == "npm":
         prefix = scratch / "npm" / h.name
-        r = subprocess.run(
-            [
-                "npm",
-                "install",
-                "-g",
-                "--prefix",
-                str(prefix),
-                "--no-fund",
-                "--no-audit",
-                f"{h.package}@{h.newest}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if r.returncode != 0:
-            return None, f"cannot install: {_tail(r.stderr)}"
-        return {"PATH": f"{prefix / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}, ""
-    cache = scratch / "cache" / h.name
-    (cache / "bin").mkdir(parents=True, exist_ok=True)
-    tokenizers = cache / "tokenizers"
-    if not tokenizers.exists():
-        tokenizers.symlink_to(cache_dir() / "tokenizers")
+        # The scratch cache too: the tests look in its bin/ before PATH (where the suite's
+        # OpenClaw wrapper would be found first).
+        path = {
+            "PATH": f"{prefix / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+            "POLAR_MITM_CACHE": str(cache),
+        }
+        # A harness with a Node of its own (OpenClaw) gets that Node in its prefix first.
+        specs = ([f"node@{h.node}"] if h.node else []) + [f"{h.package}@{h.newest}"]
+        for spec in specs:
+            r = subprocess.run(
+                ["npm", "install", "-g", "--prefix", str(prefix), "--no-fund", "--no-audit", spec],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+                env={**os.environ, **path},
+            )
+            if r.returncode != 0:
+                return None, f"cannot install: {_tail(r.stderr)}"
+        return path, ""
     venv = cache / "venvs" / (h.venv or h.name)
     if not (venv / "bin" / "python").exists():
         subprocess.run([_interpreter(h), "-m", "venv", str(venv)], check=True, timeout=300)
@@ -140,6 +143,16 @@ def install(h: Harness, scratch: Path) -> tuple[dict[str, str] | None, str]:
         link.unlink(missing_ok=True)
         link.symlink_to(venv / "bin" / cmd)
     return {"POLAR_MITM_CACHE": str(cache)}, ""
+
+
+def _scratch_cache(scratch: Path, name: str) -> Path:
+    """A POLAR_MITM_CACHE of the harness's own: an empty bin/, the suite's built tokenizers."""
+    cache = scratch / "cache" / name
+    (cache / "bin").mkdir(parents=True, exist_ok=True)
+    tokenizers = cache / "tokenizers"
+    if not tokenizers.exists():
+        tokenizers.symlink_to(cache_dir() / "tokenizers")
+    return cache
 
 
 def _interpreter(h: Harness) -> str:
