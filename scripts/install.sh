@@ -84,7 +84,7 @@ npm_install() {
 # Claude Code (the demo's harness) and undici, pinned: the versions the end-to-end tests were
 # written against. undici is not a harness: the fetch proxy preload (polar_mitm/harness/
 # node_proxy.cjs) takes undici's EnvHttpProxyAgent from it, so Node 18-22's fetch honours HTTPS_PROXY.
-MAIN_NPM=("@anthropic-ai/claude-code@2.1.197" "undici@6.29.1")
+MAIN_NPM=("@anthropic-ai/claude-code@2.1.332" "undici@6.29.1")
 
 if [ "$MODE" = main ]; then
   npm_install "${MAIN_NPM[@]}"
@@ -136,10 +136,13 @@ fi
 
 # The other harness CLIs, pinned to the versions the end-to-end tests were written against.
 NPM_PACKAGES=(
+  # Claude Code and undici (MAIN_NPM): Claude Code 2.1.33x ships a native binary in an optional
+  # platform package (no install script needed); its e2e tests pass on 2.1.197 too
+  # (scripts/harness-drift.sh runs them on the newest).
   "${MAIN_NPM[@]}"
   "@openai/codex@0.171.0"
   "@google/gemini-cli@0.61.0"
-  "@qwen-code/qwen-code@0.15.10"
+  "@qwen-code/qwen-code@0.24.4"
   "@mariozechner/pi-coding-agent@0.73.1"
   "opencode-ai@1.18.33"
   # Cline 3 wants Node 22 by its engines field but runs on 20; Kilo 7.7.7 is the newest whose
@@ -148,6 +151,8 @@ NPM_PACKAGES=(
   "@continuedev/cli@1.5.47"
   "@github/copilot@1.0.102"
   "@kilocode/cli@7.7.7"
+  # Factory's Droid (its native binary, 295 MB; 5.5 min to install here on 2026-12-03).
+  "droid@0.215.0"
 )
 npm_install "${NPM_PACKAGES[@]}"
 
@@ -160,12 +165,16 @@ npm_install "${NPM_PACKAGES[@]}"
 CACHE="${POLAR_MITM_CACHE:-$HOME/.cache/polar-mitm}"
 PY_ENVS=(
   "sdks|anthropic==2.15.0 openai==3.57.0 google-genai==3.6.1 litellm==1.110.2||"
+  # The Claude Agent SDK bundles its own Claude Code (2.1.332 in 0.2.189): about 15 s, 450 MB.
+  "claude-agent-sdk|claude-agent-sdk==0.2.189||"
   "mini-swe-agent|mini-swe-agent==2.4.6|mini|"
   "aider-chat|aider-chat==0.86.2|aider|"
   "kimi-cli-313|kimi-cli==1.51.0|kimi|3.13"
   # The OpenHands CLI (`openhands --headless`), about 2 minutes and 800 MB; not openhands-ai, the
   # GUI server (5 minutes, 1.4 GB), which has no headless command of its own.
   "openhands-cli|openhands==1.16.0|openhands|"
+  # Hermes Agent: about 3 minutes and 220 MB.
+  "hermes-agent|hermes-agent==0.19.0|hermes|"
 )
 mkdir -p "$CACHE/venvs" "$CACHE/bin"
 for entry in "${PY_ENVS[@]}"; do
@@ -194,6 +203,22 @@ for entry in "${PY_ENVS[@]}"; do
   fi
   for cmd in $cmds; do ln -sf "$venv/bin/$cmd" "$CACHE/bin/$cmd"; done
 done
+
+# OpenClaw needs Node >= 24.16 (its preinstall refuses an older one): npm's `node` package gives it
+# a prefix of its own, and $CACHE/bin/openclaw runs it with that prefix first on PATH (about 30 s
+# and 840 MB).
+OPENCLAW_PINS="node@24.21.0 openclaw@2026.9.6"
+claw="$CACHE/openclaw"
+if [ "$(cat "$claw/.polar-mitm-installed" 2>/dev/null)" = "$OPENCLAW_PINS" ]; then
+  say "openclaw up to date"
+else
+  say "installing $OPENCLAW_PINS into $claw"
+  npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS%% *}"
+  PATH="$claw/bin:$PATH" npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS##* }"
+  echo "$OPENCLAW_PINS" > "$claw/.polar-mitm-installed"
+fi
+printf '#!/bin/sh\nPATH="%s/bin:$PATH" exec "%s/bin/openclaw" "$@"\n' "$claw" "$claw" > "$CACHE/bin/openclaw"
+chmod +x "$CACHE/bin/openclaw"
 
 # Real SGLang on CPU for the `engines` tests (tests/e2e/test_real_sglang.py): the PyPI wheel in a
 # CPython 3.11 venv of its own, built by ../shared/sglang-cpu/build.sh (pip only, ~3 min the first

@@ -128,13 +128,20 @@ def chatml_messages(prompt_text: str) -> list[tuple[str, str]]:
 
 
 def last_message_text(prompt_text: str) -> str:
-    """The content of the last complete user (or tool-result) message before the generation
-    prompt; the whole text if the prompt is not ChatML. Harnesses append system notes after the
-    user's words (Claude Code's deferred-tool list), so trailing system blocks are skipped."""
+    """What the harness sent since the model last spoke: the user (or tool-result) messages after
+    the last assistant message, joined; the whole text if the prompt is not ChatML. Harnesses put
+    more than the user's words there (Claude Code appends its deferred-tool list as a system
+    block, skipped; OpenClaw sends its context block as a user message of its own after the
+    task), and the task must be found wherever it is."""
     blocks = chatml_messages(prompt_text)
+    new: list[str] = []
     for role, content in reversed(blocks):
+        if role == "assistant":
+            break
         if role != "system":
-            return content
+            new.append(content)
+    if new:
+        return "\n".join(reversed(new))
     return blocks[-1][1] if blocks else prompt_text
 
 

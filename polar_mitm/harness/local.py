@@ -205,6 +205,11 @@ async def run_harness(
             if own_group:
                 procs.kill_group(proc.pid)  # leftovers of the harness, if any
         untrusted = verdict.get("untrusted", False)
+        if not untrusted and code != 0 and _refused(proxy):
+            # The harness gave up on its own before the watchdog's timeout (Claude Code 2.1.33x
+            # exits 1 after a few failed handshakes, where earlier releases retried for ever).
+            _say_untrusted(proxy, "before the harness exited", "")
+            untrusted = True
         if proxy.tls.connections == 0:
             _say_no_connection(cmd, recipe)
         exit_code = EXIT_UNTRUSTED if untrusted else procs.exit_code(code)
@@ -276,24 +281,31 @@ async def _watchdog(
     try:
         while proc.returncode is None:
             await asyncio.sleep(0.5)
-            tls = proxy.tls
-            # Hosts that keep failing and never succeeded: the harness does not trust us there.
-            refused = [f for f in tls.failures if not tls.trusted(f[1])]
-            if not refused:
+            refused = _refused(proxy)
+            if not refused or time.time() - refused[0][0] < timeout:
                 continue
-            first, sni, err = refused[0]
-            if time.time() - first < timeout:
-                continue
-            print(
-                f"polar-mitm: the harness refused our CA for {sni} ({len(refused)} failed TLS handshakes, "
-                f"none succeeded in {timeout:.0f}s): {err}\n"
-                f"  It does not trust {proxy.ca.cert if proxy.ca else 'the polar-mitm CA'}. Check that the recipe "
-                "sets the CA variable this harness reads (NODE_EXTRA_CA_CERTS, SSL_CERT_FILE, "
-                "CODEX_CA_CERTIFICATE, …), or pass --recipe. Stopping the harness.",
-                file=sys.stderr,
-            )
+            _say_untrusted(proxy, f"in {timeout:.0f}s", " Stopping the harness.")
             verdict["untrusted"] = True
             await procs.stop_async(proc, 5, group=own_group)
             return
     except asyncio.CancelledError:
         return
+
+
+def _refused(proxy: PolarProxy) -> list[tuple[float, str, str]]:
+    """The failed TLS handshakes for hosts where none succeeded: the harness does not trust us there."""
+    tls = proxy.tls
+    return [f for f in tls.failures if not tls.trusted(f[1])]
+
+
+def _say_untrusted(proxy: PolarProxy, when: str, then: str) -> None:
+    refused = _refused(proxy)
+    _, sni, err = refused[0]
+    print(
+        f"polar-mitm: the harness refused our CA for {sni} ({len(refused)} failed TLS handshakes, "
+        f"none succeeded {when}): {err}\n"
+        f"  It does not trust {proxy.ca.cert if proxy.ca else 'the polar-mitm CA'}. Check that the recipe "
+        "sets the CA variable this harness reads (NODE_EXTRA_CA_CERTS, SSL_CERT_FILE, "
+        f"CODEX_CA_CERTIFICATE, …), or pass --recipe.{then}",
+        file=sys.stderr,
+    )

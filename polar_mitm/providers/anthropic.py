@@ -46,6 +46,9 @@ KNOWN_FIELDS = frozenset(
     {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "temperature", "top_p"}
     | {"top_k", "stop_sequences", "stream", "thinking", "output_format"}
     | {"metadata", "service_tier", "container", "mcp_servers"}
+    # Claude Code 2.1.33x: models the server may fall back to when one is overloaded, and the
+    # context of the server's own screening of tool calls (auto mode); neither is prompt.
+    | {"fallbacks", "safeguards"}
 )
 
 

@@ -321,6 +321,7 @@ class SessionMerger:
                     next_at=min((c.turn["created_at"] for c in n.children), default=None),
                     calls=calls.get(n.turn_id, []),
                     output=np.frombuffer(n.delta[n.n_inter * _W :], dtype=TOKEN_DTYPE),
+                    extends=n.parent.turn_id if n.parent is not None and n.parent is not self.root else None,
                 )
                 for n in members
             ]

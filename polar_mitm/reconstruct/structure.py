@@ -16,13 +16,20 @@ Rules, over conversations in the order their first turns were created (`link`):
    one extending that turn, was not yet) is `subagent`, spawned by that call. Where several calls
    are open, one whose tool's name says it spawns agents (`Agent`, `Task`, `spawn_agent`,
    `delegate`, …) wins, then the most recent. Its parent is the conversation of the spawning turn.
+   A background agent's call is answered at once ("launched"; Claude Code's default since
+   2.1.33x), so where no call is open, the most recent call of a tool that spawns agents, made
+   before the new conversation began in a conversation that carries on after it (it is told when
+   the agent ends), spawned it.
 4. **Compaction.** Otherwise, a later conversation whose first prompt contains a run of
    `COMPACTION_WINDOW` tokens an earlier turn sampled (the summary the harness pasted in) is
    `compaction`. Its parent is the conversation that was summarized: the one whose replies the
-   summary's own conversation repeats (Claude Code asks for the summary in a request that
-   re-renders the conversation without its tools and with another ending, so it extends nothing
-   token for token, but the replies it repeats are spliced in as sampled), else the summary's
-   conversation itself.
+   summary's own conversation repeats (Claude Code before 2.1.33x asks for the summary in a
+   request that re-renders the conversation without its tools and with another ending, so it
+   extends nothing token for token, but the replies it repeats are spliced in as sampled). Where
+   the summary request extends the conversation token for token instead (2.1.33x: a fork of it,
+   so the summary is a branch of the conversation it summarizes), the parent is that
+   conversation's newest turn before the summary that is not itself a summary (a retried
+   summary request is a second branch); else the summary's conversation itself.
 5. Any other later conversation is `main` again (a new task in the same process, `/clear`).
 
 `link` is pure: the strategies give it what they know of each turn and map the parent turn it
@@ -53,6 +60,7 @@ class TurnFacts:
     next_at: float | None = None  # when the next turn extending this one was created (None: none)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (tool call id, tool name) it made
     output: np.ndarray | None = None  # the sampled ids (for compaction), int32
+    extends: str | None = None  # the turn of its conversation it extends (None: its first)
 
 
 @dataclass
@@ -117,8 +125,26 @@ def _spawned(conv: Conversation, earlier: Sequence[Conversation]) -> Link | None
             if best is None or key[:2] > best[:2]:
                 best = key
     if best is None:
-        return None
+        return _spawned_in_background(conv, earlier)
     _, _, turn, (call_id, name) = best
+    return Link("subagent", turn.id, call_id, name)
+
+
+def _spawned_in_background(conv: Conversation, earlier: Sequence[Conversation]) -> Link | None:
+    t = conv.created_at
+    best: tuple[float, TurnFacts, tuple[str, str]] | None = None
+    for other in earlier:
+        if other.tag is not None or not any(u.created_at > t for u in other.turns):
+            continue
+        for turn in other.turns:
+            if turn.created_at >= t or (best is not None and turn.created_at <= best[0]):
+                continue
+            call = next((c for c in reversed(turn.calls) if _SPAWNS.search(c[1])), None)
+            if call is not None:
+                best = (turn.created_at, turn, call)
+    if best is None:
+        return None
+    _, turn, (call_id, name) = best
     return Link("subagent", turn.id, call_id, name)
 
 
@@ -126,18 +152,39 @@ def _compacted(conv: Conversation, earlier: Sequence[Conversation]) -> Link | No
     prompt = np.ascontiguousarray(conv.prompt, dtype="<i4").tobytes()
     for other in reversed(earlier):
         for turn in reversed(other.turns):
-            if (
-                turn.output is None
-                or turn.created_at >= conv.created_at
-                or len(turn.output) < COMPACTION_WINDOW
-            ):
-                continue
-            mid = (len(turn.output) - COMPACTION_WINDOW) // 2
-            window = np.ascontiguousarray(turn.output[mid : mid + COMPACTION_WINDOW], dtype="<i4").tobytes()
-            if _contains_aligned(prompt, window):
-                source = _repeats(other, [c for c in earlier if c is not other])
+            if turn.created_at < conv.created_at and _carries(prompt, turn):
+                source = _repeats(other, [c for c in earlier if c is not other]) or _forked_from(
+                    other, turn, prompt
+                )
                 return Link("compaction", source or turn.id, summary_turn=turn.id)
     return None
+
+
+def _carries(prompt: bytes, turn: TurnFacts) -> bool:
+    """Whether `prompt` holds a window of `turn`'s reply, from its middle, token-aligned."""
+    if turn.output is None or len(turn.output) < COMPACTION_WINDOW:
+        return False
+    mid = (len(turn.output) - COMPACTION_WINDOW) // 2
+    window = np.ascontiguousarray(turn.output[mid : mid + COMPACTION_WINDOW], dtype="<i4").tobytes()
+    return _contains_aligned(prompt, window)
+
+
+def _forked_from(conv: Conversation, summary: TurnFacts, prompt: bytes) -> str | None:
+    """Where `summary` is a branch of `conv` that the conversation went past (a turn after the
+    fork that `summary` does not extend), the newest such turn before it that is no summary the
+    prompt carries; None where `summary` extends the whole conversation."""
+    by_id = {u.id: u for u in conv.turns}
+    line: set[str] = set()
+    at: str | None = summary.id
+    while at is not None and at not in line:
+        line.add(at)
+        at = by_id[at].extends if at in by_id else None
+    past = [
+        u
+        for u in conv.turns
+        if u.id not in line and u.created_at < summary.created_at and not _carries(prompt, u)
+    ]
+    return max(past, key=lambda u: u.created_at).id if past else None
 
 
 # A reply shorter than this says too little to tell which conversation a prompt repeats.

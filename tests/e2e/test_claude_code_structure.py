@@ -71,7 +71,10 @@ def test_a_subagent_exports_as_a_subagent_row_linked_to_the_main_row(tmp_path, q
     meta = json.loads(sub["metadata"])
     assert meta["spawned_by_tool"] == "Agent" and meta["spawned_by_tool_call"]
     assert meta["parent_turn_id"] in main["turn_ids"]
-    assert main["num_turns"] == 2 and sub["num_turns"] >= 1
+    # Before 2.1.33x the Agent call waited for the subagent (2 main turns); since, the agent runs
+    # in the background: the call is answered at once, the main agent answers that, and once more
+    # when it is told the agent finished (3).
+    assert main["num_turns"] in (2, 3) and sub["num_turns"] >= 1
 
 
 COMPACT_SCRIPT = [

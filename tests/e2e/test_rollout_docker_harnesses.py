@@ -1,6 +1,6 @@
 """Rollouts in real Docker containers of the npm harnesses beyond Claude Code, Codex and Gemini CLI
-(tests/e2e/test_rollout_docker.py): Cline, Continue, Copilot CLI, Kilo Code, Qwen Code, Pi and
-OpenCode (the npm ones: the host's installation is mounted read-only, as for Claude Code), through
+(tests/e2e/test_rollout_docker.py): Cline, Continue, Copilot CLI, Kilo Code, Qwen Code, Pi,
+OpenCode and Factory's Droid (the npm ones: the host's installation is mounted read-only, as for Claude Code), through
 `polar-mitm rollout` with each recipe's headless command, the files its recipe writes into the
 sample's fresh HOME, and a Harbor task scored by its own test. The PyPI harnesses (mini-swe-agent,
 aider, Kimi CLI, OpenHands) are in tests/e2e/test_rollout_docker_pypi.py.
@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.docker]
         ("qwen-code", "qwen"),
         ("pi", "pi"),
         ("opencode", "opencode"),
+        ("droid", "droid"),  # its BYOK settings file written into the sample's HOME
     ],
 )
 def test_harness_solves_a_task_in_docker(

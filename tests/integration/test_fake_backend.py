@@ -161,6 +161,9 @@ def test_last_message_is_the_last_block_before_the_generation_prompt():
     text = chatml(("system", "sys"), ("user", "first"), ("assistant", "reply"), ("user", "run: ls -la"))
     assert last_message_text(text) == "run: ls -la"
     assert last_message_text("plain prompt") == "plain prompt"
+    # OpenClaw sends the task, then its context block as a user message of its own.
+    task = chatml(("system", "sys"), ("user", "Create out.txt containing hi"), ("user", "<<<CONTEXT>>>"))
+    assert last_message_text(task) == "Create out.txt containing hi\n<<<CONTEXT>>>"
 
 
 def test_expand_groups_keeps_other_backslashes():

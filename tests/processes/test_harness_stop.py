@@ -43,3 +43,25 @@ def test_a_harness_that_refuses_our_ca_and_ignores_sigterm_is_killed(tmp_path, c
     assert r.returncode == 69, r.stderr
     assert "refused our CA for api.anthropic.com" in r.stderr
     assert took >= 5, "the harness was not given its grace"
+
+
+# A harness that gives up by itself after three refused handshakes, as Claude Code 2.1.33x does.
+GIVES_UP = (
+    HARNESS.replace("signal.signal(signal.SIGTERM, signal.SIG_IGN)", "import sys").replace(
+        "while True:", "for _ in range(3):"
+    )
+    + "\nsys.exit(1)\n"
+)
+
+
+def test_a_harness_that_refuses_our_ca_and_exits_before_the_timeout_is_said_to(
+    tmp_path, certs_dir, backend_process
+):
+    r = subprocess.run(
+        [sys.executable, "-m", "polar_mitm", "run", "--backend", backend_process.url, "--certs", str(certs_dir),
+         "--db", str(tmp_path / "r.sqlite"), "--recipe", "claude-code", "--untrusted-timeout", "60",
+         "--", sys.executable, "-c", GIVES_UP],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert r.returncode == 69, r.stderr
+    assert "refused our CA for api.anthropic.com" in r.stderr and "before the harness exited" in r.stderr

@@ -221,20 +221,23 @@ def run_tool_task(
     style: str,
     host: str,
     env: dict[str, str] | None = None,
+    command: list[str] | None = None,
 ) -> ToolTask:
     """The recipe's headless command on "Create out.txt containing hi" through `polar-mitm run`
     against the fake's default script, and what every such test asserts: exit 0, the file made
     by the harness's shell tool, two main turns in `style` (a tool call, then the answer), the
     second's prompt extending the first's prompt + sampled ids, and every turn's ids and logprobs
     exactly the backend's; the session stored under the recipe's name with exit code 0, and every
-    turn sent to `host`. The rest is the caller's to check."""
+    turn sent to `host`. The rest is the caller's to check. `command` replaces the headless
+    command's arguments (another model of the harness's settings, say); "{instruction}" in it is
+    the task."""
     from polar_mitm import recipes
 
     work, db = tmp_path / "work", tmp_path / "runs.sqlite"
     work.mkdir()
     r = polar_run(
         ["--backend", backend.url, "--tokenizer", str(tokenizer), "--db", str(db), "--session", session],
-        recipes.get(recipe).headless_command("Create out.txt containing hi"),
+        recipes.get(recipe).headless_command("Create out.txt containing hi", command),
         cwd=work,
         env=env if env is not None else harness_env(tmp_path / "home"),
         stdin=subprocess.DEVNULL,

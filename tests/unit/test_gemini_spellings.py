@@ -249,6 +249,8 @@ def test_unknown_top_level_fields_in_every_style():
         "output_config": {"effort": "high"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         "diagnostics": {"previous_message_id": "msg_18ed56a45e8067da273d1820"},  # 2.1.33x
+        "fallbacks": [{"model": "claude-opus-5"}],  # 2.1.33x, /compact's summary request
+        "safeguards": [{"type": "dangerous_tool_use", "classifier_context": {"v": 1}}],  # auto mode
     }
     assert anthropic.unknown_fields({"model": "m", **claude_code}) == []
     assert anthropic.unknown_fields({"model": "m", "diagnostics": {"previous_message_id": None}}) == []

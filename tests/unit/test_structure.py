@@ -113,9 +113,9 @@ async def test_a_single_conversation_is_main_and_a_new_unrelated_one_is_main_too
     assert rows == {"m2": ("main", None), "n1": ("main", None)}
 
 
-def facts(id, at, next_at=None, calls=(), output=None):
+def facts(id, at, next_at=None, calls=(), output=None, extends=None):
     out = None if output is None else np.asarray(output, dtype="<i4")
-    return structure.TurnFacts(id, at, next_at, list(calls), out)
+    return structure.TurnFacts(id, at, next_at, list(calls), out, extends)
 
 
 def conv(root, at, turns, prompt=(), tag=None):
@@ -148,3 +148,51 @@ def test_compaction_needs_a_whole_token_aligned_window():
     assert structure.link([main, odd])["o1"].role == "main"
     good = conv("g1", 1, [facts("g1", 1)], prompt=[1, 2, *summary[2:38], 3])
     assert structure.link([main, good])["g1"].role == "compaction"
+
+
+def test_a_background_agent_whose_call_was_answered_at_once_is_a_subagent():
+    """Claude Code 2.1.33x runs agents in the background: the Agent call is answered ("launched")
+    before the agent's first request, and the main conversation carries on when it ends."""
+    main = conv(
+        "m1",
+        0,
+        [facts("m1", 0, 1.0, [("c_agent", "Agent")]), facts("m2", 1.0, 3.0), facts("m3", 3.0)],
+    )
+    sub = conv("s1", 2, [facts("s1", 2)])
+    link = structure.link([main, sub])["s1"]
+    assert (link.role, link.parent_turn, link.tool_call_id) == ("subagent", "m1", "c_agent")
+    # Without a spawning tool's call it is another conversation, as before.
+    bash = conv("b1", 0, [facts("b1", 0, 1.0, [("c", "Bash")]), facts("b2", 1.0, 3.0), facts("b3", 3.0)])
+    assert structure.link([bash, conv("s1", 2, [facts("s1", 2)])])["s1"].role == "main"
+
+
+def test_a_summary_forked_from_the_conversation_links_the_compaction_to_the_turn_before_it():
+    """Claude Code 2.1.33x asks for a /compact summary in a fork of the conversation (a branch of
+    it), twice when the first reply lacks its tags: the parent is the conversation's newest turn
+    that is no summary, not the summary's own branch."""
+    summary = list(range(100, 140))
+    main = conv(
+        "m1",
+        0,
+        [
+            facts("m1", 0, 1.0),
+            facts("m2", 1.0, 2.0, extends="m1"),
+            facts("m3", 2.0, extends="m2"),  # the answer the conversation ended with
+            facts("sum1", 3.0, output=summary, extends="m2"),
+            facts("sum2", 4.0, output=summary, extends="m2"),
+        ],
+    )
+    carried = conv("c1", 5, [facts("c1", 5)], prompt=[1, 2, *summary, 3])
+    link = structure.link([main, carried])["c1"]
+    assert (link.role, link.parent_turn, link.summary_turn) == ("compaction", "m3", "sum2")
+    # A summary that extends the whole conversation is its own parent turn, as before.
+    chain = conv(
+        "m1",
+        0,
+        [
+            facts("m1", 0, 1.0),
+            facts("m2", 1.0, 2.0, extends="m1"),
+            facts("s", 2.0, output=summary, extends="m2"),
+        ],
+    )
+    assert structure.link([chain, carried])["c1"].parent_turn == "s"
