@@ -196,6 +196,13 @@ def m006_request_zstd(db: sqlite3.Connection) -> None:
     )
 
 
+def m007_logprobs_mode(db: sqlite3.Connection) -> None:
+    """What a turn's logprobs are of (`polar_mitm.backends.logprobs`): `sampling` (the distribution
+    the tokens were drawn from), `tempered` (after temperature, before top-k/top-p), `raw` (the
+    model's, before temperature) or `logits`; NULL for turns written before, or not sampled here."""
+    db.execute("ALTER TABLE turns ADD COLUMN logprobs_mode TEXT")
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
     m002_rollouts,
@@ -203,6 +210,7 @@ MIGRATIONS: list[Migration] = [
     m004_turns_seq,
     m005_request_delta,
     m006_request_zstd,
+    m007_logprobs_mode,
 ]
 
 
