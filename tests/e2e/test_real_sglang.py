@@ -21,7 +21,15 @@ import pytest
 
 from polar_mitm import procs
 from polar_mitm.store.reader import read_turns
-from tests.support.engines import HALF_TEMPERATURE_CLIENT, Exchange, RecordingHop, check_logprobs, sdk_python
+from tests.support.engines import (
+    CHAT_PROMPT,
+    HALF_TEMPERATURE_CLIENT,
+    Exchange,
+    RecordingHop,
+    check_logprobs,
+    recomputed_logprobs,
+    sdk_python,
+)
 from tests.support.harness import harness_env, polar_run, require_binary
 from tests.support.sglang import SGLangServer, make_tiny_model
 
@@ -178,6 +186,23 @@ def test_a_request_at_temperature_half_stores_the_tempered_distributions_logprob
     assert rc == 0 and report["tokens"] >= 3 and report["max_abs"] < 1e-4, report
     rc, report = check_logprobs(db, sglang_model_dir, "t-half", 1.0)
     assert rc != 0, report  # the raw distribution's logprobs are other numbers
+
+
+def test_logprobs_are_tempered_but_not_cut_by_top_k(sglang_server, sglang_model_dir):
+    """SGLang 0.5.23 at temperature 0.7 and top_k 5: each sampled token's logprob in the whole of
+    logits / 0.7 (transformers, within 1e-4), not in the top-5 distribution it was drawn from."""
+    params = {"max_new_tokens": 8, "temperature": 0.7, "top_k": 5, "ignore_eos": True}
+    status, reply = sglang_server.post(
+        "/generate", {"input_ids": CHAT_PROMPT, "sampling_params": params, "return_logprob": True}
+    )
+    assert status == 200, reply
+    ids = reply["output_ids"]
+    lps = [e[0] for e in reply["meta_info"]["output_token_logprobs"]]
+    assert len(ids) == 8
+    want = recomputed_logprobs(sglang_model_dir, CHAT_PROMPT, ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(lps, want, strict=True)) < 1e-4, (lps, want)
+    truncated = recomputed_logprobs(sglang_model_dir, CHAT_PROMPT, ids, 0.7, top_k=5)
+    assert max(abs(a - b) for a, b in zip(lps, truncated, strict=True)) > 1e-3
 
 
 def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qwen_tokenizer_dir):

@@ -12,6 +12,7 @@ treats them as its answer: the point is the path of the ids and logprobs, not wh
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import sqlite3
@@ -24,8 +25,17 @@ from pathlib import Path
 import pytest
 
 from polar_mitm import procs
+from polar_mitm.backends.sglang import SGLangClient
 from polar_mitm.store.reader import read_turns
-from tests.support.engines import HALF_TEMPERATURE_CLIENT, Exchange, RecordingHop, check_logprobs, sdk_python
+from tests.support.engines import (
+    CHAT_PROMPT,
+    HALF_TEMPERATURE_CLIENT,
+    Exchange,
+    RecordingHop,
+    check_logprobs,
+    recomputed_logprobs,
+    sdk_python,
+)
 from tests.support.harness import harness_env, polar_run, require_binary
 from tests.support.vllm import VLLMServer, make_tiny_model
 
@@ -216,6 +226,37 @@ def test_a_request_at_temperature_half_stores_the_tempered_distributions_logprob
     assert rc == 0 and report["tokens"] >= 3 and report["max_abs"] < 1e-4, report
     rc, report = check_logprobs(db, vllm_model_dir, "t-half", 1.0)
     assert rc != 0, report  # the raw distribution's logprobs are other numbers
+
+
+def test_processed_logprobs_are_those_of_the_top_k_distribution_at_its_temperature(
+    vllm_server, vllm_model_dir
+):
+    """vLLM's processed_logprobs at temperature 0.7 and top_k 5: each sampled token's logprob in
+    logits / 0.7 cut to its 5 best and renormalized (transformers, within 1e-4); at top_k 1 exactly
+    0, which is how polar-mitm tells the mode where /server_info is not served."""
+    body = {"prompt": CHAT_PROMPT, "max_tokens": 8, "temperature": 0.7, "top_k": 5, "logprobs": 0}
+    status, reply = vllm_server.post(
+        "/v1/completions", {**body, "return_token_ids": True, "ignore_eos": True}
+    )
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    assert len(ids) == 8
+    want = recomputed_logprobs(vllm_model_dir, CHAT_PROMPT, ids, 0.7, top_k=5)
+    assert max(abs(a - b) for a, b in zip(lps, want, strict=True)) < 1e-4, (lps, want)
+    untruncated = recomputed_logprobs(vllm_model_dir, CHAT_PROMPT, ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(lps, untruncated, strict=True)) > 1e-3
+    status, reply = vllm_server.post("/v1/completions", {**body, "top_k": 1, "max_tokens": 1})
+    assert status == 200 and reply["choices"][0]["logprobs"]["token_logprobs"] == [0.0], reply
+
+    async def mode() -> str | None:
+        client = SGLangClient(vllm_server.url, timeout=30, kind="vllm")
+        try:
+            return (await client.model_info()).logprobs_mode
+        finally:
+            await client.close()
+
+    assert asyncio.run(mode()) == "sampling"
 
 
 def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qwen_tokenizer_dir):

@@ -97,6 +97,29 @@ def check_logprobs(db: Path, model: Path, session: str, temperature: float) -> t
     return r.returncode, (json.loads(out[-1]) if out and r.returncode in (0, 1) else {"stderr": r.stderr})
 
 
+# A short chat prompt in the Qwen tokenizer's ids (user "Hello", then the assistant's header).
+CHAT_PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
+
+
+def recomputed_logprobs(
+    model_dir: Path, prompt: list[int], response: list[int], temperature: float, top_k: int | None = None
+) -> list[float]:
+    """transformers' logprob of each response token at `temperature`, and with `top_k` of the
+    distribution cut to its `top_k` most likely tokens and renormalized (what vLLM samples from)."""
+    import torch
+
+    from polar_mitm.fake.hf import load_causal_lm
+
+    ids = torch.tensor([prompt + response], dtype=torch.long)
+    with torch.no_grad():
+        logits = load_causal_lm(model_dir)(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp.gather(1, torch.tensor(response, dtype=torch.long)[:, None])[:, 0].tolist()
+
+
 def engine_python(venv: Path, stamp: str, how: str) -> Path:
     """`venv`'s python; skips the test where there is no venv (`how`: how to get one), fails where
     its build did not finish (a venv without install.sh's `stamp` is a broken one, not an absent one)."""
