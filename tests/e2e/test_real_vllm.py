@@ -37,7 +37,7 @@ from tests.support.engines import (
     sdk_python,
 )
 from tests.support.harness import harness_env, polar_run, require_binary
-from tests.support.vllm import VLLMServer, make_tiny_model
+from tests.support.vllm import VLLMServer, make_tiny_model, vllm_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines, pytest.mark.slow]
 
@@ -264,6 +264,7 @@ def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qw
     This one runs at vLLM's defaults (raw_logprobs, no development endpoints): polar-mitm finds the
     mode from one token sampled at top_k 1, says so at start, and records it in the turn."""
     require_binary("claude")
+    vllm_python()  # skip before building a model nothing will serve
     # A model that (nearly) never samples <|im_end|>: the kill lands while it is still writing.
     model = make_tiny_model(qwen_tokenizer_dir, tmp_path / "model-long", eos_share=1e-9)
     server = VLLMServer(model, tmp_path / "killed.log", dev_mode=False)
@@ -316,3 +317,54 @@ def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qw
     assert "policy backend" in rows[0][1], rows[0][1]
     assert rows[0][2] > 0, rows  # the tokens sampled before the kill are kept
     assert rows[0][3] == "raw", rows
+
+
+def test_vllm_stopped_before_its_first_token_fails_the_attempt_within_30_s(
+    tmp_path, vllm_model_dir, qwen_tokenizer_dir
+):
+    """Its own engine, SIGSTOPped (the whole group) the moment the first turn reaches it: at the
+    default settings polar-mitm's /health probes fail, and each turn fails with a retryable error
+    saying the engine is hung, `--engine-dead-after` (20 s) after it began."""
+    require_binary("claude")
+    server = VLLMServer(vllm_model_dir, tmp_path / "hung.log")
+    stopped: list[float] = []  # when the engine was stopped
+    try:
+        h = RecordingHop(server.url, paths=("/v1/completions",)).start()
+        done = threading.Event()
+
+        def stop_at_the_first_turn() -> None:
+            while not done.is_set():
+                if any(ex.request.get("prompt") != [0] for ex in h.exchanges):  # not the mode probe
+                    procs.signal_group(server.proc.pid, signal.SIGSTOP)
+                    stopped.append(time.monotonic())
+                    return
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=stop_at_the_first_turn, daemon=True)
+        watcher.start()
+        try:
+            r = run_harness(
+                tmp_path,
+                h.url,
+                qwen_tokenizer_dir,
+                "hung",
+                ["claude", "-p", "Say hello"],
+                env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt
+            )
+            ended = time.monotonic()
+        finally:
+            done.set()
+            watcher.join(10)
+            procs.signal_group(server.proc.pid, signal.SIGCONT)  # the hop's call to it can end now
+            h.stop()
+    finally:
+        procs.signal_group(server.proc.pid, signal.SIGCONT)
+        server.stop()
+    assert stopped, "no turn reached the engine"
+    out = r.stdout + r.stderr
+    assert "hung" in out, out[-3000:]
+    # Claude Code makes several calls (each a turn, one attempt each), one after the other: each
+    # fails within 30 s of reaching the stopped engine.
+    attempts = [ex for ex in h.exchanges if ex.request.get("prompt") != [0]]
+    took = ended - stopped[0]
+    assert took < 30 * len(attempts) + 10, (took, len(attempts))
