@@ -3,8 +3,9 @@
 the engine: what the store keeps is what vLLM said, bit for bit, streamed and whole; weights
 reloaded in place between two sessions show in the next session's logprobs, which transformers
 recomputes from the new weights; a request at temperature 0.5 stores the logprobs of the tempered
-distribution (the server runs `--logprobs-mode processed_logprobs`); an engine SIGKILLed mid-turn
-fails the turn clearly and stores what it sampled.
+distribution (the server runs `--logprobs-mode processed_logprobs`); an engine SIGSTOPped at a turn
+fails each attempt within 30 s, and one SIGKILLed mid-turn fails the turn clearly and stores what
+it sampled.
 
 The model is random, so a harness gets a few random tokens per call (`--max-tokens-cap`) and
 treats them as its answer: the point is the path of the ids and logprobs, not what they say.
@@ -259,34 +260,92 @@ def test_processed_logprobs_are_those_of_the_top_k_distribution_at_its_temperatu
     assert asyncio.run(mode()) == "sampling"
 
 
-def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qwen_tokenizer_dir):
-    """Its own engine (the session's stays up), SIGKILLed (the whole group) once a turn streams.
-    This one runs at vLLM's defaults (raw_logprobs, no development endpoints): polar-mitm finds the
-    mode from one token sampled at top_k 1, says so at start, and records it in the turn."""
-    require_binary("claude")
+@pytest.fixture(scope="module")
+def default_vllm(tmp_path_factory, qwen_tokenizer_dir):
+    """An engine of its own for the hang and kill tests (in that order: the kill ends it), at
+    vLLM's defaults (raw_logprobs, no development endpoints), serving a model that (nearly) never
+    samples <|im_end|>, so a kill lands while a reply is still being written."""
     vllm_python()  # skip before building a model nothing will serve
-    # A model that (nearly) never samples <|im_end|>: the kill lands while it is still writing.
-    model = make_tiny_model(qwen_tokenizer_dir, tmp_path / "model-long", eos_share=1e-9)
-    server = VLLMServer(model, tmp_path / "killed.log", dev_mode=False)
+    base = tmp_path_factory.mktemp("vllm-default")
+    model = make_tiny_model(qwen_tokenizer_dir, base / "model-long", eos_share=1e-9)
+    server = VLLMServer(model, base / "server.log", dev_mode=False)
+    yield server
+    procs.signal_group(server.proc.pid, signal.SIGCONT)
+    server.stop()
+
+
+def test_vllm_stopped_before_its_first_token_fails_the_attempt_within_30_s(
+    tmp_path, default_vllm, qwen_tokenizer_dir
+):
+    """vLLM SIGSTOPped (the whole group) the moment the first turn reaches it: at the
+    default settings polar-mitm's /health probes fail, and each turn fails with a retryable error
+    saying the engine is hung, `--engine-dead-after` (20 s) after it began."""
+    require_binary("claude")
+    server = default_vllm
+    stopped: list[float] = []  # when the engine was stopped
+    h = RecordingHop(server.url, paths=("/v1/completions",)).start()
+    done = threading.Event()
+
+    def stop_at_the_first_turn() -> None:
+        while not done.is_set():
+            if any(ex.request.get("prompt") != [0] for ex in h.exchanges):  # not the mode probe
+                procs.signal_group(server.proc.pid, signal.SIGSTOP)
+                stopped.append(time.monotonic())
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=stop_at_the_first_turn, daemon=True)
+    watcher.start()
     try:
-        h = RecordingHop(server.url, paths=("/v1/completions",)).start()
-        killed, done = threading.Event(), threading.Event()
+        r = run_harness(
+            tmp_path,
+            h.url,
+            qwen_tokenizer_dir,
+            "hung",
+            ["claude", "-p", "Say hello"],
+            env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt
+        )
+        ended = time.monotonic()
+    finally:
+        done.set()
+        watcher.join(10)
+        procs.signal_group(server.proc.pid, signal.SIGCONT)  # the hop's call to it can end now
+        h.stop()
+    assert stopped, "no turn reached the engine"
+    out = r.stdout + r.stderr
+    assert "hung" in out, out[-3000:]
+    # Claude Code makes several calls (each a turn, one attempt each), one after the other: each
+    # fails within 30 s of reaching the stopped engine.
+    attempts = [ex for ex in h.exchanges if ex.request.get("prompt") != [0]]
+    took = ended - stopped[0]
+    assert took < 30 * len(attempts) + 10, (took, len(attempts))
 
-        def kill_once_streaming() -> None:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and not done.is_set():
-                # Some tokens in (a chunk past the first, which only echoes the prompt), not done.
-                if any(
-                    ex.received > 2 * len(json.dumps(ex.request)) + 4000 and not ex.raw for ex in h.exchanges
-                ):
-                    procs.signal_group(server.proc.pid, signal.SIGKILL)
-                    killed.set()
-                    return
-                time.sleep(0.05)
 
-        watcher = threading.Thread(target=kill_once_streaming, daemon=True)
-        watcher.start()
-        started = time.monotonic()
+def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(
+    tmp_path, default_vllm, qwen_tokenizer_dir
+):
+    """vLLM SIGKILLed (the whole group) once a turn streams, at vLLM's defaults: polar-mitm finds
+    the logprobs mode from one token sampled at top_k 1, says so at start, and records it in the
+    turn."""
+    require_binary("claude")
+    server = default_vllm
+    h = RecordingHop(server.url, paths=("/v1/completions",)).start()
+    killed, done = threading.Event(), threading.Event()
+
+    def kill_once_streaming() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not done.is_set():
+            # Some tokens in (a chunk past the first, which only echoes the prompt), not done.
+            if any(ex.received > 2 * len(json.dumps(ex.request)) + 4000 and not ex.raw for ex in h.exchanges):
+                procs.signal_group(server.proc.pid, signal.SIGKILL)
+                killed.set()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_once_streaming, daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    try:
         r = run_harness(
             tmp_path,
             h.url,
@@ -300,11 +359,10 @@ def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qw
             env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt: the engine stays dead
         )
         elapsed = time.monotonic() - started
+    finally:
         done.set()
         watcher.join(10)
         h.stop()
-    finally:
-        server.stop()
     assert killed.is_set(), "no reply was streaming to kill"
     assert r.returncode != 0 or "error" in r.stderr.lower(), r.stderr
     assert elapsed < 120, elapsed
@@ -317,54 +375,3 @@ def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qw
     assert "policy backend" in rows[0][1], rows[0][1]
     assert rows[0][2] > 0, rows  # the tokens sampled before the kill are kept
     assert rows[0][3] == "raw", rows
-
-
-def test_vllm_stopped_before_its_first_token_fails_the_attempt_within_30_s(
-    tmp_path, vllm_model_dir, qwen_tokenizer_dir
-):
-    """Its own engine, SIGSTOPped (the whole group) the moment the first turn reaches it: at the
-    default settings polar-mitm's /health probes fail, and each turn fails with a retryable error
-    saying the engine is hung, `--engine-dead-after` (20 s) after it began."""
-    require_binary("claude")
-    server = VLLMServer(vllm_model_dir, tmp_path / "hung.log")
-    stopped: list[float] = []  # when the engine was stopped
-    try:
-        h = RecordingHop(server.url, paths=("/v1/completions",)).start()
-        done = threading.Event()
-
-        def stop_at_the_first_turn() -> None:
-            while not done.is_set():
-                if any(ex.request.get("prompt") != [0] for ex in h.exchanges):  # not the mode probe
-                    procs.signal_group(server.proc.pid, signal.SIGSTOP)
-                    stopped.append(time.monotonic())
-                    return
-                time.sleep(0.01)
-
-        watcher = threading.Thread(target=stop_at_the_first_turn, daemon=True)
-        watcher.start()
-        try:
-            r = run_harness(
-                tmp_path,
-                h.url,
-                qwen_tokenizer_dir,
-                "hung",
-                ["claude", "-p", "Say hello"],
-                env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt
-            )
-            ended = time.monotonic()
-        finally:
-            done.set()
-            watcher.join(10)
-            procs.signal_group(server.proc.pid, signal.SIGCONT)  # the hop's call to it can end now
-            h.stop()
-    finally:
-        procs.signal_group(server.proc.pid, signal.SIGCONT)
-        server.stop()
-    assert stopped, "no turn reached the engine"
-    out = r.stdout + r.stderr
-    assert "hung" in out, out[-3000:]
-    # Claude Code makes several calls (each a turn, one attempt each), one after the other: each
-    # fails within 30 s of reaching the stopped engine.
-    attempts = [ex for ex in h.exchanges if ex.request.get("prompt") != [0]]
-    took = ended - stopped[0]
-    assert took < 30 * len(attempts) + 10, (took, len(attempts))
