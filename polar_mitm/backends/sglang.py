@@ -29,8 +29,11 @@ import aiohttp
 from pydantic import BaseModel
 
 from polar_mitm import sse
+from polar_mitm.backends import logprobs
 from polar_mitm.neutral import ProviderError, Sampling
 
+# Seconds the one-token probe of vLLM's logprobs mode may take at least (see _vllm_logprobs_mode).
+PROBE_S = 60.0
 # The header SGLang's router (0.3.x, "SMG") reads for sticky routing under `--policy manual`.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
@@ -89,11 +92,13 @@ class ModelInfo(BaseModel):
     # Where the server info (context length, streaming mode) came from: "engine", "worker URL",
     # or "" when no engine said (then only the options say).
     server_info_from: str = ""
+    # What the engine's logprobs are of (`polar_mitm.backends.logprobs.MODES`); None: unknown.
+    logprobs_mode: str | None = None
 
     def describe(self) -> str:
         """One line naming the front, for the preflight."""
         if self.front == "vllm":
-            return "a vLLM engine"
+            return f"a vLLM engine (logprobs of the {self.logprobs_mode or 'unknown'} distribution)"
         if self.front == "router":
             where = f"; server info from worker {self.server_info_from}" if self.server_info_from else ""
             return f"an SGLang router with {len(self.workers)} worker(s){where}"
@@ -242,6 +247,8 @@ class SGLangClient:
                         info_from = worker
                         break
             info = await self._model_info(http, base)
+            if info.front != "vllm":
+                info.logprobs_mode = logprobs.SGLANG_MODE
             if workers:
                 info.front, info.workers = "router", workers
             info.server_info_from = info_from if server else ""
@@ -312,7 +319,35 @@ class SGLangClient:
             incremental_streaming_output=True,
             front="vllm",
             server_info_from="engine",
+            logprobs_mode=await self._vllm_logprobs_mode(http, base),
         )
+
+    async def _vllm_logprobs_mode(self, http: aiohttp.ClientSession, base: str) -> str | None:
+        """vLLM's `--logprobs-mode` in our words: from `/server_info` where it is served
+        (`VLLM_SERVER_DEV_MODE=1`), else from one sampled token at top_k 1, whose logprob is
+        exactly 0 in the sampling distribution (one token kept) and that token's share of the
+        model's distribution otherwise. None when neither tells. The token may be the engine's
+        first since it started, which takes seconds more than an info call (vLLM CPU warms up
+        then): it gets `PROBE_S` at least."""
+        server = await self._get_json(http, base, "/server_info?config_format=json", optional=True)
+        config = server.get("vllm_config")
+        model = config.get("model_config") if isinstance(config, dict) else None
+        named = model.get("logprobs_mode") if isinstance(model, dict) else None
+        if isinstance(named, str):
+            return logprobs.VLLM_MODES.get(named)
+        body = {"prompt": [0], "max_tokens": 1, "temperature": 1.0, "top_k": 1, "logprobs": 0}
+        timeout = aiohttp.ClientTimeout(
+            total=max(self.timeout, PROBE_S) if self.timeout else None, sock_connect=10
+        )
+        try:
+            async with http.post(
+                f"{base}/v1/completions", json=body, headers=self._auth, timeout=timeout
+            ) as r:
+                reply = await r.json(content_type=None) if r.status == 200 else {}
+            value = float(reply["choices"][0]["logprobs"]["token_logprobs"][0])
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            return None
+        return "sampling" if value == 0.0 else "raw" if value < 0.0 else None
 
     async def _get_json(
         self, http: aiohttp.ClientSession, base: str, path: str, *, optional: bool = False

@@ -242,6 +242,7 @@ def tiny_causal_lm(
     seed: int = 0,
     hidden: int = 32,
     layers: int = 2,
+    heads: int = 4,
     words: int = 256,
     eos_share: float = 0.15,
 ) -> Path:
@@ -251,7 +252,9 @@ def tiny_causal_lm(
     but shaped: one embedding dimension is a constant, so after the final norm one hidden unit is
     nearly constant and its lm_head column acts as a per-token bias: `words` ordinary tokens
     share the mass with `<|im_end|>` (`eos_share` of it at the first step), every other id gets
-    about e^-20 of it. The rest of the weights are random and every one gets gradients."""
+    about e^-20 of it. The rest of the weights are random and every one gets gradients.
+    `heads` attention heads (half as many key/value heads) of `hidden // heads` each: vLLM's CPU
+    attention needs 32 or more (hidden 64, 2 heads), SGLang's takes the default's 16."""
     torch = _torch()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -263,8 +266,8 @@ def tiny_causal_lm(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=65536,
         tie_word_embeddings=False,
         bos_token_id=None,

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from polar_mitm.backends import logprobs
 from polar_mitm.backends.sglang import ModelInfo, NoWorkers, SGLangClient
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import ProviderError
@@ -157,6 +158,21 @@ async def discover(
         await client.close()
 
 
+def _check_vllm_logprobs(mode: str | None, progress: Callable[[str], None]) -> None:
+    """vLLM's `--logprobs-mode`: logits are refused, the raw distribution's logprobs said once."""
+    if mode == "logits":
+        raise PreflightError(
+            "the vLLM engine reports logits, not logprobs (--logprobs-mode raw_logits or processed_logits): "
+            f"restart it with {logprobs.VLLM_FLAG}"
+        )
+    if mode == "raw":
+        progress(
+            "vLLM reports the model's logprobs before temperature and top-k/top-p (--logprobs-mode "
+            "raw_logprobs, its default): a turn sampled at another temperature or with top-p stores "
+            f"another distribution's logprobs (recorded per turn); restart it with {logprobs.VLLM_FLAG}"
+        )
+
+
 async def check_policy(
     config: PolicyConfig, *, timeout: float = 5.0, progress: Callable[[str], None] = _say
 ) -> ModelInfo:
@@ -179,6 +195,8 @@ async def check_policy(
         progress(f"{len(urls)} engines (--backend given {len(urls)} times); {info.describe()} at {urls[0]}")
     elif info.front != "sglang":  # a router, or vLLM
         progress(f"{urls[0]} is {info.describe()}")
+    if info.front == "vllm" and config.backend_mode != "chat":
+        _check_vllm_logprobs(info.logprobs_mode, progress)
     if info.context_length is None and config.context_length is None and config.backend_mode != "chat":
         progress("the backend reports no context length; pass --context-length to bound the prompts")
     if config.tokenizer:

@@ -123,6 +123,18 @@ class Discovery:
                 raise
             return None
 
+    async def logprobs_mode(self, ask: bool = True) -> str | None:
+        """What the engine's logprobs are of (`polar_mitm.backends.logprobs`); None: unknown.
+        Without `ask`, only what is known already (chat mode asks the engine for nothing else)."""
+        if not ask:
+            return self._info.logprobs_mode if self._info is not None else None
+        try:
+            return (await self.model_info()).logprobs_mode
+        except ProviderError as e:
+            if _unanswered(e):
+                raise
+            return None
+
     async def backend_streaming(self) -> tuple[bool, bool | None]:
         """(whether to stream from the backend, whether its chunks are cumulative; None: unknown),
         from `backend_stream` and what the server reports."""

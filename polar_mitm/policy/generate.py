@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard, TypeVar
 
+from polar_mitm.backends import logprobs
 from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
 from polar_mitm.backends.engines import Engine, EnginePool
 from polar_mitm.backends.parsers import OutputParser, new_call_id
@@ -122,6 +123,7 @@ class _RenderTurn:
     key: str
     engine: Engine
     gen: GenerateStream
+    logprobs_mode: str | None = None  # what the engine's logprobs are of (backends/logprobs.py)
     started: bool = False  # the harness was sent Started
     error: str | None = None  # why the turn failed, once it did
     committed: bool = False  # its record is in the store
@@ -148,6 +150,7 @@ class _RenderTurn:
             error=self.error,
             started=self.t0,
             finish_reason=finish_reason,
+            logprobs_mode=self.logprobs_mode,
         )
 
 
@@ -171,6 +174,24 @@ class Generation:
         self.discovery = discovery
         self.prompts = prompts
         self.gate = gate
+        self._warned: set[str] = set()  # logprob mismatches already logged
+
+    async def logprobs_mode(self, req: ChatRequest, ask: bool = True) -> str | None:
+        """What the engine's logprobs of this turn are of (stored with the turn); says once per
+        reason, loudly, when they are not the distribution the turn samples from."""
+        mode = await self.discovery.logprobs_mode(ask)
+        why = logprobs.mismatch(mode, req.sampling)
+        if why is not None and why.split(",")[0] not in self._warned:
+            self._warned.add(why.split(",")[0])
+            fix = f" (start vLLM with {logprobs.VLLM_FLAG})" if mode == "raw" else ""
+            log.warning(
+                "stored logprobs (%s) are not those of the distribution the tokens were sampled from: %s%s; "
+                "a trainer's importance ratios from them are off",
+                mode,
+                why,
+                fix,
+            )
+        return mode
 
     # -- waiting on the engine -------------------------------------------------------------------
 
@@ -313,6 +334,7 @@ class Generation:
             # Harnesses ask for their provider's limits (Claude Code: 32k-64k); fit the policy's.
             max_tokens = min(max_tokens, context - len(prompt_ids))
         vllm = await self.discovery.engine_kind() == "vllm"
+        lp_mode = await self.logprobs_mode(req)
         params = (vllm_params if vllm else sampling_params)(
             req.sampling.model_copy(update={"max_tokens": max_tokens}),
             default_max_tokens=self.config.default_max_tokens,
@@ -345,6 +367,7 @@ class Generation:
             key=key,
             engine=engine,
             gen=gen,
+            logprobs_mode=lp_mode,
         )
 
     async def _run(self, turn: _RenderTurn) -> AsyncGenerator[Event, None]:
@@ -426,6 +449,7 @@ class Generation:
         max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
         if self.config.max_tokens_cap:
             max_tokens = min(max_tokens, self.config.max_tokens_cap)
+        lp_mode = await self.logprobs_mode(req, ask=False)
         gated = False
         async for ev in self.gate.through(turn_id, 0):
             gated = True
@@ -498,6 +522,7 @@ class Generation:
             error=aborted.message if aborted else None,
             started=t0,
             finish_reason="abort" if aborted else None,
+            logprobs_mode=lp_mode,
         )
         await asyncio.shield(self.store.insert_turn(rec))
         if aborted is not None:

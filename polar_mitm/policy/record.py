@@ -56,6 +56,7 @@ def turn_record(
     error: str | None,
     started: float,
     finish_reason: str | None = None,
+    logprobs_mode: str | None = None,
 ) -> Turn:
     """The stored form of one generation; post_hash lets a later echo of the reply find it.
 
@@ -79,6 +80,7 @@ def turn_record(
         output_ids=output_ids,
         output_logprobs=output_logprobs,
         weight_version=None if weight_version is None else str(weight_version),
+        logprobs_mode=logprobs_mode,
         msg_hash=msg_hash,
         post_hash=extend_hash(msg_hash, completion.as_message()) if completion else None,
         request=ctx.raw_request,

@@ -207,6 +207,13 @@ def m007_service_rows_zstd(db: sqlite3.Connection) -> None:
     )
 
 
+def m008_logprobs_mode(db: sqlite3.Connection) -> None:
+    """What a turn's logprobs are of (`polar_mitm.backends.logprobs`): `sampling` (the distribution
+    the tokens were drawn from), `tempered` (after temperature, before top-k/top-p), `raw` (the
+    model's, before temperature) or `logits`; NULL for turns written before, or not sampled here."""
+    db.execute("ALTER TABLE turns ADD COLUMN logprobs_mode TEXT")
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
     m002_rollouts,
@@ -215,6 +222,7 @@ MIGRATIONS: list[Migration] = [
     m005_request_delta,
     m006_request_zstd,
     m007_service_rows_zstd,
+    m008_logprobs_mode,
 ]
 
 

@@ -93,7 +93,7 @@ def read_turns(
     sql = (
         "SELECT t.id, t.session_id, t.seq, t.created_at, t.style, t.model, t.tag, t.status, t.finish_reason,"
         " t.prompt_ref, t.prompt_ref_len, t.prompt_suffix, t.output_ids, t.output_logprobs, t.weight_version,"
-        f" s.task_id{raw_cols} FROM turns t JOIN sessions s ON s.id = t.session_id"
+        f" t.logprobs_mode, s.task_id{raw_cols} FROM turns t JOIN sessions s ON s.id = t.session_id"
         + (" WHERE " + " AND ".join(where) if where else "")
         + " ORDER BY t.seq"
     )
@@ -116,7 +116,8 @@ def read_turns(
                 out,
                 lps,
                 wv,
-            ) = row[:15]
+                lp_mode,
+            ) = row[:16]
             prompt = ids_of(suffix)
             if ref:
                 base = cache.get(ref)
@@ -142,10 +143,11 @@ def read_turns(
                 prompt_ref=ref,
                 prompt_ref_len=ref_len,
                 weight_version=wv,
-                task_id=row[15],
-                request=requests.text(tid, *row[19:]) if with_raw else None,
-                request_headers=requests.headers(tid, row[17], row[18]) if with_raw else {},
-                response=row[16] if with_raw else None,
+                logprobs_mode=lp_mode,
+                task_id=row[16],
+                request=requests.text(tid, *row[20:]) if with_raw else None,
+                request_headers=requests.headers(tid, row[18], row[19]) if with_raw else {},
+                response=row[17] if with_raw else None,
             )
     finally:
         db.close()

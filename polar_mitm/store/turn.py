@@ -34,6 +34,9 @@ class Turn(BaseModel):
     output_ids: list[int] = Field(default_factory=list)
     output_logprobs: list[float] = Field(default_factory=list)
     weight_version: str | None = None
+    # What the engine's logprobs are of (`polar_mitm.backends.logprobs.MODES`: sampling, tempered,
+    # raw, logits); None: unknown, or not sampled here (harvested).
+    logprobs_mode: str | None = None
     msg_hash: str | None = None
     post_hash: str | None = None
     request: str | None = None

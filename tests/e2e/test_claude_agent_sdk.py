@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from polar_mitm.harness.install import cache_dir
+from polar_mitm.cache import cache_dir
 from polar_mitm.store.reader import read_turns
 from tests.support.harness import POLAR, assert_turns_match_backend, harness_env, main_turns, polar_run
 

