@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from polar_mitm import recipes  # noqa: E402
-from polar_mitm.harness.install import cache_dir  # noqa: E402
+from polar_mitm.cache import cache_dir  # noqa: E402
 
 
 @dataclass

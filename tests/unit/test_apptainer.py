@@ -102,8 +102,11 @@ async def test_prepare_resolves_paths_and_refuses_a_missing_sif(tmp_path, monkey
         "c": "docker://ubuntu:24.04",
         "d": "oras://ghcr.io/o/i:1",
     }
-    with pytest.raises(SandboxError, match="needs Docker"):
+    with pytest.raises(SandboxError, match="does not exist"):
         await rt.prepare(Task(id="e", instruction="x", dockerfile=tmp_path / "Dockerfile"))
+    (tmp_path / "Dockerfile").write_text("FROM a AS build\nFROM b\n")  # no Docker: translated, or refused
+    with pytest.raises(SandboxError, match="several stages cannot be built without Docker"):
+        await rt.prepare(Task(id="f", instruction="x", dockerfile=tmp_path / "Dockerfile"))
 
 
 def test_sandbox_ca_points_into_ca_dir_without_the_key(tmp_path):
