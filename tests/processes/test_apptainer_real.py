@@ -70,8 +70,7 @@ def where(request, apptainer_binary, docker_client, tmp_path):
     base = Path(tempfile.mkdtemp(prefix="polar-rootless-", dir="/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
     base.chmod(0o755)
-    sif = asyncio.run(_converted(apptainer_binary))
-    shutil.copy(sif, base / "image.sif")
+    os.link(rootless_image(apptainer_binary), base / "image.sif")
     wrapper = base / "apptainer-as-user"
     # The runtime runs as root in this process and Apptainer as the user, so the directories the
     # runtime makes are handed to the user before each call (a rootless user runs both as itself).
@@ -84,6 +83,19 @@ def where(request, apptainer_binary, docker_client, tmp_path):
     rt = ApptainerRuntime(binary=str(wrapper), registry_dir=base / "registry", host_root=False)
     task = TASK.model_copy(update={"image": str(base / "image.sif")})
     return Where(rt, base, task, str(ROOTLESS_UID), True)
+
+
+def rootless_image(binary: str) -> Path:
+    """The test image's SIF where the rootless user can read it (copied once, then linked)."""
+    shared = Path("/tmp/polar-rootless-images")
+    shared.mkdir(mode=0o755, exist_ok=True)
+    sif = Path(asyncio.run(_converted(binary)))
+    out = shared / sif.name
+    if not out.exists() or out.stat().st_size != sif.stat().st_size:
+        shutil.copy(sif, out.with_suffix(".part"))
+        os.replace(out.with_suffix(".part"), out)
+        out.chmod(0o644)
+    return out
 
 
 async def _converted(binary: str) -> str:
