@@ -308,7 +308,8 @@ class RecordingHop:
         self._http = ClientSession(timeout=ClientTimeout(total=None))
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app)
+        # A short shutdown: a handler still reading from a killed engine must not hold `stop`.
+        self._runner = web.AppRunner(app, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
