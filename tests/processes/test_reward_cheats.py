@@ -305,7 +305,7 @@ def swebench_image(tmp_path, docker_client):
 
 
 async def test_swebench_conftest_cheat_gets_nothing_and_a_fix_full_reward(
-    make_stack, tmp_path, swebench_image, docker_client
+    make_stack, tmp_path, swebench_image, docker_client, runtime
 ):
     test_cmd = "python3 -m pytest -rA -p no:cacheprovider tests/test_calc.py"
     common = {
@@ -320,7 +320,7 @@ async def test_swebench_conftest_cheat_gets_nothing_and_a_fix_full_reward(
     jsonl = tmp_path / "swe.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     stack = await make_stack()
-    got = await rollout(stack, load_tasks([jsonl]), tmp_path, docker_client)
+    got = await rollout(stack, load_tasks([jsonl]), tmp_path, docker_client, runtime)
     assert {t: (st, r) for t, (st, r, _) in got.items()} == {
         "cheat-conftest": ("completed", 0.0),
         "honest-fix": ("completed", 1.0),
@@ -381,7 +381,7 @@ def internet(docker_client):
 
 
 async def test_a_verifier_that_fetches_its_tools_scores_its_real_result(
-    make_stack, tmp_path, docker_client, internet
+    make_stack, tmp_path, docker_client, internet, runtime
 ):
     """The task allows the internet, so its verifier gets it too, through a channel of its own
     and the agent's egress rules (never this machine, never the model): its test.sh downloads its
@@ -399,7 +399,7 @@ async def test_a_verifier_that_fetches_its_tools_scores_its_real_result(
             f'[environment]\ndocker_image = "{TEST_IMAGE}"\nnetwork_mode = "{mode}"\n'
         )
         (d / "tests" / "test.sh").write_text(FETCHING_TEST.format(server=internet, backend=backend))
-    got = await rollout(stack, load_tasks([root]), tmp_path, docker_client)
+    got = await rollout(stack, load_tasks([root]), tmp_path, docker_client, runtime)
     assert {t: (st, r) for t, (st, r, _) in got.items()} == {
         "online-solved": ("completed", 1.0),
         "online-unsolved": ("completed", 0.0),
