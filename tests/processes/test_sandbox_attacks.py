@@ -159,10 +159,14 @@ def turns_by_session(db: str) -> dict[str, int]:
     return dict(con.execute("SELECT session_id, COUNT(*) FROM turns GROUP BY session_id").fetchall())
 
 
-async def run_probe(stack, tmp_path, mode: str, *, image: str = IMAGE, env=None, watch=None, **task_kw):
-    """One sample of a task whose harness is the probe, through the real pipeline and runtime."""
+async def run_probe(
+    stack, tmp_path, mode: str, *, image: str = IMAGE, env=None, watch=None, runtime=None, **task_kw
+):
+    """One sample of a task whose harness is the probe, through the real pipeline and runtime
+    (Docker unless given)."""
     from polar_mitm.sandbox.docker import DockerRuntime
 
+    runtime = runtime or DockerRuntime()
     task = Task(
         id=f"probe-{mode}",
         instruction="probe",
@@ -173,20 +177,32 @@ async def run_probe(stack, tmp_path, mode: str, *, image: str = IMAGE, env=None,
     opts = RolloutOptions(
         harness="claude-code",
         harness_cmd=["python3", "-c", PROBE, mode, "{instruction}"],
-        runtime="docker",
+        runtime=runtime.name,
         env=env or {},
         keep_workdirs=True,
         retries=0,
     )
     work = tmp_path / "work"
-    p = Pipeline(opts, stack.proxy, DockerRuntime(), work_dir=work, on_change=watch)
+    p = Pipeline(opts, stack.proxy, runtime, work_dir=work, on_change=watch)
     result = await p.run([task])
     [sample] = result.samples
     return p, sample, work
 
 
+@pytest.fixture(params=["docker", "apptainer"])
+def probe_runtime(request, docker_client, tmp_path):
+    """The probe's sandbox: Docker, and Apptainer (the real binary, as root)."""
+    from polar_mitm.sandbox.docker import DockerRuntime
+
+    if request.param == "docker":
+        return DockerRuntime()
+    from polar_mitm.sandbox.apptainer import ApptainerRuntime
+
+    return ApptainerRuntime(binary=request.getfixturevalue("apptainer_binary"), registry_dir=tmp_path / "reg")
+
+
 @pytest.mark.docker
-async def test_a_sandbox_reaches_its_model_and_nothing_else(make_stack, tmp_path, docker_client):
+async def test_a_sandbox_reaches_its_model_and_nothing_else(make_stack, tmp_path, probe_runtime):
     from polar_mitm.service.server import RolloutServer
 
     stack = await make_stack(token="rollout-token")
@@ -203,7 +219,7 @@ async def test_a_sandbox_reaches_its_model_and_nothing_else(make_stack, tmp_path
             "PROBE_PROXY": str(stack.proxy.port),
             "PROBE_VICTIM": VICTIM,
         }
-        _, sample, work = await run_probe(stack, tmp_path, "network", env=env)
+        _, sample, work = await run_probe(stack, tmp_path, "network", env=env, runtime=probe_runtime)
     finally:
         server.close()
         await service.stop()
