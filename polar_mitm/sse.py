@@ -1,6 +1,6 @@
 """Server-sent events: the one writer every API style renders with, and the one reader: `parse`
 for a whole recorded body (harvest mode, the tests), `Reader` for a stream as it arrives (the
-SGLang client's reply stream, the viewer's live feed of the service's events).
+engine client's reply stream, the viewer's live feed of the service's events).
 
 Styles differ only in whether an event names itself (`event:` lines: Anthropic, Responses) and
 in the line ending (Google ends events with CRLF CRLF); both are arguments here.

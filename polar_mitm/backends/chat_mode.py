@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from polar_mitm.neutral import ChatRequest, ProviderError, ToolCall
+from polar_mitm.neutral import ChatRequest, FinishReason, ProviderError, ToolCall
 
 
 class ChatResult(BaseModel):
@@ -25,7 +25,7 @@ class ChatResult(BaseModel):
     text: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
-    finish_reason: str = "stop"
+    finish_reason: FinishReason = "stop"
     stop_sequence: str | None = None
     weight_version: str | None = None
     cached_tokens: int = 0

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from polar_mitm.backends.sglang import ids_json
+from polar_mitm.backends.engine_api import ids_json
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import Message, Tool
 

@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from polar_mitm.backends import logprobs
-from polar_mitm.backends.sglang import ModelInfo, NoWorkers, SGLangClient
+from polar_mitm.backends.engine_api import ModelInfo, NoWorkers
+from polar_mitm.backends.engine_client import EngineClient
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import ProviderError
 from polar_mitm.policy import PolicyConfig
@@ -126,10 +127,10 @@ async def discover(
     timeout: float,
     progress: Callable[[str], None] = _say,
 ) -> ModelInfo:
-    """The model info of the front at `urls[0]` (`SGLangClient.model_info`: an engine, or a
+    """The model info of the front at `urls[0]` (`EngineClient.model_info`: an engine, or a
     router and one of its workers), waiting up to `config.backend_wait` seconds, with one line
     of progress, while a router has no worker yet."""
-    client = SGLangClient(urls[0], timeout=timeout, api_key=config.backend_api_key, kind=config.backend_kind)
+    client = EngineClient(urls[0], timeout=timeout, api_key=config.backend_api_key, kind=config.backend_kind)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.backend_wait
     told = False

@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from polar_mitm import retry
+from polar_mitm.backends.engine_api import EngineTimeout, EngineUnreachable, ModelInfo, NoWorkers
+from polar_mitm.backends.engine_client import EngineClient
 from polar_mitm.backends.engines import EnginePool
 from polar_mitm.backends.large_inputs import pooled
 from polar_mitm.backends.parsers import check_reasoning_parser, check_tool_parser
-from polar_mitm.backends.sglang import EngineTimeout, EngineUnreachable, ModelInfo, NoWorkers, SGLangClient
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import ProviderError
 from polar_mitm.policy.config import PolicyConfig
@@ -39,7 +40,7 @@ class Discovery:
     """The engines' model info, tokenizer and parsers, each asked for once and kept."""
 
     def __init__(
-        self, config: PolicyConfig, client: SGLangClient, engines: EnginePool, info: ModelInfo | None = None
+        self, config: PolicyConfig, client: EngineClient, engines: EnginePool, info: ModelInfo | None = None
     ):
         self.config = config
         self.client = client

@@ -10,8 +10,9 @@ import logging
 import weakref
 from collections.abc import AsyncGenerator
 
+from polar_mitm.backends.engine_api import ModelInfo
+from polar_mitm.backends.engine_client import EngineClient
 from polar_mitm.backends.engines import EnginePool
-from polar_mitm.backends.sglang import ModelInfo, SGLangClient
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import ChatRequest, Completion, Done, Event, ProviderError
 from polar_mitm.policy.config import PolicyConfig, TurnContext
@@ -37,7 +38,7 @@ class Policy:
         # Info requests (/model_info …) are small: an engine that does not answer one within its
         # liveness budget is as dead as one that fails its probes (without probing, the idle limit).
         urls = config.backend_urls or [config.backend_url]
-        self.client = SGLangClient(
+        self.client = EngineClient(
             urls[0],
             timeout=config.engine_dead_after or config.idle_timeout,
             timeout_option="--engine-dead-after" if config.engine_dead_after else "--idle-timeout",

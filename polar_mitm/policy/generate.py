@@ -17,22 +17,15 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 from polar_mitm.backends import logprobs
 from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
+from polar_mitm.backends.engine_api import EngineUnreachable, GenerateState, ids_json
+from polar_mitm.backends.engine_client import APIS, EngineClient, GenerateStream
 from polar_mitm.backends.engines import Engine, EnginePool
 from polar_mitm.backends.parsers import OutputParser, new_call_id
 from polar_mitm.backends.render import PromptIds
-from polar_mitm.backends.sglang import (
-    EngineUnreachable,
-    GenerateState,
-    GenerateStream,
-    SGLangClient,
-    ids_json,
-    sampling_params,
-    vllm_params,
-)
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import (
     ChatRequest,
@@ -45,14 +38,13 @@ from polar_mitm.neutral import (
     Started,
     TextDelta,
     ToolCallEvent,
-    Usage,
     new_turn_id,
 )
 from polar_mitm.policy.config import PolicyConfig, TurnContext
 from polar_mitm.policy.discovery import Discovery
 from polar_mitm.policy.gate import WeightGate
 from polar_mitm.policy.prompt import Prompts, join_ids
-from polar_mitm.policy.record import reasoning_token_count, turn_record
+from polar_mitm.policy.record import build_completion, reasoning_token_count, turn_record
 from polar_mitm.store.turn import Turn
 from polar_mitm.store.writer import Store
 
@@ -93,14 +85,13 @@ def _chat_abort(data: Any) -> dict[str, Any] | None:
     return {"type": "abort"} if choice.get("finish_reason") == "abort" else None
 
 
-def _finish(chunk: GenerateState | None, has_tool_calls: bool) -> tuple[str, str | None]:
+def _finish(chunk: GenerateState | None) -> tuple[Literal["stop", "length"], str | None]:
+    """(the finish, the stop string that matched) of a render-mode reply."""
     fr = (chunk.finish_reason if chunk else None) or {}
-    kind = fr.get("type")
-    if kind == "length":
+    if fr.get("type") == "length":
         return "length", None
     matched = fr.get("matched")
-    stop_seq = matched if isinstance(matched, str) else None
-    return ("tool_calls" if has_tool_calls else "stop"), stop_seq
+    return "stop", matched if isinstance(matched, str) else None
 
 
 @dataclass(eq=False)
@@ -161,7 +152,7 @@ class Generation:
         self,
         config: PolicyConfig,
         store: Store,
-        client: SGLangClient,
+        client: EngineClient,
         engines: EnginePool,
         discovery: Discovery,
         prompts: Prompts,
@@ -333,9 +324,9 @@ class Generation:
                 )
             # Harnesses ask for their provider's limits (Claude Code: 32k-64k); fit the policy's.
             max_tokens = min(max_tokens, context - len(prompt_ids))
-        vllm = await self.discovery.engine_kind() == "vllm"
+        api = APIS[await self.discovery.engine_kind()]
         lp_mode = await self.logprobs_mode(req)
-        params = (vllm_params if vllm else sampling_params)(
+        params = api.sampling_params(
             req.sampling.model_copy(update={"max_tokens": max_tokens}),
             default_max_tokens=self.config.default_max_tokens,
         )
@@ -345,12 +336,9 @@ class Generation:
             prompt_ids = prompt_ids[:]  # a plain list: array() and others take their fast path
         key = self.prompts.routing_key(req, ctx.session_id, hashes, ref)
         engine = self.engines.pick(key)
-        if vllm:
-            gen = self.client.complete_ids(sent_ids, params, stream=streamed, url=engine.url, routing_key=key)
-        else:
-            gen = self.client.generate(
-                sent_ids, params, stream=streamed, cumulative=cumulative, url=engine.url, routing_key=key
-            )
+        gen = self.client.generate(
+            api, sent_ids, params, stream=streamed, cumulative=cumulative, url=engine.url, routing_key=key
+        )
         return _RenderTurn(
             req=req,
             ctx=ctx,
@@ -412,22 +400,20 @@ class Generation:
         """The finished turn's completion, stored; the conversation's routing key and sent ids
         kept for its next turn."""
         state, parser = turn.state, turn.parser
-        finish, stop_seq = _finish(state if state.chunks else None, bool(parser.tool_calls))
-        completion = Completion(
-            turn_id=turn.turn_id,
-            model=turn.req.model,
+        finish, stop_seq = _finish(state if state.chunks else None)
+        completion = build_completion(
+            turn.turn_id,
+            turn.req,
             text=parser.text,
             reasoning=parser.reasoning,
             tool_calls=parser.tool_calls,
             finish_reason=finish,
             stop_sequence=stop_seq,
-            usage=Usage(
-                prompt_tokens=len(turn.prompt_ids),
-                completion_tokens=len(state.output_ids),
-                cached_tokens=state.cached_tokens or 0,
-                reasoning_tokens=reasoning_token_count(
-                    turn.tok, state.output_ids, turn.reasoning_parser, bool(parser.reasoning)
-                ),
+            prompt_tokens=len(turn.prompt_ids),
+            output_ids=state.output_ids,
+            cached_tokens=state.cached_tokens or 0,
+            reasoning_tokens=reasoning_token_count(
+                turn.tok, state.output_ids, turn.reasoning_parser, bool(parser.reasoning)
             ),
         )
         await asyncio.shield(self.store.insert_turn(turn.record("ok", completion)))
@@ -491,20 +477,18 @@ class Generation:
             await self.prompts.extends(result.prompt_ids, echo[0]) if echo is not None else (None, 0)
         )
         calls = [c.model_copy(update={"id": new_call_id(ctx.id_prefix)}) for c in result.tool_calls]
-        completion = Completion(
-            turn_id=turn_id,
-            model=req.model,
+        completion = build_completion(
+            turn_id,
+            req,
             text=result.text,
             reasoning=result.reasoning,
             tool_calls=calls,
-            finish_reason="tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason,
+            finish_reason=result.finish_reason,
             stop_sequence=result.stop_sequence,
-            usage=Usage(
-                prompt_tokens=len(result.prompt_ids),
-                completion_tokens=len(result.output_ids),
-                cached_tokens=result.cached_tokens,
-                reasoning_tokens=result.reasoning_tokens,
-            ),
+            prompt_tokens=len(result.prompt_ids),
+            output_ids=result.output_ids,
+            cached_tokens=result.cached_tokens,
+            reasoning_tokens=result.reasoning_tokens,
         )
         rec = turn_record(
             turn_id,

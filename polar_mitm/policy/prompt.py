@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
+from polar_mitm.backends.engine_api import ids_json
 from polar_mitm.backends.render import (
     PrefixCache,
     PromptIds,
@@ -21,7 +22,6 @@ from polar_mitm.backends.render import (
     render_continuation,
     render_full,
 )
-from polar_mitm.backends.sglang import ids_json
 from polar_mitm.neutral import ChatRequest
 from polar_mitm.policy.config import PolicyConfig
 from polar_mitm.policy.discovery import Discovery

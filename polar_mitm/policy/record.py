@@ -1,4 +1,6 @@
-"""The stored form of one generation (`Turn`), and the counts a completion reports about it."""
+"""What one finished generation is: the completion it reports (`build_completion`, the one builder of
+both backend modes, so their usage cannot drift apart), the counts in it, and its stored form
+(`Turn`)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,42 @@ from collections.abc import Sequence
 from polar_mitm.backends.parsers import REASONING_FORMATS
 from polar_mitm.backends.render import extend_hash
 from polar_mitm.backends.tokenizer import Tokenizer
-from polar_mitm.neutral import ChatRequest, Completion
+from polar_mitm.neutral import ChatRequest, Completion, FinishReason, ToolCall, Usage
 from polar_mitm.policy.config import TurnContext
 from polar_mitm.store.turn import Turn
+
+
+def build_completion(
+    turn_id: str,
+    req: ChatRequest,
+    *,
+    text: str,
+    reasoning: str,
+    tool_calls: list[ToolCall],
+    finish_reason: FinishReason,
+    stop_sequence: str | None,
+    prompt_tokens: int,
+    output_ids: Sequence[int],
+    cached_tokens: int,
+    reasoning_tokens: int,
+) -> Completion:
+    """A finished turn's completion, in either mode: its parsed output, its finish (a stop with
+    tool calls ends for the tool calls), and its usage with every count."""
+    return Completion(
+        turn_id=turn_id,
+        model=req.model,
+        text=text,
+        reasoning=reasoning,
+        tool_calls=tool_calls,
+        finish_reason="tool_calls" if tool_calls and finish_reason == "stop" else finish_reason,
+        stop_sequence=stop_sequence,
+        usage=Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(output_ids),
+            cached_tokens=cached_tokens,
+            reasoning_tokens=reasoning_tokens,
+        ),
+    )
 
 
 def reasoning_token_count(

@@ -20,7 +20,7 @@ from mitmproxy.master import Master
 from pydantic import BaseModel, Field
 
 from polar_mitm import providers, recipes
-from polar_mitm.backends.sglang import ModelInfo
+from polar_mitm.backends.engine_api import ModelInfo
 from polar_mitm.policy import Policy, PolicyConfig
 from polar_mitm.proxy.addons.egress import Egress
 from polar_mitm.proxy.addons.handoff import Handoff, provider_tls

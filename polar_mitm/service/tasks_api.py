@@ -20,6 +20,7 @@ from aiohttp import web
 from polar_mitm import api as m
 from polar_mitm import auth
 from polar_mitm.outcomes import TRAINABLE
+from polar_mitm.recipes import all_recipes
 from polar_mitm.reconstruct.groups import advantages
 from polar_mitm.service import http
 from polar_mitm.service.callbacks import Callbacks
@@ -36,6 +37,17 @@ def _without_content(e: TaskFileError) -> str:
     """A task file's problems without the values it holds (an error must not quote a file)."""
     problems = [p.splitlines()[0].split(", got ", 1)[0][:200] for p in e.problem.split("; ") if p.strip()]
     return "; ".join(problems)
+
+
+def _known_harness(name: str) -> None:
+    """A harness the server's recipes know (the nodes run this package's recipes), else a 422
+    that names the known ones: the server decides, so a client of another version can submit."""
+    known = all_recipes()
+    if name not in known:
+        message = f"unknown harness {name[:80]!r}; known: {', '.join(sorted(known))}"
+        raise ApiError(
+            422, "invalid_request", f"harness: {message}", fields=[{"field": "harness", "message": message}]
+        )
 
 
 class Tasks:
@@ -111,6 +123,7 @@ class Tasks:
             self._check_host_paths(req.task, "task")
 
     def _resolve(self, req: m.TaskRequest) -> Task:
+        _known_harness(req.harness)
         self._allowed(req)
         if req.task is not None:
             task = req.task

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm import procs
-from polar_mitm.backends.sglang import SGLangClient
+from polar_mitm.backends.engine_client import EngineClient
 from polar_mitm.store.reader import read_turns
 from tests.support.engines import (
     CHAT_PROMPT,
@@ -251,7 +251,7 @@ def test_processed_logprobs_are_those_of_the_top_k_distribution_at_its_temperatu
     assert status == 200 and reply["choices"][0]["logprobs"]["token_logprobs"] == [0.0], reply
 
     async def mode() -> str | None:
-        client = SGLangClient(vllm_server.url, timeout=30, kind="vllm")
+        client = EngineClient(vllm_server.url, timeout=30, kind="vllm")
         try:
             return (await client.model_info()).logprobs_mode
         finally:

@@ -10,7 +10,9 @@ import httpx
 import pytest
 from aiohttp import web
 
-from polar_mitm.backends.sglang import GenerateState, SGLangClient, _apply_chunk, generate_body, ids_json
+from polar_mitm.backends import sglang
+from polar_mitm.backends.engine_api import GenerateState, ids_json
+from polar_mitm.backends.engine_client import EngineClient
 from polar_mitm.store.reader import read_turns
 from tests.support.helpers import BASH, MESSAGES_URL, sse_events
 
@@ -44,7 +46,7 @@ async def straight(stack, input_ids: list[int]) -> dict:
 
 def test_ids_json_and_the_generate_body_are_plain_json():
     assert ids_json([1, 22, 333]) == b"1,22,333" and ids_json([]) == b""
-    sent = json.loads(generate_body(ids_json([5, 6]), {"max_new_tokens": 3}, stream=False))
+    sent = json.loads(sglang.body(ids_json([5, 6]), {"max_new_tokens": 3}, stream=False))
     assert sent == {
         "input_ids": [5, 6],
         "sampling_params": {"max_new_tokens": 3},
@@ -68,8 +70,8 @@ def test_cumulative_and_incremental_chunks_fold_to_the_same_state():
     added_c, added_i = [], []
     for k in range(1, 5):
         done = {"type": "stop"} if k == 4 else None
-        added_c.append(_apply_chunk(cumulative, chunk("".join(words[:k]), ids[:k], lps[:k], done)))
-        added_i.append(_apply_chunk(incremental, chunk(words[k - 1], ids[k - 1 : k], lps[k - 1 : k], done)))
+        added_c.append(sglang.fold(cumulative, chunk("".join(words[:k]), ids[:k], lps[:k], done)))
+        added_i.append(sglang.fold(incremental, chunk(words[k - 1], ids[k - 1 : k], lps[k - 1 : k], done)))
     for st in (cumulative, incremental):
         assert (st.output_ids, st.output_logprobs, st.text, st.chunks) == (ids, lps, "abcd", 4)
         assert st.finish_reason == {"type": "stop"}
@@ -109,9 +111,9 @@ async def test_chunks_that_arrive_together_come_out_as_one_piece_of_news(cumulat
         payloads = [chunk("".join(text[: k + 1]), ids[: k + 1], lps[: k + 1]) for k in range(40)]
     payloads[-1] = payloads[-1].replace(b'"finish_reason": null', b'"finish_reason": {"type": "length"}')
     runner, url = await serve_chunks(payloads)
-    client = SGLangClient(url)
+    client = EngineClient(url)
     try:
-        gen = client.generate([1, 2], {"max_new_tokens": 40}, cumulative=cumulative)
+        gen = client.generate(sglang, [1, 2], {"max_new_tokens": 40}, cumulative=cumulative)
         news = []
         while not (gen.state.finish_reason or gen.finished):
             got = await gen.next(5)

@@ -252,7 +252,7 @@ async def test_info_requests_to_a_silent_backend_time_out():
     import pytest
     from aiohttp import web
 
-    from polar_mitm.backends.sglang import SGLangClient
+    from polar_mitm.backends.engine_client import EngineClient
     from polar_mitm.neutral import ProviderError
 
     release = asyncio.Event()
@@ -268,7 +268,7 @@ async def test_info_requests_to_a_silent_backend_time_out():
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
-    client = SGLangClient(f"http://127.0.0.1:{port}", timeout=0.3)
+    client = EngineClient(f"http://127.0.0.1:{port}", timeout=0.3)
     try:
         with pytest.raises(ProviderError) as e:
             await asyncio.wait_for(client.model_info(), 5)

@@ -366,7 +366,7 @@ async def test_tokenizer_defaults_to_the_servers_model_info(make_stack, qwen_tok
 
 
 async def test_a_tokenizer_that_is_not_a_local_directory_is_a_clear_error(make_stack):
-    from polar_mitm.backends.sglang import ModelInfo
+    from polar_mitm.backends.engine_api import ModelInfo
 
     stack = await make_stack(policy={"tokenizer": None})
     # A real SGLang server often reports a hub id, which is not a directory on this machine.

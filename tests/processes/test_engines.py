@@ -555,11 +555,11 @@ async def test_an_engine_killed_mid_turn_behind_the_router_moves_its_conversatio
 async def test_turns_waiting_on_one_engine_share_its_prober(tmp_path, qwen_tokenizer_dir):
     """Probing costs the engine a token per probe (SGLang's /health_generate): 20 turns waiting on
     one engine make one probe an interval, not twenty."""
+    from polar_mitm.backends.engine_client import EngineClient
     from polar_mitm.backends.engines import EnginePool
-    from polar_mitm.backends.sglang import SGLangClient
 
     runner, url = await fake(qwen_tokenizer_dir)
-    client = SGLangClient(url)
+    client = EngineClient(url)
     sent: list[str] = []
 
     async def counted(base: str, path: str, timeout: float) -> bool:

@@ -12,6 +12,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -125,6 +126,7 @@ async def test_bad_requests_get_the_field_named_and_tokens_are_checked(service):
         auth = {"authorization": "Bearer s3cret"}
         cases = [
             ({**good, "harness": "vim"}, "harness", "unknown harness 'vim'"),
+            ({**good, "harness": ""}, "harness", "at least 1 character"),
             ({**good, "runtime": "kubernetes"}, "runtime", "unknown runtime 'kubernetes'"),
             ({**good, "num_samples": 0}, "num_samples", "greater than or equal to 1"),
             ({**good, "evaluator": {"kind": "vibes"}}, "evaluator.kind", "Input should be"),
@@ -148,6 +150,48 @@ async def test_bad_requests_get_the_field_named_and_tokens_are_checked(service):
     with pytest.raises(RolloutError, match="401"):
         await AsyncRolloutClient(svc.url).status("t")
     assert (await AsyncRolloutClient(svc.url, token="s3cret").status("t")).num_samples == 2
+
+
+# A trainer's client with no recipes at all: `polar_mitm.recipes` cannot even be imported there.
+CLIENT_WITHOUT_RECIPES = """
+import sys
+sys.modules["polar_mitm.recipes"] = None
+from polar_mitm.client import RolloutClient, RolloutError
+from polar_mitm.tasks.model import EvaluatorSpec, Task
+
+client = RolloutClient(sys.argv[1])
+for tid, harness in (("known", "claude-code"), ("unknown", "a-harness-of-the-future")):
+    task = Task(id=tid, instruction="x", evaluator=EvaluatorSpec(kind="command", command="true"))
+    try:
+        print("submitted", client.submit(task, harness=harness, runtime="local"))
+    except RolloutError as e:
+        print("refused", e.status, e)
+"""
+
+
+@pytest.mark.slow
+async def test_the_server_decides_which_harnesses_it_knows_not_the_trainers_client(service):
+    """The client sends any harness name; the server takes one its recipes know and refuses
+    another with a 422 that names the known ones (a client of another version, or with no
+    recipes, never refuses a harness the server runs)."""
+    svc = await service(nodes=0)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CLIENT_WITHOUT_RECIPES,
+        svc.url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    known, unknown = out.decode().splitlines()
+    assert known == "submitted known"
+    assert unknown.startswith("refused 422 ") and "unknown harness 'a-harness-of-the-future'" in unknown
+    assert "known: " in unknown and "claude-code" in unknown.split("known: ", 1)[1]
+    async with httpx.AsyncClient(base_url=svc.url, headers=AUTH) as h:
+        assert (await h.get("/v1/tasks/known")).status_code == 200
+        assert (await h.get("/v1/tasks/unknown")).status_code == 404
 
 
 @pytest.mark.slow

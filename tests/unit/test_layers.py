@@ -132,3 +132,17 @@ def test_the_trainers_client_loads_no_proxy_no_server_and_no_policy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_rendering_and_the_engine_apis_load_no_http():
+    """The pure rooms of `backends/` (rendering, each engine API's words) load neither aiohttp
+    nor the engine client: only the client speaks HTTP."""
+    code = (
+        "import sys, polar_mitm.backends.render, polar_mitm.backends.sglang, polar_mitm.backends.vllm\n"
+        "bad = [m for m in ('aiohttp', 'polar_mitm.backends.engine_client') if m in sys.modules]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -7,8 +7,8 @@ import random
 import pytest
 from click.testing import CliRunner
 
+from polar_mitm.backends.engine_api import ModelInfo
 from polar_mitm.backends.parsers import REASONING_PARSERS, TOOL_PARSERS, OutputParser
-from polar_mitm.backends.sglang import ModelInfo
 from polar_mitm.neutral import ProviderError, ReasoningDelta, TextDelta, Tool, ToolCallEvent
 from polar_mitm.policy import Policy, PolicyConfig
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from polar_mitm.backends.engine_api import ids_json
 from polar_mitm.backends.render import PrefixCache, PromptIds, render_full
-from polar_mitm.backends.sglang import ids_json
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import Message, Tool, ToolCall
 

@@ -61,7 +61,7 @@ def test_the_sse_writer_reads_back():
 
 
 def test_the_stream_reader_reads_what_parse_reads_whatever_the_chunking():
-    """`sse.Reader` (the SGLang client's and the live viewer's) gives, chunk by chunk, the events
+    """`sse.Reader` (the engine client's and the live viewer's) gives, chunk by chunk, the events
     `parse` gives for the whole body: cut anywhere, inside a line, a `\\n\\n`, or a UTF-8 character."""
     raw = (
         sse.comment("ping")
