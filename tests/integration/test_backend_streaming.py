@@ -200,3 +200,30 @@ async def test_spliced_prompts_sent_from_kept_serialized_ids_are_the_stored_prom
     turns = list(read_turns(stack.db))
     assert [t.prompt_ref is not None for t in turns] == [False, True, True, True]  # spliced
     assert [b["input_ids"] for b in await backend_requests(stack)] == [t.prompt_ids for t in turns]
+
+
+async def test_retried_turns_send_the_stored_prompts_from_their_successors_serialized_ids(make_stack):
+    """A turn sent again (a harness's retry: every answer a new branch from the same point), and
+    a request that goes back two turns: the turn they splice onto had its serialized ids covered
+    by its successor's, and they are read from there."""
+    script = [{"match": "", "tool_call": {"name": "Bash", "arguments": {"command": "ls"}}}]
+    stack = await make_stack(backend={"script": script})
+    msgs = [{"role": "user", "content": "go"}]
+    sent = []
+    async with stack.client() as c:
+        for _ in range(5):
+            sent.append(body(list(msgs), tools=[BASH]))
+            reply = (await c.post(MESSAGES_URL, json=sent[-1])).json()
+            use = next(b for b in reply["content"] if b["type"] == "tool_use")
+            msgs += [
+                {"role": "assistant", "content": reply["content"]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a"}]},
+            ]
+        for again in (sent[-1], sent[-1], sent[2], sent[-1]):
+            assert (await c.post(MESSAGES_URL, json=again)).status_code == 200
+    turns = list(read_turns(stack.db))
+    assert all(t.prompt_ref is not None for t in turns[1:])  # every one spliced
+    assert [b["input_ids"] for b in await backend_requests(stack)] == [t.prompt_ids for t in turns]
+    first, retries = turns[4], [turns[5], turns[6], turns[8]]
+    assert all(t.prompt_ids == first.prompt_ids for t in retries)
+    assert turns[7].prompt_ids == turns[2].prompt_ids
