@@ -13,7 +13,9 @@ class SequenceCache:
     for the long-lived proxy; the offline reader keeps lists, which it slices on every turn. A
     compact cache keeps its newest sequences (up to `hot_tokens`) as the lists they came as, since
     the next turn of a conversation asks for them again: converting 30k ids to an array and back
-    every turn cost more than the rest of the store's work. Callers must not change what they get.
+    every turn cost more than the rest of the store's work. The hot tier is least recently used
+    out first, and a compact sequence asked for again is hot again (a turn retried many times
+    splices onto the same sequence every time). Callers must not change what they get.
 
     A compact cache also keeps a turn whose whole sequence begins the next turn's (`put`'s
     `parent`: the usual turn of a growing conversation) as a view, the next turn's id and a
@@ -38,11 +40,20 @@ class SequenceCache:
     def get(self, turn_id: str) -> tuple[list[int], int] | None:
         warm = self.hot.get(turn_id)
         if warm is not None:
+            self.hot.move_to_end(turn_id)  # the least recently asked for leaves the hot tier first
             return warm
         hit = self.items.get(turn_id)
         if hit is not None:
-            self.items.move_to_end(turn_id)
             seq, prompt_len = hit
+            if self.hot_tokens and isinstance(seq, array):
+                # Asked for again (a turn retried, its conversation's sequence the point every
+                # retry splices onto): hot again, so the next ask does not convert it back.
+                ids = seq.tolist()
+                del self.items[turn_id]
+                self.size -= len(seq)
+                self._hot(turn_id, ids, prompt_len)
+                return ids, prompt_len
+            self.items.move_to_end(turn_id)
             return (seq.tolist() if isinstance(seq, array) else seq), prompt_len
         view = self.views.get(turn_id)
         if view is None:
@@ -70,14 +81,17 @@ class SequenceCache:
         if self.hot_tokens:
             if parent is not None:
                 self._fold(parent[0], parent[1], turn_id, seq)
-            self.hot[turn_id] = (seq, prompt_len)
-            self.hot_size += len(seq)
-            while self.hot_size > self.hot_tokens and len(self.hot) > 1:
-                old_id, (old, old_len) = self.hot.popitem(last=False)
-                self.hot_size -= len(old)
-                self._keep(old_id, old, old_len)
+            self._hot(turn_id, seq, prompt_len)
             return
         self._keep(turn_id, seq, prompt_len)
+
+    def _hot(self, turn_id: str, seq: list[int], prompt_len: int) -> None:
+        self.hot[turn_id] = (seq, prompt_len)
+        self.hot_size += len(seq)
+        while self.hot_size > self.hot_tokens and len(self.hot) > 1:
+            old_id, (old, old_len) = self.hot.popitem(last=False)
+            self.hot_size -= len(old)
+            self._keep(old_id, old, old_len)
 
     def _fold(self, parent: str, spliced: int, child: str, seq: list[int]) -> None:
         held = self.hot.get(parent)

@@ -217,7 +217,10 @@ async def test_retried_turns_send_the_stored_prompts_from_their_successors_seria
             use = next(b for b in reply["content"] if b["type"] == "tool_use")
             msgs += [
                 {"role": "assistant", "content": reply["content"]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a"}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a"}],
+                },
             ]
         for again in (sent[-1], sent[-1], sent[2], sent[-1]):
             assert (await c.post(MESSAGES_URL, json=again)).status_code == 200

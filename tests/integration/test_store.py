@@ -386,6 +386,29 @@ def test_a_turn_that_begins_the_next_one_is_kept_as_a_view_of_it():
     assert cache.get("t1") is None and "t1" not in cache.views
 
 
+def test_the_hot_tier_keeps_what_is_asked_for_and_takes_back_what_is_asked_for_again():
+    """A conversation's sequence that every retry of its turn splices onto stays a list while
+    the retries' own sequences fill the hot tier; one that left it comes back when asked for."""
+    from array import array
+
+    from polar_mitm.store.sequences import SequenceCache
+
+    cache = SequenceCache(compact=True, hot_tokens=100)
+    base = list(range(1000, 1040))
+    cache.put("base", base, 30)
+    for i in range(6):  # retries: 40 tokens each, the hot tier holds 100
+        assert cache.get("base") == (base, 30)
+        cache.put(f"retry{i}", base[:35] + [i] * 5, 35)
+    assert "base" in cache.hot and isinstance(cache.items["retry0"][0], array)
+    assert cache.hot_size <= 100
+    # Cold, then asked for: the same ids, as a list, hot again (and the least recently used out).
+    assert cache.get("retry0") == (base[:35] + [0] * 5, 35)
+    assert "retry0" in cache.hot and "retry0" not in cache.items
+    assert cache.hot_size <= 100 and cache.size == sum(len(s) for s, _ in cache.items.values())
+    for t in [*cache.items, *cache.hot]:  # every one reads back exactly, wherever it is now
+        assert cache.get(t) == ((base, 30) if t == "base" else (base[:35] + [int(t[-1])] * 5, 35))
+
+
 async def test_an_earlier_turn_of_a_conversation_reads_back_exactly(tmp_path):
     """Turns kept as views, turns evicted, and the database agree on every sequence."""
     db = tmp_path / "v.sqlite"
