@@ -194,8 +194,8 @@ class Profile:
     """`py-spy record` on a process while the `with` block runs; `top()` gives the frames that
     hold the most samples (inclusive), from py-spy's raw (collapsed-stack) output."""
 
-    def __init__(self, pid: int, out: Path, rate: int = 1000):
-        self.pid, self.out, self.rate = pid, out, rate
+    def __init__(self, pid: int, out: Path, rate: int = 1000, *, gil: bool = False):
+        self.pid, self.out, self.rate, self.gil = pid, out, rate, gil
         self.popen: subprocess.Popen | None = None
 
     def __enter__(self) -> Profile:
@@ -212,6 +212,8 @@ class Profile:
                 "--output",
                 str(self.out),
                 "--nonblocking",
+                # Only the thread holding the GIL: a thread sitting in send() reads as busy otherwise.
+                *(["--gil"] if self.gil else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -255,8 +257,10 @@ import asyncio, json, sys
 from aiohttp import web
 streams = {int(k): v for k, v in json.load(open(sys.argv[1])).items()}
 info = json.load(open(sys.argv[3]))
+last = {"body": b""}
 async def generate(request):
-    body = await request.json()
+    last["body"] = await request.read()
+    body = json.loads(last["body"])
     reply = streams[body["sampling_params"]["max_new_tokens"]]
     chunks = reply["chunks"]
     if not body.get("stream"):
@@ -274,6 +278,7 @@ app = web.Application(client_max_size=1024**3)
 app.router.add_post("/generate", generate)
 for path in ("/model_info", "/get_server_info", "/health"):
     app.router.add_get(path, server_info)
+app.router.add_get("/_replay/last", lambda request: web.Response(body=last["body"]))
 print("replay server ready", flush=True)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), access_log=None, print=None)
 """
@@ -282,8 +287,10 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), access_log=None, print
 def start_replay(tmp: Path, streams: dict[int, dict[str, Any]], info: dict[str, Any]) -> Proc:
     """A stand-in for SGLang's /generate that replays a prepared reply for each max_new_tokens:
     `streams[n]["chunks"]` (JSON texts) streamed as fast as the socket takes them, or
-    `streams[n]["whole"]` when the request does not stream. /model_info, /get_server_info and /health answer `info`. Unlike the fake backend, its
-    cost per chunk does not grow with the reply."""
+    `streams[n]["whole"]` when the request does not stream. /model_info, /get_server_info and
+    /health answer `info`; GET /_replay/last, the last /generate body's bytes. Unlike the fake
+    backend, its cost per chunk does not grow with the reply, nor its cost per request with the
+    prompt (it reads the body as JSON, nothing more)."""
     port = free_port()
     data = tmp / f"replay-{port}.json"
     data.write_text(json.dumps(streams))

@@ -17,14 +17,26 @@ CPU and the store's size over time; the parquet export of every group; what each
 
     nice .venv/bin/python bench/bench_scale.py [--samples 10000] [--nodes 16] [--rows session|none]
         [--profile]   # py-spy on the server (pip install py-spy), its busiest frames at the end
+        [--ray 3]     # the nodes as Ray actors (`serve --ray`) on a local cluster: `ray start
+                      # --head` and 3 `ray start --address` workers, every one on 127.0.0.1
+
+With `--ray W` the same samples run on a Ray cluster of this machine's own: a head and W workers,
+each a `ray start --block` with its own temp dir and its share of the actors' CPUs, all on
+127.0.0.1 (Ray on Linux replaces a loopback `--node-ip-address` with the machine's address and
+listens on every interface; the bench runs `ray start` with that lookup pinned to 127.0.0.1, as
+`serve --ray local` does for its own Ray). `serve --ray 127.0.0.1:PORT --nodes N` places the
+nodes; the cluster is stopped at the end, on failure too (each `ray start` is a session of its
+own: every process left in it is killed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +57,7 @@ from bench_request_storage import load_session  # noqa: E402
 from polar_mitm import procs  # noqa: E402
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
 from polar_mitm.client import RolloutClient  # noqa: E402
+from polar_mitm.service.ray_nodes import SINGLE_NODE_ENV  # noqa: E402
 from polar_mitm.tasks.model import EvaluatorSpec, Task  # noqa: E402
 
 SESSION = ROOT / "bench" / "fixtures" / "claude_code_session.jsonl.zst"
@@ -211,6 +224,99 @@ class Monitor(threading.Thread):
             self.point()
 
 
+# -- a Ray cluster of this machine's own -----------------------------------------------------
+
+# `ray start`, with the node's address pinned to 127.0.0.1 (see the module's docstring).
+_RAY_START = """
+import sys
+import ray._private.services as services
+services.get_node_ip_address = lambda address=None: "127.0.0.1"
+from ray.scripts.scripts import main
+sys.argv = ["ray", *sys.argv[1:]]
+main()
+"""
+
+
+def session_members(sid: int) -> list[int]:
+    """Every live process whose session is `sid` (what a `start_new_session` child started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+class RayCluster:
+    """A head and `workers` worker nodes, each a `ray start --block` of its own session with its
+    own temp dir, `cpus` logical CPUs each, on 127.0.0.1. `stop()` ends every process of theirs."""
+
+    def __init__(self, work: Path, workers: int, cpus: int):
+        self.work, self.workers, self.cpus = work, workers, cpus
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.starts: list[subprocess.Popen] = []
+        self.temps: list[str] = []
+
+    def _start(self, name: str, *args: str) -> None:
+        import tempfile
+
+        temp = tempfile.mkdtemp(prefix="pmray", dir="/tmp")  # Ray's socket paths must stay short
+        self.temps.append(temp)
+        argv = [sys.executable, "-c", _RAY_START, "start", *args, "--node-ip-address", "127.0.0.1",
+                "--num-cpus", str(self.cpus), "--object-store-memory", str(256 * 2**20),
+                "--disable-usage-stats", "--temp-dir", temp, "--block"]  # fmt: skip
+        log = (self.work / f"ray-{name}.log").open("w")
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
+        self.starts.append(
+            subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        )
+
+    def start(self, timeout: float = 300) -> None:
+        self._start("head", "--head", "--port", str(self.port), "--include-dashboard", "false")
+        self.wait(1, timeout)
+        for i in range(self.workers):
+            self._start(f"worker{i}", "--address", self.address)
+        self.wait(1 + self.workers, timeout)
+
+    def alive_nodes(self) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR');"
+             " print(sum(n['Alive'] for n in ray.nodes()))", self.address],
+            capture_output=True, text=True, timeout=120, env={**os.environ, SINGLE_NODE_ENV: "0"},
+        )  # fmt: skip
+        lines = out.stdout.strip().splitlines()
+        return int(lines[-1]) if out.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+    def wait(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.alive_nodes() < n:
+            dead = [p.args for p in self.starts if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray cluster did not reach {n} nodes; logs in {self.work}/ray-*.log")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        for p in reversed(self.starts):  # workers first, the head last
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(self.starts):
+            procs.stop(p, 20, group=True)
+            for pid in session_members(p.pid):  # one that left the group (Ray's workers do)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        import shutil
+
+        for temp in self.temps:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
 # -- the run ----------------------------------------------------------------------------------
 
 
@@ -225,6 +331,13 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between points of the curve")
     ap.add_argument("--profile", action="store_true", help="py-spy the server while the samples run")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument(
+        "--ray",
+        type=int,
+        default=None,
+        metavar="W",
+        help="the nodes as Ray actors (`serve --ray`) on a local cluster: a head and W workers",
+    )
     a = ap.parse_args()
     groups = a.samples // a.group
     total = groups * a.group
@@ -235,7 +348,10 @@ def main() -> None:
     ensure_ca(work)
     started: list[Any] = []  # the fake backend, the server
     nodes: list[subprocess.Popen] = []
+    cluster = RayCluster(work, a.ray, math.ceil(a.nodes / (a.ray + 1))) if a.ray is not None else None
     try:
+        if cluster:
+            cluster.start()
         if a.rows == "session":
             script = [{"match": "", "text": long_reply(tok, REPLY_TOKENS)}]
             fake = start_fake(work, tokenizer_path=str(tok), script=script)
@@ -247,13 +363,17 @@ def main() -> None:
         db = work / "service.sqlite"
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server, _ = _start(
-            [sys.executable, "-m", "polar_mitm", "serve", "--listen", f"127.0.0.1:{port}", "--nodes", "0",
-             "--allow-local-runtime", "--db", str(db)],
-            "rollout server on", work / "serve.log",
-        )  # fmt: skip
+        argv = [sys.executable, "-m", "polar_mitm", "serve", "--listen", f"127.0.0.1:{port}",
+                "--allow-local-runtime", "--db", str(db)]  # fmt: skip
+        if cluster:  # serve places the nodes, with the same options a node process is given
+            argv += ["--ray", cluster.address, "--nodes", str(a.nodes), "--backend", fake.url,
+                     "--tokenizer", str(tok), "--certs", str(work / "certs"), "--capacity", str(a.capacity)]  # fmt: skip
+            os.environ[SINGLE_NODE_ENV] = "0"  # the driver's own address: 127.0.0.1, like the cluster's
+        else:
+            argv += ["--nodes", "0"]
+        server, _ = _start(argv, "rollout server on", work / "serve.log")
         started.append(server)
-        for i in range(a.nodes):
+        for i in range(a.nodes if not cluster else 0):
             argv = [sys.executable, "-m", "polar_mitm", "node", "--server", url, "--node-id", f"n{i}",
                     "--backend", fake.url, "--tokenizer", str(tok), "--db", str(work / f"node{i}.sqlite"),
                     "--certs", str(work / "certs"), "--capacity", str(a.capacity)]  # fmt: skip
@@ -325,10 +445,17 @@ def main() -> None:
             procs.stop(p, 15, group=True)
         for p in reversed(started):
             procs.stop(p, 15)
+        if cluster:
+            cluster.stop()
 
     nice = os.nice(0)
+    placed = (
+        f"{a.nodes} Ray actors on a local cluster (a head and {a.ray} workers, {cluster.cpus} CPUs each)"
+        if cluster
+        else f"{a.nodes} node processes"
+    )
     print(
-        f"\n{total:,} samples ({groups:,} groups of {a.group}), {a.nodes} node processes (capacity"
+        f"\n{total:,} samples ({groups:,} groups of {a.group}), {placed} (capacity"
         f" {a.capacity} each), rows: {a.rows}; {os.cpu_count()} cores shared with other work (load"
         f" average at the end {load[0]:.1f}), nice {nice}; work dir {work}"
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
+import orjson
 from pydantic import BaseModel
 
 from polar_mitm.neutral import ProviderError, Sampling
@@ -149,8 +150,15 @@ class GenerateState:
 
 def ids_json(ids: list[int]) -> bytes:
     """Token ids as the inside of a JSON list ("1,2,3"); two of these join with a comma. Both
-    engines take a prompt as such a list, so a long conversation is serialized once."""
-    return json.dumps(ids, separators=(",", ":"))[1:-1].encode()
+    engines take a prompt as such a list, so a long conversation is serialized once.
+
+    orjson writes the same text as `json` for ints, ten times faster (a 32k-token conversation
+    whose serialized ids are not kept: ~4 ms → 0.4 ms); what it refuses (an int past 64 bits, an
+    array) goes through `json`."""
+    try:
+        return orjson.dumps(ids)[1:-1]
+    except TypeError:  # orjson.JSONEncodeError is one
+        return json.dumps(list(ids), separators=(",", ":"))[1:-1].encode()
 
 
 def shared_params(s: Sampling) -> dict[str, Any]:

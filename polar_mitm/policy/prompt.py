@@ -62,6 +62,11 @@ class Prompts:
         # sent as that text plus its new ids instead of re-serializing the whole conversation.
         self._sent_ids: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
         self._sent_bytes = 0
+        # A turn whose serialized sequence begins its successor's (the usual turn of a growing
+        # conversation): that successor's id, and its own tokens and bytes. A retried turn (the
+        # same request again, each answer a new branch from the same point) reads it from there
+        # instead of serializing the whole conversation again.
+        self._sent_views: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
         # Routing keys of recent turns, so a turn that echoes one keeps its conversation's key
         # even when its first messages were rewritten (a tool set changed, a prompt compacted).
         self._keys: OrderedDict[str, str] = OrderedDict()
@@ -136,14 +141,45 @@ class Prompts:
     def serialized(self, prompt_ids: list[int], ref: str | None, ref_len: int) -> bytes:
         """`ids_json(prompt_ids)`, built from the referenced turn's serialized sequence when it is
         kept (that sequence is prompt_ids[:ref_len] by construction)."""
-        kept = self._sent_ids.get(ref) if ref is not None else None
+        kept = self._sent(ref) if ref is not None else None
         if kept is None or kept[0] != ref_len:
             return prompt_ids.serialized() if isinstance(prompt_ids, PromptIds) else ids_json(prompt_ids)
         return join_ids(kept[1], ids_json(prompt_ids[ref_len:]))
 
+    def _sent(self, turn_id: str) -> tuple[int, bytes] | None:
+        """(tokens, serialized sequence) of a kept turn, held or read from its successor's (a
+        chain of successors, then pointed at the one that holds the bytes)."""
+        held = self._sent_ids.get(turn_id)
+        if held is not None:
+            return held
+        view = self._sent_views.get(turn_id)
+        if view is None:
+            return None
+        chain = [turn_id]
+        holder = view[0]
+        while (held := self._sent_ids.get(holder)) is None:
+            nxt = self._sent_views.get(holder)
+            if nxt is None:  # what it pointed to is gone
+                for t in chain:
+                    self._sent_views.pop(t, None)
+                return None
+            chain.append(holder)
+            holder = nxt[0]
+        for t in chain[1:]:
+            _, tokens, nbytes = self._sent_views[t]
+            self._sent_views[t] = (holder, tokens, nbytes)
+        _, tokens, nbytes = view
+        self._sent_views[turn_id] = (holder, tokens, nbytes)
+        return tokens, held[1][:nbytes]
+
     def keep_sent(self, turn_id: str, ref: str | None, tokens: int, serialized: bytes) -> None:
         if ref is not None and (old := self._sent_ids.pop(ref, None)) is not None:
             self._sent_bytes -= len(old[1])  # its successor covers it
+            n = len(old[1])
+            if serialized.startswith(old[1]) and serialized[n : n + 1] in (b",", b""):
+                self._sent_views[ref] = (turn_id, old[0], n)
+                while len(self._sent_views) > self.ROUTING_KEYS_MAX:
+                    self._sent_views.popitem(last=False)
         self._sent_ids[turn_id] = (tokens, serialized)
         self._sent_bytes += len(serialized)
         while self._sent_bytes > self.SENT_IDS_MAX_BYTES and len(self._sent_ids) > 1:

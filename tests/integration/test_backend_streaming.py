@@ -202,3 +202,44 @@ async def test_spliced_prompts_sent_from_kept_serialized_ids_are_the_stored_prom
     turns = list(read_turns(stack.db))
     assert [t.prompt_ref is not None for t in turns] == [False, True, True, True]  # spliced
     assert [b["input_ids"] for b in await backend_requests(stack)] == [t.prompt_ids for t in turns]
+
+
+async def test_retried_turns_send_the_stored_prompts_from_their_successors_serialized_ids(make_stack):
+    """A turn sent again (a harness's retry: every answer a new branch from the same point), and
+    a request that goes back two turns: the turn they splice onto had its serialized ids covered
+    by its successor's, and they are read from there."""
+    script = [{"match": "", "tool_call": {"name": "Bash", "arguments": {"command": "ls"}}}]
+    stack = await make_stack(backend={"script": script})
+    msgs = [{"role": "user", "content": "go"}]
+    sent = []
+    async with stack.client() as c:
+        for _ in range(5):
+            sent.append(body(list(msgs), tools=[BASH]))
+            reply = (await c.post(MESSAGES_URL, json=sent[-1])).json()
+            use = next(b for b in reply["content"] if b["type"] == "tool_use")
+            msgs += [
+                {"role": "assistant", "content": reply["content"]},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a"}],
+                },
+            ]
+        for again in (sent[-1], sent[-1], sent[2], sent[-1]):
+            r = await c.post(MESSAGES_URL, json=again)
+            assert r.status_code == 200
+        # The conversation goes on from the last retry's answer (a branch of the cache).
+        use = next(b for b in r.json()["content"] if b["type"] == "tool_use")
+        on = sent[-1]["messages"] + [
+            {"role": "assistant", "content": r.json()["content"]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "b"}]},
+        ]
+        assert (await c.post(MESSAGES_URL, json=body(on, tools=[BASH]))).status_code == 200
+    turns = list(read_turns(stack.db))
+    assert all(t.prompt_ref is not None for t in turns[1:])  # every one spliced
+    assert [b["input_ids"] for b in await backend_requests(stack)] == [t.prompt_ids for t in turns]
+    first, retries = turns[4], [turns[5], turns[6], turns[8]]
+    assert all(t.prompt_ids == first.prompt_ids for t in retries)
+    assert turns[7].prompt_ids == turns[2].prompt_ids
+    assert turns[9].prompt_ref == turns[8].id  # spliced onto the retry's answer
+    whole = turns[8].prompt_ids + turns[8].output_ids  # read back from the database
+    assert turns[9].prompt_ids[: len(whole)] == whole

@@ -386,6 +386,52 @@ def test_a_turn_that_begins_the_next_one_is_kept_as_a_view_of_it():
     assert cache.get("t1") is None and "t1" not in cache.views
 
 
+def test_the_hot_tier_keeps_what_is_asked_for_and_takes_back_what_is_asked_for_again():
+    """A conversation's sequence that every retry of its turn splices onto stays a list while
+    the retries' own sequences fill the hot tier; one that left it comes back when asked for."""
+    from array import array
+
+    from polar_mitm.store.sequences import SequenceCache
+
+    cache = SequenceCache(compact=True, hot_tokens=100)
+    base = list(range(1000, 1040))
+    cache.put("base", base, 30)
+    for i in range(6):  # retries: 40 tokens each, the hot tier holds 100
+        assert cache.get("base") == (base, 30)
+        cache.put(f"retry{i}", base[:35] + [i] * 5, 35)
+    assert "base" in cache.hot and isinstance(cache.items["retry0"][0], array)
+    assert cache.hot_size <= 100
+    # Cold, then asked for: the same ids, as a list, hot again (and the least recently used out).
+    assert cache.get("retry0") == (base[:35] + [0] * 5, 35)
+    assert "retry0" in cache.hot and "retry0" not in cache.items
+    assert cache.hot_size <= 100 and cache.size == sum(len(s) for s, _ in cache.items.values())
+    for t in [*cache.items, *cache.hot]:  # every one reads back exactly, wherever it is now
+        assert cache.get(t) == ((base, 30) if t == "base" else (base[:35] + [int(t[-1])] * 5, 35))
+
+
+def test_answers_to_the_same_prompt_are_kept_as_branches_of_the_conversation():
+    from polar_mitm.store.sequences import SequenceCache
+
+    cache = SequenceCache(compact=True, hot_tokens=1_000)
+    first = list(range(100, 140))
+    cache.put("t1", first, 30)
+    second = first + [7, 8, 9]
+    cache.put("t2", second, 41, parent=("t1", len(first)))  # t1 a view of t2
+    for i in range(3):  # t2's prompt again: each answer spliced onto all of t1
+        cache.put(f"r{i}", first + [i] * 4, 41, parent=("t1", len(first)))
+        assert f"r{i}" in cache.branches and f"r{i}" not in cache.hot
+    assert cache.hot_size == len(second) and cache.branch_size == 12
+    assert [cache.get(f"r{i}") for i in range(3)] == [(first + [i] * 4, 41) for i in range(3)]
+    assert cache.get("t1") == (first, 30) and cache.get("t2") == (second, 41)
+    # What the caller says is checked against the ids: a sequence that does not begin with it.
+    cache.put("bad", [0] + first[1:] + [5], 41, parent=("t1", len(first)))
+    assert "bad" in cache.hot and cache.get("bad") == ([0] + first[1:] + [5], 41)
+    # The sequence it branched from leaves the cache: the branch answers nothing (the store reads).
+    cache.hot.pop("t2")
+    cache.hot_size -= len(second)
+    assert cache.get("r0") is None and "r0" not in cache.branches
+
+
 async def test_an_earlier_turn_of_a_conversation_reads_back_exactly(tmp_path):
     """Turns kept as views, turns evicted, and the database agree on every sequence."""
     db = tmp_path / "v.sqlite"
