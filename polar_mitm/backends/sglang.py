@@ -14,7 +14,9 @@ vLLM is spoken in its own names (render mode on vLLM): `POST /v1/completions` wi
 token ids, `return_token_ids` (vLLM >= 0.10.2: `choices[].token_ids`, `prompt_token_ids`),
 `logprobs` (`choices[].logprobs.token_logprobs`, the sampled tokens' logprobs), delta streaming;
 its `finish_reason` / `stop_reason` are read into SGLang's finish-reason shape, so the policy
-handles both engines alike. vLLM reports no weight version.
+handles both engines alike. vLLM's replies name no weight version: where it serves `GET
+/weight_info` (`VLLM_SERVER_DEV_MODE=1`) `vllm_weight_version` reads the one it serves now (the
+policy decides when, `polar_mitm.policy.versions`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from polar_mitm.neutral import ProviderError, Sampling
 
 # Seconds the one-token probe of vLLM's logprobs mode may take at least (see _vllm_logprobs_mode).
 PROBE_S = 60.0
+# What opens vLLM's development endpoints (`/weight_info`, `/pause`, `/collective_rpc`, …).
+VLLM_DEV_MODE = "start vLLM with VLLM_SERVER_DEV_MODE=1"
 # The header SGLang's router (0.3.x, "SMG") reads for sticky routing under `--policy manual`.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
@@ -98,7 +102,14 @@ class ModelInfo(BaseModel):
     def describe(self) -> str:
         """One line naming the front, for the preflight."""
         if self.front == "vllm":
-            return f"a vLLM engine (logprobs of the {self.logprobs_mode or 'unknown'} distribution)"
+            version = (
+                f"weight version {self.weight_version}"
+                if self.weight_version is not None
+                else f"no weight version: it serves no /weight_info ({VLLM_DEV_MODE})"
+            )
+            return (
+                f"a vLLM engine (logprobs of the {self.logprobs_mode or 'unknown'} distribution; {version})"
+            )
         if self.front == "router":
             where = f"; server info from worker {self.server_info_from}" if self.server_info_from else ""
             return f"an SGLang router with {len(self.workers)} worker(s){where}"
@@ -320,7 +331,39 @@ class SGLangClient:
             front="vllm",
             server_info_from="engine",
             logprobs_mode=await self._vllm_logprobs_mode(http, base),
+            weight_version=await self._vllm_weight_version(http, base),
         )
+
+    async def vllm_weight_version(self, url: str | None = None) -> str | None:
+        """The weight version the vLLM engine at `url` (default: ours) serves now (`GET
+        /weight_info`); None where it serves none (404 without `VLLM_SERVER_DEV_MODE=1`). Raises
+        EngineTimeout or EngineUnreachable when it does not answer."""
+        base = (url or self.base_url).rstrip("/")
+        http = await self._http()
+        try:
+            return await self._vllm_weight_version(http, base)  # a timeout is EngineTimeout already
+        except (aiohttp.ClientError, OSError) as e:
+            raise EngineUnreachable(base, e) from e
+
+    async def _vllm_weight_version(self, http: aiohttp.ClientSession, base: str) -> str | None:
+        try:
+            async with http.get(f"{base}/weight_info", headers=self._auth, timeout=self._info_timeout()) as r:
+                if r.status == 404:
+                    return None
+                text = await r.text()
+        except TimeoutError:
+            raise EngineTimeout(base, "GET /weight_info", self.timeout, self.timeout_option) from None
+        if r.status != 200:
+            raise status_error(r.status, text)
+        try:
+            version = json.loads(text)["weight_version"]
+        except (ValueError, KeyError, TypeError):
+            version = None
+        if not isinstance(version, str):
+            raise ProviderError(
+                "api_error", f"policy backend {base} sent an unreadable /weight_info: {text[:200]!r}", 502
+            )
+        return version
 
     async def _vllm_logprobs_mode(self, http: aiohttp.ClientSession, base: str) -> str | None:
         """vLLM's `--logprobs-mode` in our words: from `/server_info` where it is served
