@@ -181,8 +181,9 @@ def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(
     tmp_path, vllm_server, hop, vllm_model_dir, qwen_tokenizer_dir
 ):
     """vLLM's in-place reload (pause, collective_rpc reload_weights, reset_prefix_cache,
-    update_weight_version, resume): the second session's logprobs are the new weights' (within
-    1e-4 of transformers' over the new checkpoint), not the old ones'."""
+    update_weight_version, resume): the second session's turns carry the new version (vLLM's
+    `/weight_info`) and its logprobs are the new weights' (within 1e-4 of transformers' over the
+    new checkpoint), not the old ones'."""
     require_binary("claude")
     db = tmp_path / "runs.sqlite"
     claude = ["claude", "-p", "Say hello"]
@@ -200,6 +201,8 @@ def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(
         assert r.returncode == 0, r.stderr
         second = assert_store_is_what_vllm_said(db, "w-after", hop.exchanges, streamed=True)
         assert first and second
+        assert {t.weight_version for t in first} == {before}
+        assert {t.weight_version for t in second} == {"step-2"}
         # The second session's logprobs are the new checkpoint's, and not the old one's.
         rc, report = check_logprobs(db, other, "w-after", 1.0)
         assert rc == 0 and report["tokens"] > 0 and report["max_abs"] < 1e-4, report
