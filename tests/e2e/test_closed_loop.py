@@ -7,6 +7,7 @@ back after)."""
 
 from __future__ import annotations
 
+import contextlib
 import runpy
 import shutil
 from pathlib import Path
@@ -72,12 +73,11 @@ def test_closed_loop_on_a_real_engine_pushes_trls_weights_into_it(
     model_dir = request.getfixturevalue(f"{kind}_model_dir")
     weights = EngineWeights(server.url, kind)
     initial = weights.version()
-    try:
+    with contextlib.ExitStack() as after:  # the session's engine gets its own weights back
+        after.callback(weights.load, str(model_dir), initial or "default")
         report = run_loop(
             tmp_path, qwen_tokenizer_dir, monkeypatch, "--engine", kind, "--engine-url", server.url,
             "--model", str(model_dir),
         )  # fmt: skip
-    finally:  # the session's engine serves its own weights again, under their version
-        weights.load(str(model_dir), initial or "default")
     assert report["engine"] == kind
     check_report(report, initial)
