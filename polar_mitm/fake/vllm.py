@@ -47,8 +47,10 @@ from polar_mitm.fake.serving import _drop, _Handlers, _Item
 VLLM_VERSION_EMULATED = "0.11.x"
 
 
-def _error(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
-    return _json({"error": {"message": message, "type": err_type, "param": None, "code": status}}, status)
+def _error(
+    message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+) -> web.Response:
+    return _json({"error": {"message": message, "type": err_type, "param": param, "code": status}}, status)
 
 
 class _Completions(_Handlers):
@@ -244,7 +246,9 @@ class _Dev(_Handlers):
             return err
         version = body.get("new_version") if isinstance(body, dict) else None
         if not isinstance(version, str):
-            return _validation_error("new_version", body)
+            return _validation_error(
+                {"type": "missing", "loc": "body.new_version", "msg": "Field required", "input": body}
+            )
         self.s.weight_version = version
         return _json({"success": True, "new_version": version})
 
@@ -252,7 +256,11 @@ class _Dev(_Handlers):
         self._log(request, await request.read())
         mode = request.query.get("mode", "abort")
         if mode not in PAUSE_MODES:
-            return _validation_error("mode", mode, where="query")
+            expected = "'abort', 'wait' or 'keep'"
+            return _validation_error(
+                {"type": "literal_error", "loc": "query.mode", "msg": f"Input should be {expected}",
+                 "input": mode, "ctx": {"expected": expected}}
+            )  # fmt: skip
         self.s.resumed.clear()
         if mode == "abort":
             for flight in self.s.in_flight.values():
@@ -277,20 +285,22 @@ class _Dev(_Handlers):
             return err
         method = body.get("method") if isinstance(body, dict) else None
         if method is None:
-            return _json({"detail": "Missing 'method' in request body"}, 400)
+            return _error("Missing 'method' in request body", 400, "Bad Request")
         kwargs = body.get("kwargs") or {}
         path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
         if method != "reload_weights" or not isinstance(path, str):
-            return _json(
-                {"error": f"the fake serves collective_rpc reload_weights(weights_path) only: {method}"}, 500
+            return _error(
+                f"the fake serves collective_rpc reload_weights(weights_path) only: {method}",
+                500,
+                SERVER_ERROR,
             )
         engine = self.s.engine
         if self.s.config.mode != "hf":
-            return _json({"error": "this fake backend has no weights (run it with --mode hf)"}, 500)
+            return _error("this fake backend has no weights (run it with --mode hf)", 500, SERVER_ERROR)
         try:
             engine.hf.load(path)  # type: ignore[attr-defined]  # HFEngine: mode hf
         except (OSError, ValueError, RuntimeError) as e:
-            return _json({"error": f"reload_weights failed: {e}"}, 500)
+            return _error(f"reload_weights failed: {e}", 500, SERVER_ERROR)
         return _json({"results": [None]})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
@@ -302,10 +312,12 @@ class _Dev(_Handlers):
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-def _validation_error(field: str, value: Any, where: str = "body") -> web.Response:
-    """FastAPI's 422 for a missing or mistyped field, as vLLM's dev routers answer it."""
-    detail = {"type": "missing", "loc": [where, field], "msg": "Field required", "input": value}
-    return _json({"detail": [detail]}, 422)
+SERVER_ERROR = "Internal Server Error"
+
+
+def _validation_error(error: dict[str, Any]) -> web.Response:
+    """vLLM's answer to a request FastAPI finds invalid: a 400 ErrorResponse naming the field."""
+    return _error(f"1 validation error:\n  {error}", 400, "Bad Request", error["loc"])
 
 
 def _finish_reason(finish: dict[str, Any]) -> str:

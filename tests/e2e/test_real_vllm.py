@@ -211,6 +211,59 @@ def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(
         vllm_server.reload_weights(vllm_model_dir, before)
 
 
+# The calls a trainer makes that leave the engine as it was (a pause is resumed at once).
+DEV_CALLS = [
+    ("GET", "/weight_info", None),
+    ("GET", "/is_paused", None),
+    ("POST", "/update_weight_version", {}),
+    ("POST", "/pause?mode=sometimes", {}),
+    ("POST", "/collective_rpc", {}),
+    ("POST", "/reset_prefix_cache", {}),
+    ("POST", "/pause", {}),
+    ("GET", "/is_paused", None),
+    ("POST", "/resume", {}),
+    ("GET", "/is_paused", None),
+]
+
+
+def shape(value):
+    """A JSON value's structure: the keys of objects, the types of the rest (messages differ)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    return type(value).__name__
+
+
+async def test_the_fakes_development_endpoints_answer_as_vllms(vllm_server, qwen_tokenizer_dir):
+    """Real vLLM 0.32 (`VLLM_SERVER_DEV_MODE=1`) and the fake's vLLM mode, the same calls side by
+    side: the same statuses, JSON of the same shape, and the same JSON where it names no message."""
+    import aiohttp
+
+    from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+
+    async def answers(url: str) -> list[tuple[int, object]]:
+        out = []
+        async with aiohttp.ClientSession() as http:
+            for method, path, body in DEV_CALLS:
+                async with http.request(method, url + path, json=body) as r:
+                    out.append((r.status, await r.json(content_type=None)))
+        return out
+
+    runner, fake_url = await start_fake_backend(
+        FakeBackendConfig(tokenizer_path=str(qwen_tokenizer_dir), api="vllm", weight_version="default")
+    )
+    try:
+        real, fake = await answers(vllm_server.url), await answers(fake_url)
+    finally:
+        await runner.cleanup()
+    for (method, path, _), (rs, rj), (fs, fj) in zip(DEV_CALLS, real, fake, strict=True):
+        assert (rs, shape(rj)) == (fs, shape(fj)), (method, path, rj, fj)
+        if rs == 200:
+            assert rj == fj, (path, rj, fj)
+        else:
+            assert rj["error"]["param"] == fj["error"]["param"], (path, rj, fj)
+    assert real[0][1] == {"weight_version": "default"} and real[-1][1] == {"is_paused": False}
+
+
 def test_a_request_at_temperature_half_stores_the_tempered_distributions_logprobs(
     tmp_path, vllm_server, hop, vllm_model_dir, qwen_tokenizer_dir
 ):

@@ -572,19 +572,8 @@ async def test_a_paused_vllm_aborts_what_runs_holds_new_requests_until_resumed(t
         assert await post_json(url, "/pause") == (200, {"status": "paused"})
         status, reply = await running
         assert status == 200 and reply["choices"][0]["finish_reason"] == "abort"
-        assert await post_json(url, "/pause?mode=sometimes") == (
-            422,
-            {
-                "detail": [
-                    {
-                        "type": "missing",
-                        "loc": ["query", "mode"],
-                        "msg": "Field required",
-                        "input": "sometimes",
-                    }
-                ]
-            },
-        )
+        status, reply = await post_json(url, "/pause?mode=sometimes")
+        assert status == 400 and reply["error"]["param"] == "query.mode", reply
         async with aiohttp.ClientSession() as http, http.get(url + "/is_paused") as r:
             assert await r.json() == {"is_paused": True}
         held = asyncio.ensure_future(post_json(url, "/v1/completions", {**body, "max_tokens": 2}))
