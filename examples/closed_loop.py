@@ -3,19 +3,28 @@ them, the new weights in the engine, the next rollout sampled by them.
 
     pip install 'polar-mitm[trl]'            # torch, transformers, trl
     python examples/closed_loop.py --work /tmp/loop
+    python examples/closed_loop.py --work /tmp/loop --engine sglang --engine-url URL --model DIR
+    python examples/closed_loop.py --work /tmp/loop --engine vllm --engine-url URL --model DIR
 
 What it runs, all on 127.0.0.1:
-1. a tiny Qwen2 model over the Qwen tokenizer's vocabulary (`polar_mitm.fake.hf.tiny_causal_lm`),
-   served by `polar-mitm fake-backend --mode hf` (real forward passes and sampling, SGLang's API);
+1. the engine: by default (`--engine fake-hf`) a tiny Qwen2 model over the Qwen tokenizer's
+   vocabulary (`polar_mitm.fake.hf.tiny_causal_lm`), served by `polar-mitm fake-backend --mode hf`
+   (real forward passes and sampling, SGLang's API), started here; with `--engine sglang|vllm` a
+   real SGLang or vLLM you started at `--engine-url`, serving the model in `--model` in float32
+   (vLLM with `VLLM_SERVER_DEV_MODE=1`; docs/training.md has the launch lines);
 2. `polar-mitm serve --nodes 1 --allow-local-runtime` (the rollout service and one gateway node);
 3. TRL's GRPOTrainer through `polar_mitm.bridges.trl`: each step rolls out one task × `--samples`
    with Claude Code (its Bash tool only, a one-line system prompt: ~900 prompt tokens), takes an
-   optimizer step, saves the weights, pauses the service, has the engine load them
-   (`/update_weights_from_disk`, `weight_version` = the step) and resumes (a turn samples at most
-   `--max-tokens`: a step can make the tiny model's end-of-turn token rarer, and Claude Code asks
-   for 32k tokens);
-4. the agreement check: every trained token of the first rollout, the trainer's logprob with the
+   optimizer step, saves the weights, pauses the service, has the engine load them with
+   `weight_version` = the step (`WeightSync`: SGLang's `/update_weights_from_disk`, vLLM's pause,
+   `reload_weights`, prefix-cache reset, `update_weight_version`, resume) and resumes (a turn
+   samples at most `--max-tokens`: a step can make the tiny model's end-of-turn token rarer, and
+   Claude Code asks for 32k tokens);
+4. the agreement check: every trained token of each rollout, the trainer's logprob with the
    weights that sampled it against the engine's.
+
+A real engine keeps the trained weights when the example ends (the report names the version it
+served before, `initial_version`).
 
 Each task's verifier passes for the first sample scored and fails the others, so every group
 has rewards 1 and 0 and every step has a gradient. Prints a JSON report; `main()` returns it.
@@ -74,6 +83,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, required=True, help="A directory for the model, weights and logs.")
     ap.add_argument("--tokenizer", help="Tokenizer directory [default: build/cache the offline Qwen one].")
+    ap.add_argument(
+        "--engine",
+        choices=["fake-hf", "sglang", "vllm"],
+        default="fake-hf",
+        help="What samples: polar-mitm's HF engine (started here), or a real SGLang or vLLM at --engine-url.",
+    )
+    ap.add_argument("--engine-url", help="--engine sglang|vllm: the running engine, serving --model.")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="The weights the engine serves at the start (a Hugging Face directory) [fake-hf: a tiny "
+        "Qwen2 built in --work].",
+    )
     ap.add_argument("--samples", type=int, default=2, help="Samples per task (GRPO's group).")
     ap.add_argument("--steps", type=int, default=2, help="Optimizer steps (one rollout each).")
     ap.add_argument("--harness-cmd", default=json.dumps(CLAUDE), help="The harness command, as a JSON list.")
@@ -85,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="Tokens per turn at most (a trained tiny model may stop less).",
     )
     a = ap.parse_args(argv)
+    if a.engine != "fake-hf" and not (a.engine_url and a.model):
+        ap.error(f"--engine {a.engine} needs --engine-url (the running engine) and --model (what it serves)")
 
     import pyarrow.parquet as pq
     import torch
@@ -92,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
+    from polar_mitm.backends.weights import EngineWeights
     from polar_mitm.bridges.trl import PolarGRPOTrainer, PolarRollout, WeightSync
     from polar_mitm.fake.hf import load_causal_lm, tiny_causal_lm
     from polar_mitm.reconstruct.agreement import check
@@ -103,20 +128,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from polar_mitm.backends.tokenizer_build import ensure_tokenizer
 
         a.tokenizer = str(ensure_tokenizer("qwen"))
-    model0 = tiny_causal_lm(a.tokenizer, work / "model-0")
+    model0 = a.model.resolve() if a.model else tiny_causal_lm(a.tokenizer, work / "model-0")
 
     token = secrets.token_urlsafe(24)
     env = {**os.environ, "POLAR_MITM_SERVICE_TOKEN": token, "XDG_CONFIG_HOME": str(work / "config")}
-    engine_port, service_port = free_port(), free_port()
-    engine_url, service_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{service_port}"
+    service_port = free_port()
+    service_url = f"http://127.0.0.1:{service_port}"
     procs = []
     try:
-        procs.append(subprocess.Popen(
-            [*POLAR, "fake-backend", "--mode", "hf", "--model", str(model0), "--tokenizer", a.tokenizer,
-             "--port", str(engine_port)],
-            stdout=(work / "engine.log").open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        ))  # fmt: skip
-        wait_http(engine_url)
+        if a.engine == "fake-hf":
+            engine_port = free_port()
+            engine_url = f"http://127.0.0.1:{engine_port}"
+            procs.append(subprocess.Popen(
+                [*POLAR, "fake-backend", "--mode", "hf", "--model", str(model0), "--tokenizer", a.tokenizer,
+                 "--port", str(engine_port)],
+                stdout=(work / "engine.log").open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            ))  # fmt: skip
+            wait_http(engine_url)
+        else:
+            engine_url = a.engine_url.rstrip("/")
+        kind = "vllm" if a.engine == "vllm" else "sglang"  # the fake speaks SGLang's API
+        initial_version = EngineWeights(engine_url, kind).version()
         procs.append(subprocess.Popen(
             [*POLAR, "serve", "--listen", f"127.0.0.1:{service_port}", "--nodes", "1", "--allow-local-runtime",
              "--max-tokens-cap", str(a.max_tokens), "--backend", engine_url, "--tokenizer", a.tokenizer, "--db", str(work / "service.sqlite")],
@@ -143,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return groups
 
         rollout.rollout = keep  # type: ignore[method-assign]
-        sync = WeightSync(engine_url, work / "weights", client=rollout.client, keep=0)
+        sync = WeightSync(engine_url, work / "weights", client=rollout.client, engine=kind, keep=0)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(str(model0), dtype=torch.float32)
         args = GRPOConfig(
@@ -177,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         w0, w1 = load_causal_lm(model0), model
         changed = any(not torch.equal(p, q) for p, q in zip(w0.parameters(), w1.parameters(), strict=True))
         report = {
+            "engine": a.engine,
+            "initial_version": initial_version,
             "rollouts": len(history),
             "turn_versions": [versions(h) for h in history],
             "rewards": [[s.reward for g in h for s in g.samples] for h in history],

@@ -21,6 +21,9 @@ from pydantic import BaseModel
 
 from polar_mitm.neutral import ProviderError, Sampling
 
+# What opens vLLM's development endpoints (`/weight_info`, `/pause`, `/collective_rpc`, …).
+VLLM_DEV_MODE = "start vLLM with VLLM_SERVER_DEV_MODE=1"
+
 
 class EngineUnreachable(ProviderError):
     """The engine did not answer at the HTTP level (refused, reset, timed out): a retryable
@@ -104,7 +107,14 @@ class ModelInfo(BaseModel):
     def describe(self) -> str:
         """One line naming the front, for the preflight."""
         if self.front == "vllm":
-            return f"a vLLM engine (logprobs of the {self.logprobs_mode or 'unknown'} distribution)"
+            version = (
+                f"weight version {self.weight_version}"
+                if self.weight_version is not None
+                else f"no weight version: it serves no /weight_info ({VLLM_DEV_MODE})"
+            )
+            return (
+                f"a vLLM engine (logprobs of the {self.logprobs_mode or 'unknown'} distribution; {version})"
+            )
         if self.front == "router":
             where = f"; server info from worker {self.server_info_from}" if self.server_info_from else ""
             return f"an SGLang router with {len(self.workers)} worker(s){where}"

@@ -111,6 +111,16 @@ class EngineClient:
         except (aiohttp.ClientError, OSError) as e:
             raise EngineUnreachable(base, e) from e
 
+    async def vllm_weight_version(self, url: str | None = None) -> str | None:
+        """The weight version the vLLM engine at `url` (default: ours) serves now; None where it
+        serves none (`vllm.weight_version`). Raises EngineTimeout or EngineUnreachable when it
+        does not answer."""
+        base = (url or self.base_url).rstrip("/")
+        try:
+            return await vllm.weight_version(self, base)  # a timeout is EngineTimeout already
+        except (aiohttp.ClientError, OSError) as e:
+            raise EngineUnreachable(base, e) from e
+
     async def get_json(self, base: str, path: str, *, optional: bool = False) -> dict[str, Any]:
         """An info endpoint's JSON object; {} when the server lacks it or answers oddly. SGLang
         reports server args in /get_server_info and max_model_len in /v1/models.

@@ -4,8 +4,9 @@ module is an `EngineAPI`.
 `POST /v1/completions` with the prompt as token ids, `return_token_ids` (vLLM >= 0.10.2:
 `choices[].token_ids`, `prompt_token_ids`), `logprobs` (`choices[].logprobs.token_logprobs`, the
 sampled tokens' logprobs), delta streaming; its `finish_reason` / `stop_reason` are read into
-SGLang's finish-reason shape, so the policy handles both engines alike. vLLM reports no weight
-version. Its model card is `/v1/models`; what its logprobs are of is asked of `/server_info`, or
+SGLang's finish-reason shape, so the policy handles both engines alike. vLLM's replies name no
+weight version: where it serves `GET /weight_info` (`VLLM_SERVER_DEV_MODE=1`), `weight_version`
+reads the one it serves now (the policy decides when, `polar_mitm.policy.versions`). Its model card is `/v1/models`; what its logprobs are of is asked of `/server_info`, or
 probed with one token.
 """
 
@@ -22,6 +23,7 @@ from polar_mitm.backends.engine_api import (
     ModelInfo,
     positive,
     shared_params,
+    status_error,
     unreadable,
 )
 from polar_mitm.neutral import ProviderError, Sampling
@@ -149,7 +151,27 @@ async def model_info(fetch: Fetch, base: str) -> ModelInfo:
         front="vllm",
         server_info_from="engine",
         logprobs_mode=await logprobs_mode(fetch, base),
+        weight_version=await weight_version(fetch, base),
     )
+
+
+async def weight_version(fetch: Fetch, base: str) -> str | None:
+    """The weight version the engine at `base` serves now (`GET /weight_info`); None where it
+    serves none (404 without `VLLM_SERVER_DEV_MODE=1`). A timeout raises EngineTimeout."""
+    status, text = await fetch.get_text(base, "/weight_info")
+    if status == 404:
+        return None
+    if status != 200:
+        raise status_error(status, text)
+    try:
+        version = json.loads(text)["weight_version"]
+    except (ValueError, KeyError, TypeError):
+        version = None
+    if not isinstance(version, str):
+        raise ProviderError(
+            "api_error", f"policy backend {base} sent an unreadable /weight_info: {text[:200]!r}", 502
+        )
+    return version
 
 
 async def logprobs_mode(fetch: Fetch, base: str) -> str | None:

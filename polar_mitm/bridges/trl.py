@@ -23,8 +23,10 @@ tells how many it had, and the rows left out are logged as TRL's `polar/rows_dro
   prompt is a key of `tasks` (a `Task`, or a path the server can read), or an instruction.
 - `polar_reward`: the reward function (the task's own verifier's reward).
 - `WeightSync`: a trainer callback that, after each optimizer step, saves the weights, pauses the
-  service (`/v1/admin/pause`, in-flight turns drain), has the engine load them (SGLang's
-  `/update_weights_from_disk` with the new `weight_version`), and resumes with that version.
+  service (`/v1/admin/pause`, in-flight turns drain), has the engine load them with the new
+  weight version (`polar_mitm.backends.weights`: SGLang's `/update_weights_from_disk`, vLLM's
+  pause, `reload_weights`, prefix-cache reset, `update_weight_version`, resume), and resumes the
+  service with that version.
 - `PolarGRPOTrainer`: `GRPOTrainer` with the three wired in, and TRL's importance-sampling
   correction against the engine's logprobs (`vllm_importance_sampling_correction`) applied: TRL
   applies it only on its vLLM path, so the subclass marks that path on with a weight-sync hook
@@ -44,8 +46,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from polar_mitm.backends.weights import EngineWeights, Kind
 from polar_mitm.bridges import check_row_choice, chosen_row, rows_by_sample
 from polar_mitm.client import Group, RolloutClient, Sample
 from polar_mitm.outcomes import trainable
@@ -234,8 +235,9 @@ def _trainer_callback_base() -> type:
 
 class WeightSync(_trainer_callback_base()):  # type: ignore[misc]
     """After each optimizer step: save the weights, pause the service, load them into the engine
-    (`/update_weights_from_disk` with `weight_version` = the global step), resume with that
-    version. Turns sampled from then on record it; `max_staleness` counts from it.
+    with `weight_version` = the global step (`EngineWeights`: SGLang's or vLLM's way, `engine`
+    says which; "auto" asks the engine once), resume with that version. Turns sampled from then on
+    record it; `max_staleness` counts from it.
 
     `client` None: no service (the engine is updated directly, nothing is paused). `keep` saved
     weight directories are kept (the engine may still be reading the newest)."""
@@ -246,6 +248,7 @@ class WeightSync(_trainer_callback_base()):  # type: ignore[misc]
         save_dir: str | Path,
         client: RolloutClient | None = None,
         *,
+        engine: Kind = "auto",
         api_key: str | None = None,
         pause_timeout: float = 120.0,
         keep: int = 2,
@@ -254,7 +257,7 @@ class WeightSync(_trainer_callback_base()):  # type: ignore[misc]
         self.engine_url = engine_url.rstrip("/")
         self.save_dir = Path(save_dir)
         self.client = client
-        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.engine = EngineWeights(self.engine_url, engine, api_key=api_key, timeout=pause_timeout)
         self.pause_timeout = pause_timeout
         self.keep, self.every = keep, every
         self.pushed: list[dict[str, Any]] = []  # what each push did: step, version, path, drained
@@ -272,18 +275,7 @@ class WeightSync(_trainer_callback_base()):  # type: ignore[misc]
                 )
         resumed_as: str | None = None
         try:
-            r = httpx.post(
-                f"{self.engine_url}/update_weights_from_disk",
-                json={"model_path": str(path), "weight_version": version, "abort_all_requests": False},
-                headers=self.headers,
-                timeout=self.pause_timeout,
-            )
-            reply = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-            if r.status_code != 200 or not reply.get("success"):
-                raise RuntimeError(
-                    f"the engine at {self.engine_url} refused the weights in {path}: HTTP {r.status_code} "
-                    f"{reply.get('message') or r.text[:300]}"
-                )
+            record.update(self.engine.load(str(path), version))
             resumed_as = version
         finally:
             if self.client is not None:  # resume even after a failed update, on the old version

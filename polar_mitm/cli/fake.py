@@ -53,6 +53,13 @@ import click
     show_default=True,
     help="Whose HTTP API to speak: SGLang's native one, or vLLM's (/v1/completions with token ids).",
 )
+@click.option(
+    "--vllm-dev-mode/--no-vllm-dev-mode",
+    default=True,
+    show_default=True,
+    help="--api vllm: serve vLLM's development endpoints (/weight_info, /update_weight_version, /pause, "
+    "/resume, /is_paused, /collective_rpc, /reset_prefix_cache), as VLLM_SERVER_DEV_MODE=1 opens them.",
+)
 def fake_backend(
     host,
     port,
@@ -67,6 +74,7 @@ def fake_backend(
     model_path,
     api_key,
     api,
+    vllm_dev_mode,
 ):
     """An SGLang-compatible policy server for demos and CI (no GPU, no model).
 
@@ -78,7 +86,8 @@ def fake_backend(
     Speaks SGLang's /generate (input_ids or text, streaming, logprobs), /model_info, /health,
     /v1/models and /v1/chat/completions. The default script calls the harness's shell tool for
     "Create FILE containing WORD" and "run: CMD", then answers "Done. The command finished."
-    With --mode hf it also serves SGLang's /update_weights_from_disk.
+    With --mode hf it also serves SGLang's /update_weights_from_disk (with --api vllm: vLLM's
+    POST /collective_rpc reload_weights).
     """
     from polar_mitm.fake import FakeBackendConfig, load_script, serve
 
@@ -102,6 +111,7 @@ def fake_backend(
         model_path=model_path,
         api_key=api_key,
         api=api,
+        vllm_dev_mode=vllm_dev_mode,
     )
     try:
         serve(cfg, host, port)

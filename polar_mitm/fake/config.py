@@ -36,6 +36,9 @@ class FakeBackendConfig(BaseModel):
     hang_seconds: float = 3600.0  # how long a "hang" fault holds a request open
     api_key: str | None = None  # SGLang's --api-key: calls without the bearer token get 401
     api: Literal["sglang", "vllm"] = "sglang"  # vllm: vLLM's /v1/completions and model card only
+    # api vllm: its development endpoints (/weight_info, /pause, /collective_rpc, …), as
+    # VLLM_SERVER_DEV_MODE=1 opens them; off: 404 there, as vLLM's default.
+    vllm_dev_mode: bool = True
 
     def rules(self) -> list[Rule]:
         return list(self.script) if self.script is not None else list(DEFAULT_SCRIPT)

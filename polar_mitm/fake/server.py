@@ -59,7 +59,7 @@ from polar_mitm.fake.contract import (
 from polar_mitm.fake.engine import Engine
 from polar_mitm.fake.serving import _drop, _Handlers, _Item
 from polar_mitm.fake.state import STATE, FakeBackendState, Fault, FaultMode
-from polar_mitm.fake.vllm import _Completions
+from polar_mitm.fake.vllm import _Completions, _Dev
 
 SGLANG_VERSION_EMULATED = "0.5.x"
 
@@ -342,6 +342,7 @@ class _Server(_Handlers):
         s.prompt_cache.clear()
         s.draws.clear()
         s.weight_version = s.config.weight_version
+        s.resumed.set()
         return _json({"success": True})
 
     async def fake_state(self, request: web.Request) -> web.Response:
@@ -407,6 +408,15 @@ def create_app(config: FakeBackendConfig) -> web.Application:
         r.add_get("/v1/models", completions.models)
         r.add_get("/version", completions.version)
         r.add_get("/health", server.health)
+        if config.vllm_dev_mode:
+            dev = _Dev(state)
+            r.add_get("/weight_info", dev.weight_info)
+            r.add_post("/update_weight_version", dev.update_weight_version)
+            r.add_post("/pause", dev.pause)
+            r.add_post("/resume", dev.resume)
+            r.add_get("/is_paused", dev.is_paused)
+            r.add_post("/collective_rpc", dev.collective_rpc)
+            r.add_post("/reset_prefix_cache", dev.reset_prefix_cache)
         _admin(r, server)
         app.on_shutdown.append(_on_shutdown)
         return app

@@ -100,6 +100,12 @@ class _InFlight:
     aborted: bool = False
 
 
+def _set_event() -> asyncio.Event:
+    e = asyncio.Event()
+    e.set()
+    return e
+
+
 @dataclass
 class FakeBackendState:
     """What one fake server remembers; tests reach it as `app[STATE]`."""
@@ -117,6 +123,7 @@ class FakeBackendState:
     hanging: int = 0  # requests a `hang` fault holds now
     draws: Counter[int] = field(default_factory=Counter)  # samples drawn so far, per prompt
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
+    resumed: asyncio.Event = field(default_factory=_set_event)  # cleared by vLLM's /pause
     started_at: float = field(default_factory=time.time)
 
     def take_fault(self, path: str) -> FaultMode | None:

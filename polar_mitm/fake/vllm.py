@@ -18,11 +18,22 @@ Checked against vLLM's `entrypoints/openai/completion/protocol.py` (`CompletionR
   usage chunk with no choices when `include_usage`, then `data: [DONE]`.
 - Errors are vLLM's `ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`.
 - `GET /v1/models` has `owned_by: "vllm"`, `root` and `max_model_len`; `GET /health` is 200 and
-  empty; `GET /version`. No SGLang endpoint answers in this mode. vLLM reports no weight version.
+  empty; `GET /version`. No SGLang endpoint answers in this mode; replies name no weight version.
+- vLLM's development endpoints, served as with `VLLM_SERVER_DEV_MODE=1` unless `vllm_dev_mode` is
+  off (then 404, as vLLM without it), checked against vLLM 0.32's `entrypoints/serve/dev/`
+  routers: `GET /weight_info` → `{"weight_version"}`; `POST /update_weight_version
+  {"new_version"}` → `{"success": true, "new_version"}`; `POST /pause?mode=abort|wait|keep` →
+  `{"status": "paused"}` (abort: the generations under way end with `finish_reason` `abort`;
+  wait: it answers once they finished; new ones wait until `/resume`; the fake's keep lets those
+  under way finish, where vLLM freezes them); `POST /resume` → `{"status": "resumed"}`; `GET
+  /is_paused` → `{"is_paused"}`; `POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path"}}` loads the weights in place (`--mode hf`) → `{"results": [null]}`; `POST
+  /reset_prefix_cache` empties the prefix cache → `{"success": true}`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -36,8 +47,10 @@ from polar_mitm.fake.serving import _drop, _Handlers, _Item
 VLLM_VERSION_EMULATED = "0.11.x"
 
 
-def _error(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
-    return _json({"error": {"message": message, "type": err_type, "param": None, "code": status}}, status)
+def _error(
+    message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None
+) -> web.Response:
+    return _json({"error": {"message": message, "type": err_type, "param": param, "code": status}}, status)
 
 
 class _Completions(_Handlers):
@@ -149,6 +162,7 @@ class _Completions(_Handlers):
             "created": int(time.time()),
             "model": self.s.config.served_model_name or self.s.config.model_path,
         }
+        await self.s.resumed.wait()  # a paused engine (`/pause`) holds new generations
         gen = self._start(item)
         engine = self.s.engine
         if not stream:
@@ -216,6 +230,94 @@ class _Completions(_Handlers):
 
     async def version(self, request: web.Request) -> web.Response:
         return _json({"version": f"polar-mitm-fake (emulating vllm {VLLM_VERSION_EMULATED})"})
+
+
+class _Dev(_Handlers):
+    """vLLM's development endpoints (`VLLM_SERVER_DEV_MODE=1`): what an RL trainer drives."""
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        self._log(request, b"")
+        return _json({"weight_version": self.s.weight_version})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body, raw, err = await _read_json(request)
+        self._log(request, raw)
+        if err is not None:
+            return err
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str):
+            return _validation_error(
+                {"type": "missing", "loc": "body.new_version", "msg": "Field required", "input": body}
+            )
+        self.s.weight_version = version
+        return _json({"success": True, "new_version": version})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self._log(request, await request.read())
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            expected = "'abort', 'wait' or 'keep'"
+            return _validation_error(
+                {"type": "literal_error", "loc": "query.mode", "msg": f"Input should be {expected}",
+                 "input": mode, "ctx": {"expected": expected}}
+            )  # fmt: skip
+        self.s.resumed.clear()
+        if mode == "abort":
+            for flight in self.s.in_flight.values():
+                flight.aborted = True
+        elif mode == "wait":
+            while self.s.in_flight and not self.s.shutting_down.is_set():
+                await asyncio.sleep(0.01)
+        return _json({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self._log(request, await request.read())
+        self.s.resumed.set()
+        return _json({"status": "resumed"})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return _json({"is_paused": not self.s.resumed.is_set()})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body, raw, err = await _read_json(request)
+        self._log(request, raw)
+        if err is not None:
+            return err
+        method = body.get("method") if isinstance(body, dict) else None
+        if method is None:
+            return _error("Missing 'method' in request body", 400, "Bad Request")
+        kwargs = body.get("kwargs") or {}
+        path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
+        if method != "reload_weights" or not isinstance(path, str):
+            return _error(
+                f"the fake serves collective_rpc reload_weights(weights_path) only: {method}",
+                500,
+                SERVER_ERROR,
+            )
+        engine = self.s.engine
+        if self.s.config.mode != "hf":
+            return _error("this fake backend has no weights (run it with --mode hf)", 500, SERVER_ERROR)
+        try:
+            engine.hf.load(path)  # type: ignore[attr-defined]  # HFEngine: mode hf
+        except (OSError, ValueError, RuntimeError) as e:
+            return _error(f"reload_weights failed: {e}", 500, SERVER_ERROR)
+        return _json({"results": [None]})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self._log(request, await request.read())
+        self.s.prompt_cache.clear()
+        return _json({"success": True})
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+SERVER_ERROR = "Internal Server Error"
+
+
+def _validation_error(error: dict[str, Any]) -> web.Response:
+    """vLLM's answer to a request FastAPI finds invalid: a 400 ErrorResponse naming the field."""
+    return _error(f"1 validation error:\n  {error}", 400, "Bad Request", error["loc"])
 
 
 def _finish_reason(finish: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from polar_mitm.policy.discovery import Discovery
 from polar_mitm.policy.gate import WeightGate
 from polar_mitm.policy.generate import Generation
 from polar_mitm.policy.prompt import Prompts
+from polar_mitm.policy.versions import WeightVersions
 from polar_mitm.store.writer import Store
 
 log = logging.getLogger("polar_mitm.policy")
@@ -53,9 +54,19 @@ class Policy:
         )
         self.discovery = Discovery(config, self.client, self.engines, model_info)
         self.weights = WeightGate(config.ping_interval)
+        self.versions = WeightVersions(self.client)
+        if model_info is not None and model_info.front == "vllm" and model_info.weight_version is None:
+            self.versions.absent(urls[0])  # the preflight said so
         self.prompts = Prompts(config, store, self.discovery)
         self.generation = Generation(
-            config, store, self.client, self.engines, self.discovery, self.prompts, self.weights
+            config,
+            store,
+            self.client,
+            self.engines,
+            self.discovery,
+            self.prompts,
+            self.weights,
+            self.versions,
         )
         self._turns: weakref.WeakSet[AsyncGenerator[Event, None]] = weakref.WeakSet()  # streams under way
         self._closing = False
@@ -83,6 +94,8 @@ class Policy:
         self.weights.pause()
 
     def resume(self) -> None:
+        """Open the gate; vLLM's weight version is read again (the trainer may have set another)."""
+        self.versions.stale()
         self.weights.resume()
 
     # -- what the engines are --------------------------------------------------------------------
@@ -132,6 +145,7 @@ class Policy:
         that it had nothing to store) while the store is open; the caller closes the store after."""
         self._closing = True
         await self._end_turns()
+        await self.versions.close()
         await self.engines.close()
         await self.client.close()
 

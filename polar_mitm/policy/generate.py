@@ -45,6 +45,7 @@ from polar_mitm.policy.discovery import Discovery
 from polar_mitm.policy.gate import WeightGate
 from polar_mitm.policy.prompt import Prompts, join_ids
 from polar_mitm.policy.record import build_completion, reasoning_token_count, turn_record
+from polar_mitm.policy.versions import WeightVersions
 from polar_mitm.store.turn import Turn
 from polar_mitm.store.writer import Store
 
@@ -114,7 +115,10 @@ class _RenderTurn:
     key: str
     engine: Engine
     gen: GenerateStream
+    vllm: bool = False
     logprobs_mode: str | None = None  # what the engine's logprobs are of (backends/logprobs.py)
+    # vLLM's weight version for this turn (`WeightVersions.reading`; SGLang's comes in its reply).
+    version: asyncio.Future[str | None] | None = None
     started: bool = False  # the harness was sent Started
     error: str | None = None  # why the turn failed, once it did
     committed: bool = False  # its record is in the store
@@ -136,7 +140,9 @@ class _RenderTurn:
             ref_len=self.ref_len,
             output_ids=state.output_ids,
             output_logprobs=state.output_logprobs,
-            weight_version=state.weight_version,
+            weight_version=state.weight_version
+            if state.weight_version is not None
+            else WeightVersions.value(self.version),
             msg_hash=self.hashes[-1],
             error=self.error,
             started=self.t0,
@@ -157,6 +163,7 @@ class Generation:
         discovery: Discovery,
         prompts: Prompts,
         gate: WeightGate,
+        versions: WeightVersions,
     ):
         self.config = config
         self.store = store
@@ -165,6 +172,7 @@ class Generation:
         self.discovery = discovery
         self.prompts = prompts
         self.gate = gate
+        self.versions = versions
         self._warned: set[str] = set()  # logprob mismatches already logged
 
     async def logprobs_mode(self, req: ChatRequest, ask: bool = True) -> str | None:
@@ -271,6 +279,8 @@ class Generation:
             async for ev in self.gate.through(turn.turn_id, len(turn.prompt_ids)):
                 turn.started = True
                 yield ev
+            if turn.vllm:  # past the gate: read beside the generation where it may have changed
+                turn.version = self.versions.reading(turn.engine.url, ctx.session_id)
             with self.gate.generation():
                 async with contextlib.aclosing(self._run(turn)) as events:
                     async for ev in events:
@@ -355,6 +365,7 @@ class Generation:
             key=key,
             engine=engine,
             gen=gen,
+            vllm=api.NAME == "vllm",
             logprobs_mode=lp_mode,
         )
 
@@ -389,6 +400,7 @@ class Generation:
         if _aborted(state.finish_reason):
             aborted = abort_error(state.finish_reason, turn.engine.url)
             turn.error = aborted.message
+            await WeightVersions.settle(turn.version)
             # Recorded once, here, before the harness hears of it: the sampled tokens are kept.
             await asyncio.shield(self.store.insert_turn(turn.record("aborted", None, finish_reason="abort")))
             turn.committed = True
@@ -416,6 +428,7 @@ class Generation:
                 turn.tok, state.output_ids, turn.reasoning_parser, bool(parser.reasoning)
             ),
         )
+        await WeightVersions.settle(turn.version)
         await asyncio.shield(self.store.insert_turn(turn.record("ok", completion)))
         turn.committed = True
         self.prompts.keep_key(turn.turn_id, turn.key)
@@ -443,6 +456,7 @@ class Generation:
         hashes, echo = await self.prompts.echoed_turn(req, ctx.session_id)
         key = self.prompts.routing_key(req, ctx.session_id, hashes, echo[0] if echo is not None else None)
         engine = self.engines.pick(key)
+        version = self.versions.reading(engine.url, ctx.session_id) if self.engines.kind == "vllm" else None
         task = asyncio.ensure_future(
             self.client.chat(chat_body(req, max_tokens), url=engine.url, routing_key=key)
         )
@@ -477,6 +491,7 @@ class Generation:
             await self.prompts.extends(result.prompt_ids, echo[0]) if echo is not None else (None, 0)
         )
         calls = [c.model_copy(update={"id": new_call_id(ctx.id_prefix)}) for c in result.tool_calls]
+        await WeightVersions.settle(version)
         completion = build_completion(
             turn_id,
             req,
@@ -501,7 +516,9 @@ class Generation:
             ref_len=ref_len,
             output_ids=result.output_ids,
             output_logprobs=result.output_logprobs,
-            weight_version=result.weight_version,
+            weight_version=result.weight_version
+            if result.weight_version is not None
+            else WeightVersions.value(version),
             msg_hash=hashes[-1],
             error=aborted.message if aborted else None,
             started=t0,

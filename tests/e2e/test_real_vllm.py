@@ -181,8 +181,9 @@ def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(
     tmp_path, vllm_server, hop, vllm_model_dir, qwen_tokenizer_dir
 ):
     """vLLM's in-place reload (pause, collective_rpc reload_weights, reset_prefix_cache,
-    update_weight_version, resume): the second session's logprobs are the new weights' (within
-    1e-4 of transformers' over the new checkpoint), not the old ones'."""
+    update_weight_version, resume): the second session's turns carry the new version (vLLM's
+    `/weight_info`) and its logprobs are the new weights' (within 1e-4 of transformers' over the
+    new checkpoint), not the old ones'."""
     require_binary("claude")
     db = tmp_path / "runs.sqlite"
     claude = ["claude", "-p", "Say hello"]
@@ -200,12 +201,67 @@ def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(
         assert r.returncode == 0, r.stderr
         second = assert_store_is_what_vllm_said(db, "w-after", hop.exchanges, streamed=True)
         assert first and second
+        assert {t.weight_version for t in first} == {before}
+        assert {t.weight_version for t in second} == {"step-2"}
         # The second session's logprobs are the new checkpoint's, and not the old one's.
         rc, report = check_logprobs(db, other, "w-after", 1.0)
         assert rc == 0 and report["tokens"] > 0 and report["max_abs"] < 1e-4, report
         assert check_logprobs(db, vllm_model_dir, "w-after", 1.0)[0] != 0
     finally:  # the server is the session's: give it back its weights
         vllm_server.reload_weights(vllm_model_dir, before)
+
+
+# The calls a trainer makes that leave the engine as it was (a pause is resumed at once).
+DEV_CALLS = [
+    ("GET", "/weight_info", None),
+    ("GET", "/is_paused", None),
+    ("POST", "/update_weight_version", {}),
+    ("POST", "/pause?mode=sometimes", {}),
+    ("POST", "/collective_rpc", {}),
+    ("POST", "/reset_prefix_cache", {}),
+    ("POST", "/pause", {}),
+    ("GET", "/is_paused", None),
+    ("POST", "/resume", {}),
+    ("GET", "/is_paused", None),
+]
+
+
+def shape(value):
+    """A JSON value's structure: the keys of objects, the types of the rest (messages differ)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    return type(value).__name__
+
+
+async def test_the_fakes_development_endpoints_answer_as_vllms(vllm_server, qwen_tokenizer_dir):
+    """Real vLLM 0.32 (`VLLM_SERVER_DEV_MODE=1`) and the fake's vLLM mode, the same calls side by
+    side: the same statuses, JSON of the same shape, and the same JSON where it names no message."""
+    import aiohttp
+
+    from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+
+    async def answers(url: str) -> list[tuple[int, object]]:
+        out = []
+        async with aiohttp.ClientSession() as http:
+            for method, path, body in DEV_CALLS:
+                async with http.request(method, url + path, json=body) as r:
+                    out.append((r.status, await r.json(content_type=None)))
+        return out
+
+    runner, fake_url = await start_fake_backend(
+        FakeBackendConfig(tokenizer_path=str(qwen_tokenizer_dir), api="vllm", weight_version="default")
+    )
+    try:
+        real, fake = await answers(vllm_server.url), await answers(fake_url)
+    finally:
+        await runner.cleanup()
+    for (method, path, _), (rs, rj), (fs, fj) in zip(DEV_CALLS, real, fake, strict=True):
+        assert (rs, shape(rj)) == (fs, shape(fj)), (method, path, rj, fj)
+        if rs == 200:
+            assert rj == fj, (path, rj, fj)
+        else:
+            assert rj["error"]["param"] == fj["error"]["param"], (path, rj, fj)
+    assert real[0][1] == {"weight_version": "default"} and real[-1][1] == {"is_paused": False}
 
 
 def test_a_request_at_temperature_half_stores_the_tempered_distributions_logprobs(

@@ -431,7 +431,8 @@ async def test_vllm_render_mode_is_token_exact_against_the_vllm_fake(tmp_path, q
         )
         # The fake reports logprobs as vLLM's default does at temperature 1: one token sampled at
         # top_k 1 has its share of the whole distribution, so the mode is raw, and said.
-        assert said[0] == f"{url} is a vLLM engine (logprobs of the raw distribution)" and len(said) == 2
+        assert said[0] == f"{url} is a vLLM engine (logprobs of the raw distribution; weight version 0)"
+        assert len(said) == 2
         assert "--logprobs-mode processed_logprobs" in said[1]
         assert info.logprobs_mode == "raw"
         async with aiohttp.ClientSession() as http, http.get(url + "/model_info") as r:
@@ -463,7 +464,7 @@ async def test_vllm_render_mode_is_token_exact_against_the_vllm_fake(tmp_path, q
             again = await vllm_replay(url, t.prompt_ids, 200)
             assert again["token_ids"] == t.output_ids
             assert again["logprobs"]["token_logprobs"] == t.output_logprobs
-            assert t.weight_version is None  # vLLM reports none
+            assert t.weight_version == "0"  # what its /weight_info says (the replies name none)
         bodies = [q["body"] for q in await requests_of_path(url, "/v1/completions")]
         # The logprobs-mode probes (the preflight's, the rig's own discovery's), then the turns.
         probes = [b for b in bodies if b["prompt"] == [0]]
@@ -487,6 +488,138 @@ async def test_vllm_finish_reasons_and_abort(tmp_path, qwen_tokenizer_dir):
             assert status == 529 and "aborted the generation" in json.dumps(reply)
             rows = await rig.store.query("SELECT status, finish_reason FROM turns ORDER BY id")
             assert rows[-1] == ("aborted", "abort")
+    finally:
+        await runner.cleanup()
+
+
+async def post_json(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.post(url + path, json=body or {}) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def turn_of(rig: Rig, session: str, text: str) -> str | None:
+    """One turn of `session` through the rig; the weight version it was stored with."""
+    await rig.store.ensure_session(session)
+    body = {"model": MODEL, "max_tokens": 8, "messages": [user(text)]}
+    status, _, raw = await rig.gw.post("anthropic", body, headers={"x-polar-session": session})
+    assert status == 200, raw
+    rows = await rig.store.query("SELECT weight_version FROM turns ORDER BY id DESC LIMIT 1")
+    return rows[0][0]
+
+
+async def test_vllm_turns_carry_the_weight_version_it_serves_read_once_per_session_and_after_a_resume(
+    tmp_path, qwen_tokenizer_dir
+):
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm")
+    try:
+        async with Rig(tmp_path, qwen_tokenizer_dir, url, backend_kind="vllm") as rig:
+            assert await turn_of(rig, "a", "hi") == "0"
+            reads = len(await requests_of_path(url, "/weight_info"))
+            assert [await turn_of(rig, "a", f"hi {i}") for i in range(3)] == ["0", "0", "0"]
+            assert len(await requests_of_path(url, "/weight_info")) == reads  # once a session, not a turn
+
+            # A trainer names a new version between rollouts: the next session's turns carry it.
+            assert await post_json(url, "/update_weight_version", {"new_version": "step-1"}) == (
+                200,
+                {"success": True, "new_version": "step-1"},
+            )
+            assert await turn_of(rig, "b", "hello") == "step-1"
+            # Within a session the reading holds (a direct update without the gate is seen within
+            # MAX_AGE); the gate's pause and resume (the service's weight sync) reads it again.
+            await post_json(url, "/update_weight_version", {"new_version": "step-2"})
+            assert await turn_of(rig, "b", "again") == "step-1"
+            rig.policy.pause()
+            rig.policy.resume()
+            assert await turn_of(rig, "b", "once more") == "step-2"
+            assert await turn_of(rig, "a", "back") == "step-2"
+            assert len(await requests_of_path(url, "/weight_info")) == reads + 2
+
+            rig.policy.versions.max_age = 0.0  # a reading older than max_age is read again
+            await post_json(url, "/update_weight_version", {"new_version": "step-3"})
+            assert await turn_of(rig, "a", "later") == "step-3"
+    finally:
+        await runner.cleanup()
+
+
+async def test_vllm_without_dev_mode_says_so_once_and_its_turns_carry_no_version(
+    tmp_path, qwen_tokenizer_dir, caplog
+):
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm", vllm_dev_mode=False)
+    said: list[str] = []
+    try:
+        info = await check_policy(PolicyConfig(backend_url=url, backend_kind="vllm"), progress=said.append)
+        assert info.weight_version is None
+        assert said[0].endswith(
+            "no weight version: it serves no /weight_info (start vLLM with VLLM_SERVER_DEV_MODE=1))"
+        )
+        async with Rig(tmp_path, qwen_tokenizer_dir, url, backend_kind="vllm") as rig:  # no preflight
+            with caplog.at_level("WARNING", logger="polar_mitm.policy"):
+                versions = [await turn_of(rig, s, "hi") for s in ("a", "b", "c")]
+            assert versions == [None, None, None]
+            warned = [r.getMessage() for r in caplog.records if "/weight_info" in r.getMessage()]
+            assert len(warned) == 1 and "VLLM_SERVER_DEV_MODE=1" in warned[0], warned
+            assert len(await requests_of_path(url, "/weight_info")) == 0  # 404s are not logged
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_paused_vllm_aborts_what_runs_holds_new_requests_until_resumed(tmp_path, qwen_tokenizer_dir):
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm", token_delay=0.05)
+    body = {"prompt": [9707] * 4, "max_tokens": 200, "logprobs": 0, "return_token_ids": True}
+    try:
+        running = asyncio.ensure_future(post_json(url, "/v1/completions", body))
+        await wait_until_async(lambda: runner.app[STATE].in_flight)
+        assert await post_json(url, "/pause") == (200, {"status": "paused"})
+        status, reply = await running
+        assert status == 200 and reply["choices"][0]["finish_reason"] == "abort"
+        status, reply = await post_json(url, "/pause?mode=sometimes")
+        assert status == 400 and reply["error"]["param"] == "query.mode", reply
+        async with aiohttp.ClientSession() as http, http.get(url + "/is_paused") as r:
+            assert await r.json() == {"is_paused": True}
+        held = asyncio.ensure_future(post_json(url, "/v1/completions", {**body, "max_tokens": 2}))
+        await asyncio.sleep(0.3)
+        assert not held.done()  # waits for /resume
+        assert await post_json(url, "/resume") == (200, {"status": "resumed"})
+        status, reply = await held
+        assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
+        assert await post_json(url, "/reset_prefix_cache") == (200, {"success": True})
+    finally:
+        await runner.cleanup()
+
+
+async def test_engine_weights_drive_vllms_reload_in_order_and_resume_it_when_a_step_fails(
+    qwen_tokenizer_dir,
+):
+    """The reload path against the scripted vLLM fake (no weights: `reload_weights` fails there,
+    and the engine must not stay paused); SGLang's path against the scripted SGLang fake.
+    `EngineWeights` is synchronous (a trainer's callback): it runs in a thread here."""
+    from polar_mitm.backends.weights import EngineWeights, WeightLoadError
+
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm")
+    try:
+        engine = EngineWeights(url)  # auto: found as the policy's discovery finds it
+        assert await asyncio.to_thread(lambda: engine.kind) == "vllm"
+        assert await asyncio.to_thread(engine.version) == "0"
+        with pytest.raises(WeightLoadError, match="collective_rpc with HTTP 500.*run it with --mode hf"):
+            await asyncio.to_thread(engine.load, "/nowhere", "step-1")
+        paths = [q["path"] for q in runner.app[STATE].requests]
+        assert paths[-3:] == ["/pause", "/collective_rpc", "/resume"]
+        assert runner.app[STATE].resumed.is_set() and await asyncio.to_thread(engine.version) == "0"
+    finally:
+        await runner.cleanup()
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm", vllm_dev_mode=False)
+    try:
+        with pytest.raises(WeightLoadError, match="serves no POST /pause.*VLLM_SERVER_DEV_MODE=1"):
+            await asyncio.to_thread(EngineWeights(url, "vllm").load, "/nowhere", "step-1")
+    finally:
+        await runner.cleanup()
+    runner, url = await fake(qwen_tokenizer_dir)
+    try:
+        engine = EngineWeights(url)
+        assert await asyncio.to_thread(lambda: engine.kind) == "sglang"
+        assert await asyncio.to_thread(engine.version) == "0"
+        with pytest.raises(WeightLoadError, match="update_weights_from_disk with HTTP 404"):
+            await asyncio.to_thread(engine.load, "/nowhere", "step-1")
     finally:
         await runner.cleanup()
 

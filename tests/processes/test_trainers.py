@@ -241,6 +241,61 @@ async def test_hf_engine_reports_its_models_own_logprobs_and_loads_new_weights(
         await runner.cleanup()
 
 
+@pytest.mark.slow
+async def test_weight_sync_reloads_the_vllm_hf_engine_the_way_vllm_takes_weights(
+    tiny_lm, qwen_tokenizer_dir, tmp_path
+):
+    """`WeightSync` without a service against the fake in vLLM's API (`--mode hf`): it finds the
+    engine is vLLM, drives vLLM's reload (pause, collective_rpc reload_weights,
+    reset_prefix_cache, update_weight_version, resume), and the next completion is sampled by the
+    saved weights under the new version."""
+    import torch
+
+    from polar_mitm.bridges.trl import WeightSync
+    from polar_mitm.fake import STATE, FakeBackendConfig, start_fake_backend
+    from polar_mitm.fake.hf import load_causal_lm
+    from polar_mitm.reconstruct.agreement import check
+
+    runner, url = await start_fake_backend(
+        FakeBackendConfig(
+            tokenizer_path=str(qwen_tokenizer_dir), mode="hf", model_dir=str(tiny_lm), api="vllm"
+        )
+    )
+    prompt = list(range(3000, 3300))
+    body = {"prompt": prompt, "max_tokens": 8, "logprobs": 0, "return_token_ids": True}
+
+    async def sample() -> dict:
+        choice = (await http.post("/v1/completions", json=body)).json()["choices"][0]
+        return {"trajectory_id": "r", "prompt_ids": prompt, "response_ids": choice["token_ids"],
+                "loss_mask": [1] * len(choice["token_ids"]),
+                "response_logprobs": choice["logprobs"]["token_logprobs"]}  # fmt: skip
+
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            model = load_causal_lm(tiny_lm)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            sync = WeightSync(url, tmp_path / "weights")
+            record = await asyncio.to_thread(sync.push, model, "1")  # synchronous, as in a trainer
+            assert record["kind"] == "vllm" and record["drained"] is None
+            paths = [q["path"] for q in runner.app[STATE].requests][-5:]
+            assert paths == [
+                "/pause",
+                "/collective_rpc",
+                "/reset_prefix_cache",
+                "/update_weight_version",
+                "/resume",
+            ]
+            assert (await http.get("/weight_info")).json() == {"weight_version": "1"}
+            assert (await http.get("/is_paused")).json() == {"is_paused": False}
+            row = await sample()
+            assert check(model, [row], tolerance=1e-5).max_abs <= 1e-5  # sampled by the new weights
+            assert check(load_causal_lm(tiny_lm), [row], strict=False, tolerance=1e-5).max_abs > 1e-3
+    finally:
+        await runner.cleanup()
+
+
 # --- the agreement check ---------------------------------------------------------------------------
 
 

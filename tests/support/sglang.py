@@ -32,6 +32,10 @@ ENGINE_ARGS = (
     "float32",
     "--max-running-requests",
     "4",
+    # Its KV pool is sized from the free memory otherwise (17 GB of a 23 GB machine, for this
+    # tiny model): with a trainer beside it the kernel's OOM killer took its scheduler.
+    "--max-total-tokens",
+    "131072",
 )
 
 

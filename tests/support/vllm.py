@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from polar_mitm.backends.weights import EngineWeights
 from polar_mitm.cache import cache_dir
 from tests.support import engines
 from tests.support.engines import EngineServer
@@ -91,15 +92,7 @@ class VLLMServer(EngineServer):
         )
 
     def reload_weights(self, weights_dir: Path, version: str) -> None:
-        """vLLM's in-place reload as an RL trainer drives it: pause (abort what runs), reload the
-        weights from `weights_dir` in every worker, drop the prefix cache (computed with the old
-        weights), name the version, resume."""
-        for path, body in (
-            ("/pause", {}),
-            ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}),
-            ("/reset_prefix_cache", {}),
-            ("/update_weight_version", {"new_version": version}),
-            ("/resume", {}),
-        ):
-            status, reply = self.post(path, body)
-            assert status == 200, (path, status, reply)
+        """vLLM's in-place reload as an RL trainer drives it (`polar_mitm.backends.weights`):
+        pause (abort what runs), reload the weights from `weights_dir` in every worker, drop the
+        prefix cache (computed with the old weights), name the version, resume."""
+        EngineWeights(self.url, "vllm").load(str(weights_dir), version)
