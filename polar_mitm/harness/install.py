@@ -82,12 +82,17 @@ def _own_prefix(recipe: Recipe) -> Path:
 def _find(recipe: Recipe, name: str) -> str | None:
     """`name` on PATH; for a PyPI harness also where scripts/install.sh links its commands; for a
     harness in an npm prefix of its own, that prefix's command unless PATH's is an npm installation
-    (PATH's is the launcher that runs it on its Node, a script no container can use)."""
+    (PATH's is the launcher that runs it on its Node, a script no container can use). The prefix
+    is looked for in the cache, and beside the launcher's directory (install.sh writes the launcher
+    into the cache's `bin`: a process whose HOME is another finds it there)."""
     found = shutil.which(name)
     if found is None and recipe.pypi:
         found = shutil.which(name, path=str(cache_dir() / "bin"))
     if recipe.npm_prefix and (found is None or _modules_root(Path(found).resolve()) is None):
-        found = shutil.which(name, path=str(_own_prefix(recipe) / "bin")) or found
+        bins = [_own_prefix(recipe) / "bin"]
+        if found is not None:
+            bins.append(Path(found).parent.parent / recipe.npm_prefix / "bin")
+        found = shutil.which(name, path=os.pathsep.join(map(str, bins))) or found
     return found
 
 

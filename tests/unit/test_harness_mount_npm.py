@@ -85,3 +85,14 @@ def test_a_missing_own_prefix_names_install_sh(tmp_path, monkeypatch):
     with pytest.raises(HarnessNotInstalled, match="scripts/install.sh") as e:
         harness_mount(recipes.get("openclaw"))
     assert str(cache / "openclaw") in str(e.value)
+
+
+def test_the_own_prefix_is_found_beside_the_launcher_when_home_is_another(tmp_path, monkeypatch):
+    """A rollout's process may run with a HOME of its own (a fresh one, in the e2e tests): the
+    cache it would look in is empty, and the launcher on PATH names the installed one's place."""
+    cache = tmp_path / "cache"
+    claw = npm_prefix(cache / "openclaw", "openclaw", "openclaw.mjs", node=True)
+    launcher(cache / "bin", "openclaw", claw)
+    monkeypatch.setenv("POLAR_MITM_CACHE", str(tmp_path / "other-home-cache"))
+    monkeypatch.setenv("PATH", f"{cache / 'bin'}:/usr/bin:/bin")
+    assert harness_mount(recipes.get("openclaw")).modules == claw / "lib" / "node_modules"
