@@ -37,12 +37,14 @@ class Harness:
     venv: str | None = None  # PyPI: the install.sh entry's virtualenv name
     commands: tuple[str, ...] = ()
     node: str | None = None  # npm: the Node it is installed with, where it needs its own
+    extras: str = ""  # PyPI: the extras install.sh installs it with ("[anthropic]")
     newest: str | None = None
     result: str = ""
 
 
-def pins(install_sh: Path) -> tuple[dict[str, str], dict[str, tuple[str, str, tuple[str, ...]]]]:
-    """install.sh's npm pins (package -> version) and PyPI pins (package -> (version, venv, commands))."""
+def pins(install_sh: Path) -> tuple[dict[str, str], dict[str, tuple[str, str, tuple[str, ...], str]]]:
+    """install.sh's npm pins (package -> version) and PyPI pins (package -> (version, venv,
+    commands, extras))."""
     text = install_sh.read_text()
     npm_block = re.search(r"NPM_PACKAGES=\((.*?)\n\)", text, re.S)
     py_block = re.search(r"PY_ENVS=\((.*?)\n\)", text, re.S)
@@ -54,12 +56,13 @@ def pins(install_sh: Path) -> tuple[dict[str, str], dict[str, tuple[str, str, tu
     for spec in specs:
         name, _, version = spec.rpartition("@")
         npm[name] = version
-    py: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+    py: dict[str, tuple[str, str, tuple[str, ...], str]] = {}
     for entry in re.findall(r'^\s*"([^"#]+)"', py_block[1] if py_block else "", re.M):
         venv, pkgs, cmds, *_ = entry.split("|")
         for req in pkgs.split():
             pkg, _, version = req.partition("==")
-            py[pkg] = (version, venv, tuple(cmds.split()))
+            pkg, bracket, extras = pkg.partition("[")
+            py[pkg] = (version, venv, tuple(cmds.split()), bracket + extras)
     return npm, py
 
 
@@ -72,8 +75,10 @@ def harnesses(install_sh: Path) -> list[Harness]:
             out.append(Harness(r.name, "npm", r.npm, npm.get(r.npm), node=own_node[1] if own_node else None))
         elif r.pypi:
             pkg = re.split(r"[=<>!~ ]", r.pypi, maxsplit=1)[0]
-            version, venv, cmds = py.get(pkg, (None, None, ()))
-            out.append(Harness(r.name, "pypi", pkg, version, venv, cmds or tuple(r.binaries[:1])))
+            version, venv, cmds, extras = py.get(pkg, (None, None, (), ""))
+            out.append(
+                Harness(r.name, "pypi", pkg, version, venv, cmds or tuple(r.binaries[:1]), extras=extras)
+            )
     return out
 
 
@@ -131,7 +136,7 @@ def install(h: Harness, scratch: Path) -> tuple[dict[str, str] | None, str]:
     if not (venv / "bin" / "python").exists():
         subprocess.run([_interpreter(h), "-m", "venv", str(venv)], check=True, timeout=300)
     r = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", f"{h.package}=={h.newest}"],
+        [str(venv / "bin" / "pip"), "install", "-q", f"{h.package}{h.extras}=={h.newest}"],
         capture_output=True,
         text=True,
         timeout=1800,

@@ -173,8 +173,10 @@ PY_ENVS=(
   # The OpenHands CLI (`openhands --headless`), about 2 minutes and 800 MB; not openhands-ai, the
   # GUI server (5 minutes, 1.4 GB), which has no headless command of its own.
   "openhands-cli|openhands==1.16.0|openhands|"
-  # Hermes Agent: about 3 minutes and 220 MB.
-  "hermes-agent|hermes-agent==0.19.0|hermes|"
+  # Hermes Agent: about 3 minutes and 220 MB. Its `anthropic` extra is the SDK of its Anthropic
+  # provider (the recipe's), which hermes otherwise pip-installs into its virtualenv on first use:
+  # a container's read-only copy, with no network, cannot.
+  "hermes-agent|hermes-agent[anthropic]==0.19.0|hermes|"
 )
 mkdir -p "$CACHE/venvs" "$CACHE/bin"
 for entry in "${PY_ENVS[@]}"; do

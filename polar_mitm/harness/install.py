@@ -3,7 +3,10 @@
 npm harnesses (`npm install -g`): a container gets the npm prefix's `lib/node_modules`, a small
 directory of links named after the recipe's binaries (`claude ->
 ../lib/node_modules/@anthropic-ai/claude-code/bin/claude.exe`), and the node binary the JavaScript
-harnesses run on.
+harnesses run on: the prefix's own where it has one (npm's `node` package installed into it),
+else the one on PATH. A harness that needs a newer Node than the system's lives in a prefix of its
+own under the cache (the recipe's `npm_prefix`, OpenClaw's): PATH has a launcher script for it,
+and a container gets that prefix and its Node.
 
 PyPI harnesses (each in a virtualenv of its own, `scripts/install.sh`): a container gets the
 virtualenv and the interpreter installation it was built on (a pyenv version, say), each at the
@@ -59,6 +62,8 @@ def _venv_root(real: Path) -> Path | None:
 
 
 def _install_hint(recipe: Recipe) -> str:
+    if recipe.npm_prefix:
+        return f" (bash scripts/install.sh installs it with the Node it needs into {_own_prefix(recipe)})"
     if recipe.npm:
         return f" (npm install -g {recipe.npm})"
     if recipe.pypi:
@@ -69,12 +74,34 @@ def _install_hint(recipe: Recipe) -> str:
     return ""
 
 
+def _own_prefix(recipe: Recipe) -> Path:
+    assert recipe.npm_prefix is not None
+    return cache_dir() / recipe.npm_prefix
+
+
 def _find(recipe: Recipe, name: str) -> str | None:
-    """`name` on PATH; for a PyPI harness also where scripts/install.sh links its commands."""
+    """`name` on PATH; for a PyPI harness also where scripts/install.sh links its commands; for a
+    harness in an npm prefix of its own, that prefix's command unless PATH's is an npm installation
+    (PATH's is the launcher that runs it on its Node, a script no container can use). The prefix
+    is looked for in the cache, and beside the launcher's directory (install.sh writes the launcher
+    into the cache's `bin`: a process whose HOME is another finds it there)."""
     found = shutil.which(name)
     if found is None and recipe.pypi:
         found = shutil.which(name, path=str(cache_dir() / "bin"))
+    if recipe.npm_prefix and (found is None or _modules_root(Path(found).resolve()) is None):
+        bins = [_own_prefix(recipe) / "bin"]
+        if found is not None:
+            bins.append(Path(found).parent.parent / recipe.npm_prefix / "bin")
+        found = shutil.which(name, path=os.pathsep.join(map(str, bins))) or found
     return found
+
+
+def _node_for(modules: Path) -> Path | None:
+    """The node an npm installation runs on: its prefix's own (`PREFIX/bin/node`, npm's `node`
+    package installed into it), else the one on PATH; resolved to the binary itself."""
+    own = modules.parent.parent / "bin" / "node"
+    node = str(own) if own.exists() else shutil.which("node")
+    return Path(node).resolve() if node else None
 
 
 def _link_dir(target: Path | str, links: dict[str, str]) -> Path:
@@ -127,10 +154,7 @@ def harness_mount(recipe: Recipe, binary: str | None = None) -> HarnessMount:
             f"{recipe.name}: {found[1]} is inside neither an npm installation (lib/node_modules) "
             f"nor a virtualenv (pyvenv.cfg); install it{hint} or use an image that has it"
         )
-    node = shutil.which("node")
-    return HarnessMount(
-        modules=modules, bin=_link_dir(modules, links), node=Path(node).resolve() if node else None
-    )
+    return HarnessMount(modules=modules, bin=_link_dir(modules, links), node=_node_for(modules))
 
 
 def _shebang_interpreter(script: Path) -> str | None:

@@ -125,6 +125,11 @@ class Recipe(BaseModel):
     name: str
     description: str = ""
     npm: str | None = None
+    # An npm prefix of its own under the polar-mitm cache (`POLAR_MITM_CACHE`, default
+    # ~/.cache/polar-mitm), where scripts/install.sh puts a harness that needs another Node than
+    # the system's, with that Node (OpenClaw: `openclaw`). PATH has a launcher for it, which no
+    # container can run: a container gets this prefix's installation and its Node instead.
+    npm_prefix: str | None = None
     # The PyPI requirement of a Python harness (each lives in a virtualenv of its own; see
     # harness/install.py for how a container runs it); named in "not installed" messages.
     pypi: str | None = None

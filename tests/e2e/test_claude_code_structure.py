@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.support.harness import (
+    CLAUDE_SUBAGENT_SCRIPT,
     POLAR,
     FakeBackend,
     assert_turns_match_backend,
@@ -18,29 +19,11 @@ from tests.support.harness import (
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = [
-    # The main agent, once the subagent has reported back through the Agent tool's result.
-    {"match": "SUBAGENT-REPORT", "text": "Main agent done."},
-    # The subagent's own conversation: its first user message is the Agent call's prompt.
-    {"match": "SUBAGENT-TASK", "text": "SUBAGENT-REPORT: the check passed."},
-    {
-        "match": "[Bb]egin",
-        "tool_call": {
-            "name": "Agent",
-            "arguments": {
-                "description": "Run the check",
-                "prompt": "SUBAGENT-TASK: check the repository and report",
-                "subagent_type": "general-purpose",
-            },
-        },
-    },
-]
-
 
 def test_a_subagent_exports_as_a_subagent_row_linked_to_the_main_row(tmp_path, qwen_tokenizer_dir):
     require_binary("claude")
     script = tmp_path / "script.json"
-    script.write_text(json.dumps(SCRIPT))
+    script.write_text(json.dumps(CLAUDE_SUBAGENT_SCRIPT))
     backend = FakeBackend(qwen_tokenizer_dir, "--script", str(script))
     try:
         work, db = tmp_path / "work", tmp_path / "runs.sqlite"

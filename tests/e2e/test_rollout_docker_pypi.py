@@ -1,5 +1,5 @@
-"""Rollouts in real Docker containers of the PyPI harnesses: mini-swe-agent, aider, Kimi CLI and
-OpenHands, through `polar-mitm rollout` with each recipe's headless command and a Harbor task
+"""Rollouts in real Docker containers of the PyPI harnesses: mini-swe-agent, aider, Kimi CLI,
+OpenHands and hermes-agent, through `polar-mitm rollout` with each recipe's headless command and a Harbor task
 scored by its own test.
 
 Each harness's virtualenv and the pyenv interpreter it was built on are mounted read-only at the
@@ -7,7 +7,7 @@ host's own paths (harness/install.py), with a bin directory of links to its entr
 harness runs as the unprivileged harness user, with no network but its channel to the proxy (the
 forwarder runs on the mounted interpreter), and honours HTTPS_PROXY and our CA through the
 recipe's variables. The fake backend answers "run: CMD" with a call to the harness's shell tool
-(mini-swe-agent's `bash`, Kimi's `Shell`, OpenHands' `terminal`); aider has no tools, so its
+(mini-swe-agent's `bash`, Kimi's `Shell`, OpenHands' and hermes-agent's `terminal`); aider has no tools, so its
 script writes the file in aider's default (diff) edit format, and its commit message is a side call.
 """
 
@@ -46,6 +46,7 @@ CASES = {
     "aider": ("aider", AIDER, "Create answer.txt containing 42", None),
     "kimi-cli": ("kimi", None, SHELL_TASK, "Shell"),
     "openhands": ("openhands", None, SHELL_TASK, "terminal"),
+    "hermes-agent": ("hermes", None, SHELL_TASK, "terminal"),  # its Anthropic provider (the recipe's)
 }
 
 

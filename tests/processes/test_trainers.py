@@ -16,8 +16,11 @@ import httpx
 import pytest
 
 from polar_mitm.api import SampleView
+from polar_mitm.bridges import rows_by_sample
 from polar_mitm.bridges.trl import PolarRollout, build_fields, instruction_of, runs
 from polar_mitm.client import Group, Sample
+from polar_mitm.tasks.model import Task
+from tests.support.harness import CLAUDE_SUBAGENT_SCRIPT
 
 NEEDS_TORCH = "the [hf] extra (torch, transformers) is not installed: pip install 'polar-mitm[hf]'"
 NEEDS_TRL = "the [trl] extra (trl) is not installed: pip install 'polar-mitm[trl]'"
@@ -25,6 +28,9 @@ NEEDS_TRL = "the [trl] extra (trl) is not installed: pip install 'polar-mitm[trl
 # so a tiny model on CPU trains on whole rows in seconds.
 CLAUDE = ["claude", "-p", "{instruction}", "--system-prompt", "You are a terse coding agent.",
           "--tools", "Bash", "--allowedTools", "Bash"]  # fmt: skip
+# The same with its Agent tool too: the main agent can start a subagent.
+CLAUDE_AGENT = ["claude", "-p", "{instruction}", "--system-prompt", "You are a terse coding agent.",
+                "--tools", "Agent,Bash", "--allowedTools", "Agent,Bash"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -434,8 +440,6 @@ async def test_trl_grpo_trainer_takes_two_steps_on_claude_code_groups_and_masks_
         "broken": {"id": "broken", "instruction": "run: echo 41 > answer.txt",
                    "evaluator": {"kind": "command", "command": "echo garbage > r.txt", "reward_file": "r.txt"}},
     }  # fmt: skip
-    from polar_mitm.tasks.model import Task
-
     rollout = PolarRollout(
         svc.url, harness="claude-code", runtime="local", poll=0.3, timeout=240,
         tasks={k: Task.model_validate(v) for k, v in tasks.items()}, request={"harness_cmd": CLAUDE},
@@ -517,3 +521,81 @@ async def test_trl_grpo_trainer_takes_two_steps_on_claude_code_groups_and_masks_
     loss2, _, grads2 = loss_and_grads(perturbed)
     assert torch.equal(loss, loss2)
     assert all(torch.allclose(a, b, atol=0, rtol=0) for a, b in zip(grads, grads2, strict=True))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+async def test_trl_grpo_step_on_claude_code_with_a_subagent_trains_the_main_row_and_counts_the_other(
+    service,
+    tiny_lm,
+    qwen_tokenizer_dir,
+    tmp_path,
+):
+    """One task x 2 samples of real Claude Code calling its `Agent` tool (scripted engine: the
+    main agent starts a subagent, the subagent reports, the main agent ends): each sample has a
+    `main` row and a `subagent` row (prefix-merge breaks at the subagent's own conversation). TRL
+    takes one completion per prompt, so the bridge hands it each sample's main row: one
+    GRPOTrainer step trains on it (finite loss, changed weights), and the two subagent rows are
+    TRL's logged `polar/rows_dropped`."""
+    pytest.importorskip("trl", reason=NEEDS_TRL)
+    if shutil.which("claude") is None:
+        pytest.skip("claude is not installed (npm i -g @anthropic-ai/claude-code)")
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from polar_mitm.bridges.trl import PolarGRPOTrainer
+
+    svc = await service(nodes=1, backend={"script": CLAUDE_SUBAGENT_SCRIPT})
+    first = tmp_path / "first"
+    task = Task.model_validate(
+        {"id": "spawn", "instruction": "Begin the check with a subagent",
+         "evaluator": {"kind": "command", "command": f"mkdir {first} 2>/dev/null"}}  # the first scored wins
+    )  # fmt: skip
+    rollout = PolarRollout(
+        svc.url, harness="claude-code", runtime="local", poll=0.3, timeout=240,
+        tasks={"spawn": task}, request={"harness_cmd": CLAUDE_AGENT},
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_lm), dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[], max_steps=1, learning_rate=0.05,
+        per_device_train_batch_size=2, num_generations=2, steps_per_generation=1, logging_steps=1,
+        save_strategy="no", seed=0, dataloader_num_workers=0,
+        # ~700 completion tokens x 151k logits a sample: no recomputed forward (TRL's default), and
+        # float32 (bf16 matmuls on a CPU without bf16 units are several times slower).
+        activation_checkpointing=False, bf16=False,
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
+    trainer = PolarGRPOTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict({"prompt": ["spawn"]}),
+        processing_class=tokenizer, rollout=rollout,
+        importance_sampling=False,  # the scripted engine's logprobs are not this model's
+    )  # fmt: skip
+    result = await asyncio.to_thread(trainer.train)
+    assert result.global_step == 1 and torch.isfinite(torch.tensor(result.training_loss))
+    [logged] = [h for h in trainer.state.log_history if "loss" in h]
+    assert torch.isfinite(torch.tensor(logged["loss"]))
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters()), "no weight changed"
+
+    # Each sample: a main row and the subagent's, started by the main agent's Agent call.
+    [group] = rollout.groups
+    by_sample = rows_by_sample(group.samples)
+    assert sorted(by_sample) == [0, 1]
+    mains, subs = {}, {}
+    for i, rows in by_sample.items():
+        assert sorted(r.role for r in rows) == ["main", "subagent"], [(r.role, r.num_turns) for r in rows]
+        [mains[i]] = [r for r in rows if r.role == "main"]
+        [subs[i]] = [r for r in rows if r.role == "subagent"]
+        assert subs[i].metadata["spawned_by_tool"] == "Agent"
+        assert mains[i].num_turns >= 2 and subs[i].num_turns >= 1
+    # What TRL got (the same groups, handed again): each sample's main row, the subagent's counted.
+    fields = build_fields(rollout.groups, 2, tokenizer.pad_token_id)
+    assert fields["polar_rows"] == [2, 2] and logged["polar/rows_dropped"] == 2.0
+    assert sorted(fields["polar_reward"]) == [0.0, 1.0]
+    for i in (0, 1):
+        assert fields["prompt_ids"][i] == mains[i].prompt_ids
+        assert fields["completion_ids"][i] == mains[i].response_ids != subs[i].response_ids
+        assert fields["env_mask"][i] == mains[i].loss_mask and 1 in fields["env_mask"][i]
+        assert 0 in fields["env_mask"][i]  # the Agent call's result: in the sequence, not trained

@@ -29,6 +29,27 @@ from polar_mitm.store.reader import read_turns
 POLAR = [sys.executable, "-m", "polar_mitm"]
 # Where scripts/install.sh links the commands of the Python harnesses (each in its own virtualenv).
 PY_HARNESS_BIN = cache_dir() / "bin"
+# The fake's script for Claude Code with a subagent: asked to "begin", the main agent calls its
+# `Agent` tool; the subagent (its first user message is the call's prompt) reports; the main agent,
+# given the report, ends. Pass it as `--script`, or as the fake's `script` (tests/e2e/
+# test_claude_code_structure.py, the TRL step in tests/processes/test_trainers.py).
+CLAUDE_SUBAGENT_SCRIPT = [
+    # The main agent, once the subagent has reported back through the Agent tool's result.
+    {"match": "SUBAGENT-REPORT", "text": "Main agent done."},
+    # The subagent's own conversation: its first user message is the Agent call's prompt.
+    {"match": "SUBAGENT-TASK", "text": "SUBAGENT-REPORT: the check passed."},
+    {
+        "match": "[Bb]egin",
+        "tool_call": {
+            "name": "Agent",
+            "arguments": {
+                "description": "Run the check",
+                "prompt": "SUBAGENT-TASK: check the repository and report",
+                "subagent_type": "general-purpose",
+            },
+        },
+    },
+]
 
 
 def free_port() -> int:
