@@ -95,6 +95,18 @@ class Tokenizer:
             text = _clean_up_tokenization(text)
         return text
 
+    def decode_each(self, ids: Sequence[int]) -> list[str]:
+        """The text of each id on its own, as `decode([i])` gives it (in one batch: the library
+        decodes it on every core)."""
+        texts = self._rust.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        if self._config.get("clean_up_tokenization_spaces") is True:
+            texts = [_clean_up_tokenization(t) for t in texts]
+        return texts
+
+    def entries(self) -> list[str]:
+        """Every vocabulary entry, added tokens too (in the model's byte-level alphabet)."""
+        return list(self._rust.get_vocab(with_added_tokens=True))
+
     def count(self, text: str) -> int:
         """How many tokens `text` encodes to."""
         return len(self.encode(text))

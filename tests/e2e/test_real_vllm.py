@@ -172,7 +172,11 @@ def test_codex_turns_are_vllms_replies_bit_for_bit(tmp_path, vllm_server, hop, q
         "codex",
         ["codex", "exec", "--skip-git-repo-check", "Say hello"],
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    if r.returncode != 0:
+        # The random model writes to the cap unless its first token ends the turn (its prompt, and
+        # so its reply, changes with the date): Codex exits 1 on a reply cut at the cap. What was
+        # stored must still be vLLM's bytes.
+        assert "Incomplete response returned, reason: max_output_tokens" in r.stderr, r.stderr[-3000:]
     # vLLM streams deltas, so `--backend-stream auto` streams.
     assert_store_is_what_vllm_said(tmp_path / "runs.sqlite", "codex", hop.exchanges, streamed=True)
 

@@ -525,6 +525,7 @@ async def test_trl_grpo_trainer_takes_two_steps_on_claude_code_groups_and_masks_
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 214 s on a quiet 2-core machine; a TRL step slows a lot under load
 async def test_trl_grpo_step_on_claude_code_with_a_subagent_trains_the_main_row_and_counts_the_other(
     service,
     tiny_lm,

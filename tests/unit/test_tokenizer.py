@@ -671,3 +671,14 @@ def test_cache_root_follows_the_environment(tmp_path: Path, monkeypatch: pytest.
 def test_unknown_kind_is_an_error() -> None:
     with pytest.raises(ValueError, match="Unknown tokenizer kind 'gpt'"):
         ensure_tokenizer("gpt")
+
+
+def test_decode_each_is_decode_of_each_id(any_tokenizer: Tokenizer) -> None:
+    """The batch that finds the longest token decodes every id as `decode([i])` does, added tokens
+    and byte fragments too (every 97th id, and the last ones, which are the added tokens)."""
+    ids = [
+        *range(0, any_tokenizer.vocab_size, 97),
+        *range(max(0, any_tokenizer.vocab_size - 30), any_tokenizer.vocab_size),
+    ]
+    assert any_tokenizer.decode_each(ids) == [any_tokenizer.decode([i]) for i in ids]
+    assert len(any_tokenizer.entries()) == any_tokenizer.vocab_size
