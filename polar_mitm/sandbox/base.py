@@ -10,6 +10,7 @@ to this interface.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -208,25 +209,100 @@ async def run_process(
     if procs is not None:
         procs.add(proc)
     timed_out = False
+    out = bytearray()
     try:
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(stdin), timeout)
+            rc = await asyncio.wait_for(_finish(proc, stdin, out), timeout)
         except TimeoutError:
             timed_out = True
             kill_group(proc.pid)
-            out, _ = await proc.communicate()
+            rc = await _finish(proc, None, out)
     except asyncio.CancelledError:
         kill_group(proc.pid)
-        await proc.wait()
+        await _ended(proc)
         raise
     finally:
         if procs is not None:
             procs.discard(proc)
         kill_group(proc.pid)  # helpers the command left behind
-    rc = proc.returncode
-    assert rc is not None  # communicate() returned: the process has ended
+        transport = getattr(proc, "_transport", None)  # its pipes: one may be held open still
+        if transport is not None:
+            transport.close()
     code = EXIT_TIMEOUT if timed_out else exit_code(rc)
-    return ExecResult(code, tail(out), timed_out=timed_out, seconds=time.monotonic() - t0)
+    return ExecResult(code, tail(bytes(out)), timed_out=timed_out, seconds=time.monotonic() - t0)
+
+
+# Seconds a command's output may stay open after the command itself has ended (a process it
+# left behind in another session or PID namespace holds it), before it is read no further.
+OUTPUT_GRACE = 5.0
+_POLL = 0.5  # seconds between looks at whether the command has ended
+
+
+async def _finish(proc: asyncio.subprocess.Process, stdin: bytes | None, out: bytearray) -> int:
+    """The command's output into `out` and its return code, once it has ended. Its end is looked
+    for on the host as well (`waitid` without reaping), not only through asyncio's child watcher:
+    an output pipe that a process it left behind keeps open is read for OUTPUT_GRACE seconds after
+    the command ended, no longer, and a command whose end asyncio does not report is reaped here."""
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        with contextlib.suppress(ConnectionError, BrokenPipeError):
+            proc.stdin.write(stdin or b"")
+            await proc.stdin.drain()
+        proc.stdin.close()
+
+    async def read() -> None:
+        assert proc.stdout is not None
+        while chunk := await proc.stdout.read(1 << 16):
+            out.extend(chunk)
+
+    feeding = asyncio.ensure_future(feed()) if stdin is not None else None
+    reading = asyncio.ensure_future(read())
+    try:
+        ended_at: float | None = None
+        while True:
+            if reading.done() and proc.returncode is not None:
+                return proc.returncode
+            if ended_at is None and _has_ended(proc.pid):
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > OUTPUT_GRACE:
+                return await _ended(proc)
+            await asyncio.wait({reading}, timeout=_POLL)
+            if reading.done() and proc.returncode is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), _POLL)
+    finally:
+        for t in (reading, feeding):
+            if t is not None and not t.done():
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
+        if reading.done() and not reading.cancelled() and reading.exception() is not None:
+            log.debug("reading a command's output: %s", reading.exception())
+
+
+def _has_ended(pid: int) -> bool:
+    """Whether child `pid` has ended (a zombie, or already reaped), without reaping it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+async def _ended(proc: asyncio.subprocess.Process) -> int:
+    """The return code of a child that has ended or is ending: asyncio's, else reaped here when
+    its child watcher has not reported it within OUTPUT_GRACE."""
+    with contextlib.suppress(TimeoutError):
+        return await asyncio.wait_for(asyncio.shield(proc.wait()), OUTPUT_GRACE)
+    try:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped meanwhile (by asyncio, which reports it now)
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(asyncio.shield(proc.wait()), _POLL)
+        return 255
+    if pid == 0:
+        return await proc.wait()  # still running after all (the output's grace): wait as before
+    log.warning("pid %d ended without asyncio's child watcher reporting it; reaped here", proc.pid)
+    return os.waitstatus_to_exitcode(status)
 
 
 @dataclass
