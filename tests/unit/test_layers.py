@@ -121,28 +121,23 @@ def test_no_circle_between_modules():
     assert not circles, "circles:\n" + "\n".join(" -> ".join(c) for c in circles)
 
 
-@pytest.mark.slow
-def test_the_trainers_client_loads_no_proxy_no_server_and_no_policy():
-    code = (
-        "import sys, polar_mitm.client\n"
-        "bad = [m for m in ('mitmproxy', 'aiohttp.web', 'polar_mitm.policy', 'polar_mitm.proxy',"
-        " 'polar_mitm.service.server', 'tokenizers', 'pyarrow') if m in sys.modules]\n"
-        "print(bad)\n"
-    )
+def _loaded(imports: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` a fresh interpreter has loaded once it ran `import <imports>`."""
+    code = f"import sys, {imports}\nprint([m for m in {modules!r} if m in sys.modules])\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    return ast.literal_eval(out.stdout.strip())
+
+
+@pytest.mark.slow
+def test_the_trainers_client_loads_no_proxy_no_server_and_no_policy():
+    bad = ("mitmproxy", "aiohttp.web", "polar_mitm.policy", "polar_mitm.proxy", "polar_mitm.service.server")
+    assert _loaded("polar_mitm.client", (*bad, "tokenizers", "pyarrow")) == []
 
 
 @pytest.mark.slow
 def test_rendering_and_the_engine_apis_load_no_http():
     """The pure rooms of `backends/` (rendering, each engine API's words) load neither aiohttp
     nor the engine client: only the client speaks HTTP."""
-    code = (
-        "import sys, polar_mitm.backends.render, polar_mitm.backends.sglang, polar_mitm.backends.vllm\n"
-        "bad = [m for m in ('aiohttp', 'polar_mitm.backends.engine_client') if m in sys.modules]\n"
-        "print(bad)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    pure = "polar_mitm.backends.render, polar_mitm.backends.sglang, polar_mitm.backends.vllm"
+    assert _loaded(pure, ("aiohttp", "polar_mitm.backends.engine_client")) == []
