@@ -44,7 +44,11 @@ from polar_mitm.sandbox import make_runtime
 from polar_mitm.sandbox.base import Runtime
 
 log = logging.getLogger("polar_mitm.node")
-REPORT_ATTEMPTS = 5  # a finished sample's report to an unreachable server, pauses 0.5, 1, 2, 4 s
+# A finished sample's report to an unreachable server is tried again for about 10 minutes (pauses
+# 0.5, 1, 2, 4, then 5 s): a killed server that restarts on its store takes it then, and the sample
+# is not run twice. The sample stays listed in the node's heartbeats meanwhile.
+REPORT_ATTEMPTS = 125
+REPORT_PAUSE_CAP = 5.0
 
 
 class NodeConfig(BaseModel):
@@ -297,15 +301,17 @@ class GatewayNode:
         return [r.to_row() for r in rows]
 
     async def _send(self, result: m.SampleResult) -> None:
-        """Report a finished sample; an unreachable server is tried again (5 times in ~8 s), and
-        after that the report is dropped (logged): the server re-dispatches an expired lease."""
+        """Report a finished sample; an unreachable server is tried again for about 10 minutes,
+        and after that the report is dropped (logged): the server runs the sample again."""
         try:
             await Backoff(
                 f"reporting {result.task_id}#{result.index}",
                 attempts=REPORT_ATTEMPTS,
                 first=0.5,
+                cap=REPORT_PAUSE_CAP,
                 retry_on=(aiohttp.ClientError, TimeoutError),
                 log=log,
+                level=logging.INFO,  # the heartbeat's warning says the server is unreachable
             ).call_async(lambda: self._post(f"/v1/nodes/{self.node_id}/results", result))
         except NodeRefused as e:
             log.warning("server refused %s#%d: %s", result.task_id, result.index, e)

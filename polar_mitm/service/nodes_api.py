@@ -54,6 +54,9 @@ class Nodes:
         self.max_result = max_result
         self.heartbeats: dict[str, m.Heartbeat] = {}  # the last load each node reported
         self.heartbeat_at: dict[str, float] = {}
+        # A node's silence counts from this server's start at the earliest: while a killed server
+        # was down, nobody could reach it, and its nodes get node_timeout to come back.
+        self.started_at = time.time()
 
     def control(self, node_id: str) -> m.Control:
         node = self.store.node(node_id)
@@ -70,14 +73,16 @@ class Nodes:
             raise ApiError(404, "not_found", f"no node {node_id!r}; register first")
         return node
 
-    def _live(self, node: NodeRow) -> bool:
-        return node.state != "lost" and time.time() - node.last_seen < self.node_timeout
+    def _silent(self, node: NodeRow, now: float) -> float:
+        """Seconds since the node was last heard from, or since this server started."""
+        return now - max(node.last_seen, self.started_at)
+
+    def _live(self, node: NodeRow, now: float | None = None) -> bool:
+        return node.state != "lost" and self._silent(node, now or time.time()) < self.node_timeout
 
     def healthy_nodes(self) -> list[str]:
         now = time.time()
-        return [
-            n.id for n in self.store.nodes() if n.state != "lost" and now - n.last_seen < self.node_timeout
-        ]
+        return [n.id for n in self.store.nodes() if self._live(n, now)]
 
     async def register(self, request: web.Request) -> web.Response:
         reg: m.NodeRegistration = await body_of(request, m.NodeRegistration, self.max_body)
@@ -88,7 +93,7 @@ class Nodes:
             )
         held = self.store.node(reg.node_id)
         if held is not None and self._live(held) and principal != f"node:{reg.node_id}":
-            wait = self.node_timeout - (time.time() - held.last_seen)
+            wait = self.node_timeout - self._silent(held, time.time())
             raise ApiError(
                 409,
                 "conflict",
@@ -236,7 +241,7 @@ class Nodes:
             state=n.state,
             workers=json.loads(n.workers),
             last_seen=n.last_seen,
-            healthy=n.state != "lost" and time.time() - n.last_seen < self.node_timeout,
+            healthy=self._live(n),
             load=self.heartbeats.get(n.id),
             dispatched=self.store.dispatched_count(n.id),
         )
@@ -266,7 +271,7 @@ class Nodes:
             await asyncio.sleep(min(1.0, self.node_timeout / 3))
             now = time.time()
             for n in self.store.nodes():
-                if n.state != "lost" and now - n.last_seen > self.node_timeout:
+                if n.state != "lost" and self._silent(n, now) > self.node_timeout:
                     self.lose_node(n.id)
 
 

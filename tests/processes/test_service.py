@@ -443,9 +443,12 @@ def test_a_node_killed_mid_sample_has_its_samples_run_again_once(tmp_path, backe
 
 @pytest.mark.slow
 def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_tokenizer_dir):
+    """Down longer than the node timeout and than a report's old retry window (8 s): the node
+    keeps its finished samples' reports until the server is back, and the restarted server gives
+    its nodes the node timeout from its own start; no sample runs twice."""
     log = tmp_path / "log.txt"
     serve = ["serve", "--listen", "127.0.0.1:0", "--nodes", "0", "--allow-local-runtime",
-             "--db", str(tmp_path / "s.sqlite")]  # fmt: skip
+             "--node-timeout", "6", "--db", str(tmp_path / "s.sqlite")]  # fmt: skip
     server = spawn(serve, log)
     procs = [server]
     try:
@@ -469,7 +472,7 @@ def test_a_killed_server_restarts_where_it_was(tmp_path, backend_proc, qwen_toke
         )
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-        time.sleep(1.5)  # the node's reports fail meanwhile, and are retried
+        time.sleep(10)  # the node's reports and heartbeats fail meanwhile, and are retried
         procs.append(spawn(serve, log))
         wait_http(url)
         groups = list(client.wait(ids, poll=0.3, timeout=120))
