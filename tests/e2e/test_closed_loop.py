@@ -61,7 +61,9 @@ def test_closed_loop_trains_updates_the_engine_and_the_next_rollout_carries_the_
 
 @pytest.mark.engines
 @pytest.mark.timeout(1500)  # the session's engine may start here (30-80 s, minutes under load)
-@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=pytest.mark.engines(k)) for k in ("sglang", "vllm")]
+)  # the mark names the engine this test asks for (tests/conftest.py runs and stops it with its own)
 def test_closed_loop_on_a_real_engine_pushes_trls_weights_into_it(
     kind, request, tmp_path, qwen_tokenizer_dir, monkeypatch
 ):
