@@ -49,7 +49,10 @@ def pins(install_sh: Path) -> tuple[dict[str, str], dict[str, tuple[str, str, tu
     npm_block = re.search(r"NPM_PACKAGES=\((.*?)\n\)", text, re.S)
     py_block = re.search(r"PY_ENVS=\((.*?)\n\)", text, re.S)
     npm: dict[str, str] = {}
-    specs = re.findall(r'^\s*"([^"#]+)"', npm_block[1] if npm_block else "", re.M)
+    specs = re.findall(r'^\s*"([^"#$]+)"', npm_block[1] if npm_block else "", re.M)
+    # The main job's pins (Claude Code), which NPM_PACKAGES takes as "${MAIN_NPM[@]}".
+    main_block = re.search(r"^MAIN_NPM=\((.*?)\)", text, re.M | re.S)
+    specs += re.findall(r'"([^"$]+)"', main_block[1] if main_block else "")
     # Harnesses installed with a Node of their own: NAME_PINS="node@V package@V" (OpenClaw's).
     for line in re.findall(r'^[A-Z_]+_PINS="([^"]*node@[^"]*)"', text, re.M):
         specs += line.split()
