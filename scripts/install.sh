@@ -36,7 +36,7 @@ if [ "$MODE" = main ]; then
   say "  npm: Claude Code and undici (the Node fetch proxy preload)"
   on "${POLAR_MITM_NO_DOCKER:-}" && say "  Docker: docker.io, dockerd, the base image (scripts/docker.sh)"
 else
-  say "the test world (about 20 min and 16 GB the first time; only the main job: --main), in five jobs at once:"
+  say "the test world (about 15 min and 16 GB the first time; only the main job: --main), in five jobs at once:"
   say "  .venv: polar-mitm with its test extras (tokenizer builder, Ray, pytest, ruff, mypy, selenium, ...)"
   on "${POLAR_MITM_NO_TRAINERS:-}" && say "  .venv: torch, transformers, TRL, verl's types (~3.5 GB; off: POLAR_MITM_NO_TRAINERS=1)"
   say "  apt: tmux, chromium and chromedriver (and docker.io, debootstrap for Docker)"
@@ -211,8 +211,20 @@ PY_ENVS=(
   "hermes-agent|hermes-agent[anthropic]==0.19.0|hermes|"
 )
 mkdir -p "$CACHE/venvs" "$CACHE/bin"
-for entry in "${PY_ENVS[@]}"; do
-  IFS='|' read -r name pkgs cmds pyver <<<"$entry"
+# Two lanes, every other entry each (one pip at a time would make this job the install's longest).
+local rc=0 lanes=()
+for lane in 0 1; do
+  (for ((i = lane; i < ${#PY_ENVS[@]}; i += 2)); do py_env "${PY_ENVS[$i]}"; done) &
+  lanes+=($!)
+done
+for pid in "${lanes[@]}"; do wait "$pid" || rc=1; done
+return "$rc"
+}
+
+# py_env ENTRY: one PY_ENVS entry's virtualenv, and its commands linked into $CACHE/bin.
+py_env() {
+  local name pkgs cmds pyver venv py cand cmd
+  IFS='|' read -r name pkgs cmds pyver <<<"$1"
   venv="$CACHE/venvs/$name"
   py="$PY"
   if [ -n "$pyver" ]; then
@@ -225,7 +237,7 @@ for entry in "${PY_ENVS[@]}"; do
         py="$cand"; break
       fi
     done
-    if [ -z "$py" ]; then say "skipping $name: it needs Python $pyver, not found"; continue; fi
+    if [ -z "$py" ]; then say "skipping $name: it needs Python $pyver, not found"; return 0; fi
   fi
   if [ "$(cat "$venv/.polar-mitm-installed" 2>/dev/null)" != "$pkgs" ]; then
     say "installing $pkgs into $venv"
@@ -236,7 +248,6 @@ for entry in "${PY_ENVS[@]}"; do
     say "$name up to date"
   fi
   for cmd in $cmds; do ln -sf "$venv/bin/$cmd" "$CACHE/bin/$cmd"; done
-done
 }
 
 
