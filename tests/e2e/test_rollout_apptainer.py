@@ -25,7 +25,14 @@ def running_instances(binary: str) -> list[str]:
     return [i["instance"] for i in json.loads(out.stdout or "{}").get("instances") or []]
 
 
-@pytest.mark.parametrize("harness,binary", [("claude-code", "claude"), ("codex", "codex")])
+@pytest.mark.parametrize(
+    "harness,binary",
+    [
+        ("claude-code", "claude"),
+        ("codex", "codex"),
+        ("openclaw", "openclaw"),  # its own npm prefix and Node 24 bound in; stateful Responses
+    ],
+)
 def test_a_harbor_task_two_samples_under_apptainer(
     tmp_path, backend, qwen_tokenizer_dir, apptainer_binary, harness, binary
 ):
