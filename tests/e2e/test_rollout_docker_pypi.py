@@ -77,3 +77,34 @@ def test_pypi_harness_solves_a_task_in_docker(tmp_path, qwen_tokenizer_dir, dock
         assert leftovers(docker_client) == []
     finally:
         backend.stop()
+
+
+# hermes-agent's other providers (the recipe's command uses its Anthropic one): --provider -> (its
+# model, the host its turns are stored under). Gemini's client trusts only HERMES_CA_BUNDLE, which
+# the recipe sets in the container as on the host.
+HERMES_PROVIDERS = {
+    "openai-api": ("gpt-4o", "api.openai.com"),
+    "gemini": ("gemini-2.5-flash", "generativelanguage.googleapis.com"),
+    "openrouter": ("openai/gpt-4o", "openrouter.ai"),
+}
+
+
+@pytest.mark.parametrize("provider", list(HERMES_PROVIDERS))
+def test_hermes_agents_other_providers_solve_a_task_in_docker(
+    tmp_path, qwen_tokenizer_dir, docker_client, provider
+):
+    require_binary("hermes")
+    model, host = HERMES_PROVIDERS[provider]
+    cmd = f"hermes -z {{instruction}} --provider {provider} -m {model} --yolo"
+    backend = FakeBackend(qwen_tokenizer_dir)
+    try:
+        db, rows = solve_answer_task(
+            tmp_path, "hermes-agent", backend, qwen_tokenizer_dir, SHELL_TASK, extra=["--harness-cmd", cmd]
+        )
+        assert all(row["role"] == "main" for row in rows)
+        assert_turns_match_backend(backend, db)
+        con = sqlite3.connect(db)
+        assert {h for (h,) in con.execute("SELECT DISTINCT host FROM turns")} == {host}
+        assert leftovers(docker_client) == []
+    finally:
+        backend.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -63,9 +64,10 @@ def solve_answer_task(
     tokenizer_dir,
     instruction: str = "run: echo 42 > answer.txt",
     runtime: str = "docker",
+    extra: Sequence[str] = (),
 ) -> tuple[Path, list[dict]]:
     """`rollout` of one Harbor task (answer.txt must hold 42) x 2 samples with `harness` in Docker
-    (or `runtime`):
+    (or `runtime`; `extra`: more `rollout` arguments):
     both samples completed, were trained on, and scored 1.0 by the task's own test. Returns the
     store and the exported rows, for the caller's own checks."""
     tasks = tmp_path / "tasks"
@@ -73,7 +75,7 @@ def solve_answer_task(
     db, out = tmp_path / "runs.sqlite", tmp_path / "groups.parquet"
     r = rollout(
         [str(tasks), "--harness", harness, "--runtime", runtime, "--samples", "2",
-         *policy_args(backend, tokenizer_dir, db), "--out", str(out)],
+         *policy_args(backend, tokenizer_dir, db), "--out", str(out), *extra],
         cwd=tmp_path, env=harness_env(tmp_path / "home"),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
