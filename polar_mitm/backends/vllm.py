@@ -88,7 +88,7 @@ def add(
     usage: Any,
     choice: dict[str, Any] | None,
     text: str,
-    ids: list[Any],
+    ids: list[int],
     lps: list[float],
 ) -> str:
     """Add one read vLLM output (its usage, and its choice's text, sampled ids and their
@@ -106,7 +106,7 @@ def add(
             f"policy backend returned {len(ids)} token ids but {len(lps)} logprobs; is logprobs supported?",
             502,
         )
-    state.output_ids.extend(int(i) for i in ids)
+    state.output_ids.extend(ids)
     state.output_logprobs.extend(lps)
     state._text.append(text)
     state.finish_reason = finish(choice)
@@ -126,14 +126,15 @@ def fold(state: GenerateState, payload: bytes) -> str:
         choice = choices[0] if choices else None
         if choice is not None:
             text = choice.get("text") or ""
-            ids = choice.get("token_ids")
+            got = choice.get("token_ids")
             lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
-            if not isinstance(ids, list) or not isinstance(text, str):
+            if not isinstance(got, list) or not isinstance(text, str):
                 raise ProviderError(
                     "api_error",
                     "the vLLM backend returned no token_ids: it needs return_token_ids (vLLM >= 0.10.2)",
                     502,
                 )
+            ids = [int(i) for i in got]
     except ProviderError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
@@ -153,9 +154,10 @@ async def serves(fetch: Fetch, base: str) -> bool:
     )
 
 
-async def model_info(fetch: Fetch, base: str) -> ModelInfo:
+async def model_info(fetch: Fetch, base: str, *, weight_info: bool = True) -> ModelInfo:
     """vLLM's model card (`/v1/models`): the model's path (`root`, a tokenizer directory when
-    it is a local one) and `max_model_len`; vLLM streams deltas."""
+    it is a local one) and `max_model_len`; vLLM streams deltas. The weight version it serves
+    now, unless not `weight_info` (an API whose replies name it)."""
     models = await fetch.get_json(base, "/v1/models")
     try:
         card = models["data"][0]
@@ -172,7 +174,7 @@ async def model_info(fetch: Fetch, base: str) -> ModelInfo:
         front="vllm",
         server_info_from="engine",
         logprobs_mode=await logprobs_mode(fetch, base),
-        weight_version=await weight_version(fetch, base),
+        weight_version=await weight_version(fetch, base) if weight_info else None,
     )
 
 

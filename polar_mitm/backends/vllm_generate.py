@@ -82,14 +82,15 @@ def fold(state: GenerateState, payload: bytes) -> str:
         choice = choices[0] if choices else None
         if choice is not None:
             text = choice.get("text")
-            ids = choice.get("token_ids")
-            if not isinstance(ids, list) or not isinstance(text, str):
+            got = choice.get("token_ids")
+            if not isinstance(got, list) or not isinstance(text, str):
                 raise ProviderError(
                     "api_error",
                     "the vLLM backend returned no text or token_ids: /inference/v1/generate needs "
                     'output_mode "text" (vLLM >= 0.32)',
                     502,
                 )
+            ids = [int(i) for i in got]
             lps = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
             version = span_version(choice.get("weight_versions"))
     except ProviderError:
@@ -105,7 +106,7 @@ def fold(state: GenerateState, payload: bytes) -> str:
 async def model_info(fetch: Fetch, base: str) -> ModelInfo:
     """What the vLLM engine at `base` serves (`vllm.model_info`), once one token generated at
     /inference/v1/generate shows the endpoint is open; the weight version is that token's."""
-    info = await vllm.model_info(fetch, base)
+    info = await vllm.model_info(fetch, base, weight_info=False)
     timeout = max(fetch.timeout, vllm.PROBE_S) if fetch.timeout else None
     status, text = await fetch.post_text(base, GENERATE_PATH, PROBE, timeout=timeout)
     if status == 403 and "--enable-scale-out" in text:
