@@ -21,6 +21,13 @@ def test_it_is_an_engine_api_of_its_own_name():
     assert vllm_generate.GENERATE_PATH == "/inference/v1/generate"
 
 
+def test_backend_kind_vllm_generate_is_an_option_and_auto_stays_as_it_was():
+    from tests.unit.test_cli_options import config
+
+    assert config("--backend-kind", "vllm-generate").backend_kind == "vllm-generate"
+    assert config().backend_kind == "auto"
+
+
 def test_the_body_is_token_ids_and_vllms_sampling_params_in_text_mode():
     params = vllm_generate.sampling_params(
         Sampling(temperature=0.5, top_p=0.9, top_k=20, stop=["\n\n"], json_schema={"type": "object"}),
