@@ -1,6 +1,6 @@
 """What every engine API implements, and what the engine client and those APIs share.
 
-An engine API is one module (`sglang`, `vllm`); the module itself is the object that implements
+An engine API is one module (`sglang`, `vllm`, `vllm_generate`); the module itself is the object that implements
 `EngineAPI`, and the type checker holds each one to it (see the registry in
 `polar_mitm.backends.engine_client`). It knows its engine's words: how a generation is asked
 (`sampling_params`, `body`, `GENERATE_PATH`), how what comes back folds into a `GenerateState`
