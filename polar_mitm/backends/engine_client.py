@@ -1,6 +1,7 @@
 """The engine client: HTTP to one policy front (an SGLang engine, SGLang's router, a vLLM
 engine), whichever engine API it speaks (`polar_mitm.backends.sglang`,
-`polar_mitm.backends.vllm`: `APIS`, by `PolicyConfig.backend_kind`'s words).
+`polar_mitm.backends.vllm`, `polar_mitm.backends.vllm_generate`: `APIS`, by
+`PolicyConfig.backend_kind`'s words).
 
 Every call carries the engine's API key (`Authorization: Bearer`, SGLang's and vLLM's
 `--api-key`) when one is configured, and a generation carries its conversation's routing key
@@ -20,7 +21,7 @@ from typing import Any, Literal
 import aiohttp
 
 from polar_mitm import sse
-from polar_mitm.backends import sglang, vllm
+from polar_mitm.backends import sglang, vllm, vllm_generate
 from polar_mitm.backends.engine_api import (
     EngineAPI,
     EngineTimeout,
@@ -32,7 +33,7 @@ from polar_mitm.backends.engine_api import (
 )
 from polar_mitm.neutral import ProviderError
 
-_ALL: tuple[EngineAPI, ...] = (sglang, vllm)
+_ALL: tuple[EngineAPI, ...] = (sglang, vllm, vllm_generate)
 APIS: Mapping[str, EngineAPI] = MappingProxyType({api.NAME: api for api in _ALL})
 # The header SGLang's router (0.3.x, "SMG") reads for sticky routing under `--policy manual`.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -48,7 +49,7 @@ class EngineClient:
         *,
         timeout: float | None = None,
         api_key: str | None = None,
-        kind: Literal["auto", "sglang", "vllm"] = "auto",
+        kind: Literal["auto", "sglang", "vllm", "vllm-generate"] = "auto",
         timeout_option: str = "",
     ):
         """`timeout`: seconds an info request (/model_info, /get_server_info, /v1/models) may take
@@ -56,7 +57,8 @@ class EngineClient:
         Generations are timed by their caller, which knows whether it awaits a first token (that
         can take minutes on a busy engine) or the next one. `api_key`: sent as a bearer token on
         every call (the engine's or the router's `--api-key`). `kind`: the engine API the front
-        speaks; auto: SGLang's endpoints first, then vLLM's model card."""
+        speaks; auto: SGLang's endpoints first, then vLLM's model card (`vllm`, never
+        `vllm-generate`: that one is asked for by name)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.timeout_option = timeout_option
@@ -166,6 +168,22 @@ class EngineClient:
                 return await r.json(content_type=None) if r.status == 200 else {}
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
             return {}
+
+    async def post_text(
+        self, base: str, path: str, body: dict[str, Any], *, timeout: float | None
+    ) -> tuple[int, str]:
+        """(status, body) of a POST within `timeout` (EngineTimeout past it)."""
+        http = await self._http()
+        try:
+            async with http.post(
+                f"{base}{path}",
+                json=body,
+                headers=self._auth,
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=10),
+            ) as r:
+                return r.status, await r.text()
+        except TimeoutError:
+            raise EngineTimeout(base, f"POST {path}", timeout, self.timeout_option) from None
 
     async def alive(self, url: str, path: str, timeout: float) -> bool:
         """Whether the engine at `url` answers `path` (its liveness check: SGLang's

@@ -71,35 +71,29 @@ def finish(choice: dict[str, Any]) -> dict[str, Any] | None:
     return {"type": str(fr)}
 
 
-def fold(state: GenerateState, payload: bytes) -> str:
-    """Fold one vLLM /v1/completions output (a delta chunk, or the whole reply) into `state`;
-    returns the text it adds. A chunk with no choices (the usage one) adds only the usage."""
-    try:
-        obj = json.loads(payload)
-        if "error" in obj or obj.get("object") == "error":
-            err = obj.get("error", obj)
-            message = err.get("message", err) if isinstance(err, dict) else err
-            code = err.get("code") if isinstance(err, dict) else None
-            if code in (400, 422):
-                raise ProviderError("invalid_request", f"policy backend rejected the request: {message}", 400)
-            raise ProviderError("api_error", f"policy backend error: {message}", 500)
-        usage = obj.get("usage") or {}
-        choices = obj.get("choices") or []
-        choice = choices[0] if choices else None
-        if choice is not None:
-            text = choice.get("text") or ""
-            ids = choice.get("token_ids")
-            lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
-            if not isinstance(ids, list) or not isinstance(text, str):
-                raise ProviderError(
-                    "api_error",
-                    "the vLLM backend returned no token_ids: it needs return_token_ids (vLLM >= 0.10.2)",
-                    502,
-                )
-    except ProviderError:
-        raise
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise unreadable(payload) from e
+def raise_error(obj: dict[str, Any]) -> None:
+    """Raise the error a vLLM reply (or streamed chunk) carries, if it is one: its
+    `ErrorResponse` (`{"error": {"message", "type", "param", "code"}}`)."""
+    if "error" in obj or obj.get("object") == "error":
+        err = obj.get("error", obj)
+        message = err.get("message", err) if isinstance(err, dict) else err
+        code = err.get("code") if isinstance(err, dict) else None
+        if code in (400, 422):
+            raise ProviderError("invalid_request", f"policy backend rejected the request: {message}", 400)
+        raise ProviderError("api_error", f"policy backend error: {message}", 500)
+
+
+def add(
+    state: GenerateState,
+    usage: Any,
+    choice: dict[str, Any] | None,
+    text: str,
+    ids: list[int],
+    lps: list[float],
+) -> str:
+    """Add one read vLLM output (its usage, and its choice's text, sampled ids and their
+    logprobs) to `state`; returns the text it adds. vLLM's outputs are deltas, whole replies
+    and streamed chunks alike."""
     if isinstance(usage, dict) and usage:
         state.prompt_tokens = usage.get("prompt_tokens", state.prompt_tokens)
         details = usage.get("prompt_tokens_details") or {}
@@ -112,12 +106,40 @@ def fold(state: GenerateState, payload: bytes) -> str:
             f"policy backend returned {len(ids)} token ids but {len(lps)} logprobs; is logprobs supported?",
             502,
         )
-    state.output_ids.extend(int(i) for i in ids)
+    state.output_ids.extend(ids)
     state.output_logprobs.extend(lps)
     state._text.append(text)
     state.finish_reason = finish(choice)
     state.chunks += 1
     return text
+
+
+def fold(state: GenerateState, payload: bytes) -> str:
+    """Fold one vLLM /v1/completions output (a delta chunk, or the whole reply) into `state`;
+    returns the text it adds. A chunk with no choices (the usage one) adds only the usage."""
+    text, ids, lps = "", [], []
+    try:
+        obj = json.loads(payload)
+        raise_error(obj)
+        usage = obj.get("usage") or {}
+        choices = obj.get("choices") or []
+        choice = choices[0] if choices else None
+        if choice is not None:
+            text = choice.get("text") or ""
+            got = choice.get("token_ids")
+            lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+            if not isinstance(got, list) or not isinstance(text, str):
+                raise ProviderError(
+                    "api_error",
+                    "the vLLM backend returned no token_ids: it needs return_token_ids (vLLM >= 0.10.2)",
+                    502,
+                )
+            ids = [int(i) for i in got]
+    except ProviderError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise unreadable(payload) from e
+    return add(state, usage, choice, text, ids, lps)
 
 
 async def serves(fetch: Fetch, base: str) -> bool:
@@ -132,9 +154,10 @@ async def serves(fetch: Fetch, base: str) -> bool:
     )
 
 
-async def model_info(fetch: Fetch, base: str) -> ModelInfo:
+async def model_info(fetch: Fetch, base: str, *, weight_info: bool = True) -> ModelInfo:
     """vLLM's model card (`/v1/models`): the model's path (`root`, a tokenizer directory when
-    it is a local one) and `max_model_len`; vLLM streams deltas."""
+    it is a local one) and `max_model_len`; vLLM streams deltas. The weight version it serves
+    now, unless not `weight_info` (an API whose replies name it)."""
     models = await fetch.get_json(base, "/v1/models")
     try:
         card = models["data"][0]
@@ -151,7 +174,7 @@ async def model_info(fetch: Fetch, base: str) -> ModelInfo:
         front="vllm",
         server_info_from="engine",
         logprobs_mode=await logprobs_mode(fetch, base),
-        weight_version=await weight_version(fetch, base),
+        weight_version=await weight_version(fetch, base) if weight_info else None,
     )
 
 

@@ -60,6 +60,13 @@ import click
     help="--api vllm: serve vLLM's development endpoints (/weight_info, /update_weight_version, /pause, "
     "/resume, /is_paused, /collective_rpc, /reset_prefix_cache), as VLLM_SERVER_DEV_MODE=1 opens them.",
 )
+@click.option(
+    "--vllm-scale-out/--no-vllm-scale-out",
+    default=True,
+    show_default=True,
+    help="--api vllm: serve vLLM's token-in, token-out POST /inference/v1/generate, as vLLM's "
+    "--enable-scale-out opens it (off: 403 there).",
+)
 def fake_backend(
     host,
     port,
@@ -75,6 +82,7 @@ def fake_backend(
     api_key,
     api,
     vllm_dev_mode,
+    vllm_scale_out,
 ):
     """An SGLang-compatible policy server for demos and CI (no GPU, no model).
 
@@ -112,6 +120,7 @@ def fake_backend(
         api_key=api_key,
         api=api,
         vllm_dev_mode=vllm_dev_mode,
+        vllm_scale_out=vllm_scale_out,
     )
     try:
         serve(cfg, host, port)

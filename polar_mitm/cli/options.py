@@ -83,7 +83,9 @@ FLAGS: dict[str, Flag] = {
     ),
     "backend_kind": Flag(
         "Which engine's API: sglang (/generate), vllm (/v1/completions with token-id prompts, "
-        "return_token_ids; vLLM >= 0.10.2), auto (SGLang's /model_info, else vLLM's /v1/models)."
+        "return_token_ids; vLLM >= 0.10.2), vllm-generate (vLLM's token-in, token-out "
+        "/inference/v1/generate: no prompt echo, weight versions in every reply; vLLM >= 0.32 with "
+        "--enable-scale-out), auto (SGLang's /model_info, else vLLM's /v1/models: vllm)."
     ),
     "context_length": Flag(
         "The model's context length, when the backend reports none (given, it wins over the backend's).",

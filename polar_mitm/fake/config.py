@@ -39,6 +39,9 @@ class FakeBackendConfig(BaseModel):
     # api vllm: its development endpoints (/weight_info, /pause, /collective_rpc, …), as
     # VLLM_SERVER_DEV_MODE=1 opens them; off: 404 there, as vLLM's default.
     vllm_dev_mode: bool = True
+    # api vllm: its token-in, token-out /inference/v1/generate, as --enable-scale-out opens it;
+    # off: 403 there, as vLLM's default.
+    vllm_scale_out: bool = True
 
     def rules(self) -> list[Rule]:
         return list(self.script) if self.script is not None else list(DEFAULT_SCRIPT)

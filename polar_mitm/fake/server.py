@@ -59,7 +59,7 @@ from polar_mitm.fake.contract import (
 from polar_mitm.fake.engine import Engine
 from polar_mitm.fake.serving import _drop, _Handlers, _Item
 from polar_mitm.fake.state import STATE, FakeBackendState, Fault, FaultMode
-from polar_mitm.fake.vllm import _Completions, _Dev
+from polar_mitm.fake.vllm import _Completions, _Dev, _Generate
 
 SGLANG_VERSION_EMULATED = "0.5.x"
 
@@ -404,6 +404,7 @@ def create_app(config: FakeBackendConfig) -> web.Application:
     if config.api == "vllm":  # vLLM's own endpoints only (`vllm.py`)
         completions = _Completions(state)
         r.add_post("/v1/completions", completions.completions)
+        r.add_post("/inference/v1/generate", _Generate(state).generate)
         r.add_post("/v1/chat/completions", chat.chat)
         r.add_get("/v1/models", completions.models)
         r.add_get("/version", completions.version)

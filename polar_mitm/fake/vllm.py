@@ -19,6 +19,17 @@ Checked against vLLM's `entrypoints/openai/completion/protocol.py` (`CompletionR
 - Errors are vLLM's `ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`.
 - `GET /v1/models` has `owned_by: "vllm"`, `root` and `max_model_len`; `GET /health` is 200 and
   empty; `GET /version`. No SGLang endpoint answers in this mode; replies name no weight version.
+- `POST /inference/v1/generate` (vLLM's token-in, token-out endpoint, `--enable-scale-out`;
+  checked against vLLM 0.32's `entrypoints/scale_out/token_in_token_out/`: `GenerateRequest`,
+  `GenerateTextResponse`, `GenerateTextStreamResponse`) takes `token_ids` and `sampling_params`
+  in `SamplingParams`' names (`max_tokens`, default: up to the context's end), `output_mode`
+  (the fake serves "text" only), `stream`, `stream_options.include_usage`. Its answer:
+  `request_id`, `choices[0]` with `text`, `token_ids`, `logprobs.content[]` (`token`, `logprob`,
+  `bytes`, `top_logprobs`: the sampled token first), `finish_reason`, `stop_reason` and
+  `weight_versions` (spans `{"version", "start", "end"}` over the output tokens, on the last
+  output only), `usage`, `output_mode`; no prompt ids. Streamed as delta chunks, a usage chunk
+  with no choices, `data: [DONE]`. Without `vllm_scale_out`: 403 `PermissionDeniedError`, as vLLM
+  without the flag.
 - vLLM's development endpoints, served as with `VLLM_SERVER_DEV_MODE=1` unless `vllm_dev_mode` is
   off (then 404, as vLLM without it), checked against vLLM 0.32's `entrypoints/serve/dev/`
   routers: `GET /weight_info` → `{"weight_version"}`; `POST /update_weight_version
@@ -37,6 +48,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -141,7 +153,33 @@ class _Completions(_Handlers):
             "prompt_tokens_details": {"cached_tokens": item.cached_tokens},
         }
 
+    def _head(self, item: _Item, body: dict[str, Any]) -> dict[str, Any]:
+        """What every output of one reply starts with."""
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.s.config.served_model_name or self.s.config.model_path,
+        }
+
+    def _whole(self, head: dict[str, Any], choice: dict[str, Any], item: _Item, k: int) -> dict[str, Any]:
+        return {**head, "choices": [choice], "usage": self._usage(item, k)}
+
+    def _chunk(self, head: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+        return {**head, "choices": [choice], "usage": None}
+
+    def _usage_chunk(self, head: dict[str, Any], item: _Item, k: int) -> dict[str, Any]:
+        return {**head, "choices": [], "usage": self._usage(item, k)}
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, self._item)
+
+    async def _serve(
+        self, request: web.Request, read: Callable[[dict[str, Any]], _Item]
+    ) -> web.StreamResponse:
+        """One generation request: its body read into an item by `read` (ValueError: a 400),
+        answered whole or streamed in the shapes of `_head`, `_choice`, `_whole`, `_chunk` and
+        `_usage_chunk`."""
         body, raw, err = await _read_json(request)
         self._log(request, raw)
         if err is not None:
@@ -149,19 +187,14 @@ class _Completions(_Handlers):
         if not isinstance(body, dict):
             return _error("the request body is not a JSON object")
         try:
-            item = self._item(body)
+            item = read(body)
         except ValueError as e:
             return _error(str(e))
         stream = bool(body.get("stream"))
         fault = self.s.take_fault(request.path)
         if fault is not None and (replaced := await self._fault_response(fault, stream)) is not None:
             return replaced
-        head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.s.config.served_model_name or self.s.config.model_path,
-        }
+        head = self._head(item, body)
         await self.s.resumed.wait()  # a paused engine (`/pause`) holds new generations
         gen = self._start(item)
         engine = self.s.engine
@@ -177,8 +210,7 @@ class _Completions(_Handlers):
                 self.s.in_flight.pop(item.rid, None)
             assert finish is not None
             text = self._final_text(item, gen, k, finish)
-            out = {**head, "choices": [self._choice(item, gen, 0, k, finish, text, body)]}
-            return _json({**out, "usage": self._usage(item, k)})
+            return _json(self._whole(head, self._choice(item, gen, 0, k, finish, text, body), item, k))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         sent_ids, sent_text = 0, ""
@@ -195,12 +227,12 @@ class _Completions(_Handlers):
                             text = self._final_text(item, gen, k, finish)
                         delta = text[len(sent_text) :] if text.startswith(sent_text) else text
                         choice = self._choice(item, gen, sent_ids, k, finish, delta, body)
-                        await resp.write(_sse({**head, "choices": [choice], "usage": None}))
+                        await resp.write(_sse(self._chunk(head, choice)))
                         sent_ids, sent_text = k, text
             finally:
                 self.s.in_flight.pop(item.rid, None)
             if (body.get("stream_options") or {}).get("include_usage"):
-                await resp.write(_sse({**head, "choices": [], "usage": self._usage(item, sent_ids)}))
+                await resp.write(_sse(self._usage_chunk(head, item, sent_ids)))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
@@ -230,6 +262,102 @@ class _Completions(_Handlers):
 
     async def version(self, request: web.Request) -> web.Response:
         return _json({"version": f"polar-mitm-fake (emulating vllm {VLLM_VERSION_EMULATED})"})
+
+
+class _Generate(_Completions):
+    """vLLM's token-in, token-out /inference/v1/generate (`--enable-scale-out`) over the fake's
+    engine, in `output_mode` "text"; 403 when the fake runs without it (`vllm_scale_out`)."""
+
+    def _generate_item(self, body: dict[str, Any]) -> _Item:
+        ids, sp = body.get("token_ids"), body.get("sampling_params")
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("1 validation error:\n  token_ids: List should have at least 1 item")
+        if not isinstance(sp, dict):
+            raise ValueError("1 validation error:\n  sampling_params: Field required")
+        if body.get("output_mode", "tokens") != "text":
+            raise ValueError("the fake serves output_mode 'text' only")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError("token_ids must not contain negative values")
+        # Without max_tokens, vLLM generates up to the context's end (SamplingParams' 16 is not used).
+        default = self.s.config.context_length - len(ids)
+        flat = {**sp, "prompt": ids, "request_id": body.get("request_id")}
+        flat["max_tokens"] = sp.get("max_tokens", default)
+        return self._item(flat)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if not self.s.config.vllm_scale_out:
+            self._log(request, await request.read())
+            return _error(SCALE_OUT_OFF, 403, "PermissionDeniedError")
+        return await self._serve(request, self._generate_item)
+
+    def _head(self, item: _Item, body: dict[str, Any]) -> dict[str, Any]:
+        return {"request_id": f"generate-tokens-{item.rid}"}
+
+    def _choice(
+        self, item: _Item, gen, start: int, k: int, finish: dict[str, Any] | None, text: str, body: dict
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": None if finish is None else _finish_reason(finish),
+            "stop_reason": None if finish is None else self._stop_reason(finish),
+            "token_ids": list(gen.output_ids[start:k]),
+            "routed_experts": None,
+            "sampling_mask": None,
+            # Spans over the output tokens, on the last output only (the fake's weights never
+            # change mid-reply: one span).
+            "weight_versions": None
+            if finish is None
+            else [{"version": self.s.weight_version, "start": 0, "end": k}],
+            "text": text,
+            "logprobs": None,
+        }
+        if item.return_logprob:
+            choice["logprobs"] = {"content": [self._logprob(item, gen, i) for i in range(start, k)]}
+        return choice
+
+    def _logprob(self, item: _Item, gen, i: int) -> dict[str, Any]:
+        """One sampled token's entry: its text, logprob and bytes, and the sampled token then its
+        best alternatives (at least the sampled one)."""
+        tid, lp = gen.output_ids[i], gen.logprobs[i]
+        top = [(lp, tid), *((a, t) for a, t in gen.top_logprobs[i] if t != tid)]
+        return {
+            **self._token(tid, lp),
+            "top_logprobs": [self._token(t, a) for a, t in top[: max(item.top_logprobs_num, 1)]],
+        }
+
+    def _token(self, tid: int, lp: float) -> dict[str, Any]:
+        token = self.s.tokenizer.decode([tid], skip_special_tokens=False)
+        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    def _usage(self, item: _Item, completion: int) -> dict[str, Any]:
+        return {**super()._usage(item, completion), "completion_tokens_details": None}
+
+    def _whole(self, head: dict[str, Any], choice: dict[str, Any], item: _Item, k: int) -> dict[str, Any]:
+        return {
+            **head,
+            "model": self.s.config.served_model_name or self.s.config.model_path,
+            "created": int(time.time()),
+            "usage": self._usage(item, k),
+            "prompt_logprobs": None,
+            "prompt_token_id_logprobs": None,
+            "prompt_token_ids": None,
+            "mm_placeholders": None,
+            "metrics": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "output_mode": "text",
+            "choices": [choice],
+        }
+
+    def _chunk(self, head: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+        return {**head, "usage": None, "output_mode": "text", "choices": [choice]}
+
+    def _usage_chunk(self, head: dict[str, Any], item: _Item, k: int) -> dict[str, Any]:
+        usage = {key: v for key, v in self._usage(item, k).items() if v is not None}
+        return {**head, "usage": usage, "output_mode": "text", "choices": []}
+
+
+SCALE_OUT_OFF = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 
 
 class _Dev(_Handlers):

@@ -16,9 +16,10 @@ class PolicyConfig(BaseModel):
     backend_url: str = "http://127.0.0.1:30000"
     # Sent as `Authorization: Bearer` on every call to the engines (their --api-key).
     backend_api_key: str | None = None
-    # Which engine's API: sglang (/generate), vllm (/v1/completions with token ids), or auto
-    # (SGLang's info endpoints, else vLLM's model card).
-    backend_kind: Literal["auto", "sglang", "vllm"] = "auto"
+    # Which engine's API: sglang (/generate), vllm (/v1/completions with token ids), vllm-generate
+    # (vLLM's /inference/v1/generate, --enable-scale-out), or auto (SGLang's info endpoints, else
+    # vLLM's model card: vllm).
+    backend_kind: Literal["auto", "sglang", "vllm", "vllm-generate"] = "auto"
     tokenizer: str | None = None  # None: the server's /model_info tokenizer_path
     tool_parser: str | None = None  # None: the server's, else qwen25
     reasoning_parser: str | None = None  # None: the server's, else qwen3

@@ -49,7 +49,7 @@ class Policy:
         self.engines = EnginePool(
             urls,
             self.client.alive,
-            kind="vllm" if config.backend_kind == "vllm" else "sglang",
+            kind="vllm" if config.backend_kind in ("vllm", "vllm-generate") else "sglang",
             interval=config.engine_probe_interval or 5.0,
         )
         self.discovery = Discovery(config, self.client, self.engines, model_info)

@@ -115,9 +115,10 @@ class _RenderTurn:
     key: str
     engine: Engine
     gen: GenerateStream
-    vllm: bool = False
+    vllm: bool = False  # vLLM's /v1/completions, whose replies name no weight version
     logprobs_mode: str | None = None  # what the engine's logprobs are of (backends/logprobs.py)
-    # vLLM's weight version for this turn (`WeightVersions.reading`; SGLang's comes in its reply).
+    # vLLM's weight version for this turn (`WeightVersions.reading`; SGLang's and vllm-generate's
+    # come in their replies).
     version: asyncio.Future[str | None] | None = None
     started: bool = False  # the harness was sent Started
     error: str | None = None  # why the turn failed, once it did

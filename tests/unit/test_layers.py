@@ -139,5 +139,8 @@ def test_the_trainers_client_loads_no_proxy_no_server_and_no_policy():
 def test_rendering_and_the_engine_apis_load_no_http():
     """The pure rooms of `backends/` (rendering, each engine API's words) load neither aiohttp
     nor the engine client: only the client speaks HTTP."""
-    pure = "polar_mitm.backends.render, polar_mitm.backends.sglang, polar_mitm.backends.vllm"
+    pure = (
+        "polar_mitm.backends.render, polar_mitm.backends.sglang, polar_mitm.backends.vllm, "
+        "polar_mitm.backends.vllm_generate"
+    )
     assert _loaded(pure, ("aiohttp", "polar_mitm.backends.engine_client")) == []
