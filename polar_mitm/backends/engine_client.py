@@ -157,16 +157,10 @@ class EngineClient:
 
     async def post_json(self, base: str, path: str, body: dict[str, Any], *, timeout: float | None) -> Any:
         """The JSON a 200 answer to a POST holds; {} for any other answer, or none at all."""
-        http = await self._http()
         try:
-            async with http.post(
-                f"{base}{path}",
-                json=body,
-                headers=self._auth,
-                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=10),
-            ) as r:
-                return await r.json(content_type=None) if r.status == 200 else {}
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            status, text = await self.post_text(base, path, body, timeout=timeout)
+            return json.loads(text) if status == 200 else {}
+        except (aiohttp.ClientError, OSError, EngineTimeout, ValueError):
             return {}
 
     async def post_text(
