@@ -297,7 +297,7 @@ def _streamed_post(port: int, path: str, total: int, headers: dict[str, str], ch
 
 
 @pytest.mark.slow
-def test_health_answers_within_100_ms_while_a_maximal_body_is_refused(tmp_path, monkeypatch):
+def test_health_keeps_answering_while_a_maximal_body_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     proc = spawn(["serve", "--listen", "127.0.0.1:0", "--nodes", "0", "--db", str(tmp_path / "s.sqlite")],
                  tmp_path / "log.txt")  # fmt: skip
@@ -323,7 +323,9 @@ def test_health_answers_within_100_ms_while_a_maximal_body_is_refused(tmp_path, 
                     latencies.append(time.perf_counter() - t0)
                     time.sleep(0.01)
                 sender.join()
-            assert latencies and max(latencies) < 0.1, (chunked, max(latencies), len(latencies), status)
+            # No stall: reading the 480 MB whole and parsing it on the loop stalls it for seconds.
+            # The bound is 1 s, not a speed target (a loaded CI machine once took 0.15 s).
+            assert len(latencies) >= 2 and max(latencies) < 1.0, (chunked, max(latencies), len(latencies), status)
             assert status in ([413], [0]), status  # refused (or cut off) before being read whole
         assert httpx.get(url + "/health").status_code == 200
     finally:
