@@ -83,9 +83,8 @@ from polar_mitm.sandbox.base import (
     SandboxSpec,
     ca_mounts,
     chown,
+    hand_over,
     host_process,
-    name_user,
-    open_traversed,
     run_process,
     sandbox_ca,
     tree_size,
@@ -598,26 +597,14 @@ class ApptainerSandbox:
         return r
 
     async def _hand_over(self) -> str | None:
-        """Make the workdir and HOME the harness user's (see the docker runtime); returns the
-        workdir's owner before. Where that fails the harness runs as root, without capabilities."""
+        """Make the workdir and HOME the harness user's (`sandbox.base.hand_over`); returns the
+        workdir's owner before. Where that fails, or the image has no setpriv, the harness runs
+        as root, without capabilities."""
         if self.user is None:
             return None
-        r = await self.exec(
-            ["sh", "-c", 'command -v setpriv >/dev/null && stat -c %u:%g -- "$1"', "sh", self.workdir],
-            workdir="/",
-        )
-        owner = r.output.strip().splitlines()[-1] if r.exit_code == 0 and r.output.strip() else None
-        if owner is None or not await chown(self, self.user, [self.workdir, HOME_DIR]):
-            log.warning(
-                "instance %s: cannot hand %s to %s (or the image has no setpriv); the harness runs as root",
-                self.name,
-                self.workdir,
-                self.user,
-            )
+        owner = await hand_over(self, self.user, self.workdir, HOME_DIR, self.traversed, need="setpriv")
+        if owner is None:
             self.user = None
-            return None
-        await name_user(self, self.user, HOME_DIR)
-        await open_traversed(self, self.traversed)
         return owner
 
     def _pids(self) -> list[int]:

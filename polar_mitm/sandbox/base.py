@@ -492,28 +492,50 @@ async def chown(sandbox: Sandbox, owner: str, paths: list[str]) -> bool:
     return r.exit_code == 0
 
 
-async def name_user(sandbox: Sandbox, user: str, home: str | None) -> None:
-    """Give the harness user a name in the image's /etc/passwd and /etc/group where it has
-    none: Node's os.userInfo() (Qwen Code calls it at start) fails for a uid without one."""
-    uid, _, gid = user.partition(":")
-    gid = gid or uid
-    line = (
-        f"grep -q '^[^:]*:[^:]*:{uid}:' /etc/passwd || echo 'polar:x:{uid}:{gid}:polar-mitm harness:{home or '/tmp'}:/bin/sh' >> /etc/passwd; "
-        f"grep -q '^[^:]*:[^:]*:{gid}:' /etc/group || echo 'polar:x:{gid}:' >> /etc/group"
-    )
-    r = await sandbox.exec(["sh", "-c", line], workdir="/")
-    if r.exit_code != 0:
-        log.info("sandbox %s: no name for uid %s: %s", sandbox.name, uid, r.output[-200:])
+# One exec (a daemon round trip, three API calls on Docker) for the whole hand-over: the workdir's
+# owner read, the trees chowned, the user named, the directories above a PyPI harness's trees
+# opened. Paths and ids arrive as arguments, never in the script's text.
+_HAND_OVER = r"""
+need=$1 user=$2 home=$3 workdir=$4; shift 4
+if [ -n "$need" ] && ! command -v "$need" >/dev/null; then echo "the image has no $need"; exit 3; fi
+owner=$(stat -c %u:%g -- "$workdir") || exit 4
+chown -R "$user" -- "$workdir" ${home:+"$home"} || exit 5
+uid=${user%%:*} gid=${user#*:}
+grep -q "^[^:]*:[^:]*:$uid:" /etc/passwd || echo "polar:x:$uid:$gid:polar-mitm harness:${home:-/tmp}:/bin/sh" >> /etc/passwd || echo "no name for uid $uid"
+grep -q "^[^:]*:[^:]*:$gid:" /etc/group || echo "polar:x:$gid:" >> /etc/group || echo "no name for gid $gid"
+for d; do [ -d "$d" ] && { chmod o+x -- "$d" || echo "cannot open $d"; }; done
+echo "owner=$owner"
+"""
 
 
-async def open_traversed(sandbox: Sandbox, dirs: list[str]) -> None:
-    """Let the harness user pass through the directories above a PyPI harness's trees
-    (search permission only, no listing): an image's /root is 0700, and the trees sit at the
-    host's own paths, often under /root. Nothing in them becomes writable or listable."""
-    if not dirs:
-        return
-    r = await sandbox.exec(
-        ["sh", "-c", 'for d; do [ -d "$d" ] && chmod o+x -- "$d"; done; true', "sh", *dirs], workdir="/"
+async def hand_over(
+    sandbox: Sandbox, user: str, workdir: str, home: str | None, traversed: list[str], *, need: str = ""
+) -> str | None:
+    """Make the workdir (and HOME) the harness user's, in one exec; returns the workdir's owner
+    before, to give it back after (scoring tools such as git refuse a repository owned by another
+    user), or None where the hand-over failed (the harness then runs as root).
+
+    Also gives the user a name in the image's /etc/passwd and /etc/group where it has none
+    (Node's os.userInfo(), which Qwen Code calls at start, fails for a uid without one), and lets
+    it pass through the directories above a PyPI harness's trees (search permission only: an
+    image's /root is 0700, and the trees sit at the host's own paths, often under /root).
+    `need`: a command the image must have for the harness to run as that user (Apptainer's
+    setpriv)."""
+    argv = ["sh", "-c", _HAND_OVER, "sh", need, user, home or "", workdir, *traversed]
+    r = await sandbox.exec(argv, workdir="/")
+    lines = r.output.strip().splitlines()
+    owner = (
+        lines[-1].removeprefix("owner=")
+        if r.exit_code == 0 and lines and lines[-1].startswith("owner=")
+        else None
     )
-    if r.exit_code != 0:
-        log.warning("sandbox %s: opening %s: %s", sandbox.name, dirs, r.output[-300:])
+    if owner is None:
+        log.warning(
+            "sandbox %s: cannot hand %s to %s (exit %s: %s); the harness runs as root",
+            sandbox.name, workdir, user, r.exit_code, r.output[-300:],
+        )  # fmt: skip
+    elif len(lines) > 1:
+        log.info(
+            "sandbox %s: handing %s to %s: %s", sandbox.name, workdir, user, "; ".join(lines[:-1])[-300:]
+        )
+    return owner

@@ -60,9 +60,8 @@ from polar_mitm.sandbox.base import (
     ca_mounts,
     chown,
     exec_then_seal,
+    hand_over,
     host_process,
-    name_user,
-    open_traversed,
     sandbox_ca,
     tail,
     tree_size,
@@ -119,6 +118,40 @@ def forwarder_argv(*, node: bool, python: str | None = None, reap: bool = True) 
     # A verifier's init must reap nothing (rollout/verdict.py): node never reaps a child it did
     # not start; forward.py is told.
     return [*script, CHANNEL_SOCKET, str(FORWARD_PORT), "serve", *([] if reap else ["keep-orphans"])]
+
+
+def docker_client(timeout: int = 120) -> Any:
+    """`docker.from_env`, with one connection pool for the daemon's Unix socket.
+
+    The SDK's Unix-socket adapter keeps a pool per request URL (its `get_connection(url)`), and
+    every exec, container and archive has URLs of its own: each call opened a new connection and
+    a new pool, and evicted another's. Keyed by the daemon instead, calls reuse kept-alive
+    connections. And requests looks for proxies in the whole environment on every call
+    (`trust_env`), which a Unix socket never uses. `bench/bench_docker_calls.py` measures both."""
+    import docker
+
+    client = docker.from_env(timeout=timeout)
+    adapter = getattr(client.api, "_custom_adapter", None)
+    if adapter is not None and hasattr(adapter, "socket_path"):  # a local Unix socket only
+        client.api.mount("http+docker://", _one_pool(adapter))
+        client.api.trust_env = False
+    return client
+
+
+def _one_pool(adapter: Any) -> Any:
+    """The SDK's Unix-socket adapter, its pools keyed by the daemon rather than by the URL."""
+    from docker.transport.unixconn import UnixHTTPAdapter
+
+    class OnePool(UnixHTTPAdapter):  # type: ignore[misc]
+        def get_connection(self, url: Any, proxies: Any = None) -> Any:
+            return super().get_connection("http+docker://localhost", proxies)
+
+    one = OnePool(
+        "http+unix://" + adapter.socket_path,
+        timeout=adapter.timeout,
+        max_pool_size=adapter.max_pool_size,
+    )
+    return one
 
 
 class DockerSandbox:
@@ -257,34 +290,14 @@ class DockerSandbox:
         return True
 
     async def _hand_over(self) -> str | None:
-        """Make the workdir (and HOME) the harness user's; returns the workdir's owner before, to
-        give it back after (scoring tools such as git refuse a repository owned by another user).
-        An image where that fails runs the harness as root."""
+        """Make the workdir (and HOME) the harness user's (`sandbox.base.hand_over`); returns the
+        workdir's owner before. An image where that fails runs the harness as root."""
         if self.user is None:
             return None
-        r = await self.exec(["stat", "-c", "%u:%g", self.workdir], workdir="/")
-        owner = r.output.strip() if r.exit_code == 0 else None
-        if owner is None or not await self._chown(
-            self.user, [self.workdir, *([self.home] if self.home else [])]
-        ):
-            log.warning(
-                "container %s: cannot hand %s to %s; the harness runs as root",
-                self.name,
-                self.workdir,
-                self.user,
-            )
+        owner = await hand_over(self, self.user, self.workdir, self.home, self.traversed)
+        if owner is None:
             self.user = None
-            return None
-        await self._name_user()
-        await self._open_traversed()
         return owner
-
-    async def _open_traversed(self) -> None:
-        await open_traversed(self, self.traversed)
-
-    async def _name_user(self) -> None:
-        assert self.user is not None
-        await name_user(self, self.user, self.home)
 
     async def _chown(self, owner: str, paths: list[str]) -> bool:
         return await chown(self, owner, paths)
@@ -502,14 +515,13 @@ class DockerRuntime:
         self._client = client
         self.network = network
         self._images: dict[str, str] = {}  # task id -> image to start from
+        self._paths: dict[str, str] = {}  # image -> its PATH
         self._build_lock = asyncio.Lock()
 
     @property
     def client(self) -> Any:
         if self._client is None:
-            import docker
-
-            self._client = docker.from_env(timeout=120)
+            self._client = docker_client(timeout=120)
         return self._client
 
     async def check(self) -> None:
@@ -670,10 +682,7 @@ class DockerRuntime:
             raise
         except Exception as e:
             raise SandboxError(f"task {task.id}: starting a container from {image} failed: {e}") from e
-        env_list = (
-            (await asyncio.to_thread(lambda: self.client.images.get(image))).attrs.get("Config") or {}
-        ).get("Env") or []
-        base_path = next((e.split("=", 1)[1] for e in env_list if e.startswith("PATH=")), DEFAULT_PATH)
+        base_path = await self._base_path(image)
         sb = DockerSandbox(
             self,
             container,
@@ -704,6 +713,16 @@ class DockerRuntime:
             await sb.stop()
             raise
         return sb
+
+    async def _base_path(self, image: str) -> str:
+        """The image's own PATH (its config's Env), read once per image and run."""
+        if image not in self._paths:
+            attrs = (await asyncio.to_thread(lambda: self.client.images.get(image))).attrs
+            env_list = (attrs.get("Config") or {}).get("Env") or []
+            self._paths[image] = next(
+                (e.split("=", 1)[1] for e in env_list if e.startswith("PATH=")), DEFAULT_PATH
+            )
+        return self._paths[image]
 
     def _verifier_options(self, volumes: dict[str, dict[str, str]]) -> dict[str, Any]:
         """A verifier's container: nothing of ours mounted (no session directory, CA or harness)
