@@ -1,7 +1,8 @@
 """Real Claude Code through `polar-mitm run` against real SGLang (the PyPI wheel on CPU, a tiny
 random Qwen2 over the Qwen tokenizer), with a recording hop between the proxy and the engine: what
 the store keeps is what SGLang said, bit for bit, streamed and whole; a weight update between two
-sessions shows in the next session's turns; an engine SIGKILLed mid-turn fails the turn clearly.
+sessions shows in the next session's turns; a scheduler SIGSTOPped before the first turn fails it
+within 30 s as hung; an engine SIGKILLed mid-turn fails the turn clearly.
 
 The model is random, so Claude Code gets a few random tokens per call (`--max-tokens-cap`) and
 treats them as its answer: the point is the path of the ids and logprobs, not what they say.
@@ -9,11 +10,13 @@ treats them as its answer: the point is the path of the ids and logprobs, not wh
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import struct
 import threading
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,7 +33,8 @@ from tests.support.engines import (
     recomputed_logprobs,
     sdk_python,
 )
-from tests.support.harness import harness_env, polar_run, require_binary
+from tests.support.harness import harness_env, polar_run, proxy_process, require_binary
+from tests.support.helpers import MESSAGES_URL
 from tests.support.sglang import SGLangServer, make_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines, pytest.mark.slow]
@@ -203,6 +207,51 @@ def test_logprobs_are_tempered_but_not_cut_by_top_k(sglang_server, sglang_model_
     assert max(abs(a - b) for a, b in zip(lps, want, strict=True)) < 1e-4, (lps, want)
     truncated = recomputed_logprobs(sglang_model_dir, CHAT_PROMPT, ids, 0.7, top_k=5)
     assert max(abs(a - b) for a, b in zip(lps, truncated, strict=True)) > 1e-3
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(x) for x in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def test_a_stopped_scheduler_fails_the_turn_within_30_s_as_hung(
+    tmp_path, sglang_server, qwen_tokenizer_dir, certs_dir
+):
+    """SGLang's scheduler (and every other process below its HTTP server) SIGSTOPped after the
+    proxy's preflight, before any turn: the HTTP server still answers (`/model_info`), so only a
+    health check that runs a token through the scheduler (`/health_generate`) sees the hang. At the
+    default liveness settings the turn fails within 30 s, with an error that says the engine hung."""
+    stopped = descendants(sglang_server.proc.pid)
+    assert stopped, "SGLang's server has no scheduler process"
+    with proxy_process(sglang_server.url, qwen_tokenizer_dir, certs_dir, tmp_path / "p.db") as (_, client, _):
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with urllib.request.urlopen(sglang_server.url + "/model_info", timeout=10) as r:
+                assert r.status == 200  # the server itself is up: only the scheduler is stuck
+            t0 = time.monotonic()
+            r = client.post(MESSAGES_URL, json={"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+            took = time.monotonic() - t0
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+    # The session's engine is whole again for the tests after this one.
+    with urllib.request.urlopen(sglang_server.url + "/health_generate", timeout=60) as h:
+        assert h.status == 200
+    assert r.status_code == 529, r.text
+    message = r.json()["error"]["message"]
+    assert "failed its health check (/health_generate)" in message and "hung" in message, message
+    assert took <= 30, took
 
 
 def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qwen_tokenizer_dir):

@@ -13,17 +13,14 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from polar_mitm.policy import PolicyConfig
-from tests.support.harness import FakeBackend, Lines, port_of, printed_url
+from tests.support.harness import FakeBackend, Lines, proxy_process
 from tests.support.helpers import MESSAGES_URL
 
 pytestmark = pytest.mark.slow
@@ -45,27 +42,9 @@ def engine(tokenizer: Path, tmp: Path):
         fake.stop()
 
 
-@contextmanager
 def proxy(fake: FakeBackend, tokenizer: Path, certs: Path, db: Path):
-    """`polar-mitm proxy` in front of `fake` with the default liveness settings; (proc, client)."""
-    proc = subprocess.Popen(
-        [*[sys.executable, "-m", "polar_mitm"], "proxy", "--listen", "127.0.0.1:0", "--backend", fake.url,
-         "--tokenizer", str(tokenizer), "--db", str(db), "--certs", str(certs),
-         "--backend-stream", "stream"],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    err = Lines(proc.stderr)
-    port = port_of(printed_url(err.until("polar-mitm proxy on", timeout=60)))
-    client = httpx.Client(
-        proxy=f"http://s:x@127.0.0.1:{port}", verify=str(certs / "mitmproxy-ca-cert.pem"), timeout=120
-    )
-    try:
-        yield proc, client, err
-    finally:
-        client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(30)
+    """`polar-mitm proxy` in front of `fake` with the default liveness settings."""
+    return proxy_process(fake.url, tokenizer, certs, db)
 
 
 def drained(lines: Lines) -> list[str]:

@@ -296,6 +296,33 @@ def shared_proxy(backend: FakeBackend, tokenizer: Path, db: Path, certs: Path, *
         proxy.wait(20)
 
 
+@contextmanager
+def proxy_process(backend_url: str, tokenizer: Path, certs: Path, db: Path, *args: str):
+    """`polar-mitm proxy` in front of `backend_url` at the default liveness settings, streaming
+    from the engine; yields (proc, an httpx client through it, its stderr's Lines)."""
+    import signal
+
+    import httpx
+
+    proc = subprocess.Popen(
+        [*POLAR, "proxy", "--listen", "127.0.0.1:0", "--backend", backend_url, "--tokenizer", str(tokenizer),
+         "--db", str(db), "--certs", str(certs), "--backend-stream", "stream", *args],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    err = Lines(proc.stderr)
+    port = port_of(printed_url(err.until("polar-mitm proxy on", timeout=60)))
+    client = httpx.Client(
+        proxy=f"http://s:x@127.0.0.1:{port}", verify=str(certs / "mitmproxy-ca-cert.pem"), timeout=120
+    )
+    try:
+        yield proc, client, err
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
+
+
 def claude_in_shell(exports: str, tmp_path: Path) -> None:
     """Claude Code run from a pasted `export` line (`harness_in_shell`)."""
     harness_in_shell(exports, "claude -p 'Create out.txt containing hi' --allowedTools Bash", tmp_path)
