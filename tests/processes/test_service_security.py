@@ -325,7 +325,12 @@ def test_health_keeps_answering_while_a_maximal_body_is_refused(tmp_path, monkey
                 sender.join()
             # No stall: reading the 480 MB whole and parsing it on the loop stalls it for seconds.
             # The bound is 1 s, not a speed target (a loaded CI machine once took 0.15 s).
-            assert len(latencies) >= 2 and max(latencies) < 1.0, (chunked, max(latencies), len(latencies), status)
+            assert len(latencies) >= 2 and max(latencies) < 1.0, (
+                chunked,
+                max(latencies),
+                len(latencies),
+                status,
+            )
             assert status in ([413], [0]), status  # refused (or cut off) before being read whole
         assert httpx.get(url + "/health").status_code == 200
     finally:
