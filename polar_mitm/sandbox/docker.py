@@ -146,12 +146,9 @@ def _one_pool(adapter: Any) -> Any:
         def get_connection(self, url: Any, proxies: Any = None) -> Any:
             return super().get_connection("http+docker://localhost", proxies)
 
-    one = OnePool(
-        "http+unix://" + adapter.socket_path,
-        timeout=adapter.timeout,
-        max_pool_size=adapter.max_pool_size,
+    return OnePool(
+        "http+unix://" + adapter.socket_path, timeout=adapter.timeout, max_pool_size=adapter.max_pool_size
     )
-    return one
 
 
 class DockerSandbox:

@@ -34,7 +34,7 @@ from tests.support.engines import (
     sdk_python,
 )
 from tests.support.harness import harness_env, polar_run, proxy_process, require_binary
-from tests.support.helpers import MESSAGES_URL
+from tests.support.helpers import MESSAGES_URL, descendants
 from tests.support.sglang import SGLangServer, make_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines, pytest.mark.slow]
@@ -209,21 +209,6 @@ def test_logprobs_are_tempered_but_not_cut_by_top_k(sglang_server, sglang_model_
     assert max(abs(a - b) for a, b in zip(lps, truncated, strict=True)) > 1e-3
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, read from /proc."""
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = [int(x) for x in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
-
-
 def test_a_stopped_scheduler_fails_the_turn_within_30_s_as_hung(
     tmp_path, sglang_server, qwen_tokenizer_dir, certs_dir
 ):
@@ -231,7 +216,7 @@ def test_a_stopped_scheduler_fails_the_turn_within_30_s_as_hung(
     proxy's preflight, before any turn: the HTTP server still answers (`/model_info`), so only a
     health check that runs a token through the scheduler (`/health_generate`) sees the hang. At the
     default liveness settings the turn fails within 30 s, with an error that says the engine hung."""
-    stopped = descendants(sglang_server.proc.pid)
+    stopped = sorted(descendants(sglang_server.proc.pid) - {sglang_server.proc.pid})
     assert stopped, "SGLang's server has no scheduler process"
     with proxy_process(sglang_server.url, qwen_tokenizer_dir, certs_dir, tmp_path / "p.db") as (_, client, _):
         for pid in stopped:

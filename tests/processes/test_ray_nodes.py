@@ -10,13 +10,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
 from polar_mitm.netaddr import is_loopback
 from polar_mitm.service.ray_nodes import SINGLE_NODE_ENV
 from tests.support.harness import POLAR
+from tests.support.helpers import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -27,24 +27,6 @@ DRIVER = (
     "print('up', flush=True)\n"
     "import time; time.sleep(300)\n"
 )
-
-
-def descendants(root: int) -> set[int]:
-    """`root` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo += children.get(pid, [])
-    return found
 
 
 def listening(pids: set[int]) -> list[tuple[str, str]]:
