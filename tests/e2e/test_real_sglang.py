@@ -1,8 +1,8 @@
 """Real Claude Code through `polar-mitm run` against real SGLang (the PyPI wheel on CPU, a tiny
 random Qwen2 over the Qwen tokenizer), with a recording hop between the proxy and the engine: what
 the store keeps is what SGLang said, bit for bit, streamed and whole; a weight update between two
-sessions shows in the next session's turns; a scheduler SIGSTOPped before the first turn fails it
-within 30 s as hung; an engine SIGKILLed mid-turn fails the turn clearly.
+sessions shows in the next session's turns; a scheduler SIGSTOPped before the first turn, or
+mid-stream, fails it within 30 s as hung; an engine SIGKILLed mid-turn fails the turn clearly.
 
 The model is random, so Claude Code gets a few random tokens per call (`--max-tokens-cap`) and
 treats them as its answer: the point is the path of the ids and logprobs, not what they say.
@@ -10,6 +10,7 @@ treats them as its answer: the point is the path of the ids and logprobs, not wh
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -158,6 +159,10 @@ def test_weight_update_between_sessions_shows_in_the_next_sessions_turns(
         assert {t.weight_version for t in second} == {"step-2"}
         # New weights, new numbers: the same first prompt is sampled with other logprobs.
         assert bits(second[0].output_logprobs) != bits(first[0].output_logprobs)
+        # They are the new checkpoint's (transformers over it agrees), and not the old one's.
+        rc, report = check_logprobs(db, other, "w-after", 1.0)
+        assert rc == 0 and report["tokens"] > 0 and report["max_abs"] < 1e-4, report
+        assert check_logprobs(db, sglang_model_dir, "w-after", 1.0)[0] != 0
     finally:  # the server is the session's: give it back its weights
         status, reply = sglang_server.post(
             "/update_weights_from_disk", {"model_path": str(sglang_model_dir), "weight_version": before}
@@ -239,12 +244,65 @@ def test_a_stopped_scheduler_fails_the_turn_within_30_s_as_hung(
     assert took <= 30, took
 
 
-def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, qwen_tokenizer_dir):
-    """Its own engine (the session's stays up), SIGKILLed (the whole group) once a turn streams."""
+@pytest.fixture(scope="module")
+def long_sglang(tmp_path_factory, qwen_tokenizer_dir):
+    """An engine of this module's own (the session's stays whole) over a model that (nearly)
+    never samples <|im_end|>: a stop or a kill lands while it is still writing. The last test
+    here kills it."""
+    tmp = tmp_path_factory.mktemp("long-sglang")
+    model = make_tiny_model(qwen_tokenizer_dir, tmp / "model-long", eos_share=1e-9)
+    server = SGLangServer(model, tmp / "server.log")
+    yield server
+    server.stop()
+
+
+def test_a_scheduler_stopped_mid_stream_fails_the_turn_within_30_s_as_hung(
+    tmp_path, long_sglang, qwen_tokenizer_dir, certs_dir
+):
+    """SGLang's scheduler SIGSTOPped once a streamed reply has sent tokens: its HTTP server holds
+    the stream open and silent. At the default liveness settings the proxy ends the harness's
+    stream within 30 s with an error saying the engine hung, and stores the turn as `error` with
+    the tokens sampled before the stop."""
+    db = tmp_path / "p.db"
+    stopped = sorted(descendants(long_sglang.proc.pid) - {long_sglang.proc.pid})
+    assert stopped, "SGLang's server has no scheduler process"
+    lines: list[str] = []
+    stopped_at = None
+    body = {
+        "model": "m",
+        "max_tokens": 2000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "talk"}],
+    }
+    with proxy_process(long_sglang.url, qwen_tokenizer_dir, certs_dir, db) as (_, client, _):
+        try:
+            with client.stream("POST", MESSAGES_URL, json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if stopped_at is None and line.startswith("event: content_block_delta"):
+                        for pid in stopped:
+                            os.kill(pid, signal.SIGSTOP)
+                        stopped_at = time.monotonic()
+            ended = time.monotonic()
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+    assert stopped_at is not None, lines[-5:]
+    errors = [json.loads(x[len("data: ") :]) for x in lines if x.startswith("data: ") and '"error"' in x]
+    assert errors and "hung" in errors[-1]["error"]["message"], lines[-5:]
+    assert not any("message_stop" in x for x in lines)
+    assert ended - stopped_at <= 30, ended - stopped_at
+    status, output_len = sqlite3.connect(db).execute("SELECT status, output_len FROM turns").fetchone()
+    assert status == "error" and output_len > 0  # the tokens sampled before the stop
+
+
+def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(
+    tmp_path, long_sglang, qwen_tokenizer_dir
+):
+    """The module's engine SIGKILLed (the whole group) once a turn streams."""
     require_binary("claude")
-    # A model that (nearly) never samples <|im_end|>: the kill lands while it is still writing.
-    model = make_tiny_model(qwen_tokenizer_dir, tmp_path / "model-long", eos_share=1e-9)
-    server = SGLangServer(model, tmp_path / "killed.log")
+    server = long_sglang
     try:
         h = RecordingHop(server.url).start()
         killed, done = threading.Event(), threading.Event()
@@ -276,7 +334,7 @@ def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(tmp_path, 
         watcher.join(10)
         h.stop()
     finally:
-        server.stop()
+        server.stop()  # the fixture's stop finds it gone
     assert killed.is_set(), "no reply was streaming to kill"
     assert r.returncode != 0 or "error" in r.stderr.lower(), r.stderr
     con = sqlite3.connect(tmp_path / "runs.sqlite")

@@ -538,10 +538,13 @@ def test_vllm_stopped_before_its_first_token_fails_the_attempt_within_30_s(
     out = r.stdout + r.stderr
     assert "hung" in out, out[-3000:]
     # Claude Code makes several calls (each a turn, one attempt each), one after the other: each
-    # fails within 30 s of reaching the stopped engine.
-    attempts = [ex for ex in h.exchanges if ex.request.get("prompt") != [0]]
-    took = ended - stopped[0]
-    assert took < 30 * len(attempts) + 10, (took, len(attempts))
+    # fails within 30 s of reaching the stopped engine, so the next one starts within 30 s of it
+    # (Claude Code's own work between calls is milliseconds), and the run ends after the last.
+    starts = [ex.at for ex in h.exchanges if ex.request.get("prompt") != [0]]
+    assert starts and starts[0] <= stopped[0] + 1, (starts, stopped)
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert all(g <= 30 for g in gaps), gaps
+    assert ended - starts[-1] <= 35, ended - starts[-1]
 
 
 def test_vllm_killed_mid_turn_fails_the_turn_and_stores_it_as_error(

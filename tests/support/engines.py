@@ -257,6 +257,7 @@ class Exchange:
     content_type: str = ""
     raw: bytes = b""
     received: int = 0  # bytes of the reply so far (set while it streams; `raw` once it ended)
+    at: float = field(default_factory=time.monotonic)  # when the hop read the request
 
     @property
     def streamed(self) -> bool:
