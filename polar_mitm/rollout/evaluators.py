@@ -139,12 +139,15 @@ def _reward_of(raw: bytes, source: str, left: list, detail: dict[str, Any]) -> f
         return 0.0
 
 
-async def _supervised(task: Task, sandbox: Sandbox, argv: list[str], workdir: str | None = None):
-    """The tests' run (rollout/verdict.py): the record directory made, the safe environment, and
-    the sandbox sealed when they end; (result, what they left running)."""
-    problem = await verdict.prepare(sandbox)
-    if problem is not None:
-        raise EvaluatorError(f"task {task.id}: cannot create {verdict.RECORD_DIR}: {problem}")
+async def _supervised(
+    task: Task, sandbox: Sandbox, argv: list[str], workdir: str | None = None, *, prepared: bool = False
+):
+    """The tests' run (rollout/verdict.py): the record directory made (unless `prepared` did it),
+    the safe environment, and the sandbox sealed when they end; (result, what they left running)."""
+    if not prepared:
+        problem = await verdict.prepare(sandbox)
+        if problem is not None:
+            raise EvaluatorError(f"task {task.id}: cannot create {verdict.RECORD_DIR}: {problem}")
     return await verdict.run_tests(
         sandbox,
         argv,
@@ -193,12 +196,14 @@ async def harbor(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score
     tests = Path(spec.tests_dir) if spec.tests_dir else None
     if tests is None or not (tests / "test.sh").is_file():
         raise EvaluatorError(f"task {task.id}: {tests}/test.sh does not exist")
+    # One exec: /tests and /logs/verifier cleared, and the verdict's record directory made.
     clear = f"rm -rf {HARBOR_TESTS} {HARBOR_REWARD_DIR} && mkdir -p {HARBOR_REWARD_DIR}"
-    mk = await sandbox.exec(["sh", "-c", clear], workdir="/")
-    if mk.exit_code != 0:
-        raise EvaluatorError(f"task {task.id}: cannot create {HARBOR_REWARD_DIR}: {mk.output[-300:]}")
+    problem = await verdict.prepare(sandbox, clear)
+    if problem is not None:
+        made = f"{HARBOR_REWARD_DIR} or {verdict.RECORD_DIR}" if sandbox.supervises else HARBOR_REWARD_DIR
+        raise EvaluatorError(f"task {task.id}: cannot create {made}: {problem}")
     await sandbox.put(tests, HARBOR_TESTS)
-    r, left = await _supervised(task, sandbox, ["bash", f"{HARBOR_TESTS}/test.sh"])
+    r, left = await _supervised(task, sandbox, ["bash", f"{HARBOR_TESTS}/test.sh"], prepared=True)
     detail: dict[str, Any] = {
         "verifier_exit_code": r.exit_code,
         "timed_out": r.timed_out,

@@ -82,12 +82,17 @@ def proxy_env(sandbox: Sandbox) -> dict[str, str]:
     return {**dict.fromkeys(names, url), "NO_PROXY": "localhost,127.0.0.1", "no_proxy": "localhost,127.0.0.1"}
 
 
-async def prepare(sandbox: Sandbox) -> str | None:
-    """Create RECORD_DIR empty (root's, 0700) in a supervised sandbox; an error text when it fails."""
-    if not sandbox.supervises:
+async def prepare(sandbox: Sandbox, *first: str) -> str | None:
+    """Create RECORD_DIR empty (root's, 0700) in a supervised sandbox, in one exec after `first`
+    (the evaluator's own shell lines: one daemon round trip for all); an error text when any of
+    it fails."""
+    lines = list(first)
+    if sandbox.supervises:
+        q = shlex.quote(RECORD_DIR)
+        lines.append(f"rm -rf {q} && mkdir -p {q} && chmod 700 {q}")
+    if not lines:
         return None
-    q = shlex.quote(RECORD_DIR)
-    r = await sandbox.exec(["sh", "-c", f"rm -rf {q} && mkdir -p {q} && chmod 700 {q}"], workdir="/")
+    r = await sandbox.exec(["sh", "-c", "set -e\n" + "\n".join(lines)], workdir="/")
     return None if r.exit_code == 0 else r.output[-300:]
 
 

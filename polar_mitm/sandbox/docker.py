@@ -663,6 +663,8 @@ class DockerRuntime:
             kwargs["mem_limit"] = f"{task.memory_mb}m"
         if spec.purpose == "verifier":
             kwargs.update(self._verifier_options(volumes))
+            # The daemon makes the workdir (root's, as `mkdir -p` would) when it starts the container.
+            kwargs["working_dir"] = task.workdir
             prefix = []
 
         def run() -> Any:
@@ -692,6 +694,10 @@ class DockerRuntime:
             home=home,
             traversed=spec.harness.traversed() if agent and spec.harness is not None else None,
         )
+        if not agent and not channel:
+            # A verifier with nothing of ours in it: the daemon made its workdir, and its start
+            # was the daemon's to refuse; no exec (three daemon calls) to check either.
+            return sb
         try:
             r = await sb.exec(["mkdir", "-p", task.workdir], workdir="/")
             if r.exit_code != 0:
