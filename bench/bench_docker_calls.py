@@ -1,9 +1,11 @@
-"""polar-mitm's CPU per Docker exec: the SDK's own client against the one the docker runtime uses.
+"""polar-mitm's CPU per Docker exec: the SDK's own client against those the docker runtime uses.
 
 A rollout sample makes ~65 Docker API calls (docs/benchmarks.md), a third of them execs of three
 calls each, and py-spy put most of polar-mitm's own CPU in a rollout in those calls. This starts
 one container from the test image and runs `true` in it --execs times a round, alternating the
-SDK's `docker.from_env()` (the baseline) and `polar_mitm.sandbox.docker.docker_client()`, and
+SDK's `docker.from_env()` (the baseline), `polar_mitm.sandbox.docker.docker_client()` (the SDK
+with one connection pool: the runtime's client for everything but execs) and
+`polar_mitm.sandbox.docker.ExecCalls` (the runtime's execs, http.client on the daemon's socket), and
 prints the CPU this process spent per exec (user + system, from getrusage), the wall time per
 exec, and the ratios against the baseline measured in the same run.
 
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker  # noqa: E402
 
-from polar_mitm.sandbox.docker import docker_client  # noqa: E402
+from polar_mitm.sandbox.docker import ExecCalls, docker_client  # noqa: E402
 
 IMAGE = os.environ.get("POLAR_MITM_TEST_IMAGE", "polar-mitm/rollout-base:bookworm")
 
@@ -39,6 +41,10 @@ def cpu() -> float:
 
 
 def one_exec(client: Any, cid: str) -> None:
+    if isinstance(client, ExecCalls):
+        code, _ = client.run(cid, ["true"], {}, "/")
+        assert code == 0, code
+        return
     ex = client.api.exec_create(cid, ["true"], stdin=False, tty=False)
     client.api.exec_start(ex["Id"], demux=False)
     code = client.api.exec_inspect(ex["Id"]).get("ExitCode")
@@ -63,8 +69,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds per client, alternating")
     ap.add_argument("--threads", type=int, default=4, help="threads calling at once (1: one after another)")
     args = ap.parse_args()
-    clients = {"sdk (from_env)": docker.from_env(timeout=120), "polar-mitm (one pool)": docker_client(120)}
-    base = clients["sdk (from_env)"]
+    base = docker.from_env(timeout=120)
+    pooled = docker_client(120)
+    socket_path = getattr(getattr(pooled.api, "_custom_adapter", None), "socket_path", None)
+    clients: dict[str, Any] = {"sdk (from_env)": base, "polar-mitm (one pool)": pooled}
+    if socket_path:
+        clients["polar-mitm (exec calls)"] = ExecCalls(socket_path, pooled.api.api_version)
     box = base.containers.run(
         IMAGE, ["sleep", "infinity"], detach=True, network_mode="none", labels={"polar-mitm": "1"}
     )
@@ -79,14 +89,14 @@ def main() -> None:
         box.remove(force=True)
     load = os.getloadavg()[0]
     print(f"{args.execs} execs x {args.rounds} rounds, {args.threads} thread(s), load {load:.1f}")
-    print(f"{'client':<24} {'CPU ms/exec (median, min-max)':<32} {'wall ms/exec':<14} CPU ratio")
+    print(f"{'client':<26} {'CPU ms/exec (median, min-max)':<32} {'wall ms/exec':<14} CPU ratio")
     ref = statistics.median(x[0] for x in seen["sdk (from_env)"])
     for name, xs in seen.items():
         cpus = [x[0] * 1e3 for x in xs]
         walls = [x[1] * 1e3 for x in xs]
         med = statistics.median(cpus)
         print(
-            f"{name:<24} {med:6.2f} ({min(cpus):.2f}-{max(cpus):.2f}){'':<14} "
+            f"{name:<26} {med:6.2f} ({min(cpus):.2f}-{max(cpus):.2f}){'':<14} "
             f"{statistics.median(walls):8.2f}      {med / (ref * 1e3):.2f}x"
         )
 
