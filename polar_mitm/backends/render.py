@@ -159,16 +159,22 @@ class PromptIds(list):
 
 
 class PrefixCache:
-    """Token ids of rendered prompt prefixes that end at an end-of-turn special token: the first
-    block of a prompt (in ChatML the system prompt with its tools, through `<|im_end|>`), so the
-    thousands of rollout sessions that share one tokenize it once. Keyed by the prefix's text
-    (sha256), bounded by the tokens it holds (least recently used out first); thread-safe.
+    """Token ids of rendered prompt prefixes that end at an end-of-turn special token, so the
+    thousands of rollout sessions that share them tokenize them once. Two per prompt are kept: its
+    first block (in ChatML the system prompt with its tools, through `<|im_end|>`: shared by every
+    session of a harness) and the prompt through its last end-of-turn token (shared by the samples
+    of one task, whose first turn differs only after it). A prompt is encoded from the longest
+    kept prefix it starts with. Keyed by the prefix's text (sha256), bounded by the tokens held
+    (least recently used out first; a hit keeps the shorter kept prefixes of the prompt in use
+    too); thread-safe.
 
     The ids are those encoding the whole text gives: a tokenizer splits its input at special
     tokens before anything else, so what follows one encodes the same whatever came before. The
     rest is encoded with the boundary token in front (then dropped, its id checked), so it is not
     the start of an input (some pre-tokenizers treat that specially) and the boundary's own
-    whitespace handling is the same as in the whole text.
+    whitespace handling is the same as in the whole text. The ids through the last boundary are
+    those of the rest up to its last boundary id: only the boundary's text gives its id, and every
+    occurrence of that text does (counted: where they differ, nothing more is kept).
 
     A prefix is kept as an int32 array and as its `ids_json` text, ready for the request body
     (~10 bytes a token in all).
@@ -183,17 +189,20 @@ class PrefixCache:
         self._lock = threading.Lock()
 
     def encode(self, tok: Tokenizer, text: str) -> list[int]:
-        """`tok.encode(text)`, reusing the ids of the text's first block when known."""
-        cut = _first_turn_end(tok, text) if self.max_tokens > 0 else None
-        if cut is None:
+        """`tok.encode(text)`, reusing the ids of the longest kept prefix of the text."""
+        cuts = _turn_ends(tok, text) if self.max_tokens > 0 else []
+        if not cuts:
             return tok.encode(text)
-        end, boundary, boundary_id = cut
-        prefix = text[:end]
-        key = hashlib.sha256(tok.path.encode() + b"\x00" + prefix.encode()).digest()
+        keys = _prefix_keys(tok, text, [end for end, _, _ in cuts])
+        at, known = 0, None
         with self._lock:
-            known = self._items.get(key)
-            if known is not None:
-                self._items.move_to_end(key)
+            for i in range(len(cuts) - 1, -1, -1):
+                got = self._items.get(keys[i])
+                if got is not None:
+                    self._items.move_to_end(keys[i])
+                    if known is None:
+                        at, known = i, got
+        end, boundary, boundary_id = cuts[at]
         tail = tok.encode(boundary + text[end:])
         if not tail or tail[0] != boundary_id:
             return tok.encode(text)
@@ -201,15 +210,30 @@ class PrefixCache:
             self.hits += 1
             head, head_json = known[0].tolist(), known[1]
         else:
-            head = tok.encode(prefix)
+            head = tok.encode(text[:end])
             if not head or head[-1] != boundary_id:
                 return tok.encode(text)
             self.misses += 1
             head_json = ids_json(head)
-            self._put(key, head, head_json)
+        if len(cuts) - 1 > at:
+            self._keep_through_last(tok, head, head_json, tail, len(cuts) - 1 - at, keys[-1])
+        if known is None:  # after it: the first block, shared most widely, is the last one out
+            self._put(keys[0], head, head_json)
         head_len = len(head)
-        head += tail[1:]
-        return PromptIds(head, head_len, head_json)
+        return PromptIds(head + tail[1:], head_len, head_json)
+
+    def _keep_through_last(
+        self, tok: Tokenizer, head: list[int], head_json: bytes, tail: list[int], later: int, key: bytes
+    ) -> None:
+        """Keep the ids through the prompt's last boundary: `head`, then `tail` (its first id the
+        boundary `head` ends at) up to its last boundary id, when `tail` holds exactly the `later`
+        boundaries the text has after the head."""
+        ends = {i for _, i in tok.turn_ends}
+        at = [k for k, t in enumerate(tail) if t in ends]
+        if len(at) != later + 1:
+            return
+        rest = tail[1 : at[-1] + 1]
+        self._put(key, head + rest, head_json + b"," + ids_json(rest))
 
     def _put(self, key: bytes, ids: list[int], serialized: bytes) -> None:
         if len(ids) > self.max_tokens:
@@ -224,14 +248,27 @@ class PrefixCache:
                 self.size -= len(old)
 
 
-def _first_turn_end(tok: Tokenizer, text: str) -> tuple[int, str, int] | None:
-    """(where the first end-of-turn token of `text` ends, its text, its id), if any."""
-    best: tuple[int, str, int] | None = None
+def _turn_ends(tok: Tokenizer, text: str) -> list[tuple[int, str, int]]:
+    """(where each end-of-turn token of `text` ends, its text, its id), in order."""
+    found: list[tuple[int, str, int]] = []
     for boundary, boundary_id in tok.turn_ends:
         i = text.find(boundary)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, boundary, boundary_id)
-    return None if best is None else (best[0] + len(best[1]), best[1], best[2])
+        while i >= 0:
+            found.append((i + len(boundary), boundary, boundary_id))
+            i = text.find(boundary, i + len(boundary))
+    found.sort()
+    return found
+
+
+def _prefix_keys(tok: Tokenizer, text: str, ends: list[int]) -> list[bytes]:
+    """The cache's key of `text[:end]` for each of `ends` (ascending), in one pass over the text."""
+    h = hashlib.sha256(tok.path.encode() + b"\x00")
+    keys, done = [], 0
+    for end in ends:
+        h.update(text[done:end].encode())
+        keys.append(h.copy().digest())
+        done = end
+    return keys
 
 
 class SpliceError(ValueError):

@@ -148,8 +148,9 @@ FLAGS: dict[str, Flag] = {
         "cumulative chunks cost O(n^2) for an n-token reply)."
     ),
     "prefix_cache_tokens": Flag(
-        "Tokens of rendered system prompts and tools kept across sessions, so a first block many "
-        "sessions share is tokenized once (least recently used out first); 0: off."
+        "Tokens of rendered prompt prefixes kept across sessions (a prompt's system prompt and "
+        "tools, and its first turn through its last end-of-turn token), so what many sessions "
+        "share is tokenized once (least recently used out first); 0: off."
     ),
     "chunk_interval": Flag(
         "Seconds between reply events while a reply streams from the backend: chunks arriving "

@@ -48,8 +48,8 @@ class PolicyConfig(BaseModel):
     # chunks arriving meanwhile go out together (fewer, larger events cost the proxy and the
     # harness less per token; the last chunk goes out at once). 0: each chunk as it arrives.
     chunk_interval: float = 0.05
-    # Tokens of rendered first blocks (system prompt + tools) kept across sessions, so a prompt
-    # many sessions share is tokenized once; 0 turns the cache off.
+    # Tokens of rendered prompt prefixes (system prompt + tools; a first turn through its last
+    # end-of-turn token) kept across sessions, so what many share is tokenized once; 0: off.
     prefix_cache_tokens: int = 4_000_000
     # The model's context length when no engine reports it (an explicit value wins over theirs).
     context_length: int | None = None

@@ -126,14 +126,8 @@ def test_the_cache_is_bounded_by_tokens_least_recently_used_out_first(qwen_token
     one = len(render_full(tok, [Message(role="system", content="p0 " * 200)], [], {}))
     cache = PrefixCache(max_tokens=int(one * 2.5))
 
-    def turn1(prompt: str) -> None:
-        render_full(
-            tok,
-            [Message(role="system", content=prompt * 200), Message(role="user", content="u")],
-            [],
-            {},
-            cache,
-        )
+    def turn1(prompt: str) -> None:  # one end-of-turn token: one kept prefix a prompt
+        render_full(tok, [Message(role="system", content=prompt * 200)], [], {}, cache)
 
     turn1("p0 ")
     turn1("p1 ")
@@ -148,3 +142,38 @@ def test_the_cache_is_bounded_by_tokens_least_recently_used_out_first(qwen_token
     off = PrefixCache(max_tokens=0)
     turn1_ids = render_full(tok, [Message(role="system", content="x")], [], {}, off)
     assert turn1_ids == render_full(tok, [Message(role="system", content="x")], [], {}) and off.size == 0
+
+
+def test_samples_of_one_task_encode_only_what_follows_their_shared_first_turn(qwen_tokenizer_dir):
+    """The prompt through its last end-of-turn token is kept too: another sample of the task
+    (same system prompt, tools and instruction) encodes only the generation prompt after it; a
+    sample of another task still reuses the first block, which that hit kept in use."""
+    tok = Tokenizer.load(qwen_tokenizer_dir)
+    system = "You are a coding agent. Be brief. " * 50
+    task = "Fix the failing test in tests/test_x.py. " * 40
+
+    def first_turn(instruction: str) -> list[int]:
+        msgs = [Message(role="system", content=system), Message(role="user", content=instruction)]
+        return render_full(tok, msgs, TOOLS, {}, cache)
+
+    one = len(render_full(tok, [Message(role="system", content=system)], TOOLS, {}))
+    cache = PrefixCache(max_tokens=int(one * 2.9))  # the first block and one task's first turn
+    want = render_full(
+        tok, [Message(role="system", content=system), Message(role="user", content=task)], TOOLS, {}
+    )
+    assert first_turn(task) == want and (cache.misses, cache.hits, len(cache._items)) == (1, 0, 2)
+    calls: list[str] = []
+    encode = tok.encode
+    tok.encode = lambda text: calls.append(text) or encode(text)  # type: ignore[method-assign]
+    got = first_turn(task)
+    assert got == want and isinstance(got, PromptIds) and got.serialized() == ids_json(want)
+    assert cache.hits == 1 and calls == ["<|im_end|>\n<|im_start|>assistant\n"]  # the rest only
+    calls.clear()
+    other = first_turn("Another task entirely.")
+    assert cache.hits == 2 and all(len(c) < 100 for c in calls), calls  # from the first block on
+    assert other == render_full(tok, [Message(role="system", content=system), Message(role="user", content="Another task entirely.")], TOOLS, {})  # fmt: skip
+    # The cache holds two prompts' worth: the other task's first turn pushed out the first one's,
+    # but not the first block, which both hits kept in use.
+    assert len(cache._items) == 2 and cache.size <= cache.max_tokens
+    first_turn("Another task entirely.")
+    assert cache.hits == 3
