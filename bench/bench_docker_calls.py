@@ -4,9 +4,9 @@ A rollout sample makes ~65 Docker API calls (docs/benchmarks.md), a third of the
 calls each, and py-spy put most of polar-mitm's own CPU in a rollout in those calls. This starts
 one container from the test image and runs `true` in it --execs times a round, alternating the
 SDK's `docker.from_env()` (the baseline), `polar_mitm.sandbox.docker.docker_client()` (the SDK
-with one connection pool: the runtime's client for everything but execs) and
-`polar_mitm.sandbox.docker.ExecCalls` (the runtime's execs, http.client on the daemon's socket), and
-prints the CPU this process spent per exec (user + system, from getrusage), the wall time per
+with one connection pool: the runtime's client for creating containers, archives and images) and
+`polar_mitm.sandbox.docker.DaemonCalls` (the runtime's calls once a container exists: http.client
+on the daemon's socket), and prints the CPU this process spent per exec (user + system, from getrusage), the wall time per
 exec, and the ratios against the baseline measured in the same run.
 
     .venv/bin/python bench/bench_docker_calls.py [--execs 200] [--rounds 4] [--threads 4]
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker  # noqa: E402
 
-from polar_mitm.sandbox.docker import ExecCalls, docker_client  # noqa: E402
+from polar_mitm.sandbox.docker import DaemonCalls, docker_client  # noqa: E402
 
 IMAGE = os.environ.get("POLAR_MITM_TEST_IMAGE", "polar-mitm/rollout-base:bookworm")
 
@@ -41,7 +41,7 @@ def cpu() -> float:
 
 
 def one_exec(client: Any, cid: str) -> None:
-    if isinstance(client, ExecCalls):
+    if isinstance(client, DaemonCalls):
         code, _ = client.run(cid, ["true"], {}, "/")
         assert code == 0, code
         return
@@ -74,7 +74,7 @@ def main() -> None:
     socket_path = getattr(getattr(pooled.api, "_custom_adapter", None), "socket_path", None)
     clients: dict[str, Any] = {"sdk (from_env)": base, "polar-mitm (one pool)": pooled}
     if socket_path:
-        clients["polar-mitm (exec calls)"] = ExecCalls(socket_path, pooled.api.api_version)
+        clients["polar-mitm (daemon calls)"] = DaemonCalls(socket_path, pooled.api.api_version)
     box = base.containers.run(
         IMAGE, ["sleep", "infinity"], detach=True, network_mode="none", labels={"polar-mitm": "1"}
     )

@@ -42,6 +42,8 @@ import socket
 import tarfile
 import threading
 import time
+import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
@@ -156,18 +158,24 @@ def _one_pool(adapter: Any) -> Any:
 
 
 class DaemonRefused(RuntimeError):
-    """The daemon answered an exec call with an error status (a container gone, stopped, paused)."""
+    """The daemon answered a call with an error status (a container gone: 404; stopped, paused or
+    not running: 409)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}".strip())
+        self.status = status
 
 
-class ExecCalls:
-    """An exec's three Engine API calls (create, start, inspect) over the daemon's Unix socket,
-    with `http.client` and a kept-alive connection per thread.
+class DaemonCalls:
+    """The daemon calls a sample makes once its container exists (an exec's three: create, start,
+    inspect; a container's inspect, kill, wait, start, pause, top and removal) over the daemon's
+    Unix socket, with `http.client` and a kept-alive connection per thread.
 
-    Execs are a third of a rollout sample's daemon calls, and through the SDK each call costs about
-    1.3 ms of CPU in requests' machinery (sessions, adapters, urllib3's pool), which made them most
-    of polar-mitm's own CPU in a rollout; here an exec costs about a third of the SDK's
-    (`bench/bench_docker_calls.py` measures both). Everything else in the runtime, and an exec
-    through a daemon that is not a local Unix socket, stays on the SDK."""
+    They are most of a rollout sample's daemon calls, and through the SDK each costs about 1.3 ms
+    of CPU in requests' machinery (sessions, adapters, urllib3's pool), which made them most of
+    polar-mitm's own CPU in a rollout; an exec here costs about a third of the SDK's
+    (`bench/bench_docker_calls.py` measures both). Creating containers, archives, images, and
+    everything with a daemon that is not a local Unix socket (`SdkCalls`) stay on the SDK."""
 
     def __init__(self, socket_path: str, version: str, timeout: float = 120):
         self.socket_path = socket_path
@@ -198,18 +206,44 @@ class ExecCalls:
         # The daemon takes the connection over for the output and closes it at the end: a new
         # connection of its own (never a retry: that could run the command twice), no timeout (the
         # caller bounds the command and kills the container when it overruns).
-        conn = _UnixConnection(self.socket_path, None)
-        try:
-            status, raw = self._send(conn, "POST", f"/exec/{exec_id}/start", {"Detach": False, "Tty": False})
-        finally:
-            conn.close()
-        if status >= 400:
-            raise DaemonRefused(_refusal(status, raw))
+        raw = self._once("POST", f"/exec/{exec_id}/start", {"Detach": False, "Tty": False}, None)
         # Without a TTY the output is always multiplexed, whatever Content-Type the daemon names
         # (20.10 says raw-stream).
         out = exec_output(raw)
         code = self._json("GET", f"/exec/{exec_id}/json").get("ExitCode")
         return (code if code is not None else -1), out
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        return self._json("GET", f"/containers/{container}/json")
+
+    def kill(self, container: str) -> None:
+        self._json("POST", f"/containers/{container}/kill")
+
+    def start(self, container: str) -> None:
+        self._json("POST", f"/containers/{container}/start")
+
+    def pause(self, container: str) -> None:
+        self._json("POST", f"/containers/{container}/pause")
+
+    def wait(self, container: str, timeout: float) -> None:
+        """Until the container is not running; a connection of its own, read within `timeout`."""
+        self._once("POST", f"/containers/{container}/wait?condition=not-running", None, timeout)
+
+    def top(self, container: str, ps_args: str) -> dict[str, Any]:
+        return self._json("GET", f"/containers/{container}/top?ps_args={urllib.parse.quote(ps_args)}")
+
+    def remove(self, container: str) -> None:
+        self._json("DELETE", f"/containers/{container}?force=1")
+
+    def _once(self, method: str, path: str, body: Any, timeout: float | None) -> bytes:
+        conn = _UnixConnection(self.socket_path, timeout)
+        try:
+            status, raw = self._send(conn, method, path, body)
+        finally:
+            conn.close()
+        if status >= 400:
+            raise _refused(status, raw)
+        return raw
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         while True:
@@ -230,7 +264,7 @@ class ExecCalls:
                     continue
                 raise
         if status >= 400:
-            raise DaemonRefused(_refusal(status, raw))
+            raise _refused(status, raw)
         return json.loads(raw) if raw else {}
 
     def _send(self, conn: http.client.HTTPConnection, method: str, path: str, body: Any) -> tuple[int, bytes]:
@@ -239,6 +273,62 @@ class ExecCalls:
         conn.request(method, self.prefix + path, body=data, headers=headers)
         r = conn.getresponse()
         return r.status, r.read()
+
+
+class SdkCalls:
+    """`DaemonCalls`' calls through the SDK, for a daemon that is not a local Unix socket."""
+
+    def __init__(self, api: Any):
+        self.api = api
+
+    def run(
+        self, container: str, cmd: list[str], env: dict[str, str], workdir: str, user: str = ""
+    ) -> tuple[int, bytes]:
+        with _sdk_refusals():
+            ex = self.api.exec_create(
+                container, cmd, environment=env, workdir=workdir, stdin=False, tty=False, user=user
+            )
+            out = self.api.exec_start(ex["Id"], demux=False)
+            code = self.api.exec_inspect(ex["Id"]).get("ExitCode")
+        return (code if code is not None else -1), out or b""
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        with _sdk_refusals():
+            return self.api.inspect_container(container)
+
+    def kill(self, container: str) -> None:
+        with _sdk_refusals():
+            self.api.kill(container)
+
+    def start(self, container: str) -> None:
+        with _sdk_refusals():
+            self.api.start(container)
+
+    def pause(self, container: str) -> None:
+        with _sdk_refusals():
+            self.api.pause(container)
+
+    def wait(self, container: str, timeout: float) -> None:
+        with _sdk_refusals():
+            self.api.wait(container, timeout=timeout, condition="not-running")
+
+    def top(self, container: str, ps_args: str) -> dict[str, Any]:
+        with _sdk_refusals():
+            return self.api.top(container, ps_args=ps_args)
+
+    def remove(self, container: str) -> None:
+        with _sdk_refusals():
+            self.api.remove_container(container, force=True)
+
+
+@contextlib.contextmanager
+def _sdk_refusals() -> Iterator[None]:
+    import docker.errors
+
+    try:
+        yield
+    except docker.errors.APIError as e:
+        raise DaemonRefused(e.status_code or 0, str(e.explanation or e)) from e
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -265,12 +355,12 @@ def exec_output(stream: bytes) -> bytes:
     return b"".join(out)
 
 
-def _refusal(status: int, raw: bytes) -> str:
+def _refused(status: int, raw: bytes) -> DaemonRefused:
     try:
         message = json.loads(raw).get("message") or ""
     except (ValueError, AttributeError):
         message = raw[:300].decode("utf-8", "replace")
-    return f"{status}: {message}".strip()
+    return DaemonRefused(status, message)
 
 
 class DockerSandbox:
@@ -303,8 +393,8 @@ class DockerSandbox:
         self._halted = False
 
     @property
-    def api(self) -> Any:
-        return self.runtime.client.api
+    def calls(self) -> DaemonCalls | SdkCalls:
+        return self.runtime.calls
 
     def _env(self, env: dict[str, str] | None) -> dict[str, str]:
         out = dict(env or {})
@@ -313,15 +403,7 @@ class DockerSandbox:
         return out
 
     def _run(self, cmd: list[str], env: dict[str, str], workdir: str, user: str = "") -> tuple[int, bytes]:
-        calls = self.runtime.exec_calls
-        if calls is not None:
-            return calls.run(self.container.id, cmd, env, workdir, user)
-        ex = self.api.exec_create(
-            self.container.id, cmd, environment=env, workdir=workdir, stdin=False, tty=False, user=user
-        )
-        out = self.api.exec_start(ex["Id"], demux=False)
-        code = self.api.exec_inspect(ex["Id"]).get("ExitCode")
-        return (code if code is not None else -1), out or b""
+        return self.calls.run(self.container.id, cmd, env, workdir, user)
 
     async def exec(
         self,
@@ -370,18 +452,17 @@ class DockerSandbox:
         """Kill the container (SIGKILL: every process in it, at once, whatever binaries the image
         has or the harness replaced) and start it again, the same filesystem, for scoring; the exec
         that overran returns. Its entrypoint (the forwarder, or `sleep infinity`) starts again."""
-        import docker.errors
 
         def kill() -> None:
             try:
-                self.container.kill()
-            except docker.errors.APIError as e:
+                self.calls.kill(self.container.id)
+            except DaemonRefused as e:
                 if "is not running" in str(e):
                     return  # it died by itself: it stays dead, and whoever runs it says so
                 raise
             if restart:
-                self.container.wait(condition="not-running", timeout=30)
-                self.container.start()
+                self.calls.wait(self.container.id, 30)
+                self.calls.start(self.container.id)
 
         try:
             await asyncio.to_thread(kill)
@@ -461,25 +542,23 @@ class DockerSandbox:
 
     async def alive(self) -> bool:
         try:
-            await asyncio.to_thread(self.container.reload)
+            state = (await asyncio.to_thread(self.calls.inspect, self.container.id)).get("State") or {}
         except Exception:
             return False
-        return self.container.status == "running"
+        return state.get("Status") == "running"
 
     async def halt(self) -> None:
         """SIGKILL to the container's PID 1: the kernel ends every process in its PID namespace
         (setsid'd or not); the stopped container's files stay readable (`get_archive`)."""
-        import docker.errors
-
         self._halted = True
 
         def kill() -> None:
             try:
-                self.container.kill()
-            except docker.errors.APIError as e:  # 409: not running (it died, or halted already)
-                if getattr(e.response, "status_code", None) not in (404, 409):
+                self.calls.kill(self.container.id)
+            except DaemonRefused as e:  # 409: not running (it died, or halted already)
+                if e.status not in (404, 409):
                     raise
-            self.container.wait(timeout=30)
+            self.calls.wait(self.container.id, 30)
 
         try:
             await asyncio.to_thread(kill)
@@ -525,8 +604,8 @@ class DockerSandbox:
         (another storage driver, a remote daemon). The image's files are not counted: they are
         the task's, not the agent's."""
         try:
-            self.container.reload()
-            upper = ((self.container.attrs.get("GraphDriver") or {}).get("Data") or {}).get("UpperDir")
+            attrs = self.calls.inspect(self.container.id)
+            upper = ((attrs.get("GraphDriver") or {}).get("Data") or {}).get("UpperDir")
         except Exception:
             return None
         if not upper or not os.path.isdir(upper):
@@ -558,8 +637,8 @@ class DockerSandbox:
         """The container's processes but its init, read from this host's /proc: the children of
         its init (those the init never reaps stay there as zombies) and everything the daemon's
         `top` lists. Where /proc is not this host's (a remote daemon), `top` alone."""
-        self.container.reload()
-        init = int((self.container.attrs.get("State") or {}).get("Pid") or 0)
+        state = self.calls.inspect(self.container.id).get("State") or {}
+        init = int(state.get("Pid") or 0)
         found: dict[int, Leftover] = {}
         if init > 0:
             try:
@@ -568,10 +647,10 @@ class DockerSandbox:
                 kids = []
             for pid in map(int, kids):
                 found[pid] = host_process(pid)
-        if init <= 0 and self.container.status != "paused":
+        if init <= 0 and state.get("Status") != "paused":
             return []
         try:
-            top = self.container.top(ps_args="-o pid,stat,args")
+            top = self.calls.top(self.container.id, "-o pid,stat,args")
         except Exception:
             top = {}
         for row in top.get("Processes") or []:
@@ -595,7 +674,7 @@ class DockerSandbox:
         process the init never reaps, listed running or as a zombie."""
 
         def freeze() -> None:
-            self.container.pause()
+            self.calls.pause(self.container.id)
 
         try:
             await asyncio.to_thread(freeze)
@@ -635,7 +714,7 @@ class DockerRuntime:
         """`network`: "none" (isolated; the harness reaches the proxy through its channel) or
         "host" (the host's network, as before isolation: for comparison only)."""
         self._client = client
-        self._exec_calls: ExecCalls | None = None
+        self._calls: DaemonCalls | SdkCalls | None = None
         self.network = network
         self._images: dict[str, str] = {}  # task id -> image to start from
         self._paths: dict[str, str] = {}  # image -> its PATH
@@ -648,15 +727,16 @@ class DockerRuntime:
         return self._client
 
     @property
-    def exec_calls(self) -> ExecCalls | None:
-        """Execs' own client, where the daemon is a local Unix socket (`ExecCalls`); else None."""
-        if self._exec_calls is None:
+    def calls(self) -> DaemonCalls | SdkCalls:
+        """A sample's calls to the daemon once its container exists: `DaemonCalls` where the
+        daemon is a local Unix socket, else the SDK's (`SdkCalls`)."""
+        if self._calls is None:
             api = self.client.api
             path = getattr(getattr(api, "_custom_adapter", None), "socket_path", None)
-            if not isinstance(path, str):
-                return None
-            self._exec_calls = ExecCalls(path, api.api_version, timeout=120)
-        return self._exec_calls
+            self._calls = (
+                DaemonCalls(path, api.api_version, timeout=120) if isinstance(path, str) else SdkCalls(api)
+            )
+        return self._calls
 
     async def check(self) -> None:
         try:
@@ -872,12 +952,11 @@ class DockerRuntime:
         return {"network_mode": "none", "volumes": volumes, "mounts": []}
 
     async def remove(self, container: Any) -> None:
-        import docker.errors
-
         try:
-            await asyncio.to_thread(container.remove, force=True)
-        except docker.errors.NotFound:
-            pass
+            await asyncio.to_thread(self.calls.remove, container.id)
+        except DaemonRefused as e:
+            if e.status != 404:
+                log.warning("could not remove container %s: %s", container.name, e)
         except Exception as e:
             log.warning("could not remove container %s: %s", container.name, e)
 

@@ -1,4 +1,4 @@
-"""The docker runtime's exec client (`sandbox.docker.ExecCalls`) against a stand-in daemon on a
+"""The docker runtime's daemon client (`sandbox.docker.DaemonCalls`) against a stand-in daemon on a
 Unix socket: the multiplexed output read back as written, the daemon's refusals named, and a
 kept-alive connection the daemon closed tried once more (never the start, which runs the
 command). The real daemon answers it in every Docker test (tests/processes, tests/e2e)."""
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polar_mitm.sandbox.docker import DaemonRefused, ExecCalls, exec_output
+from polar_mitm.sandbox.docker import DaemonCalls, DaemonRefused, exec_output
 
 
 def frames(chunks: list[tuple[int, bytes]]) -> bytes:
@@ -93,12 +93,12 @@ class Handler(BaseHTTPRequestHandler):
 def daemon_at(tmp_path):
     servers: list[Daemon] = []
 
-    def start(**kw) -> tuple[Daemon, ExecCalls]:
+    def start(**kw) -> tuple[Daemon, DaemonCalls]:
         path = str(tmp_path / f"d{len(servers)}.sock")
         d = Daemon(path, **kw)
         servers.append(d)
         threading.Thread(target=d.serve_forever, daemon=True).start()
-        return d, ExecCalls(path, "1.41", timeout=5)
+        return d, DaemonCalls(path, "1.41", timeout=5)
 
     yield start
     for d in servers:
@@ -132,6 +132,6 @@ def test_a_refusal_is_named_with_the_daemons_message(daemon_at):
 
 
 def test_no_daemon_is_an_error_not_a_hang(tmp_path):
-    calls = ExecCalls(str(Path(tmp_path) / "none.sock"), "1.41", timeout=5)
+    calls = DaemonCalls(str(Path(tmp_path) / "none.sock"), "1.41", timeout=5)
     with pytest.raises(FileNotFoundError):
         calls.run("c", ["true"], {}, "/")

@@ -1,0 +1,66 @@
+"""A Docker sandbox's life through the real daemon, with each of the runtime's two ways to make
+its calls once a container exists: its own (`DaemonCalls`, http.client on the daemon's Unix
+socket) and the SDK's (`SdkCalls`, for a daemon elsewhere). Both must say the same: an exec's
+output and exit code, a kill that restarts the container with its files, the daemon's refusals
+(an exec in a paused container), the processes left behind, a seal, a halt and the removal."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from polar_mitm.sandbox.base import SandboxError, SandboxSpec
+from polar_mitm.sandbox.docker import DaemonCalls, DaemonRefused, DockerRuntime, SdkCalls
+from polar_mitm.tasks.model import Task
+
+IMAGE = "polar-mitm/rollout-base:bookworm"
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.mark.parametrize("transport", ["daemon", "sdk"])
+async def test_a_sandboxs_calls_say_the_same_through_either_transport(tmp_path, certs_dir, transport):
+    from polar_mitm.proxy.certs import ensure_ca
+
+    rt = DockerRuntime()
+    try:
+        await rt.check()
+    except Exception as e:
+        pytest.skip(f"no Docker daemon: {e}")
+    if transport == "sdk":
+        rt._calls = SdkCalls(rt.client.api)
+    assert isinstance(rt.calls, DaemonCalls if transport == "daemon" else SdkCalls)
+    spec = SandboxSpec(
+        name=f"polar-calls-{transport}-{time.time_ns()}",
+        session_dir=tmp_path / "s",
+        ca=ensure_ca(certs_dir),
+        purpose="verifier",
+        labels={"polar-mitm.rollout": "calls-test"},
+    )
+    sb = await rt.start(Task(id="calls", instruction="x", image=IMAGE, workdir="/app"), spec)
+    try:
+        r = await sb.exec(["sh", "-c", "pwd; echo err >&2; echo kept > f; exit 3"])
+        assert r.exit_code == 3 and sorted(r.output.splitlines()) == ["/app", "err"]  # two pipes: any order
+        assert await sb.alive()
+        # Something left running, then every process killed and the container started again.
+        await sb.exec(["sh", "-c", "(setsid sleep 300 </dev/null >/dev/null 2>&1 &)"])
+        assert any("sleep 300" in p.command for p in await sb.processes())
+        await sb.kill_all()
+        assert await sb.alive() and not any("sleep 300" in p.command for p in await sb.processes())
+        assert (await sb.exec(["cat", "f"])).output == "kept\n"
+        # The daemon's refusal, named: no exec in a paused container.
+        await asyncio.to_thread(rt.calls.pause, sb.container.id)
+        with pytest.raises(SandboxError, match="409"):
+            await sb.exec(["true"])
+        with pytest.raises(DaemonRefused) as refused:
+            await asyncio.to_thread(rt.calls.pause, sb.container.id)
+        assert refused.value.status == 409
+        await sb.halt()  # a paused container is killed too
+        assert not await sb.alive()
+        assert await sb.read("/app/f") == b"kept\n"  # its files stay readable
+    finally:
+        await sb.stop()
+    assert not await sb.alive()  # removed
+    await sb.stop()  # once more: nothing to remove, no error
