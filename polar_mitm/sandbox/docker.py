@@ -81,6 +81,21 @@ CHUNK = 1 << 20  # bytes per read of an archive stream
 
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The options `DockerRuntime.start` gives a container, by where the SDK's builders take them.
+CONTAINER_KEYS = frozenset({"entrypoint", "command", "labels", "environment", "working_dir"})
+HOST_KEYS = frozenset(
+    {
+        "network_mode",
+        "volumes",
+        "mounts",
+        "cap_drop",
+        "cap_add",
+        "security_opt",
+        "pids_limit",
+        "nano_cpus",
+        "mem_limit",
+    }
+)
 LABEL = "polar-mitm"
 
 
@@ -213,8 +228,51 @@ class DaemonCalls:
         code = self._json("GET", f"/exec/{exec_id}/json").get("ExitCode")
         return (code if code is not None else -1), out
 
+    def create(self, config: dict[str, Any], name: str) -> str:
+        return self._json("POST", f"/containers/create?name={urllib.parse.quote(name)}", config)["Id"]
+
     def inspect(self, container: str) -> dict[str, Any]:
         return self._json("GET", f"/containers/{container}/json")
+
+    def get_archive(self, container: str, path: str, chunk: int) -> Iterator[bytes]:
+        """The tar of `path`, in chunks as the daemon writes it, on a connection of its own: closing
+        the iterator early closes it, which stops the daemon's tar. DaemonRefused 404 when `path`
+        does not exist."""
+        conn = _UnixConnection(self.socket_path, self.timeout)
+        try:
+            conn.request(
+                "GET", f"{self.prefix}/containers/{container}/archive?path={urllib.parse.quote(path)}"
+            )
+            r = conn.getresponse()
+            if r.status >= 400:
+                raise _refused(r.status, r.read())
+        except BaseException:
+            conn.close()
+            raise
+        return _chunks(conn, r, chunk)
+
+    def put_archive(self, container: str, path: str, data: bytes | BinaryIO) -> None:
+        """Unpack the tar `data` (bytes, or a file read from where it stands) into `path`."""
+        if isinstance(data, bytes):
+            size = len(data)
+        else:
+            at = data.tell()
+            size = data.seek(0, os.SEEK_END) - at
+            data.seek(at)
+        conn = _UnixConnection(self.socket_path, self.timeout, blocksize=CHUNK)
+        try:
+            conn.request(
+                "PUT",
+                f"{self.prefix}/containers/{container}/archive?path={urllib.parse.quote(path)}",
+                body=data,
+                headers={"Content-Type": "application/x-tar", "Content-Length": str(size)},
+            )
+            r = conn.getresponse()
+            raw = r.read()
+        finally:
+            conn.close()
+        if r.status >= 400:
+            raise _refused(r.status, raw)
 
     def kill(self, container: str) -> None:
         self._json("POST", f"/containers/{container}/kill")
@@ -292,9 +350,23 @@ class SdkCalls:
             code = self.api.exec_inspect(ex["Id"]).get("ExitCode")
         return (code if code is not None else -1), out or b""
 
+    def create(self, config: dict[str, Any], name: str) -> str:
+        with _sdk_refusals():
+            return self.api.create_container_from_config(config, name)["Id"]
+
     def inspect(self, container: str) -> dict[str, Any]:
         with _sdk_refusals():
             return self.api.inspect_container(container)
+
+    def get_archive(self, container: str, path: str, chunk: int) -> Iterator[bytes]:
+        with _sdk_refusals():
+            stream, _stat = self.api.get_archive(container, path, chunk_size=chunk)
+        return stream
+
+    def put_archive(self, container: str, path: str, data: bytes | BinaryIO) -> None:
+        with _sdk_refusals():
+            if not self.api.put_archive(container, path, data):
+                raise DaemonRefused(0, f"unpacking into {path} refused")
 
     def kill(self, container: str) -> None:
         with _sdk_refusals():
@@ -332,8 +404,8 @@ def _sdk_refusals() -> Iterator[None]:
 
 
 class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float | None):
-        super().__init__("localhost", timeout=timeout)
+    def __init__(self, path: str, timeout: float | None, blocksize: int = 8192):
+        super().__init__("localhost", timeout=timeout, blocksize=blocksize)
         self.path = path
 
     def connect(self) -> None:
@@ -341,6 +413,14 @@ class _UnixConnection(http.client.HTTPConnection):
         sock.settimeout(self.timeout)
         sock.connect(self.path)
         self.sock = sock
+
+
+def _chunks(conn: http.client.HTTPConnection, r: http.client.HTTPResponse, size: int) -> Iterator[bytes]:
+    try:
+        while chunk := r.read(size):
+            yield chunk
+    finally:
+        conn.close()
 
 
 def exec_output(stream: bytes) -> bytes:
@@ -515,20 +595,18 @@ class DockerSandbox:
                 raise SandboxError(f"container {self.name}: mkdir {d.parent}: {tail(out, 500)}")
         data = await asyncio.to_thread(_tar_of, src, d.name)
         try:
-            ok = await asyncio.to_thread(self.container.put_archive, str(d.parent), data)
+            await asyncio.to_thread(self.calls.put_archive, self.container.id, str(d.parent), data)
         except Exception as e:
             raise SandboxError(f"container {self.name}: copy {src} to {dest}: {e}") from e
-        if not ok:
-            raise SandboxError(f"container {self.name}: copy {src} to {dest} refused")
 
     async def read(self, path: str) -> bytes | None:
-        import docker.errors
-
         def get() -> bytes | None:
             try:
-                stream, stat = self.container.get_archive(path)
-            except docker.errors.NotFound:
-                return None
+                stream = self.calls.get_archive(self.container.id, path, CHUNK)
+            except DaemonRefused as e:
+                if e.status == 404:
+                    return None
+                raise
             raw = b"".join(stream)
             with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
                 member = next((m for m in tar.getmembers() if m.isfile()), None)
@@ -566,8 +644,6 @@ class DockerSandbox:
             raise SandboxError(f"container {self.name}: halting it failed: {e}") from e
 
     async def export(self, path: str, limit: int, into: BinaryIO) -> int:
-        import docker.errors
-
         def get() -> int:
             claimed = self._changed_size(path, limit)
             if claimed is not None and claimed > limit:
@@ -575,8 +651,10 @@ class DockerSandbox:
                     f"container {self.name}: {path} holds more than {limit} bytes (by its files' sizes)"
                 )
             try:
-                stream, _stat = self.container.get_archive(path, chunk_size=CHUNK)
-            except docker.errors.NotFound:
+                stream = self.calls.get_archive(self.container.id, path, CHUNK)
+            except DaemonRefused as e:
+                if e.status != 404:
+                    raise
                 raise FileNotFoundError(f"container {self.name}: {path} does not exist") from None
             n = 0
             try:
@@ -615,11 +693,9 @@ class DockerSandbox:
     async def put_tar(self, dest: str, data: BinaryIO) -> None:
         data.seek(0)
         try:
-            ok = await asyncio.to_thread(self.container.put_archive, dest, data)
+            await asyncio.to_thread(self.calls.put_archive, self.container.id, dest, data)
         except Exception as e:
             raise SandboxError(f"container {self.name}: unpacking into {dest}: {e}") from e
-        if not ok:
-            raise SandboxError(f"container {self.name}: unpacking into {dest} refused")
 
     supervises = True
 
@@ -885,7 +961,7 @@ class DockerRuntime:
             prefix = []
 
         def run() -> Any:
-            return self.client.containers.run(image, **kwargs)
+            return self._run_container(image, kwargs)
 
         starting = asyncio.ensure_future(asyncio.to_thread(run))
         try:
@@ -933,6 +1009,32 @@ class DockerRuntime:
             await sb.stop()
             raise
         return sb
+
+    def _run_container(self, image: str, kw: dict[str, Any]) -> Any:
+        """`containers.run(image, **kw)` (detached) with the SDK's own builders for the container's
+        config, the daemon asked through `self.calls`; the SDK's model of it, from its inspect.
+        A container that was made but would not start is removed."""
+        unknown = set(kw) - CONTAINER_KEYS - HOST_KEYS - {"name", "detach"}
+        if unknown:
+            raise TypeError(f"container options not passed on: {sorted(unknown)}")
+        api = self.client.api
+        host = {k: kw[k] for k in HOST_KEYS if k in kw}
+        host["binds"] = host.pop("volumes", None) or None
+        config = api.create_container_config(
+            image,
+            kw.get("command"),
+            **{k: kw[k] for k in CONTAINER_KEYS if k in kw and k != "command"},
+            detach=True,
+            host_config=api.create_host_config(**host),
+        )
+        cid = self.calls.create(config, kw["name"])
+        try:
+            self.calls.start(cid)
+            return self.client.containers.prepare_model(self.calls.inspect(cid))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.calls.remove(cid)
+            raise
 
     async def _base_path(self, image: str) -> str:
         """The image's own PATH (its config's Env), read once per image and run."""

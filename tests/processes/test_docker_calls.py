@@ -1,17 +1,21 @@
 """A Docker sandbox's life through the real daemon, with each of the runtime's two ways to make
 its calls once a container exists: its own (`DaemonCalls`, http.client on the daemon's Unix
 socket) and the SDK's (`SdkCalls`, for a daemon elsewhere). Both must say the same: an exec's
-output and exit code, a kill that restarts the container with its files, the daemon's refusals
+output and exit code, a kill that restarts the container with its files, files copied in, read
+and exported (a missing one, one too large), the daemon's refusals
 (an exec in a paused container), the processes left behind, a seal, a halt and the removal."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import tarfile
+import tempfile
 import time
 
 import pytest
 
-from polar_mitm.sandbox.base import SandboxError, SandboxSpec
+from polar_mitm.sandbox.base import ExportTooLarge, SandboxError, SandboxSpec
 from polar_mitm.sandbox.docker import DaemonCalls, DaemonRefused, DockerRuntime, SdkCalls
 from polar_mitm.tasks.model import Task
 
@@ -50,6 +54,20 @@ async def test_a_sandboxs_calls_say_the_same_through_either_transport(tmp_path, 
         await sb.kill_all()
         assert await sb.alive() and not any("sleep 300" in p.command for p in await sb.processes())
         assert (await sb.exec(["cat", "f"])).output == "kept\n"
+        # Files in and out: a directory copied in, a file read back, the workdir exported whole.
+        (tmp_path / "src").mkdir()
+        (tmp_path / "src" / "x").write_text("in")
+        await sb.put(tmp_path / "src", "/app/in")
+        assert await sb.read("/app/in/x") == b"in" and await sb.read("/app/none") is None
+        with tempfile.TemporaryFile() as spool:
+            size = await sb.export("/app", 1 << 20, spool)
+            spool.seek(0)
+            with tarfile.open(fileobj=spool) as tar:
+                assert {"app/f", "app/in/x"} <= set(tar.getnames()) and size > 0
+            with pytest.raises(ExportTooLarge):
+                await sb.export("/app", 10, spool)
+        with pytest.raises(FileNotFoundError):
+            await sb.export("/nowhere", 1 << 20, io.BytesIO())
         # The daemon's refusal, named: no exec in a paused container.
         await asyncio.to_thread(rt.calls.pause, sb.container.id)
         with pytest.raises(SandboxError, match="409"):
