@@ -1,4 +1,4 @@
-"""The `docker` runtime: one container per sample, through the `docker` SDK.
+"""The `docker` runtime: one container per sample.
 
 A container starts from the task's image (built from its Dockerfile when it has no image, tagged
 by the content of its build context so a rebuild happens only when something changed), runs
@@ -24,7 +24,10 @@ A verifier's container (`SandboxSpec.purpose = "verifier"`) starts from the same
 network and nothing of ours mounted; a sample is scored there, from its agent's artefacts, after
 the agent's container was halted (`rollout/verify.py`).
 
-The SDK is blocking; every call runs in a worker thread.
+The daemon is asked through the `docker` SDK for images and a container's config, and through
+`DaemonCalls` (http.client on its Unix socket; the SDK's `SdkCalls` for a daemon elsewhere) for a
+sample's calls once its container exists: most of polar-mitm's own CPU in a rollout was requests'
+per-call work in the SDK. Both are blocking; every call runs in a worker thread.
 """
 
 from __future__ import annotations
