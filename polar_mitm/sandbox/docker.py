@@ -185,15 +185,16 @@ class DaemonRefused(RuntimeError):
 
 
 class DaemonCalls:
-    """The daemon calls a sample makes once its container exists (an exec's three: create, start,
-    inspect; a container's inspect, kill, wait, start, pause, top and removal) over the daemon's
-    Unix socket, with `http.client` and a kept-alive connection per thread.
+    """A sample's daemon calls from its container's creation on (create and start; an exec's
+    three: create, start, inspect; a container's inspect, kill, wait, start, pause, top, archives
+    in and out, and removal) over the daemon's Unix socket, with `http.client` and a kept-alive
+    connection per thread.
 
-    They are most of a rollout sample's daemon calls, and through the SDK each costs about 1.3 ms
-    of CPU in requests' machinery (sessions, adapters, urllib3's pool), which made them most of
-    polar-mitm's own CPU in a rollout; an exec here costs about a third of the SDK's
-    (`bench/bench_docker_calls.py` measures both). Creating containers, archives, images, and
-    everything with a daemon that is not a local Unix socket (`SdkCalls`) stay on the SDK."""
+    Through the SDK each call costs about 1.3 ms of CPU in requests' machinery (sessions, adapters,
+    urllib3's pool), which made them most of polar-mitm's own CPU in a rollout; an exec here costs
+    about 0.4x the SDK's (`bench/bench_docker_calls.py` measures both). A container's config and
+    images stay with the SDK, and so does everything for a daemon that is not a local Unix socket
+    (`SdkCalls`)."""
 
     def __init__(self, socket_path: str, version: str, timeout: float = 120):
         self.socket_path = socket_path
