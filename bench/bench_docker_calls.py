@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker  # noqa: E402
 
-from polar_mitm.sandbox.docker import DaemonCalls, docker_client  # noqa: E402
+from polar_mitm.sandbox.docker import DaemonCalls, docker_client, local_socket  # noqa: E402
 
 IMAGE = os.environ.get("POLAR_MITM_TEST_IMAGE", "polar-mitm/rollout-base:bookworm")
 
@@ -71,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     base = docker.from_env(timeout=120)
     pooled = docker_client(120)
-    socket_path = getattr(getattr(pooled.api, "_custom_adapter", None), "socket_path", None)
+    socket_path = local_socket(pooled)
     clients: dict[str, Any] = {"sdk (from_env)": base, "polar-mitm (one pool)": pooled}
     if socket_path:
         clients["polar-mitm (daemon calls)"] = DaemonCalls(socket_path, pooled.api.api_version)

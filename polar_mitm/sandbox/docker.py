@@ -155,11 +155,16 @@ def docker_client(timeout: int = 120) -> Any:
     import docker
 
     client = docker.from_env(timeout=timeout)
-    adapter = getattr(client.api, "_custom_adapter", None)
-    if adapter is not None and hasattr(adapter, "socket_path"):  # a local Unix socket only
-        client.api.mount("http+docker://", _one_pool(adapter))
+    if local_socket(client) is not None:
+        client.api.mount("http+docker://", _one_pool(client.api._custom_adapter))
         client.api.trust_env = False
     return client
+
+
+def local_socket(client: Any) -> str | None:
+    """The path of the daemon's Unix socket an SDK client talks to; None for a daemon elsewhere."""
+    path = getattr(getattr(client.api, "_custom_adapter", None), "socket_path", None)
+    return path if isinstance(path, str) else None
 
 
 def _one_pool(adapter: Any) -> Any:
@@ -242,17 +247,9 @@ class DaemonCalls:
         """The tar of `path`, in chunks as the daemon writes it, on a connection of its own: closing
         the iterator early closes it, which stops the daemon's tar. DaemonRefused 404 when `path`
         does not exist."""
-        conn = _UnixConnection(self.socket_path, self.timeout)
-        try:
-            conn.request(
-                "GET", f"{self.prefix}/containers/{container}/archive?path={urllib.parse.quote(path)}"
-            )
-            r = conn.getresponse()
-            if r.status >= 400:
-                raise _refused(r.status, r.read())
-        except BaseException:
-            conn.close()
-            raise
+        conn, r = self._open(
+            "GET", f"/containers/{container}/archive?path={urllib.parse.quote(path)}", timeout=self.timeout
+        )
         return _chunks(conn, r, chunk)
 
     def put_archive(self, container: str, path: str, data: bytes | BinaryIO) -> None:
@@ -263,20 +260,16 @@ class DaemonCalls:
             at = data.tell()
             size = data.seek(0, os.SEEK_END) - at
             data.seek(at)
-        conn = _UnixConnection(self.socket_path, self.timeout, blocksize=CHUNK)
-        try:
-            conn.request(
-                "PUT",
-                f"{self.prefix}/containers/{container}/archive?path={urllib.parse.quote(path)}",
-                body=data,
-                headers={"Content-Type": "application/x-tar", "Content-Length": str(size)},
-            )
-            r = conn.getresponse()
-            raw = r.read()
-        finally:
-            conn.close()
-        if r.status >= 400:
-            raise _refused(r.status, raw)
+        conn, r = self._open(
+            "PUT",
+            f"/containers/{container}/archive?path={urllib.parse.quote(path)}",
+            data,
+            {"Content-Type": "application/x-tar", "Content-Length": str(size)},
+            timeout=self.timeout,
+            blocksize=CHUNK,
+        )
+        with contextlib.closing(conn):
+            r.read()
 
     def kill(self, container: str) -> None:
         self._json("POST", f"/containers/{container}/kill")
@@ -298,14 +291,33 @@ class DaemonCalls:
         self._json("DELETE", f"/containers/{container}?force=1")
 
     def _once(self, method: str, path: str, body: Any, timeout: float | None) -> bytes:
-        conn = _UnixConnection(self.socket_path, timeout)
+        """A JSON request on a connection of its own, read within `timeout`; the reply's body."""
+        conn, r = self._open(method, path, *_json_body(body), timeout=timeout)
+        with contextlib.closing(conn):
+            return r.read()
+
+    def _open(
+        self,
+        method: str,
+        path: str,
+        body: bytes | BinaryIO | None = None,
+        headers: dict[str, str] | None = None,
+        *,
+        timeout: float | None,
+        blocksize: int = 8192,
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """A request on a new connection, and the reply once its status is not an error (else the
+        connection is closed and DaemonRefused raised); the caller reads the reply and closes."""
+        conn = _UnixConnection(self.socket_path, timeout, blocksize)
         try:
-            status, raw = self._send(conn, method, path, body)
-        finally:
+            conn.request(method, self.prefix + path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            if r.status >= 400:
+                raise _refused(r.status, r.read())
+        except BaseException:
             conn.close()
-        if status >= 400:
-            raise _refused(status, raw)
-        return raw
+            raise
+        return conn, r
 
     def _json(self, method: str, path: str, body: Any = None) -> Any:
         while True:
@@ -330,11 +342,17 @@ class DaemonCalls:
         return json.loads(raw) if raw else {}
 
     def _send(self, conn: http.client.HTTPConnection, method: str, path: str, body: Any) -> tuple[int, bytes]:
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        data, headers = _json_body(body)
         conn.request(method, self.prefix + path, body=data, headers=headers)
         r = conn.getresponse()
         return r.status, r.read()
+
+
+def _json_body(body: Any) -> tuple[bytes | None, dict[str, str]]:
+    """A request's body as JSON and its headers; none for None."""
+    if body is None:
+        return None, {}
+    return json.dumps(body).encode(), {"Content-Type": "application/json"}
 
 
 class SdkCalls:
@@ -811,11 +829,9 @@ class DockerRuntime:
         """A sample's calls to the daemon once its container exists: `DaemonCalls` where the
         daemon is a local Unix socket, else the SDK's (`SdkCalls`)."""
         if self._calls is None:
+            path = local_socket(self.client)
             api = self.client.api
-            path = getattr(getattr(api, "_custom_adapter", None), "socket_path", None)
-            self._calls = (
-                DaemonCalls(path, api.api_version, timeout=120) if isinstance(path, str) else SdkCalls(api)
-            )
+            self._calls = DaemonCalls(path, api.api_version, timeout=120) if path else SdkCalls(api)
         return self._calls
 
     async def check(self) -> None:
