@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import docker  # noqa: E402
 
-from polar_mitm.sandbox.docker import DaemonCalls, docker_client, local_socket  # noqa: E402
+from polar_mitm.sandbox.daemon import DaemonCalls  # noqa: E402
+from polar_mitm.sandbox.docker import docker_client, local_socket  # noqa: E402
 
 IMAGE = os.environ.get("POLAR_MITM_TEST_IMAGE", "polar-mitm/rollout-base:bookworm")
 

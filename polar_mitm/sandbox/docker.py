@@ -25,7 +25,7 @@ network and nothing of ours mounted; a sample is scored there, from its agent's 
 the agent's container was halted (`rollout/verify.py`).
 
 The daemon is asked through the `docker` SDK for images and a container's config, and through
-`DaemonCalls` (http.client on its Unix socket; the SDK's `SdkCalls` for a daemon elsewhere) for a
+`sandbox/daemon.py` (`DaemonCalls` on its Unix socket; `SdkCalls` for a daemon elsewhere) for a
 sample's calls once its container exists: most of polar-mitm's own CPU in a rollout was requests'
 per-call work in the SDK. Both are blocking; every call runs in a worker thread.
 """
@@ -35,18 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import http.client
 import io
-import json
 import logging
 import os
 import re
-import socket
 import tarfile
-import threading
 import time
-import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
@@ -76,12 +70,10 @@ from polar_mitm.sandbox.base import (
     tree_size,
 )
 from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
+from polar_mitm.sandbox.daemon import CHUNK, DaemonCalls, DaemonRefused, SdkCalls
 from polar_mitm.tasks.model import Task
 
 log = logging.getLogger("polar_mitm.docker")
-
-CHUNK = 1 << 20  # bytes per read of an archive stream
-
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The options `DockerRuntime.start` gives a container, by where the SDK's builders take them.
@@ -178,291 +170,6 @@ def _one_pool(adapter: Any) -> Any:
     return OnePool(
         "http+unix://" + adapter.socket_path, timeout=adapter.timeout, max_pool_size=adapter.max_pool_size
     )
-
-
-class DaemonRefused(RuntimeError):
-    """The daemon answered a call with an error status (a container gone: 404; stopped, paused or
-    not running: 409)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}".strip())
-        self.status = status
-
-
-class DaemonCalls:
-    """A sample's daemon calls from its container's creation on (create and start; an exec's
-    three: create, start, inspect; a container's inspect, kill, wait, start, pause, top, archives
-    in and out, and removal) over the daemon's Unix socket, with `http.client` and a kept-alive
-    connection per thread.
-
-    Through the SDK each call costs about 1.3 ms of CPU in requests' machinery (sessions, adapters,
-    urllib3's pool), which made them most of polar-mitm's own CPU in a rollout; an exec here costs
-    about 0.4x the SDK's (`bench/bench_docker_calls.py` measures both). A container's config and
-    images stay with the SDK, and so does everything for a daemon that is not a local Unix socket
-    (`SdkCalls`)."""
-
-    def __init__(self, socket_path: str, version: str, timeout: float = 120):
-        self.socket_path = socket_path
-        self.prefix = f"/v{version}"
-        self.timeout = timeout
-        self._local = threading.local()
-
-    def run(
-        self, container: str, cmd: list[str], env: dict[str, str], workdir: str, user: str = ""
-    ) -> tuple[int, bytes]:
-        """(exit code, stdout and stderr as written; -1 when the daemon reports no exit code)."""
-        made = self._json(
-            "POST",
-            f"/containers/{container}/exec",
-            {
-                "User": user,
-                "Privileged": False,
-                "Tty": False,
-                "AttachStdin": False,
-                "AttachStdout": True,
-                "AttachStderr": True,
-                "Cmd": cmd,
-                "Env": [f"{k}={v}" for k, v in env.items()],
-                "WorkingDir": workdir,
-            },
-        )
-        exec_id = made["Id"]
-        # The daemon takes the connection over for the output and closes it at the end: a new
-        # connection of its own (never a retry: that could run the command twice), no timeout (the
-        # caller bounds the command and kills the container when it overruns).
-        raw = self._once("POST", f"/exec/{exec_id}/start", {"Detach": False, "Tty": False}, None)
-        # Without a TTY the output is always multiplexed, whatever Content-Type the daemon names
-        # (20.10 says raw-stream).
-        out = exec_output(raw)
-        code = self._json("GET", f"/exec/{exec_id}/json").get("ExitCode")
-        return (code if code is not None else -1), out
-
-    def create(self, config: dict[str, Any], name: str) -> str:
-        return self._json("POST", f"/containers/create?name={urllib.parse.quote(name)}", config)["Id"]
-
-    def inspect(self, container: str) -> dict[str, Any]:
-        return self._json("GET", f"/containers/{container}/json")
-
-    def get_archive(self, container: str, path: str, chunk: int) -> Iterator[bytes]:
-        """The tar of `path`, in chunks as the daemon writes it, on a connection of its own: closing
-        the iterator early closes it, which stops the daemon's tar. DaemonRefused 404 when `path`
-        does not exist."""
-        conn, r = self._open(
-            "GET", f"/containers/{container}/archive?path={urllib.parse.quote(path)}", timeout=self.timeout
-        )
-        return _chunks(conn, r, chunk)
-
-    def put_archive(self, container: str, path: str, data: bytes | BinaryIO) -> None:
-        """Unpack the tar `data` (bytes, or a file read from where it stands) into `path`."""
-        if isinstance(data, bytes):
-            size = len(data)
-        else:
-            at = data.tell()
-            size = data.seek(0, os.SEEK_END) - at
-            data.seek(at)
-        conn, r = self._open(
-            "PUT",
-            f"/containers/{container}/archive?path={urllib.parse.quote(path)}",
-            data,
-            {"Content-Type": "application/x-tar", "Content-Length": str(size)},
-            timeout=self.timeout,
-            blocksize=CHUNK,
-        )
-        with contextlib.closing(conn):
-            r.read()
-
-    def kill(self, container: str) -> None:
-        self._json("POST", f"/containers/{container}/kill")
-
-    def start(self, container: str) -> None:
-        self._json("POST", f"/containers/{container}/start")
-
-    def pause(self, container: str) -> None:
-        self._json("POST", f"/containers/{container}/pause")
-
-    def wait(self, container: str, timeout: float) -> None:
-        """Until the container is not running; a connection of its own, read within `timeout`."""
-        self._once("POST", f"/containers/{container}/wait?condition=not-running", None, timeout)
-
-    def top(self, container: str, ps_args: str) -> dict[str, Any]:
-        return self._json("GET", f"/containers/{container}/top?ps_args={urllib.parse.quote(ps_args)}")
-
-    def remove(self, container: str) -> None:
-        self._json("DELETE", f"/containers/{container}?force=1")
-
-    def _once(self, method: str, path: str, body: Any, timeout: float | None) -> bytes:
-        """A JSON request on a connection of its own, read within `timeout`; the reply's body."""
-        conn, r = self._open(method, path, *_json_body(body), timeout=timeout)
-        with contextlib.closing(conn):
-            return r.read()
-
-    def _open(
-        self,
-        method: str,
-        path: str,
-        body: bytes | BinaryIO | None = None,
-        headers: dict[str, str] | None = None,
-        *,
-        timeout: float | None,
-        blocksize: int = 8192,
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """A request on a new connection, and the reply once its status is not an error (else the
-        connection is closed and DaemonRefused raised); the caller reads the reply and closes."""
-        conn = _UnixConnection(self.socket_path, timeout, blocksize)
-        try:
-            conn.request(method, self.prefix + path, body=body, headers=headers or {})
-            r = conn.getresponse()
-            if r.status >= 400:
-                raise _refused(r.status, r.read())
-        except BaseException:
-            conn.close()
-            raise
-        return conn, r
-
-    def _json(self, method: str, path: str, body: Any = None) -> Any:
-        while True:
-            conn = getattr(self._local, "conn", None)
-            reused = conn is not None
-            if conn is None:
-                conn = self._local.conn = _UnixConnection(self.socket_path, self.timeout)
-            try:
-                status, raw = self._send(conn, method, path, body)
-                break
-            except Exception as e:
-                conn.close()  # whatever state it was left in, the next call starts afresh
-                self._local.conn = None
-                # A kept-alive connection the daemon had closed: the request never reached it.
-                if reused and isinstance(
-                    e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
-                ):
-                    continue
-                raise
-        if status >= 400:
-            raise _refused(status, raw)
-        return json.loads(raw) if raw else {}
-
-    def _send(self, conn: http.client.HTTPConnection, method: str, path: str, body: Any) -> tuple[int, bytes]:
-        data, headers = _json_body(body)
-        conn.request(method, self.prefix + path, body=data, headers=headers)
-        r = conn.getresponse()
-        return r.status, r.read()
-
-
-def _json_body(body: Any) -> tuple[bytes | None, dict[str, str]]:
-    """A request's body as JSON and its headers; none for None."""
-    if body is None:
-        return None, {}
-    return json.dumps(body).encode(), {"Content-Type": "application/json"}
-
-
-class SdkCalls:
-    """`DaemonCalls`' calls through the SDK, for a daemon that is not a local Unix socket."""
-
-    def __init__(self, api: Any):
-        self.api = api
-
-    def run(
-        self, container: str, cmd: list[str], env: dict[str, str], workdir: str, user: str = ""
-    ) -> tuple[int, bytes]:
-        with _sdk_refusals():
-            ex = self.api.exec_create(
-                container, cmd, environment=env, workdir=workdir, stdin=False, tty=False, user=user
-            )
-            out = self.api.exec_start(ex["Id"], demux=False)
-            code = self.api.exec_inspect(ex["Id"]).get("ExitCode")
-        return (code if code is not None else -1), out or b""
-
-    def create(self, config: dict[str, Any], name: str) -> str:
-        with _sdk_refusals():
-            return self.api.create_container_from_config(config, name)["Id"]
-
-    def inspect(self, container: str) -> dict[str, Any]:
-        with _sdk_refusals():
-            return self.api.inspect_container(container)
-
-    def get_archive(self, container: str, path: str, chunk: int) -> Iterator[bytes]:
-        with _sdk_refusals():
-            stream, _stat = self.api.get_archive(container, path, chunk_size=chunk)
-        return stream
-
-    def put_archive(self, container: str, path: str, data: bytes | BinaryIO) -> None:
-        with _sdk_refusals():
-            if not self.api.put_archive(container, path, data):
-                raise DaemonRefused(0, f"unpacking into {path} refused")
-
-    def kill(self, container: str) -> None:
-        with _sdk_refusals():
-            self.api.kill(container)
-
-    def start(self, container: str) -> None:
-        with _sdk_refusals():
-            self.api.start(container)
-
-    def pause(self, container: str) -> None:
-        with _sdk_refusals():
-            self.api.pause(container)
-
-    def wait(self, container: str, timeout: float) -> None:
-        with _sdk_refusals():
-            self.api.wait(container, timeout=timeout, condition="not-running")
-
-    def top(self, container: str, ps_args: str) -> dict[str, Any]:
-        with _sdk_refusals():
-            return self.api.top(container, ps_args=ps_args)
-
-    def remove(self, container: str) -> None:
-        with _sdk_refusals():
-            self.api.remove_container(container, force=True)
-
-
-@contextlib.contextmanager
-def _sdk_refusals() -> Iterator[None]:
-    import docker.errors
-
-    try:
-        yield
-    except docker.errors.APIError as e:
-        raise DaemonRefused(e.status_code or 0, str(e.explanation or e)) from e
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float | None, blocksize: int = 8192):
-        super().__init__("localhost", timeout=timeout, blocksize=blocksize)
-        self.path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self.path)
-        self.sock = sock
-
-
-def _chunks(conn: http.client.HTTPConnection, r: http.client.HTTPResponse, size: int) -> Iterator[bytes]:
-    try:
-        while chunk := r.read(size):
-            yield chunk
-    finally:
-        conn.close()
-
-
-def exec_output(stream: bytes) -> bytes:
-    """The payloads of the daemon's multiplexed stream, in the order written: frames of an 8-byte
-    header (the stream: 1 stdout, 2 stderr; three zero bytes; the payload's length, big-endian)
-    and the payload. A frame cut short at the end keeps what came of it."""
-    out, i = [], 0
-    while i + 8 <= len(stream):
-        n = int.from_bytes(stream[i + 4 : i + 8], "big")
-        out.append(stream[i + 8 : i + 8 + n])
-        i += 8 + n
-    return b"".join(out)
-
-
-def _refused(status: int, raw: bytes) -> DaemonRefused:
-    try:
-        message = json.loads(raw).get("message") or ""
-    except (ValueError, AttributeError):
-        message = raw[:300].decode("utf-8", "replace")
-    return DaemonRefused(status, message)
 
 
 class DockerSandbox:

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from polar_mitm.sandbox.base import ExportTooLarge, SandboxError, SandboxSpec
-from polar_mitm.sandbox.docker import DaemonCalls, DaemonRefused, DockerRuntime, SdkCalls
+from polar_mitm.sandbox.daemon import DaemonCalls, DaemonRefused, SdkCalls
+from polar_mitm.sandbox.docker import DockerRuntime
 from polar_mitm.tasks.model import Task
 
 IMAGE = "polar-mitm/rollout-base:bookworm"

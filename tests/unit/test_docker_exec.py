@@ -5,6 +5,8 @@ command). The real daemon answers it in every Docker test (tests/processes, test
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import socketserver
 import threading
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polar_mitm.sandbox.docker import DaemonCalls, DaemonRefused, exec_output
+from polar_mitm.sandbox.daemon import DaemonCalls, DaemonClosed, DaemonRefused, _Connection, exec_output
 
 
 def frames(chunks: list[tuple[int, bytes]]) -> bytes:
@@ -135,3 +137,83 @@ def test_no_daemon_is_an_error_not_a_hang(tmp_path):
     calls = DaemonCalls(str(Path(tmp_path) / "none.sock"), "1.41", timeout=5)
     with pytest.raises(FileNotFoundError):
         calls.run("c", ["true"], {}, "/")
+
+
+# -- the reply's framing (`_Connection`), read from bytes as the daemon's server writes them ------
+
+
+def reading(raw: bytes) -> _Connection:
+    conn = _Connection.__new__(_Connection)  # no socket: the reader is what is under test
+    conn.rfile = io.BufferedReader(io.BytesIO(raw), 7)  # a small buffer: lines split across reads
+    conn.reusable = True
+    return conn
+
+
+def framed(body: bytes, how: str, cuts: list[int]) -> bytes:
+    if how == "length":
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nApi-Version: 1.41\r\n\r\n" % len(body) + body
+    if how == "chunked":
+        at = sorted({c % (len(body) + 1) for c in cuts} | {0, len(body)})
+        parts = [body[a:b] for a, b in itertools.pairwise(at) if b > a]
+        chunks = b"".join(b"%x;ext=1\r\n" % len(p) + p + b"\r\n" for p in parts)
+        return (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n" + chunks + b"0\r\nX-Trailer: t\r\n\r\n"
+        )
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.docker.raw-stream\r\n\r\n" + body
+    )  # to the close
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.binary(max_size=200),
+            st.sampled_from(["length", "chunked"]),
+            st.lists(st.integers(0, 400), max_size=6),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.binary(max_size=200),
+)
+def test_replies_on_one_connection_are_read_each_whole_and_no_further(replies, last):
+    """Framed by a length or in chunks (extensions, trailers, any split), each reply's body is
+    exactly what was sent, so the next reply on the kept-alive connection starts where it should;
+    a body that runs to the close ends the connection's reuse."""
+    raw = b"HTTP/1.1 100 Continue\r\n\r\n" + b"".join(framed(b, how, cuts) for b, how, cuts in replies)
+    conn = reading(raw + framed(last, "close", []))
+    for body, _how, _cuts in replies:
+        reply = conn.reply()
+        assert reply.status == 200 and conn.read_body(reply) == body and conn.reusable
+    reply = conn.reply()
+    assert b"".join(conn.body(reply, 16)) == last and not conn.reusable
+
+
+def test_no_body_for_204_whatever_the_headers_say():
+    conn = reading(
+        b"HTTP/1.1 204 No Content\r\nContent-Length: 9\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    assert conn.read_body(conn.reply()) == b""
+    assert conn.read_body(conn.reply()) == b"{}"
+
+
+@pytest.mark.parametrize(
+    "raw, error",
+    [
+        (b"", DaemonClosed),  # closed before answering: a kept-alive connection is tried again
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}", ConnectionError),  # body cut short
+        (b"HTTP/1.1 200 OK\r\nContent-Le", ConnectionError),  # headers cut short
+        (b"SSH-2.0-OpenSSH\r\n", ConnectionError),  # not HTTP
+    ],
+)
+def test_a_reply_cut_short_or_not_http_is_an_error(raw, error):
+    """(The caller closes a connection after any error.)"""
+    conn = reading(raw)
+    with pytest.raises(error):
+        conn.read_body(conn.reply())
+
+
+def test_a_chunked_reply_cut_short_is_an_error():
+    conn = reading(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nabc")
+    with pytest.raises(ConnectionError):
+        conn.read_body(conn.reply())
