@@ -686,7 +686,8 @@ class Pipeline:
         if self.proxy.egress is not None:
             self.proxy.egress.release(job.session_id)
         if job.session_dir is not None and not self.opts.keep_workdirs:
-            shutil.rmtree(job.session_dir, ignore_errors=True)
+            # A harness's HOME holds hundreds of files: removed off the event loop.
+            await asyncio.to_thread(shutil.rmtree, job.session_dir, ignore_errors=True)
         if not final:
             return
         job.final, job.reward, job.cause = status, reward, cause

@@ -129,11 +129,13 @@ async def exec_then_seal(
     env: dict[str, str] | None,
     timeout: float | None,
     workdir: str | None,
+    before: set[int] | None = None,
 ) -> tuple[ExecResult, list[Leftover]]:
     """`Sandbox.exec_sealed` where the sandbox's init keeps what the command abandons in sight
-    (Docker's verifier: an init that reaps nothing): the processes before, the command, then
-    `seal`, and what is new."""
-    before = {p.pid for p in await sandbox.processes()}
+    (Docker's verifier: an init that reaps nothing): the processes before (listed, unless the
+    caller knows them: `before`), the command, then `seal`, and what is new."""
+    if before is None:
+        before = {p.pid for p in await sandbox.processes()}
     r = await sandbox.exec(cmd, env=env, timeout=timeout, workdir=workdir)
     left = [p for p in await sandbox.seal() if p.pid not in before]
     return r, left

@@ -186,6 +186,7 @@ class DockerSandbox:
         proxy_address: tuple[str, int] | None = None,
         home: str | None = None,
         traversed: list[str] | None = None,
+        quiet: bool = False,
     ):
         self.runtime = runtime
         self.container = container
@@ -198,6 +199,7 @@ class DockerSandbox:
         self.proxy_address = proxy_address
         self.home = home
         self.traversed = traversed or []  # directories above the harness's trees (HarnessMount)
+        self.quiet = quiet  # nothing of its own runs but its init (a verifier without a channel)
         self._stopped = False
         self._halted = False
 
@@ -436,7 +438,11 @@ class DockerSandbox:
         timeout: float | None = None,
         workdir: str | None = None,
     ) -> tuple[ExecResult, list[Leftover]]:
-        return await exec_then_seal(self, cmd, env=env, timeout=timeout, workdir=workdir)
+        # A verifier without a channel runs nothing but its init (`sleep infinity`, never listed)
+        # and our own commands, each ended before the tests: whatever is there after them is
+        # theirs, so nothing is listed before.
+        before: set[int] | None = set() if self.quiet else None
+        return await exec_then_seal(self, cmd, env=env, timeout=timeout, workdir=workdir, before=before)
 
     def _host_processes(self) -> list[Leftover]:
         """The container's processes but its init, read from this host's /proc: the children of
@@ -713,6 +719,7 @@ class DockerRuntime:
             proxy_address=("127.0.0.1", FORWARD_PORT) if channel else None,
             home=home,
             traversed=spec.harness.traversed() if agent and spec.harness is not None else None,
+            quiet=not agent and not channel,
         )
         if not agent and not channel:
             # A verifier with nothing of ours in it: the daemon made its workdir, and its start

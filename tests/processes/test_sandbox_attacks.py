@@ -848,6 +848,8 @@ async def test_a_verifiers_init_keeps_what_detached_from_the_tests_in_view(tmp_p
     )  # fmt: skip
     sb = await DockerRuntime().start(Task(id="init", instruction="x", image=IMAGE), spec)
     try:
+        if init == "sleep":  # what lets it skip the listing before the tests: nothing but its init
+            assert sb.quiet and await sb.processes() == []
         r, left = await run_tests(
             sb,
             ["sh", "-c", "(setsid sh -c 'sleep 0.2' </dev/null >/dev/null 2>&1 &); sleep 1.5"],
