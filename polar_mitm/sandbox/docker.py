@@ -687,10 +687,10 @@ class DockerRuntime:
             kwargs["nano_cpus"] = int(task.cpus * 1e9)
         if task.memory_mb:
             kwargs["mem_limit"] = f"{task.memory_mb}m"
+        # The daemon makes the workdir (root's, as `mkdir -p` would) when it starts the container.
+        kwargs["working_dir"] = task.workdir
         if spec.purpose == "verifier":
             kwargs.update(self._verifier_options(volumes))
-            # The daemon makes the workdir (root's, as `mkdir -p` would) when it starts the container.
-            kwargs["working_dir"] = task.workdir
             prefix = []
 
         def run() -> Any:
@@ -721,27 +721,17 @@ class DockerRuntime:
             traversed=spec.harness.traversed() if agent and spec.harness is not None else None,
             quiet=not agent and not channel,
         )
-        if not agent and not channel:
-            # A verifier with nothing of ours in it: the daemon made its workdir, and its start
-            # was the daemon's to refuse; no exec (three daemon calls) to check either.
-            return sb
-        try:
-            r = await sb.exec(["mkdir", "-p", task.workdir], workdir="/")
-            if r.exit_code != 0:
-                raise SandboxError(f"task {task.id}: container {sb.name} did not start: {r.output[-500:]}")
-        except SandboxError as e:
-            if channel and not await sb.alive():
-                logs = await asyncio.to_thread(lambda: container.logs(tail=20).decode("utf-8", "replace"))
-                await sb.stop()
-                raise SandboxError(
-                    f"task {task.id}: the proxy forwarder did not start in {image} (it runs on the node "
-                    f"we mount for JavaScript harnesses, else on the image's python3): {logs[-500:]}"
-                ) from e
+        state = (container.attrs or {}).get("State") or {}
+        if channel and not state.get("Running"):
+            # The forwarder, the entrypoint, died as it started (no python3 in the image, say).
+            logs = await asyncio.to_thread(lambda: container.logs(tail=20).decode("utf-8", "replace"))
             await sb.stop()
-            raise
-        except BaseException:
-            await sb.stop()
-            raise
+            raise SandboxError(
+                f"task {task.id}: the proxy forwarder did not start in {image} (it runs on the node "
+                f"we mount for JavaScript harnesses, else on the image's python3): {logs[-500:]}"
+            )
+        # No exec to check the start: the daemon made the workdir and would have refused a start
+        # that failed; a forwarder that dies later is the pipeline's wait for the channel to say.
         return sb
 
     def _run_container(self, image: str, kw: dict[str, Any]) -> Any:
