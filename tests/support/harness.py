@@ -278,49 +278,47 @@ def run_tool_task(
 
 
 @contextmanager
-def shared_proxy(backend: FakeBackend, tokenizer: Path, db: Path, certs: Path, *args: str) -> Iterator[Lines]:
-    """`polar-mitm proxy` (README's shared proxy) in its own process, with `args`; yields the lines
-    it prints, and stops it with SIGINT as a user's Ctrl-C would."""
+def _proxy(backend_url: str, tokenizer: Path, db: Path, certs: Path, *args: str, listen: str):
+    """`polar-mitm proxy` in its own process; yields (proc, its stderr's Lines), and stops it with
+    SIGINT as a user's Ctrl-C would."""
     import signal
 
-    proxy = subprocess.Popen(
-        [*POLAR, "proxy", "--listen", f"127.0.0.1:{free_port()}", "--backend", backend.url]
-        + ["--tokenizer", str(tokenizer), "--db", str(db), "--certs", str(certs), *args],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = subprocess.Popen(
+        [*POLAR, "proxy", "--listen", listen, "--backend", backend_url, "--tokenizer", str(tokenizer),
+         "--db", str(db), "--certs", str(certs), *args],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
-        yield Lines(proxy.stderr)
+        yield proc, Lines(proc.stderr)
     finally:
-        proxy.send_signal(signal.SIGINT)
-        proxy.wait(20)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
+
+
+@contextmanager
+def shared_proxy(backend: FakeBackend, tokenizer: Path, db: Path, certs: Path, *args: str) -> Iterator[Lines]:
+    """`polar-mitm proxy` (README's shared proxy) in its own process, with `args`; yields the lines
+    it prints."""
+    with _proxy(backend.url, tokenizer, db, certs, *args, listen=f"127.0.0.1:{free_port()}") as (_, lines):
+        yield lines
 
 
 @contextmanager
 def proxy_process(backend_url: str, tokenizer: Path, certs: Path, db: Path, *args: str):
     """`polar-mitm proxy` in front of `backend_url` at the default liveness settings, streaming
     from the engine; yields (proc, an httpx client through it, its stderr's Lines)."""
-    import signal
-
     import httpx
 
-    proc = subprocess.Popen(
-        [*POLAR, "proxy", "--listen", "127.0.0.1:0", "--backend", backend_url, "--tokenizer", str(tokenizer),
-         "--db", str(db), "--certs", str(certs), "--backend-stream", "stream", *args],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    err = Lines(proc.stderr)
-    port = port_of(printed_url(err.until("polar-mitm proxy on", timeout=60)))
-    client = httpx.Client(
-        proxy=f"http://s:x@127.0.0.1:{port}", verify=str(certs / "mitmproxy-ca-cert.pem"), timeout=120
-    )
-    try:
-        yield proc, client, err
-    finally:
-        client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(30)
+    with _proxy(
+        backend_url, tokenizer, db, certs, "--backend-stream", "stream", *args, listen="127.0.0.1:0"
+    ) as (proc, err):
+        port = port_of(printed_url(err.until("polar-mitm proxy on", timeout=60)))
+        client = httpx.Client(
+            proxy=f"http://s:x@127.0.0.1:{port}", verify=str(certs / "mitmproxy-ca-cert.pem"), timeout=120
+        )
+        with client:
+            yield proc, client, err
 
 
 def claude_in_shell(exports: str, tmp_path: Path) -> None:
