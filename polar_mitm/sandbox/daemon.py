@@ -300,14 +300,6 @@ class _Connection:
             yield data
 
     def read_body(self, reply: _Reply) -> bytes:
-        if reply.length == 0:
-            return b""
-        if reply.length is not None and not reply.chunked:
-            data = self.rfile.read(reply.length)
-            if len(data) < reply.length:
-                self.reusable = False
-                raise ConnectionError("the daemon's reply was cut short")
-            return data
         return b"".join(self.body(reply))
 
     def close(self) -> None:
