@@ -40,7 +40,10 @@ from tests.support.sglang import SGLangServer, make_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines, pytest.mark.slow]
 
-CAP = "12"  # tokens per reply: a random model writes until the cap
+# Tokens per reply. Claude Code answers a reply cut at max_tokens by asking it to resume, three
+# times, then exits 1. The tiny model ends about half its replies to Claude Code's prompt within
+# 12 tokens and 93 % within 32 (SGLang, 60 samples): at 12, one session in 18 failed that way.
+CAP = "32"
 
 
 @pytest.fixture
@@ -125,7 +128,7 @@ def test_claude_code_turns_are_sglangs_replies_bit_for_bit(
 ):
     require_binary("claude")
     r = run_claude(tmp_path, hop.url, qwen_tokenizer_dir, f"real-{stream}", "--backend-stream", stream)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr + r.stdout
     assert "session real-" in r.stderr
     turns = assert_store_is_what_sglang_said(
         tmp_path / "runs.sqlite", f"real-{stream}", hop.exchanges, streamed=stream == "stream"
@@ -141,7 +144,7 @@ def test_weight_update_between_sessions_shows_in_the_next_sessions_turns(
     db = tmp_path / "runs.sqlite"
     before = sglang_server.get("/model_info")["weight_version"]
     r = run_claude(tmp_path, hop.url, qwen_tokenizer_dir, "w-before")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr + r.stdout
     # Against SGLang's default (cumulative chunks) `--backend-stream auto` asks for whole replies.
     first = assert_store_is_what_sglang_said(db, "w-before", hop.exchanges, streamed=False)
     assert {t.weight_version for t in first} == {before}
@@ -154,7 +157,7 @@ def test_weight_update_between_sessions_shows_in_the_next_sessions_turns(
         assert status == 200 and reply["success"] is True, reply
         assert sglang_server.get("/model_info")["weight_version"] == "step-2"
         r = run_claude(tmp_path, hop.url, qwen_tokenizer_dir, "w-after")
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == 0, r.stderr + r.stdout
         second = assert_store_is_what_sglang_said(db, "w-after", hop.exchanges, streamed=False)
         assert {t.weight_version for t in second} == {"step-2"}
         # New weights, new numbers: the same first prompt is sampled with other logprobs.

@@ -44,7 +44,10 @@ from tests.support.vllm import VLLMServer, make_tiny_model, vllm_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engines, pytest.mark.slow]
 
-CAP = "12"  # tokens per reply: a random model writes until the cap or its end token
+# Tokens per reply. Claude Code answers a reply cut at max_tokens by asking it to resume, three
+# times, then exits 1. The tiny model ends about half its replies to Claude Code's prompt within
+# 12 tokens and 93 % within 32 (SGLang, 60 samples): at 12, one session in 18 failed that way.
+CAP = "32"
 
 
 @pytest.fixture
@@ -163,7 +166,7 @@ def test_claude_code_turns_are_vllms_replies_bit_for_bit(
         "--backend-stream",
         stream,
     )
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr + r.stdout
     assert "is a vLLM engine" in r.stderr and f"session {session}" in r.stderr
     turns = assert_store_is_what_vllm_said(
         tmp_path / "runs.sqlite", session, hop.exchanges, streamed=stream == "stream"
@@ -231,7 +234,7 @@ def test_claude_code_through_vllm_generate_stores_vllms_replies_bit_for_bit(
         )
     finally:
         hop.stop()
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr + r.stdout
     assert f"generations at {GENERATE}" in r.stderr and f"session {session}" in r.stderr
     turns = list(read_turns(tmp_path / "runs.sqlite", session=session))
     assert turns, "no turn was stored"
@@ -355,7 +358,7 @@ def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(
     db = tmp_path / "runs.sqlite"
     claude = ["claude", "-p", "Say hello"]
     r = run_harness(tmp_path, hop.url, qwen_tokenizer_dir, "w-before", claude)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr + r.stdout
     first = assert_store_is_what_vllm_said(db, "w-before", hop.exchanges, streamed=True)
     assert check_logprobs(db, vllm_model_dir, "w-before", 1.0)[0] == 0
 
@@ -365,7 +368,7 @@ def test_weights_reloaded_between_sessions_show_in_the_next_sessions_logprobs(
         vllm_server.reload_weights(other, "step-2")
         assert vllm_server.get("/weight_info") == {"weight_version": "step-2"}
         r = run_harness(tmp_path, hop.url, qwen_tokenizer_dir, "w-after", claude)
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == 0, r.stderr + r.stdout
         second = assert_store_is_what_vllm_said(db, "w-after", hop.exchanges, streamed=True)
         assert first and second
         assert {t.weight_version for t in first} == {before}
