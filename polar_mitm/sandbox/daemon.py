@@ -255,7 +255,7 @@ class _Connection:
                 name, _, value = h.partition(b":")
                 name = name.strip().lower()
                 if name == b"content-length":
-                    length = int(value)
+                    length = _number(value, 10)
                 elif name == b"transfer-encoding":
                     chunked = b"chunked" in value.lower()
                 elif name == b"connection":
@@ -277,13 +277,15 @@ class _Connection:
         read = self.rfile.read
         if reply.chunked:
             while True:
-                n = int(self.rfile.readline(LINE).split(b";", 1)[0], 16)
+                n = _number(self.rfile.readline(LINE).split(b";", 1)[0], 16)
                 if n == 0:
                     while self.rfile.readline(LINE) not in (b"\r\n", b"\n", b""):
                         pass  # trailers
                     return
                 yield from self._exactly(n, size)
-                read(2)  # the CRLF after each chunk
+                if self.rfile.readline(LINE) not in (b"\r\n", b"\n"):  # the end of each chunk
+                    self.reusable = False
+                    raise ConnectionError("the daemon's chunked reply was cut short or misframed")
         elif reply.length is not None:
             yield from self._exactly(reply.length, size)
         else:
@@ -305,6 +307,19 @@ class _Connection:
     def close(self) -> None:
         self.rfile.close()
         self.sock.close()
+
+
+def _number(field: bytes, base: int) -> int:
+    """A length or a chunk's size from the daemon; a field cut short or not a number is a broken
+    connection (ConnectionError), as a body cut short is."""
+    digits = field.strip()
+    try:
+        n = int(digits, base)
+    except ValueError:
+        n = -1
+    if n < 0 or not digits.isalnum():
+        raise ConnectionError(f"the daemon's reply has a broken length or chunk size: {field[:40]!r}")
+    return n
 
 
 def _closing(conn: _Connection, chunks: Iterator[bytes]) -> Iterator[bytes]:

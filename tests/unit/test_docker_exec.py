@@ -213,7 +213,30 @@ def test_a_reply_cut_short_or_not_http_is_an_error(raw, error):
         conn.read_body(conn.reply())
 
 
-def test_a_chunked_reply_cut_short_is_an_error():
-    conn = reading(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nabc")
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "rest",
+    [
+        b"10\r\nabc",  # within a chunk
+        b"3\r\nabc\r\n",  # before the next chunk's size line
+        b"3\r\nab",  # before a chunk's end
+        b"3\r\nabcdef\r\n0\r\n\r\n",  # a chunk longer than its size
+        b"zz\r\nabc\r\n",  # a size that is not hex
+        b"-3\r\nabc\r\n",  # nor a size
+    ],
+)
+def test_a_chunked_reply_cut_short_or_misframed_is_a_connection_error(rest):
+    """The same error as any broken connection (the caller closes the connection and names it),
+    never a ValueError from deep inside the reader."""
+    conn = reading(CHUNKED + rest)
+    with pytest.raises(ConnectionError):
+        conn.read_body(conn.reply())
+
+
+@pytest.mark.parametrize("length", [b"ten", b"-1", b""])
+def test_a_length_that_is_not_one_is_a_connection_error(length):
+    conn = reading(b"HTTP/1.1 200 OK\r\nContent-Length: " + length + b"\r\n\r\n{}")
     with pytest.raises(ConnectionError):
         conn.read_body(conn.reply())
