@@ -270,6 +270,7 @@ def run(
         recipe=rec.name,
         policy=make_policy_config(**policy),
         provider_hosts=provider_hosts,
+        own_process=True,  # this process is the proxy: see long_lived_heap
         **harvest_config(harvest, upstreams, upstream_insecure),
     )
     preflight(cfg)
@@ -378,6 +379,7 @@ def proxy(
         token=token,
         policy=make_policy_config(**policy),
         provider_hosts=provider_hosts,
+        own_process=True,  # this process is the proxy: see long_lived_heap
         **harvest_config(harvest, upstreams, upstream_insecure),
     )
     preflight(cfg)

@@ -206,6 +206,7 @@ def rollout(
             token=new_token(),
             recipe=harness,
             policy=make_policy_config(**policy),
+            own_process=True,  # this process is the rollout: see long_lived_heap
         )
     )
 

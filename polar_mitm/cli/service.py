@@ -311,7 +311,9 @@ def node(
     from polar_mitm.service.node import GatewayNode, NodeConfig
 
     if config_file is not None:
-        gw = GatewayNode(NodeConfig.model_validate_json(config_file.read_text()))
+        gw = GatewayNode(
+            NodeConfig.model_validate_json(config_file.read_text()).model_copy(update={"own_process": True})
+        )
         config_file.unlink(missing_ok=True)  # written for this process alone
         _run_until_signal(gw.run())
         return
@@ -326,7 +328,7 @@ def node(
     workers = given(policy, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
     fields = dict(
         server=server, node_token=credential, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
-        capacity=capacity, **workers,
+        capacity=capacity, own_process=True, **workers,
     )  # fmt: skip
     if node_id:
         fields["node_id"] = node_id

@@ -9,6 +9,7 @@ upstream (`proxy/addons/harvest.py`).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 from pathlib import Path
@@ -56,6 +57,27 @@ class ProxyConfig(BaseModel):
     upstream_insecure: bool = False
     # More provider hosts to answer (--provider-host HOST=STYLE): host -> style name.
     provider_hosts: dict[str, str] = Field(default_factory=dict)
+    # The proxy is what this process is for (the CLI's proxy, run, rollout and node, a worker):
+    # once it listens, `long_lived_heap` (never in a process that embeds it among other things).
+    own_process: bool = False
+
+
+# Allocations between two collections of the youngest generation (Python's default: 700).
+YOUNG_OBJECTS = 10_000
+
+
+def long_lived_heap() -> None:
+    """For a process that is a proxy from now on, once it has started: everything made so far
+    (modules, mitmproxy, the tokenizer, templates, certificates) lives as long as the process, so
+    the cyclic collector stops walking it (`gc.freeze`), and the youngest generation is collected
+    every YOUNG_OBJECTS allocations instead of 700 (a turn makes thousands of objects that die
+    with it). Measured in docs/benchmarks.md: the collector's pauses in a proxy serving 220 turns
+    fell from 180 ms in all (53 ms the longest) to 17 ms (10 ms). Objects still die when their
+    last reference goes; only cycles among the frozen ones would stay."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_OBJECTS, older, oldest)
 
 
 class ProxyStartError(RuntimeError):
@@ -228,6 +250,8 @@ class PolarProxy:
         )
         self._task = asyncio.create_task(self.master.run())
         self.port = await self._wait_listening()
+        if self.config.own_process:
+            long_lived_heap()
         return self.port
 
     async def _policy_addons(self, sessions: Sessions) -> tuple[set[str], list[object]]:

@@ -73,6 +73,8 @@ class NodeConfig(BaseModel):
     keep_workdirs: bool = False  # keep each sample's host directory (harness.log, HOME)
     # Set for nodes `serve` starts: the node stops when that process is gone (even SIGKILLed).
     parent_pid: int | None = None
+    # The node is what its process is for (`polar-mitm node`, a Ray actor): see ProxyConfig.
+    own_process: bool = False
 
 
 class GatewayNode:
@@ -85,6 +87,7 @@ class GatewayNode:
                 default_session=f"{config.node_id}-unattributed",
                 token=new_token(),
                 policy=config.policy,
+                own_process=config.own_process,
             )
         )
         self.pipeline: Pipeline | None = None  # started with the node

@@ -58,7 +58,8 @@ def _actor_class():
         def __init__(self, config: dict[str, Any]):
             from polar_mitm.service.node import NodeConfig
 
-            self.config = NodeConfig.model_validate(config)
+            # The actor's process is the node's alone: see ProxyConfig.own_process.
+            self.config = NodeConfig.model_validate({**config, "own_process": True})
             self.node: GatewayNode | None = None
 
         async def run(self) -> str:
