@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import socket
+import ssl
 from pathlib import Path
 from typing import Literal
 
@@ -33,6 +34,7 @@ from polar_mitm.proxy.addons.tlswatch import TlsWatch
 from polar_mitm.proxy.certs import CA, ensure_ca
 from polar_mitm.proxy.exchange import parse_upstream
 from polar_mitm.proxy.gateway import Gateway
+from polar_mitm.proxy.heads import read_head
 from polar_mitm.store.writer import Store
 
 log = logging.getLogger("polar_mitm.proxy")
@@ -163,6 +165,7 @@ class PolicySide:
         self.addons: list[object] = [self.handoff, self.egress, self.routing, Stubs(answered, routes)]
         self.policy: Policy | None = None
         self.gateway: Gateway | None = None
+        self.provider_tls: ssl.SSLContext | None = None
 
     async def start(self, config: ProxyConfig, store: Store, confdir: Path | str) -> None:
         """Start the policy and the gateway (its plain and TLS ports) and point the addons at it."""
@@ -177,7 +180,16 @@ class PolicySide:
         )
         self.routing.gateway_port = await self.gateway.start()
         self.routing.secret = self.gateway.secret
-        self.handoff.gateway_port = await self.gateway.start_tls(provider_tls(confdir, self.routes.names()))
+        self.provider_tls = provider_tls(confdir, self.routes.names())
+        self.handoff.gateway_port = await self.gateway.start_tls(self.provider_tls)
+
+    async def take(self, sock: socket.socket, head: bytes) -> bool:
+        """Serve `sock` in the gateway when its first `head` opens a provider tunnel the proxy
+        admits (`Handoff.take`), until it ends; False when it is mitmproxy's to serve."""
+        serve = self.gateway.runner.server if self.gateway is not None and self.gateway.runner else None
+        if serve is None or self.provider_tls is None:
+            return False
+        return await self.handoff.take(sock, head, serve, self.provider_tls)
 
     async def stop(self) -> None:
         if self.gateway is not None:
@@ -218,16 +230,24 @@ class PolarProxy:
         self.sessions: Sessions | None = None
         self.port = 0
         self._task: asyncio.Task | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._serving: set[asyncio.Task] = set()  # connections read from the listener
+        self._stopped = False
 
     def tagger(self):
         return make_tagger(self.config.recipe)
 
     async def start(self) -> int:
-        """Start listening and return the port; ProxyStartError (one line) when it cannot."""
-        if self.config.listen_port:
-            # A busy port fails here, in one line and before anything else starts, rather than in
-            # mitmproxy's log with a hint that names mitmproxy's flags.
-            listen_socket(self.config.listen_host, self.config.listen_port).close()
+        """Start listening and return the port; ProxyStartError (one line) when it cannot.
+
+        The port is the proxy's own: it reads each connection's first request head (`adopt`),
+        so that the gateway can take a provider tunnel whole; mitmproxy serves the rest, handed to
+        it as `--workers`' front and the channels hand theirs (it listens on a loopback port of its
+        own that nothing is told of)."""
+        # A busy port fails here, in one line and before anything else starts, rather than in
+        # mitmproxy's log with a hint that names mitmproxy's flags.
+        self._listener = listen_socket(self.config.listen_host, self.config.listen_port)
         self.ca = ensure_ca(self.config.certs_dir)
         self.store = await Store.open(self.config.db)
         sessions = self.sessions = Sessions(self.config.default_session, token=self.config.token)
@@ -235,11 +255,7 @@ class PolarProxy:
             intercepted, mode_addons = self._harvest_addons()
         else:
             intercepted, mode_addons = await self._policy_addons(sessions)
-        opts = options.Options(
-            listen_host=self.config.listen_host,
-            listen_port=self.config.listen_port,
-            confdir=str(self.ca.dir),
-        )
+        opts = options.Options(listen_host="127.0.0.1", listen_port=0, confdir=str(self.ca.dir))
         self.master = Master(opts)
         self.master.addons.add(*mitmproxy_addons())
         self.master.addons.add(sessions, *mode_addons, self.tls)
@@ -249,10 +265,37 @@ class PolarProxy:
             upstream_cert=False,
         )
         self._task = asyncio.create_task(self.master.run())
-        self.port = await self._wait_listening()
+        await self._wait_listening()
+        self.port = self._listener.getsockname()[1]
+        self._accepting = asyncio.create_task(self._accept(self._listener))
         if self.config.own_process:
             long_lived_heap()
         return self.port
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as e:  # out of descriptors (EMFILE): the others go on, try again
+                log.warning("accepting a connection failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._first_head(conn))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _first_head(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        head = await read_head(conn)
+        if not head:  # closed before a whole head, or too long or too late: nothing to serve
+            conn.close()
+            return
+        try:
+            await self.adopt(conn, head)
+        except BaseException:
+            conn.close()
+            raise
 
     async def _policy_addons(self, sessions: Sessions) -> tuple[set[str], list[object]]:
         """Policy mode: the gateway answers model calls (`PolicySide`)."""
@@ -295,6 +338,15 @@ class PolarProxy:
         raise RuntimeError(f"proxy did not start listening within {timeout}s")
 
     async def stop(self) -> None:
+        if self._stopped:  # (a second stop, from a caller's cleanup, is nothing to do)
+            return
+        self._stopped = True
+        if self._accepting is not None:
+            self._accepting.cancel()
+        if self._listener is not None:
+            self._listener.close()
+        for t in list(self._serving):  # what they hold ends with them
+            t.cancel()
         if self.master is not None:
             self.master.shutdown()
             if self._task is not None:
@@ -336,11 +388,14 @@ class PolarProxy:
     async def adopt(
         self, sock: socket.socket, head: bytes, *, address: tuple[str, int] | None = None
     ) -> None:
-        """Serve a client connection accepted elsewhere (`--workers`' front, another process; a
-        sample's channel, a Unix socket), which already read `head` from it: mitmproxy reads those
-        bytes first, then the socket. `address` is the client address mitmproxy is told (a Unix
-        socket has none)."""
+        """Serve a client connection whose first `head` was read already (by the proxy's own
+        listener; `--workers`' front, in another process; a sample's channel, a Unix socket),
+        until it ends: the gateway takes a provider tunnel whole (`PolicySide.take`); otherwise
+        mitmproxy reads those bytes first, then the socket. `address` is the client address
+        mitmproxy is told (a Unix socket has none)."""
         assert self.master is not None
+        if self.side is not None and await self.side.take(sock, head):
+            return
         loop = asyncio.get_running_loop()
         sock.setblocking(False)
         reader = asyncio.StreamReader(limit=2**16, loop=loop)

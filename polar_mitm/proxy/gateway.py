@@ -85,13 +85,14 @@ class Gateway:
         tagger: recipes.Tagger | None = None,
         default_host: str | None = None,
         secret: str | None = None,
-        peers: Callable[[int], tuple[str, str] | None] | None = None,
+        peers: Callable[[Any, int | None], tuple[str, str] | None] | None = None,
         routes: providers.Routes = providers.BUILTIN,
     ):
         self.policy = policy
         self.routes = routes  # the hosts this gateway answers, and in which styles
-        # (session, provider host) of a connection that the proxy handed over still encrypted,
-        # by the connection's remote port (`proxy/addons/handoff.py`); such a connection is authorized.
+        # (session, provider host) of a connection that the proxy handed over still encrypted or
+        # took whole, by the connection's protocol or its remote port (`proxy/addons/handoff.py`):
+        # such a connection is authorized.
         self.peers = peers
         self.default_host = default_host  # the provider this gateway stands in for, if any
         # Required of every request when set (the proxy always sets one); None: a stand-in that
@@ -154,7 +155,7 @@ class Gateway:
         if self.peers is None or request.transport is None:
             return None
         addr = request.transport.get_extra_info("peername")
-        return self.peers(addr[1]) if addr else None
+        return self.peers(request.protocol, addr[1] if addr and isinstance(addr, tuple) else None)
 
     async def stop(self) -> None:
         if self.runner is not None:

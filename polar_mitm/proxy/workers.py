@@ -37,25 +37,19 @@ from polar_mitm import procs
 from polar_mitm.proxy.addons.sessions import session_from_auth
 from polar_mitm.proxy.certs import CA, ensure_ca
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, ProxyStartError, listen_socket, proxy_url
+from polar_mitm.proxy.heads import HEAD_TIMEOUT, header
 
 log = logging.getLogger("polar_mitm.workers")
 
 # A client's first request head larger than this goes to a worker as far as it was read (the
 # session is then the default one); mitmproxy answers it as it would.
 MAX_HEAD = 64 * 1024
-HEAD_TIMEOUT = 30.0  # seconds a new connection may take to send its first request head
 STOP_GRACE = 5.0  # seconds a stopping worker gives its open connections to finish
 
 
 def session_of(head: bytes) -> str | None:
     """The session named by the Proxy-Authorization header of a request head, if any."""
-    for line in head.split(b"\r\n")[1:]:
-        if not line:
-            break
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"proxy-authorization":
-            return session_from_auth(value.strip().decode("latin-1"))
-    return None
+    return session_from_auth(header(head, b"proxy-authorization"))
 
 
 def pick(session: str | None, workers: int) -> int:

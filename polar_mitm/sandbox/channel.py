@@ -31,14 +31,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from polar_mitm.proxy.addons.sessions import basic_auth
+from polar_mitm.proxy.heads import read_head  # a head past heads.MAX_HEAD is refused
 
 log = logging.getLogger("polar_mitm.channel")
 
 FORWARD_PORT = 3128  # where the forwarder listens inside a sandbox (its own loopback)
 SOCKET_NAME = "proxy.sock"
 FORWARDER_DIR = Path(__file__).parent / "forwarder"  # mounted read-only into sandboxes
-MAX_HEAD = 64 * 1024  # a first request head larger than this is refused
-HEAD_TIMEOUT = 30.0
 CHUNK = 256 * 1024
 BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 # Connections one sample may hold open at once (a harness needs a handful: its model calls, a
@@ -161,31 +160,12 @@ class Channel:
             self._open.add(t)
             t.add_done_callback(self._open.discard)
 
-    async def _read_head(self, conn: socket.socket) -> bytes | None:
-        """The bytes read up to the end of the first request head (and any after it in the same
-        read); b"" when the peer closed before sending one (the forwarder's hello), None when the
-        head is too long, incomplete or late."""
-        loop = asyncio.get_running_loop()
-        buf = b""
-        try:
-            async with asyncio.timeout(HEAD_TIMEOUT):
-                while b"\r\n\r\n" not in buf:
-                    if len(buf) > MAX_HEAD:
-                        return None
-                    data = await loop.sock_recv(conn, CHUNK)
-                    if not data:
-                        return b"" if not buf else None
-                    buf += data
-        except (TimeoutError, OSError):
-            return None
-        return buf
-
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         conn.setblocking(False)
         handed = False
         try:
-            buf = await self._read_head(conn)
+            buf = await read_head(conn)
             if buf == b"":
                 self.ready.set()
                 return

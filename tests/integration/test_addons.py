@@ -214,14 +214,17 @@ def test_handoff_points_provider_connections_at_the_gateway_and_knows_their_sess
             handoff.server_connected(d)
         assert model.server.address == ("127.0.0.1", 8443) and other.server.address == ("example.com", 443)
         assert handoff.provider_host(model.server) == "api.anthropic.com"
-        assert handoff.peer(50001) == ("worker-7", "api.anthropic.com") and handoff.peer(50002) is None
+        assert (
+            handoff.peer(None, 50001) == ("worker-7", "api.anthropic.com")
+            and handoff.peer(None, 50002) is None
+        )
         assert watch.trusted("api.anthropic.com")  # the gateway asked: a request came through
         silent = hook("api.anthropic.com", 50003)
         handoff.server_connect(silent)
         handoff.server_connected(silent)
         handoff.server_disconnected(silent)  # closed without a request
         handoff.server_disconnected(model)
-        assert handoff.peer(50001) is None
+        assert handoff.peer(None, 50001) is None
     assert [(h, why) for _, h, why in watch.failures] == [
         ("api.anthropic.com", "the client closed the connection without sending a request")
     ]

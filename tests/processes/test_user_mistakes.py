@@ -210,42 +210,6 @@ def test_fake_backend_on_a_busy_port_says_so_in_one_line_and_exits(tiny_tokenize
     ]
 
 
-async def test_a_port_taken_after_the_check_fails_the_start_at_once(
-    tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch
-):
-    """The race the check before start cannot see: mitmproxy's own bind fails; no 15 s wait."""
-    import socket
-    import types
-
-    import pytest
-
-    from polar_mitm.policy import PolicyConfig
-    from polar_mitm.proxy import embedded as proxy
-    from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, ProxyStartError
-
-    class Unchecked(socket.socket):
-        def bind(self, addr):  # the check finds the port free …
-            pass
-
-    monkeypatch.setattr(proxy, "socket", types.SimpleNamespace(**{**vars(socket), "socket": Unchecked}))
-    sock, port = busy_port()
-    cfg = ProxyConfig(
-        listen_port=port,
-        db=str(tmp_path / "r.sqlite"),
-        certs_dir=certs_dir,
-        policy=PolicyConfig(backend_url="http://127.0.0.1:9", tokenizer=str(qwen_tokenizer_dir)),
-    )
-    p = PolarProxy(cfg)
-    try:
-        with sock:
-            started = time.monotonic()
-            with pytest.raises(ProxyStartError, match=f"failed to listen on 127.0.0.1:{port}"):
-                await p.start()  # … mitmproxy's own bind does not
-        assert time.monotonic() - started < 5
-    finally:
-        await p.stop()
-
-
 # --- after a run: failed runs leave nothing, offline commands find the store and name sessions -------
 
 

@@ -78,6 +78,15 @@ class Sessions:
             return own is not None and creds is not None and hmac.compare_digest(creds[1], own)
         return self.token is None or (creds is not None and hmac.compare_digest(creds[1], self.token))
 
+    def admit(self, authorization: str | None) -> str | None:
+        """The session a connection whose first request carries this Proxy-Authorization value
+        belongs to, or None when it is refused (as `http_connect` decides, for a connection the
+        gateway takes before mitmproxy sees it)."""
+        creds = credentials(authorization)
+        if not self._allowed(creds):
+            return None
+        return (creds[0] if creds else None) or self.default_session
+
     def http_connect(self, flow: http.HTTPFlow) -> None:
         known = self.by_client.get(flow.client_conn.id)
         if known is not None:

@@ -25,6 +25,10 @@ class TlsWatch:
     def client_connected(self, client: connection.Client) -> None:
         self.connections += 1
 
+    def accepted(self) -> None:
+        """A client connection mitmproxy never sees (one the gateway took) was accepted."""
+        self.connections += 1
+
     def trusted(self, host: str) -> bool:
         return self.requests.get(host, 0) > 0
 
