@@ -100,16 +100,19 @@ class ItemMemo:
     in errors), whose readings nobody changes afterwards (they are shared between turns), and
     bodies read by orjson (`fields.read_body`): its text of NaN is that of null."""
 
-    __slots__ = ("last", "before", "now", "size")
+    __slots__ = ("last", "before", "now", "size", "_now_size", "_last_size")
 
     def __init__(self) -> None:
         self.last: dict[tuple[Callable, bytes], Any] = {}
         self.before: dict[tuple[Callable, bytes], Any] = {}
         self.now: dict[tuple[Callable, bytes], Any] = {}  # the request being read
         self.size = 0  # bytes of JSON text held by `last` and `before`
+        self._now_size = 0  # ... by `now`, and by `last`: kept as keys come, not summed again
+        self._last_size = 0
 
     def begin(self) -> None:
         self.now = {}
+        self._now_size = 0
 
     def read[T, R](self, items: list[T], parse: Callable[[int, T], R]) -> list[R]:
         out: list[R] = []
@@ -122,6 +125,7 @@ class ItemMemo:
                 continue
             known = now.get(key, _MISSING)
             if known is _MISSING:
+                self._now_size += len(key[1])
                 known = self.last.get(key, _MISSING)
             if known is _MISSING:
                 known = self.before.get(key, _MISSING)
@@ -134,7 +138,8 @@ class ItemMemo:
     def settle(self) -> None:
         """The request has read whole: its items become the last request's."""
         self.before, self.last, self.now = self.last, self.now, {}
-        self.size = sum(len(k[1]) for k in self.before) + sum(len(k[1]) for k in self.last)
+        self.size = self._last_size + self._now_size
+        self._last_size, self._now_size = self._now_size, 0
 
 
 _MISSING = object()

@@ -142,7 +142,9 @@ class PolicySide:
     """Policy mode's addons and what answers behind them: the policy and the gateway. One
     definition for the embedded proxy (`PolarProxy`) and the mitmdump script (`polar_mitm.mitmdump`).
 
-    A harness's TLS connection to a provider host is handed to the gateway's TLS port as it is
+    A harness's tunnel to a provider host is served by the gateway on the harness's own socket
+    when the proxy read its CONNECT first (`take`); one that reaches mitmproxy (the mitmdump
+    script, a client that did not wait for the 200) is handed to the gateway's TLS port as it is
     (`proxy/addons/handoff.py`: mitmproxy only relays its bytes). Plain-HTTP requests to a provider host
     still pass mitmproxy's HTTP layer: `routing` sends their model calls to the gateway's plain
     port and `stubs` answers the rest, as it does for the side hosts the recipes stub (the only

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from polar_mitm.backends.render import conversation_hashes
 from polar_mitm.providers import anthropic, fields, openai_chat
@@ -150,3 +152,14 @@ def test_a_tool_field_set_anew_is_hashed_anew():
     before = conversation_hashes([], tools)[0]
     tools[1].description = "Read a file, carefully"
     assert conversation_hashes([], tools)[0] != before
+
+
+@given(st.lists(st.lists(st.integers(0, 6), max_size=8), max_size=6))
+def test_the_memos_size_is_the_text_it_holds_whatever_the_requests(conversations):
+    """Counted as keys come, not summed again each turn: always the bytes of the JSON texts held
+    by the last two requests (repeats within a request counted once)."""
+    memo = ItemMemo()
+    for picks in conversations:
+        _read(_anthropic(*({"role": "assistant", "content": [_call(n)]} for n in picks)), memo)
+        held = sum(len(k[1]) for k in memo.before) + sum(len(k[1]) for k in memo.last)
+        assert memo.size == held
