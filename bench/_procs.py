@@ -91,14 +91,20 @@ def start_fake(tmp: Path, **config: Any) -> Proc:
     return Proc(p, f"http://127.0.0.1:{port}", log)
 
 
-def start_proxy(tmp: Path, backend: str, tokenizer: str, *args: str, db: str | None = None) -> Proc:
-    """`polar-mitm proxy` in its own process; its CA is tmp/certs."""
+def start_proxy(
+    tmp: Path,
+    backend: str,
+    tokenizer: str,
+    *args: str,
+    db: str | None = None,
+    launcher: list[str] | None = None,
+) -> Proc:
+    """`polar-mitm proxy` in its own process; its CA is tmp/certs. `launcher` runs the CLI
+    instead of `python -m polar_mitm` (a bench's wrapper that watches the process from inside)."""
     port = free_port()
     log = tmp / f"proxy-{port}.log"
     argv = [
-        sys.executable,
-        "-m",
-        "polar_mitm",
+        *(launcher or [sys.executable, "-m", "polar_mitm"]),
         "proxy",
         "--listen",
         f"127.0.0.1:{port}",

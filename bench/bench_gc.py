@@ -24,14 +24,11 @@ import time
 from pathlib import Path
 
 import httpx
-from _procs import Proc, _start, ensure_ca, free_port, start_fake, workdir
+from _procs import Proc, ensure_ca, start_fake, start_proxy, workdir
+from bench_floor import BASH, SCRIPT, URL, filler
 
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer
-
-URL = "https://api.anthropic.com/v1/messages"
-BASH = {"name": "Bash", "description": "Run a command", "input_schema": {"type": "object", "properties": {}}}
-SCRIPT = [{"match": "", "tool_call": {"name": "Bash", "arguments": {"command": "ls"}}}]
 
 # Runs `python -m polar_mitm proxy ...` with the collector watched from the moment it listens.
 _WRAP = """
@@ -62,13 +59,9 @@ runpy.run_module("polar_mitm", run_name="__main__", alter_sys=True)
 
 
 def start_watched(tmp: Path, name: str, keep: bool, backend: str, tokenizer: str) -> tuple[Proc, Path]:
-    port = free_port()
     out = tmp / f"gc-{name}.json"
-    argv = [sys.executable, "-c", _WRAP, str(out), "1" if keep else "0", "proxy"]
-    argv += ["--listen", f"127.0.0.1:{port}", "--backend", backend, "--tokenizer", tokenizer]
-    argv += ["--db", str(tmp / f"{name}.sqlite"), "--certs", str(tmp / "certs"), "--workers", "1"]
-    p, _ = _start(argv, "polar-mitm proxy on", tmp / f"proxy-{name}.log")
-    return Proc(p, f"http://127.0.0.1:{port}", tmp / f"proxy-{name}.log"), out
+    launcher = [sys.executable, "-c", _WRAP, str(out), "1" if keep else "0"]
+    return start_proxy(tmp, backend, tokenizer, db=str(tmp / f"{name}.sqlite"), launcher=launcher), out
 
 
 async def run(turns: int, context: int) -> None:
@@ -76,8 +69,7 @@ async def run(turns: int, context: int) -> None:
     tok_dir = ensure_tokenizer("qwen")
     tok = Tokenizer.load(tok_dir)
     ca = ensure_ca(tmp)
-    unit = "The quick brown fox jumps over the lazy dog while the proxy records every token. "
-    system = unit * max(1, context // len(tok.encode(unit)))
+    system = filler(tok, context)
     fake = start_fake(tmp, tokenizer_path=str(tok_dir), script=SCRIPT, context_length=400_000)
     variants = {"before": False, "after": True}
     procs = {name: start_watched(tmp, name, keep, fake.url, str(tok_dir)) for name, keep in variants.items()}

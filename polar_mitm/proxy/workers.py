@@ -37,13 +37,12 @@ from polar_mitm import procs
 from polar_mitm.proxy.addons.sessions import session_from_auth
 from polar_mitm.proxy.certs import CA, ensure_ca
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig, ProxyStartError, listen_socket, proxy_url
-from polar_mitm.proxy.heads import HEAD_TIMEOUT, header
+from polar_mitm.proxy.heads import HEAD_TIMEOUT, MAX_HEAD, header
 
 log = logging.getLogger("polar_mitm.workers")
 
-# A client's first request head larger than this goes to a worker as far as it was read (the
+# A client's first request head larger than MAX_HEAD goes to a worker as far as it was read (the
 # session is then the default one); mitmproxy answers it as it would.
-MAX_HEAD = 64 * 1024
 STOP_GRACE = 5.0  # seconds a stopping worker gives its open connections to finish
 
 
