@@ -307,20 +307,15 @@ def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(
     require_binary("claude")
     server = long_sglang
     try:
-        h = RecordingHop(server.url).start()
-        killed, done = threading.Event(), threading.Event()
+        killed = threading.Event()
 
-        def kill_once_streaming() -> None:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and not done.is_set():
-                if any(ex.received and not ex.raw for ex in h.exchanges):
-                    procs.signal_group(server.proc.pid, signal.SIGKILL)
-                    killed.set()
-                    return
-                time.sleep(0.05)
+        def kill_once_streaming(ex: Exchange) -> None:
+            # Sent from the hop's loop at the reply's first piece, before it is relayed.
+            if not killed.is_set():
+                procs.signal_group(server.proc.pid, signal.SIGKILL)
+                killed.set()
 
-        watcher = threading.Thread(target=kill_once_streaming, daemon=True)
-        watcher.start()
+        h = RecordingHop(server.url, tap=kill_once_streaming).start()
         # Long replies: the kill lands while SGLang is still sampling the first one.
         r = run_claude(
             tmp_path,
@@ -333,8 +328,6 @@ def test_sglang_killed_mid_turn_fails_the_turn_and_stores_it_as_error(
             "4000",
             env={"CLAUDE_CODE_MAX_RETRIES": "0"},  # one attempt: the engine stays dead
         )
-        done.set()
-        watcher.join(10)
         h.stop()
     finally:
         server.stop()  # the fixture's stop finds it gone

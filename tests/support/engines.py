@@ -290,6 +290,9 @@ class RecordingHop:
     paths: tuple[str, ...] = ("/generate",)
     exchanges: list[Exchange] = field(default_factory=list)
     url: str = ""
+    # Called in the hop's loop after each piece of a recorded reply arrives and before it is
+    # relayed: a test acts on the engine there (kills it mid-reply) with no polling lag.
+    tap: Callable[[Exchange], None] | None = None
 
     def start(self) -> RecordingHop:
         ready = threading.Event()
@@ -341,6 +344,8 @@ class RecordingHop:
                 raw.extend(chunk)
                 if ex is not None:
                     ex.received = len(raw)
+                    if self.tap is not None:
+                        self.tap(ex)
                 if downstream:
                     try:
                         await resp.write(chunk)
