@@ -19,7 +19,9 @@ from polar_mitm.backends.engine_api import (
     GenerateState,
     ModelInfo,
     NoWorkers,
+    params_json,
     positive,
+    reply_json,
     shared_params,
     status_error,
     unreadable,
@@ -63,7 +65,7 @@ def body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
             b'{"input_ids":[',
             ids,
             b'],"sampling_params":',
-            json.dumps(params).encode(),
+            params_json(params),
             b',"return_logprob":true,"stream":',
             b"true}" if stream else b"false}",
         )
@@ -74,7 +76,7 @@ def fold(state: GenerateState, payload: bytes) -> str:
     """Fold one /generate output (a streamed chunk, or the whole reply) into `state`; returns the
     text it adds."""
     try:
-        obj = json.loads(payload)
+        obj = reply_json(payload)
         meta = obj.get("meta_info") or {}
         if "error" in obj and "text" not in obj:
             err = obj["error"]

@@ -21,7 +21,9 @@ from polar_mitm.backends.engine_api import (
     Fetch,
     GenerateState,
     ModelInfo,
+    params_json,
     positive,
+    reply_json,
     shared_params,
     status_error,
     unreadable,
@@ -54,7 +56,7 @@ def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
 
 def body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
     """The /v1/completions request body around already serialized prompt ids."""
-    extra = json.dumps({**params, "stream": stream}).encode()
+    extra = params_json({**params, "stream": stream})
     return b'{"prompt":[' + ids + b"]," + extra[1:]
 
 
@@ -119,7 +121,7 @@ def fold(state: GenerateState, payload: bytes) -> str:
     returns the text it adds. A chunk with no choices (the usage one) adds only the usage."""
     text, ids, lps = "", [], []
     try:
-        obj = json.loads(payload)
+        obj = reply_json(payload)
         raise_error(obj)
         usage = obj.get("usage") or {}
         choices = obj.get("choices") or []

@@ -19,7 +19,6 @@ generated here to see that the endpoint answers (and with which weight version).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from polar_mitm.backends import vllm
@@ -28,6 +27,8 @@ from polar_mitm.backends.engine_api import (
     Fetch,
     GenerateState,
     ModelInfo,
+    params_json,
+    reply_json,
     shared_params,
     span_version,
     status_error,
@@ -62,7 +63,7 @@ def body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
             b'{"token_ids":[',
             ids,
             b'],"sampling_params":',
-            json.dumps(params).encode(),
+            params_json(params),
             b',"output_mode":"text","stream":',
             b'true,"stream_options":{"include_usage":true}}' if stream else b"false}",
         )
@@ -75,7 +76,7 @@ def fold(state: GenerateState, payload: bytes) -> str:
     one with weight version spans sets the turn's version."""
     text, ids, lps, version = "", [], [], None
     try:
-        obj = json.loads(payload)
+        obj = reply_json(payload)
         vllm.raise_error(obj)
         usage = obj.get("usage") or {}
         choices = obj.get("choices") or []
