@@ -56,6 +56,17 @@ class RepeatTolerantHeaders(HeadersParser):
     lines, so a line is a header), with `refusal` deciding on repeats instead of its own check."""
 
     def parse_headers(self, lines: list[bytes]) -> tuple[CIMultiDictProxy[str], Any]:
+        # No name twice (nearly every request): aiohttp's own parse in one call is this one.
+        names = set()
+        for line in lines:
+            if not line:
+                return super().parse_headers(lines)
+            name = line.split(b":", 1)[0].lower()
+            if name in names:
+                break
+            names.add(name)
+        else:
+            return super().parse_headers(lines)
         headers: CIMultiDict[str] = CIMultiDict()
         raw: list[tuple[bytes, bytes]] = []
         for line in lines:

@@ -14,8 +14,12 @@ import socket
 import ssl
 
 import pytest
+from aiohttp.http_exceptions import BadHttpMessage
+from hypothesis import given
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
 
-from polar_mitm.proxy.repeats import refusal
+from polar_mitm.proxy.repeats import RepeatTolerantHeaders, refusal
 from polar_mitm.store.reader import read_turns
 
 BODY = json.dumps(
@@ -114,3 +118,53 @@ def test_refusal_names_the_header_and_its_values():
     why = refusal("Host", ["api.anthropic.com", "evil.example"])
     assert why and "'api.anthropic.com'" in why and "'evil.example'" in why
     assert "ambiguous" in (refusal("content-length", ["3", "3"]) or "")
+
+
+def _parse(parser, lines: list[bytes]):
+    try:
+        headers, raw = parser(lines)
+    except Exception as e:  # noqa: BLE001 - the same refusal either way is what is compared
+        return type(e).__name__, str(e)
+    return list(headers.items()), raw
+
+
+_NAMES = st.sampled_from(
+    [
+        "Host",
+        "host",
+        "User-Agent",
+        "user-agent",
+        "Content-Type",
+        "Content-Length",
+        "X-A",
+        "x-a",
+        "Bad Name",
+        "",
+    ]
+)
+_VALUES = st.sampled_from(["a", "b", " spaced ", "12", "", "x\x01y", "é"])
+
+
+@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=8))
+def test_headers_read_in_one_pass_are_read_as_line_by_line(pairs):
+    """The one-call parse (no name twice) gives what reading each line alone gives, refusals
+    included; a request with a name twice takes the line-by-line path."""
+    lines = [f"{n}: {v}".encode() if n else f":{v}".encode() for n, v in pairs] + [b""]
+    parser = RepeatTolerantHeaders(8190, 128, 8190, False)
+    line_by_line = [*lines]  # one header a call: the slow path's own reading
+
+    def one_at_a_time(ls: list[bytes]):
+        headers = CIMultiDict()
+        raw: list = []
+        for line in ls:
+            if not line:
+                break
+            got, got_raw = parser.parse_headers([line, b""])
+            for k, v in got.items():
+                if k in headers and refusal(k, [*headers.getall(k), v]) is not None:
+                    raise BadHttpMessage(refusal(k, [*headers.getall(k), v]))
+                headers.add(k, v)
+            raw.extend(got_raw)
+        return CIMultiDictProxy(headers), tuple(raw)
+
+    assert _parse(parser.parse_headers, lines) == _parse(one_at_a_time, line_by_line)
