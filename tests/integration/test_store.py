@@ -166,6 +166,74 @@ async def test_two_writers_of_one_file_give_every_turn_its_own_seq(tmp_path):
         assert [i for _, i in rows if i.startswith(name)] == [f"{name}{i:02d}" for i in range(20)]
 
 
+async def test_a_turn_waiting_for_another_writers_lock_never_holds_the_event_loop(tmp_path, monkeypatch):
+    """Another process holds the write lock while a turn commits: the turn's commit waits in the
+    store's thread, not on the loop (the loop commits small turns itself when nothing stands in
+    its way), so other sessions' work goes on; the turn lands once the lock is let go. The other
+    writer lets go only when the loop has run on (a loop waiting for the lock itself would wait
+    for the whole busy timeout, a minute here, and the other writer would give up first)."""
+    import threading
+
+    from polar_mitm.store import writer
+
+    monkeypatch.setattr(writer, "_BUSY_MS", 60_000)
+    path = tmp_path / "locked.sqlite"
+    store = await Store.open(path)
+    await store.query("PRAGMA busy_timeout=60000")
+    await store.insert_turn(Turn(id="before", session_id="s", style="anthropic"))  # no lock: on the loop
+    holding, release = threading.Event(), threading.Event()
+    let_go_for_the_loop: list[bool] = []
+
+    def other_writer() -> None:
+        db = sqlite3.connect(path, isolation_level=None)
+        db.execute("BEGIN IMMEDIATE")
+        holding.set()
+        let_go_for_the_loop.append(release.wait(20))
+        db.execute("COMMIT")
+        db.close()
+
+    holder = threading.Thread(target=other_writer)
+    holder.start()
+    assert holding.wait(30)
+    try:
+        turn = asyncio.create_task(store.insert_turn(Turn(id="during", session_id="s", style="anthropic")))
+        for _ in range(20):  # the loop's other work while the turn waits
+            await asyncio.sleep(0.01)
+        pending = not turn.done()
+        release.set()
+        await turn
+    finally:
+        release.set()
+        holder.join(30)
+        await store.close()
+    assert let_go_for_the_loop == [True] and pending
+    rows = sqlite3.connect(path).execute("SELECT id FROM turns ORDER BY seq").fetchall()
+    assert rows == [("before",), ("during",)]
+
+
+async def test_the_wal_is_checkpointed_in_the_stores_thread_not_on_commit(tmp_path):
+    """Commits (the loop's included) never checkpoint; every CHECKPOINT_BYTES written, the
+    store's thread does, so the WAL stays bounded."""
+    path = tmp_path / "wal.sqlite"
+    store = await Store.open(path)
+    store.CHECKPOINT_BYTES = 256 * 1024
+    big = "x" * 30_000  # plain text: what the store compresses is written much smaller
+    try:
+        assert (await store.query("PRAGMA wal_autocheckpoint"))[0][0] == 0
+        for i in range(40):
+            await store.insert_turn(
+                Turn(id=f"t{i}", session_id="s", style="anthropic", response=big + str(i))
+            )
+        await store.query("SELECT 1")  # after the thread's queued checkpoint
+        wal = (tmp_path / "wal.sqlite-wal").stat().st_size
+    finally:
+        await store.close()
+    # ~1.2 MB written: a WAL never checkpointed would hold all of it; checkpointed every 256 KB,
+    # SQLite starts it over from the top and it stays near that.
+    assert 256 * 1024 < wal < 600 * 1024, wal
+    assert sqlite3.connect(path).execute("SELECT count(*) FROM turns").fetchone()[0] == 40
+
+
 @pytest.mark.parametrize(
     "name", ["Authorization", "x-api-key", "X-Goog-Api-Key", "Cookie", "Proxy-Authorization", "api-key"]
 )
