@@ -79,23 +79,37 @@ class SideCall(BaseModel):
     max_tokens_at_most: int | None = None
 
     def matches(self, req: ChatRequest, path: str, text: CallText | None = None) -> bool:
-        text = text or CallText(req)
-        checks = []
+        """Every condition given holds (the cheap ones asked first; the first that fails ends it),
+        and one at least is given."""
+        given = False
         if self.has_tools is not None:
-            checks.append(bool(req.tools) == self.has_tools)
+            if bool(req.tools) != self.has_tools:
+                return False
+            given = True
         if self.max_tokens_at_most is not None:
             limit = req.sampling.max_tokens
-            checks.append(limit is not None and limit <= self.max_tokens_at_most)
-        if self.system_contains is not None:
-            checks.append(text.system_contains(self.system_contains))
+            if limit is None or limit > self.max_tokens_at_most:
+                return False
+            given = True
+        if self.has_schema is not None:
+            if (req.sampling.json_schema is not None) != self.has_schema:
+                return False
+            given = True
+        if self.path_contains is not None:
+            if self.path_contains not in path:
+                return False
+            given = True
+        text = text or CallText(req)
         if self.user_contains is not None:
             last = text.last_user
-            checks.append(last is not None and self.user_contains in last)
-        if self.path_contains is not None:
-            checks.append(self.path_contains in path)
-        if self.has_schema is not None:
-            checks.append((req.sampling.json_schema is not None) == self.has_schema)
-        return bool(checks) and all(checks)
+            if last is None or self.user_contains not in last:
+                return False
+            given = True
+        if self.system_contains is not None:
+            if not text.system_contains(self.system_contains):
+                return False
+            given = True
+        return given
 
 
 class Recognize(BaseModel):

@@ -2,6 +2,8 @@
 second trajectory): the request bodies are cut down from real captures."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from multidict import MultiDict
 
 from polar_mitm import recipes
@@ -172,3 +174,54 @@ def test_an_untagged_call_shaped_like_a_side_call_shows_its_signs():
     # A main turn that only changed model (a user's /model) is one sign: not flagged.
     other = anthropic.parse_request(dict(CC_MAIN, model="claude-opus-4-5"))
     assert not recipes.looks_like_side_call(tagger.signs(other, "s1"))
+
+
+_WORDS = st.sampled_from(["title", "summar", "diff", "x", "commit"])
+
+
+@given(
+    rule=st.fixed_dictionaries(
+        {},
+        optional={
+            "system_contains": _WORDS,
+            "user_contains": _WORDS,
+            "path_contains": st.sampled_from(["/v1/messages", "count", "/v1"]),
+            "has_schema": st.booleans(),
+            "has_tools": st.booleans(),
+            "max_tokens_at_most": st.integers(0, 100),
+        },
+    ),
+    system=st.lists(_WORDS, max_size=2),
+    users=st.lists(_WORDS, max_size=2),
+    tools=st.booleans(),
+    schema=st.booleans(),
+    max_tokens=st.none() | st.integers(0, 200),
+    path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens", "/v1/chat"]),
+)
+def test_a_rule_matches_when_every_condition_it_gives_holds(
+    rule, system, users, tools, schema, max_tokens, path
+):
+    """The short-circuit reading of a rule is the plain one: all its conditions, one at least."""
+    from polar_mitm.neutral import ChatRequest, Message, Sampling, Tool
+
+    req = ChatRequest(
+        style="anthropic",
+        messages=[Message(role="system", content=t) for t in system]
+        + [Message(role="user", content=t) for t in users],
+        tools=[Tool(name="t", description="", parameters={})] if tools else [],
+        sampling=Sampling(max_tokens=max_tokens, json_schema={"type": "object"} if schema else None),
+    )
+    conds = []
+    if "has_tools" in rule:
+        conds.append(tools == rule["has_tools"])
+    if "max_tokens_at_most" in rule:
+        conds.append(max_tokens is not None and max_tokens <= rule["max_tokens_at_most"])
+    if "system_contains" in rule:
+        conds.append(rule["system_contains"] in "\n".join(system))
+    if "user_contains" in rule:
+        conds.append(bool(users) and rule["user_contains"] in users[-1])
+    if "path_contains" in rule:
+        conds.append(rule["path_contains"] in path)
+    if "has_schema" in rule:
+        conds.append(schema == rule["has_schema"])
+    assert recipes.SideCall(tag="t", **rule).matches(req, path) == (bool(conds) and all(conds))
