@@ -382,10 +382,12 @@ async def test_live_page_relays_the_service_events_over_one_connection(view, tmp
             m.Event(kind="sample", task_id="tk", index=0, state="finished", data={"status": "completed"})
         )
         for tab in tabs:
-            seen = ""
-            while '"state": "finished"' not in seen:
-                seen += (await asyncio.wait_for(tab.content.readline(), 5)).decode()
-            assert '"task_id": "tk"' in seen
+            seen: list[dict] = []
+            while not any(e.get("state") == "finished" for e in seen):
+                line = (await asyncio.wait_for(tab.content.readline(), 5)).decode()
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[len("data: ") :]))
+            assert [e["task_id"] for e in seen if e.get("state") == "finished"] == ["tk"]
         bad = await view(server=server.url, service_token="wrong")
         r = await bad.get("/live")
         assert r.status == 502 and "did not answer" in await r.text()
