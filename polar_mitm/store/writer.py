@@ -167,9 +167,23 @@ class Store:
         await self._run(self._write, statements)
         self._committed(_size(statements))
 
-    def _write(self, statements: Sequence[Statement]) -> None:
+    def _write(self, statements: Sequence[Statement], *, wait: bool = True) -> bool:
+        """The transaction. The write lock first: waiting for other writers, or with `wait`
+        False (the loop's commit) not at all: then False, with nothing written, when another
+        connection holds it."""
         conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")  # the write lock first, waiting for other writers
+        if wait:
+            conn.execute("BEGIN IMMEDIATE")
+        else:
+            conn.execute("PRAGMA busy_timeout=0")
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                if e.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                    return False
+                raise
+            finally:
+                conn.execute(f"PRAGMA busy_timeout={_BUSY_MS}")
         try:
             for sql, params in statements:
                 conn.execute(sql, params)
@@ -177,6 +191,7 @@ class Store:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
+        return True
 
     async def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         """The rows of one query."""
@@ -277,7 +292,7 @@ class Store:
         statements.append((_INSERT_TURN, values))
         if self._sent == self._done and (stored is None or len(stored) <= self.INLINE_CHARS):
             self._compress(values, stored, zdict)
-            if not self._write_now(statements):
+            if not self._write(statements, wait=False):
                 await self._run(self._write, statements)
         else:
             await self._run(self._write_turn, statements, values, stored, zdict)
@@ -328,28 +343,6 @@ class Store:
             values[_REQUEST_COL if values[_REF_COL] is None else _DELTA_COL] = frame
             values[_ZSTD_COL] = 1
             values[_DICT_COL] = zdict[0] if zdict else None
-
-    def _write_now(self, statements: Sequence[Statement]) -> bool:
-        """The transaction on the loop's thread (the store's thread idle), without waiting for
-        the write lock: False, with nothing written, when another connection holds it."""
-        conn = self._conn
-        conn.execute("PRAGMA busy_timeout=0")
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as e:
-            if e.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-                return False
-            raise
-        finally:
-            conn.execute(f"PRAGMA busy_timeout={_BUSY_MS}")
-        try:
-            for sql, params in statements:
-                conn.execute(sql, params)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return True
 
     def _keep_dict(self, session_id: str, turn_id: str, text: str) -> None:
         """The session's dictionary from now on: this turn's request (bounded in total, least
