@@ -57,14 +57,14 @@ class RepeatTolerantHeaders(HeadersParser):
 
     def parse_headers(self, lines: list[bytes]) -> tuple[CIMultiDictProxy[str], Any]:
         # No name twice (nearly every request): aiohttp's own parse in one call is this one.
-        names = set()
+        names: set[bytes] = set()
         for line in lines:
             if not line:
                 return super().parse_headers(lines)
-            name = line.split(b":", 1)[0].lower()
-            if name in names:
+            key = line.split(b":", 1)[0].lower()
+            if key in names:
                 break
-            names.add(name)
+            names.add(key)
         else:
             return super().parse_headers(lines)
         headers: CIMultiDict[str] = CIMultiDict()
