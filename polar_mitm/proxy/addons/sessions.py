@@ -83,35 +83,33 @@ class Sessions:
         belongs to, or None when it is refused (as `http_connect` decides, for a connection the
         gateway takes before mitmproxy sees it)."""
         creds = credentials(authorization)
-        if not self._allowed(creds):
-            return None
+        return self._session(creds) if self._allowed(creds) else None
+
+    def _session(self, creds: tuple[str, str] | None) -> str:
         return (creds[0] if creds else None) or self.default_session
 
-    def http_connect(self, flow: http.HTTPFlow) -> None:
+    def _place(self, flow: http.HTTPFlow, authorization: str | None) -> None:
+        """The flow's session: its connection's once known (inside a tunnel, a later request of
+        the same connection), else the one its credentials admit, kept for the connection; the
+        407 when they are refused (a plain request, a tunnel, or a request in a refused one)."""
         known = self.by_client.get(flow.client_conn.id)
         if known is not None:
             flow.metadata["polar_session"] = known
             return
-        creds = credentials(flow.request.headers.get("proxy-authorization"))
+        creds = credentials(authorization)
         if not self._allowed(creds):
             _refuse(flow)
             return
         if creds:
             self.by_client[flow.client_conn.id] = creds[0]
-        flow.metadata["polar_session"] = (creds[0] if creds else None) or self.default_session
+        flow.metadata["polar_session"] = self._session(creds)
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        self._place(flow, flow.request.headers.get("proxy-authorization"))
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        creds = credentials(flow.request.headers.pop("proxy-authorization", None))
-        known = self.by_client.get(flow.client_conn.id)
-        if known is not None:  # inside a tunnel, or a later request of the same connection
-            flow.metadata["polar_session"] = known
-            return
-        if not self._allowed(creds):  # a plain request, or a tunnel we refused
-            _refuse(flow)
-            return
-        if creds:
-            self.by_client[flow.client_conn.id] = creds[0]
-        flow.metadata["polar_session"] = (creds[0] if creds else None) or self.default_session
+        # The credentials never go further than the proxy.
+        self._place(flow, flow.request.headers.pop("proxy-authorization", None))
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.by_client.pop(client.id, None)
