@@ -181,27 +181,6 @@ def ids_json(ids: list[int]) -> bytes:
         return json.dumps(list(ids), separators=(",", ":"))[1:-1].encode()
 
 
-def reply_json(payload: bytes) -> Any:
-    """One engine output (a streamed chunk, or a whole reply) as JSON. orjson reads it first (the
-    engine client reads a chunk per token or two; `json` was most of a short turn's reading);
-    its floats are the correctly rounded doubles `json` reads, so a logprob is the same number
-    bit for bit. What orjson refuses (the NaN and Infinity Python's `json` writes, malformed text)
-    is read by `json`, which says what is wrong."""
-    try:
-        return orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return json.loads(payload)
-
-
-def params_json(params: dict[str, Any]) -> bytes:
-    """Sampling parameters as JSON text, by orjson where it writes them (`json` otherwise: an int
-    past 64 bits, a key that is not a string)."""
-    try:
-        return orjson.dumps(params)
-    except TypeError:  # orjson.JSONEncodeError is one
-        return json.dumps(params).encode()
-
-
 def shared_params(s: Sampling) -> dict[str, Any]:
     """The sampling settings SGLang and vLLM spell alike: temperature, top_p, top_k, stop."""
     out: dict[str, Any] = {}

@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from polar_mitm import jsontext
 from polar_mitm.backends import logprobs
 from polar_mitm.backends.engine_api import (
     Fetch,
     GenerateState,
     ModelInfo,
     NoWorkers,
-    params_json,
     positive,
-    reply_json,
     shared_params,
     status_error,
     unreadable,
@@ -65,7 +64,7 @@ def body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
             b'{"input_ids":[',
             ids,
             b'],"sampling_params":',
-            params_json(params),
+            jsontext.dumps(params),
             b',"return_logprob":true,"stream":',
             b"true}" if stream else b"false}",
         )
@@ -76,7 +75,7 @@ def fold(state: GenerateState, payload: bytes) -> str:
     """Fold one /generate output (a streamed chunk, or the whole reply) into `state`; returns the
     text it adds."""
     try:
-        obj = reply_json(payload)
+        obj = jsontext.loads(payload)
         meta = obj.get("meta_info") or {}
         if "error" in obj and "text" not in obj:
             err = obj["error"]

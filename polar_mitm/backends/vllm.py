@@ -16,14 +16,13 @@ import json
 import os
 from typing import Any
 
+from polar_mitm import jsontext
 from polar_mitm.backends import logprobs
 from polar_mitm.backends.engine_api import (
     Fetch,
     GenerateState,
     ModelInfo,
-    params_json,
     positive,
-    reply_json,
     shared_params,
     status_error,
     unreadable,
@@ -56,7 +55,7 @@ def sampling_params(s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
 
 def body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
     """The /v1/completions request body around already serialized prompt ids."""
-    extra = params_json({**params, "stream": stream})
+    extra = jsontext.dumps({**params, "stream": stream})
     return b'{"prompt":[' + ids + b"]," + extra[1:]
 
 
@@ -121,7 +120,7 @@ def fold(state: GenerateState, payload: bytes) -> str:
     returns the text it adds. A chunk with no choices (the usage one) adds only the usage."""
     text, ids, lps = "", [], []
     try:
-        obj = reply_json(payload)
+        obj = jsontext.loads(payload)
         raise_error(obj)
         usage = obj.get("usage") or {}
         choices = obj.get("choices") or []

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from polar_mitm import jsontext
 from polar_mitm.backends import vllm
 from polar_mitm.backends.engine_api import (
     VLLM_SCALE_OUT,
     Fetch,
     GenerateState,
     ModelInfo,
-    params_json,
-    reply_json,
     shared_params,
     span_version,
     status_error,
@@ -63,7 +62,7 @@ def body(ids: bytes, params: dict[str, Any], stream: bool) -> bytes:
             b'{"token_ids":[',
             ids,
             b'],"sampling_params":',
-            params_json(params),
+            jsontext.dumps(params),
             b',"output_mode":"text","stream":',
             b'true,"stream_options":{"include_usage":true}}' if stream else b"false}",
         )
@@ -76,7 +75,7 @@ def fold(state: GenerateState, payload: bytes) -> str:
     one with weight version spans sets the turn's version."""
     text, ids, lps, version = "", [], [], None
     try:
-        obj = reply_json(payload)
+        obj = jsontext.loads(payload)
         vllm.raise_error(obj)
         usage = obj.get("usage") or {}
         choices = obj.get("choices") or []

@@ -9,17 +9,15 @@ alone. Nothing here knows a route's meaning: the route table (`server.py`) says 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from polar_mitm import api as m
-from polar_mitm import auth
+from polar_mitm import auth, jsontext
 from polar_mitm.providers import fields
 
 log = logging.getLogger("polar_mitm.service")
@@ -106,11 +104,7 @@ async def body_of(request: web.Request, model: type[BaseModel], cap: int) -> Any
 def json_body(data: Any, status: int = 200) -> web.Response:
     """A JSON answer written by orjson: a group's rows (millions of token ids) in milliseconds
     where `json` takes tenths of a second; `json` writes what orjson does not (huge integers)."""
-    try:
-        body = orjson.dumps(data)
-    except TypeError:
-        body = json.dumps(data).encode()
-    return web.Response(body=body, status=status, content_type="application/json")
+    return web.Response(body=jsontext.dumps(data), status=status, content_type="application/json")
 
 
 @web.middleware

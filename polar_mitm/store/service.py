@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from polar_mitm import jsontext
 from polar_mitm.store.connection import connect_wal, init_db
 from polar_mitm.store.requests import zstd
 
@@ -114,11 +113,7 @@ class NodeRow:
 def pack_rows(rows: list[dict[str, Any]]) -> bytes:
     """A sample's rows as the store keeps them: their JSON (orjson: 30x faster than `json` on a
     session's token lists, the same text for the values JSON holds) in a zstd frame."""
-    try:
-        text = orjson.dumps(rows)
-    except TypeError:  # what orjson does not write (an integer beyond 64 bits)
-        text = json.dumps(rows).encode()
-    return zstd.compress(text, ROWS_LEVEL)
+    return zstd.compress(jsontext.dumps(rows), ROWS_LEVEL)
 
 
 def unpack_rows(stored: str | bytes | None) -> list[dict[str, Any]]:
@@ -127,10 +122,7 @@ def unpack_rows(stored: str | bytes | None) -> list[dict[str, Any]]:
         return []
     if isinstance(stored, bytes):
         stored = zstd.decompress(stored)
-    try:
-        return orjson.loads(stored)
-    except orjson.JSONDecodeError:  # what orjson does not read (NaN, huge integers) `json` does
-        return json.loads(stored)
+    return jsontext.loads(stored)
 
 
 class ServiceStore:

@@ -1,4 +1,5 @@
-"""The engine client's JSON: what an engine sends reads as `json` reads it, logprobs bit for bit."""
+"""`jsontext`, the engine client's JSON among others: what an engine sends reads as `json` reads it,
+logprobs bit for bit."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from polar_mitm import jsontext
 from polar_mitm.backends import sglang
-from polar_mitm.backends.engine_api import GenerateState, params_json, reply_json
+from polar_mitm.backends.engine_api import GenerateState
 
 
 def bits(x: float) -> bytes:
@@ -22,7 +24,7 @@ def bits(x: float) -> bytes:
 def test_a_float_as_an_engine_writes_it_reads_as_the_same_double(x):
     for text in (repr(x), json.dumps(x), f"{x:.17g}", f"{x:.20e}"):
         payload = f'{{"v":[{text}]}}'.encode()
-        assert bits(reply_json(payload)["v"][0]) == bits(json.loads(payload)["v"][0]), text
+        assert bits(jsontext.loads(payload)["v"][0]) == bits(json.loads(payload)["v"][0]), text
 
 
 @given(
@@ -35,15 +37,15 @@ def test_a_long_decimal_reads_as_the_correctly_rounded_double(digits, width, exp
     # More digits than a double holds: the halfway cases are where a fast reader rounds wrong.
     text = f"{'-' if negative else ''}{str(digits).zfill(width)[:1]}.{str(digits).zfill(width)[1:] or '0'}e{exponent}"
     payload = f'{{"v":{text}}}'.encode()
-    assert bits(reply_json(payload)["v"]) == bits(float(text)), text
+    assert bits(jsontext.loads(payload)["v"]) == bits(float(text)), text
 
 
 def test_what_orjson_refuses_is_read_by_json():
     # Python's json writes a -inf logprob as -Infinity (an engine on Python's json may send it).
-    assert reply_json(b'{"v":[-Infinity,NaN,1e999]}')["v"][0] == -math.inf
-    assert math.isnan(reply_json(b'{"v":NaN}')["v"])
+    assert jsontext.loads(b'{"v":[-Infinity,NaN,1e999]}')["v"][0] == -math.inf
+    assert math.isnan(jsontext.loads(b'{"v":NaN}')["v"])
     with pytest.raises(ValueError):
-        reply_json(b'{"v":')
+        jsontext.loads(b'{"v":')
 
 
 def test_sglang_logprobs_fold_bit_for_bit():
@@ -66,7 +68,7 @@ def test_sglang_logprobs_fold_bit_for_bit():
     )
 )
 def test_params_read_back_as_they_were(params):
-    out = json.loads(params_json(params))
+    out = json.loads(jsontext.dumps(params))
     assert out.keys() == params.keys()
     for k, v in params.items():
         assert type(out[k]) is type(v) and (bits(out[k]) == bits(v) if isinstance(v, float) else out[k] == v)

@@ -26,6 +26,7 @@ FLOORS: list[set[str]] = [
         "retry",
         "netaddr",
         "cache",
+        "jsontext",
     },
     {"recipes", "store", "providers"},
     {"backends", "api"},
