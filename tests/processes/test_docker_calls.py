@@ -3,7 +3,8 @@ its calls once a container exists: its own (`DaemonCalls`, http.client on the da
 socket) and the SDK's (`SdkCalls`, for a daemon elsewhere). Both must say the same: an exec's
 output and exit code, a kill that restarts the container with its files, files copied in, read
 and exported (a missing one, one too large), the daemon's refusals
-(an exec in a paused container), the processes left behind, a seal, a halt and the removal."""
+(an exec in a paused container), the processes left behind, a seal, a halt and the removal.
+And a container whose forwarder cannot start: the start fails by name, nothing is left."""
 
 from __future__ import annotations
 
@@ -83,3 +84,54 @@ async def test_a_sandboxs_calls_say_the_same_through_either_transport(tmp_path, 
         await sb.stop()
     assert not await sb.alive()  # removed
     await sb.stop()  # once more: nothing to remove, no error
+
+
+async def test_a_forwarder_that_cannot_start_fails_the_start_by_name_and_leaves_no_container(
+    tmp_path, certs_dir
+):
+    """A verifier whose task lets it reach the internet gets a channel, whose forwarder runs on
+    the image's python3 (no node is mounted into a verifier unless given). In an image without
+    python3 the start fails, naming the image, and the container made for it is removed."""
+    from polar_mitm.proxy.certs import ensure_ca
+
+    rt = DockerRuntime()
+    try:
+        await rt.check()
+    except Exception as e:
+        pytest.skip(f"no Docker daemon: {e}")
+    tag = f"polar-mitm/test-no-python:{time.time_ns()}"
+    maker = await asyncio.to_thread(
+        lambda: rt.client.containers.run(IMAGE, ["sh", "-c", "rm -f /usr/bin/python3*"], detach=True)
+    )
+    try:
+        assert (await asyncio.to_thread(maker.wait))["StatusCode"] == 0
+        await asyncio.to_thread(lambda: maker.commit(*tag.split(":")))
+    finally:
+        await asyncio.to_thread(lambda: maker.remove(force=True))
+    try:
+        (tmp_path / "proxy.sock").touch()  # the channel's host end: only mounted here
+        spec = SandboxSpec(
+            name=f"polar-no-forwarder-{time.time_ns()}",
+            session_dir=tmp_path / "s",
+            ca=ensure_ca(certs_dir),
+            purpose="verifier",
+            channel=tmp_path / "proxy.sock",
+            labels={"polar-mitm.rollout": "calls-test"},
+        )
+        task = Task(id="noforward", instruction="x", image=tag, workdir="/app")
+        with pytest.raises(SandboxError, match=rf"task noforward: .*{tag}.*python3"):
+            await rt.start(task, spec)
+        left = await asyncio.to_thread(
+            lambda: rt.client.containers.list(all=True, filters={"name": spec.name})
+        )
+        assert left == []
+        # The same verifier on the image with python3 starts, its forwarder running.
+        ok = await rt.start(Task(id="forward", instruction="x", image=IMAGE, workdir="/app"), spec)
+        try:
+            assert await ok.alive()
+            top = await asyncio.to_thread(rt.calls.top, ok.container.id, "-o pid,args")
+            assert any("forward.py" in row[-1] for row in top["Processes"])
+        finally:
+            await ok.stop()
+    finally:
+        await asyncio.to_thread(lambda: rt.client.images.remove(tag, force=True))
