@@ -280,7 +280,7 @@ def run_tool_task(
 @contextmanager
 def _proxy(backend_url: str, tokenizer: Path, db: Path, certs: Path, *args: str, listen: str):
     """`polar-mitm proxy` in its own process; yields (proc, its stderr's Lines), and stops it with
-    SIGINT as a user's Ctrl-C would."""
+    SIGINT as a user's Ctrl-C would (killed after 30 s, and then the test fails)."""
     import signal
 
     proc = subprocess.Popen(
@@ -290,10 +290,11 @@ def _proxy(backend_url: str, tokenizer: Path, db: Path, certs: Path, *args: str,
     )  # fmt: skip
     try:
         yield proc, Lines(proc.stderr)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(30)
+    except BaseException:
+        procs.stop(proc, 30, sig=signal.SIGINT)  # killed past that: never left running
+        raise
+    code = procs.stop(proc, 30, sig=signal.SIGINT)
+    assert code != -signal.SIGKILL, "polar-mitm proxy did not stop within 30 s of its SIGINT"
 
 
 @contextmanager
