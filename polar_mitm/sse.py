@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+from polar_mitm import jsontext
 
 # (event name, data object) of one event that carries a JSON object.
 JsonEvent = tuple[str | None, dict[str, Any]]
@@ -21,17 +21,10 @@ JsonEvent = tuple[str | None, dict[str, Any]]
 
 def encode(data: dict[str, Any] | str, *, event: str | None = None, eol: str = "\n") -> bytes:
     """One event: an optional `event:` line, then the data (a JSON object on one line, or text).
-    orjson writes the object (compact, as the providers do; several events a turn); what it will
-    not write (an int past 64 bits, a lone surrogate, a key that is not a string) goes to `json`,
-    which writes it or says why not. NaN and infinities orjson writes as null: valid JSON where
-    `json` would write JavaScript."""
-    if isinstance(data, str):
-        text = data.encode()
-    else:
-        try:
-            text = orjson.dumps(data)
-        except TypeError:  # orjson.JSONEncodeError is one
-            text = json.dumps(data, ensure_ascii=False).encode()
+    The object is written by `jsontext.dumps` (orjson: compact, as the providers write it; several
+    events a turn), which writes NaN and infinities as null: valid JSON where `json` would write
+    JavaScript."""
+    text = data.encode() if isinstance(data, str) else jsontext.dumps(data)
     head = f"event: {event}{eol}".encode() if event is not None else b""
     sep = eol.encode()
     return b"".join((head, b"data: ", text, sep, sep))

@@ -60,6 +60,15 @@ def test_the_sse_writer_reads_back():
         assert sse.json_events(raw) == [("x", {"type": "x", "n": "é"})]
 
 
+def test_what_orjson_will_not_write_is_still_an_event_that_reads_back():
+    """An integer past 64 bits, a key that is not a string, a lone surrogate: written by `json`."""
+    data = {"n": 2**70, "t": "é\ud800", 1: "k"}
+    raw = sse.encode(data, event="x")
+    raw.decode()  # the bytes are UTF-8
+    assert sse.json_events(raw) == [("x", {"n": 2**70, "t": "é\ud800", "1": "k"})]
+    assert sse.json_events(sse.encode({"lp": float("nan")})) == [(None, {"lp": None})]
+
+
 def test_the_stream_reader_reads_what_parse_reads_whatever_the_chunking():
     """`sse.Reader` (the engine client's and the live viewer's) gives, chunk by chunk, the events
     `parse` gives for the whole body: cut anywhere, inside a line, a `\\n\\n`, or a UTF-8 character."""
