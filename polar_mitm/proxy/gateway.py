@@ -214,7 +214,7 @@ class Gateway:
         except ProviderError as e:
             log.warning("%s %s: %s", host, request.path, e.message)
             return self._error(style, e)
-        except ConnectionError:  # the harness went away: nobody to answer (`_stream` said so)
+        except ConnectionError:  # the harness went away before its stream began: nobody to answer
             raise
         except Exception as e:  # a bug of ours: still an answer the harness's SDK understands
             return self._error(style, call.internal_error(e))
@@ -460,9 +460,12 @@ class Gateway:
             except Exception as e:  # a bug of ours, after the stream began: end it as the API would
                 await resp.write(style.render_stream_error(call.internal_error(e)))
             await resp.write_eof()
-        except (ConnectionResetError, ConnectionError, asyncio.CancelledError) as e:
+        except (ConnectionError, asyncio.CancelledError) as e:
             log.info("harness went away mid-stream (%s); turn recorded as aborted", e.__class__.__name__)
-            raise
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            # The response, not the error: aiohttp ends a response to a client that is gone
+            # quietly, where an error raised from the handler is logged with its traceback.
         finally:
             # Shielded: closing the policy's stream records an unfinished turn, even when cancelled.
             await asyncio.shield(self._close(rendered, events))

@@ -6,6 +6,7 @@ A real HTTPS client talks to "api.anthropic.com" through the proxy, trusting onl
 import asyncio
 import glob
 import json
+import logging
 import sqlite3
 
 import httpx
@@ -198,7 +199,8 @@ LONG = [{"match": "", "text": " ".join(f"word{i}" for i in range(300))}]
 
 
 @pytest.mark.slow
-async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack):
+async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack, caplog):
+    """The harness gone is told in one info line, not aiohttp's error with a traceback."""
     # Streamed from SGLang's default cumulative chunks (by default the policy asks for whole replies).
     stack = await make_stack(
         backend={"token_delay": 0.01, "script": LONG}, policy={"backend_stream": "stream"}
@@ -218,6 +220,8 @@ async def test_harness_disconnect_mid_stream_records_an_aborted_turn(make_stack)
     )
     [(status, n)] = rows
     assert status == "aborted"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors
     [turn] = list(read_turns(stack.db, include_text_only=True))
     full = await backend_generate(stack, turn.prompt_ids, {"max_new_tokens": 512})
     assert 0 < n < len(full["output_ids"])
