@@ -78,6 +78,20 @@ WORKER_FLAGS = {
     "ready_size": Flag("Warm sandboxes kept ready.", default="--run-workers"),
 }
 worker_options = model_options(RolloutOptions, WORKER_FLAGS, WORKER_FIELDS)
+# How a verdict becomes the trainer's number: RolloutOptions' fields too.
+VERDICT_FIELDS = ("reward_key", "mask_egress_refused")
+VERDICT_FLAGS = {
+    "reward_key": Flag(
+        "The number a trainer gets from a multi-key reward.json: one of its keys, or mean, min or "
+        "max of them all, where the task names none (every key is kept in reward_detail).",
+        default="'reward', else the only key, else mean",
+    ),
+    "mask_egress_refused": Flag(
+        "Fail (mask) a sample whose verifier had network requests refused, instead of training on "
+        "the 0 its tests wrote; the refused hosts are in reward_detail.egress_refused either way."
+    ),
+}
+verdict_options = model_options(RolloutOptions, VERDICT_FLAGS, VERDICT_FIELDS)
 
 
 @click.command()
@@ -97,12 +111,22 @@ worker_options = model_options(RolloutOptions, WORKER_FLAGS, WORKER_FIELDS)
     help="The advantage column: std = (r - mean) / std; loo = r - mean of the others.",
 )
 @worker_options
+@verdict_options
 @click.option(
     "--env",
     "extra_env",
     multiple=True,
     metavar="KEY=VALUE",
     help="Extra environment for every harness (repeatable).",
+)
+@click.option(
+    "--egress-allow",
+    "egress_allow",
+    multiple=True,
+    metavar="HOST[,HOST...]",
+    help="Hosts (names, or *.suffix) every sandbox, agent and verifier, may reach even where they "
+    "resolve to a private or reserved address: a package mirror on your network. Nothing else is "
+    "widened; loopback stays refused. Repeatable.",
 )
 @click.option(
     "--keep-workdirs", is_flag=True, help="Keep each sample's host directory (logs, HOME) after it ends."
@@ -130,6 +154,7 @@ def rollout(
     agent_timeout,
     total_timeout,
     extra_env,
+    egress_allow,
     keep_workdirs,
     harness_user,
     **policy,
@@ -191,6 +216,7 @@ def rollout(
         keep_workdirs=keep_workdirs,
         harness_user=None if harness_user in ("root", "0", "0:0") else harness_user,
         **given(policy, WORKER_FIELDS),  # the pipeline's sizes, out of the policy's options
+        **given(policy, VERDICT_FIELDS),
     )
     rt = make_runtime(runtime)
     if runtime == "apptainer":  # an image's one-time conversion, and how long it took, shows in the progress
@@ -205,6 +231,7 @@ def rollout(
             default_session="rollout-unattributed",
             token=new_token(),
             recipe=harness,
+            egress_allow=[h for item in egress_allow for h in item.split(",") if h.strip()],
             policy=make_policy_config(**policy),
             own_process=True,  # this process is the rollout: see long_lived_heap
         )

@@ -62,6 +62,9 @@ class ProxyConfig(BaseModel):
     # The proxy is what this process is for (the CLI's proxy, run, rollout and node, a worker):
     # once it listens, `long_lived_heap` (never in a process that embeds it among other things).
     own_process: bool = False
+    # Hosts a sandbox may reach even where they resolve to a private or reserved address (an
+    # operator's package mirror), by name or `*.suffix` (--egress-allow); never loopback.
+    egress_allow: list[str] = Field(default_factory=list)
 
 
 # Allocations between two collections of the youngest generation (Python's default: 700).
@@ -303,6 +306,7 @@ class PolarProxy:
         """Policy mode: the gateway answers model calls (`PolicySide`)."""
         assert self.ca is not None and self.store is not None
         side = PolicySide(sessions, self.tls, self.config.default_session, self.routes)
+        side.egress.widen(self.config.egress_allow)
         self.side, self.handoff, self.egress = side, side.handoff, side.egress
         await side.start(self.config, self.store, self.ca.dir)
         self.policy, self.gateway = side.policy, side.gateway

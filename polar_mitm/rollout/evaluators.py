@@ -16,6 +16,8 @@ infrastructure failure, never as reward 0.
 from __future__ import annotations
 
 import json
+import math
+import os
 import posixpath
 import re
 import shlex
@@ -25,13 +27,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from polar_mitm.rollout import verdict
-from polar_mitm.sandbox.base import Sandbox
+from polar_mitm.sandbox.base import READ_LIMIT, Sandbox, Unreadable
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 DETAIL_TAIL = 4000  # characters of verifier output kept in the detail
 HARBOR_TESTS = "/tests"
 HARBOR_REWARD_DIR = "/logs/verifier"
-HARBOR_REWARD_FILES = ("reward.txt", "reward.json")  # Harbor's own order, when both count
+HARBOR_REWARD_FILES = ("reward.txt", "reward.json")
 
 
 @dataclass
@@ -50,29 +52,71 @@ class EvaluatorError(RuntimeError):
     """The evaluator could not run (not: the sample failed its tests)."""
 
 
-def parse_reward(raw: bytes | str, source: str) -> float:
-    """A reward file's value: a bare float, or JSON (`{"reward": x}`, or a single-entry object)."""
+class RewardFileError(ValueError):
+    """A reward file the verifier's run left that gives no reward: empty, not a number, not an
+    object of finite numbers. A result (0, suspect), never an infrastructure failure."""
+
+
+def parse_rewards(raw: bytes | str, name: str) -> dict[str, float]:
+    """A reward file's rewards, read as Harbor reads them: reward.txt holds one finite number
+    (`{"reward": x}`); reward.json an object of finite numbers, every key kept (a bare number is
+    `{"reward": x}`). Empty, non-numeric or non-finite: RewardFileError."""
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    text = text.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
+    if not text.strip():
+        raise RewardFileError(f"{name} is empty")
+    if not name.endswith(".json"):
+        try:
+            value = float(text)
+        except ValueError:
+            raise RewardFileError(f"{name}: not a number: {text[:80]!r}") from None
+        if not math.isfinite(value):
+            raise RewardFileError(f"{name}: not a finite number: {text[:80]!r}")
+        return {"reward": value}
     try:
         data = json.loads(text)
     except ValueError:
-        raise EvaluatorError(
-            f"{source}: expected a number or JSON with a 'reward', got {text[:80]!r}"
-        ) from None
+        raise RewardFileError(f"{name}: not JSON: {text[:80]!r}") from None
     if isinstance(data, (int, float)) and not isinstance(data, bool):
-        return float(data)
-    if isinstance(data, dict):
-        if isinstance(data.get("reward"), (int, float)):
-            return float(data["reward"])
-        values = [v for v in data.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if len(values) == 1:
-            return float(values[0])
-    raise EvaluatorError(f"{source}: expected a number or JSON with a 'reward', got {text[:80]!r}")
+        data = {"reward": data}
+    if not isinstance(data, dict) or not data:
+        raise RewardFileError(f"{name}: expected an object of numbers, got {text[:80]!r}")
+    out: dict[str, float] = {}
+    for key, value in data.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RewardFileError(f"{name}: {str(key)[:40]!r} is not a finite number: {str(value)[:40]!r}")
+        out[str(key)] = float(value)
+    return out
+
+
+AGGREGATES = ("mean", "min", "max")
+
+
+def reward_of(rewards: dict[str, float], key: str | None) -> tuple[float, str]:
+    """The one number a trainer gets from a verifier's rewards, and the rule that chose it.
+    `key`: a key of the rewards, or an aggregate of them all (`mean`, `min`, `max`); None:
+    `reward` where it is there, else the only value, else the mean (Harbor keeps every key and
+    leaves the choice to its metrics)."""
+    if key is None:
+        if "reward" in rewards:
+            return rewards["reward"], "the 'reward' key"
+        if len(rewards) == 1:
+            [(only, value)] = rewards.items()
+            return value, f"the only key, {only!r}"
+        key = "mean"
+    if key in AGGREGATES:
+        values = list(rewards.values())
+        agg = {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}[key]
+        return agg, f"the {key} of {len(values)} keys"
+    if key not in rewards:
+        raise RewardFileError(
+            f"the rewards have no {key!r} (the reward key asked for): {sorted(rewards)[:10]}"
+        )
+    return rewards[key], f"the {key!r} key (asked for)"
+
+
+def parse_reward(raw: bytes | str, source: str) -> float:
+    """A reward file's one number (`parse_rewards`, then `reward_of` without a key)."""
+    return reward_of(parse_rewards(raw, source), None)[0]
 
 
 async def _shell(sandbox: Sandbox, line: str, spec: EvaluatorSpec, task: Task):
@@ -81,7 +125,9 @@ async def _shell(sandbox: Sandbox, line: str, spec: EvaluatorSpec, task: Task):
     )
 
 
-async def session_completed(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score:
+async def session_completed(
+    task: Task, sandbox: Sandbox, outcome: HarnessOutcome, setup: verdict.Setup | None = None
+) -> Score:
     """Not a verifier: 1.0 when the harness exited 0 within its time, whatever it did.
 
     The agent decides this reward by how it exits; use it for harvesting sessions or smoke tests,
@@ -99,11 +145,45 @@ async def session_completed(task: Task, sandbox: Sandbox, outcome: HarnessOutcom
     )
 
 
-async def command(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score:
-    """`command` run in the workdir; 1.0 when it exits 0, or the value of `reward_file`.
+async def read_reward_file(sandbox: Sandbox, path: str, detail: dict[str, Any]) -> bytes | None:
+    """A reward file, read strictly (`Sandbox.read`: a regular file of at most READ_LIMIT
+    bytes); None, with why in `detail["reward_file_error"]`, when it is not there or not that."""
+    try:
+        raw = await sandbox.read(path, READ_LIMIT)
+    except Unreadable as e:
+        detail["reward_file_error"] = str(e)
+        return None
+    if raw is None:
+        detail["reward_file_error"] = f"{path} was not written"
+    return raw
+
+
+def rewards_from(raw: bytes | None, name: str, key: str | None, detail: dict[str, Any]) -> float | None:
+    """The reward in a reward file's bytes (None: none, with why in the detail); every key of
+    the file kept in `detail["rewards"]`."""
+    if raw is None:
+        return None
+    detail["reward_file"] = raw.decode("utf-8", "replace")[:1000]
+    try:
+        rewards = parse_rewards(raw, name)
+        value, rule = reward_of(rewards, key)
+    except RewardFileError as e:
+        detail["reward_file_error"] = str(e)
+        return None
+    detail["rewards"] = rewards
+    detail["reward_rule"] = rule
+    return value
+
+
+async def command(
+    task: Task, sandbox: Sandbox, outcome: HarnessOutcome, setup: verdict.Setup | None = None
+) -> Score:
+    """`command` run in the workdir; 1.0 when it exits 0, or the value of `reward_file`, which
+    counts only when the command exits 0 within its time.
 
     The reward file (relative to the workdir, or absolute) is removed before the command runs, so
     only what the command itself writes counts, never a file the agent left among its artefacts.
+    A reward file the run left missing, unreadable or unparseable scores 0, as suspect.
     """
     spec = task.evaluator
     assert spec.command is not None
@@ -112,35 +192,43 @@ async def command(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Scor
         rm = await sandbox.exec(["rm", "-rf", "--", reward_path], workdir="/")
         if rm.exit_code != 0:
             raise EvaluatorError(f"task {task.id}: cannot clear {reward_path}: {rm.output[-300:]}")
-    r, left = await _supervised(task, sandbox, ["sh", "-c", spec.command])
+    r, left = await _supervised(task, sandbox, ["sh", "-c", spec.command], setup=setup)
     detail: dict[str, Any] = {
         "exit_code": r.exit_code,
         "timed_out": r.timed_out,
         "output": r.output[-DETAIL_TAIL:],
     }
-    reward = 1.0 if r.exit_code == 0 else 0.0
+    ok = r.exit_code == 0 and not r.timed_out
+    reward = 1.0 if ok else 0.0
+    problems = []
+    if r.timed_out:
+        problems.append(f"the verifier ran past its {spec.timeout_sec:g} s and was killed")
     if reward_path is not None:
-        raw = await sandbox.read(reward_path)
-        detail["reward_file"] = None if raw is None else raw.decode("utf-8", "replace")[:1000]
-        reward = 0.0 if raw is None else _reward_of(raw, spec.reward_file or reward_path, left, detail)
-    reward = await verdict.judge(reward, detail, task=task, sandbox=sandbox, output=r.output, left=left)
+        raw = await read_reward_file(sandbox, reward_path, detail)
+        value = rewards_from(raw, posixpath.basename(reward_path), spec.reward_key, detail)
+        if value is not None:
+            detail["reported_reward"] = value
+        if not ok:
+            reward = 0.0  # the reward file counts only from a run that ended well
+        elif value is None:
+            reward = 0.0
+            problems.append(detail.get("reward_file_error") or "no reward")
+        else:
+            reward = value
+    reward = await verdict.judge(
+        reward, detail, task=task, sandbox=sandbox, output=r.output, left=left, setup=setup, problems=problems
+    )
     return Score(reward, detail)
 
 
-def _reward_of(raw: bytes, source: str, left: list, detail: dict[str, Any]) -> float:
-    """The reward file's value; 0 when it cannot be read and the tests left processes behind (one
-    of them was writing it: the verdict is suspect anyway), an EvaluatorError otherwise."""
-    try:
-        return parse_reward(raw, source)
-    except EvaluatorError as e:
-        if not left:
-            raise
-        detail["reward_file_error"] = str(e)
-        return 0.0
-
-
 async def _supervised(
-    task: Task, sandbox: Sandbox, argv: list[str], workdir: str | None = None, *, prepared: bool = False
+    task: Task,
+    sandbox: Sandbox,
+    argv: list[str],
+    workdir: str | None = None,
+    *,
+    prepared: bool = False,
+    setup: verdict.Setup | None = None,
 ):
     """The tests' run (rollout/verdict.py): the record directory made (unless `prepared` did it),
     the safe environment, and the sandbox sealed when they end; (result, what they left running)."""
@@ -151,7 +239,7 @@ async def _supervised(
     return await verdict.run_tests(
         sandbox,
         argv,
-        env=verdict.test_env(task, sandbox),
+        env=verdict.test_env(task, sandbox, setup),
         timeout=task.evaluator.timeout_sec,
         workdir=workdir,
     )
@@ -168,63 +256,93 @@ def harbor_reward_names(tests: Path) -> list[str]:
     return [n for n in HARBOR_REWARD_FILES if n in named]
 
 
-def harbor_reward_file(named: list[str], written: list[str]) -> tuple[str | None, str]:
-    """Which of /logs/verifier's files is the reward, and the rule that chose it.
-
-    /logs/verifier is empty when the verifier starts, so whatever is there it wrote. When the
-    task's tests name exactly one of reward.txt and reward.json, that one is the reward and the
-    other is ignored; otherwise the one the verifier wrote, and reward.txt when it wrote both
-    (Harbor's own order).
-    """
+def harbor_reward_order(named: list[str]) -> tuple[list[str], str]:
+    """The reward files to look for, in order, and the rule: Harbor reads reward.json when it
+    is there, else reward.txt. When the task's tests name exactly one of the two, only that one
+    counts: the other could only have been written by the agent's code the tests ran."""
     if len(named) == 1:
-        return named[0], f"the task's tests name {named[0]} only"
-    if len(written) == 1:
-        return written[0], f"the verifier wrote {written[0]} only"
-    if written:
-        return written[
-            0
-        ], f"the verifier wrote {' and '.join(written)}; {written[0]} first, as Harbor reads them"
-    return None, "the verifier wrote no reward file"
+        return named, f"the task's tests name {named[0]} only"
+    return ["reward.json", "reward.txt"], "reward.json when it was written, else reward.txt (Harbor's order)"
 
 
-async def harbor(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score:
-    """Harbor's verifier contract: tests/ uploaded to /tests, `bash /tests/test.sh` run from the
-    workdir, the reward read from /logs/verifier (reward.txt or reward.json, chosen by
-    `harbor_reward_file`); it counts only when the verifier exits 0. /tests and /logs/verifier are
-    removed and /logs/verifier created empty before the tests are copied in."""
+def exit_problems(code: int, value: float, rewards: dict[str, float]) -> list[str]:
+    """What a test script's exit status says against the reward it left. Harbor ignores the
+    status, so a partial reward from tests that then exit non-zero counts; but a script ended by
+    a signal did not finish, and one that failed while its reward file says full marks did not
+    write that file after its last check: both are what the agent's code does when it writes
+    the reward itself and then stops (or kills) the tests that ran it."""
+    if code >= 128 and value > 0:
+        return [f"the test script was ended by signal {code - 128}, yet a reward of {value:g} was left"]
+    if code != 0 and rewards and all(v >= 1.0 for v in rewards.values()):
+        return [f"the test script failed (exit {code}), yet its reward file says full marks"]
+    return []
+
+
+async def harbor(
+    task: Task, sandbox: Sandbox, outcome: HarnessOutcome, setup: verdict.Setup | None = None
+) -> Score:
+    """Harbor's verifier contract: tests/ at /tests (shown read-only from a pristine copy where the
+    sandbox can: `setup.tests_mounted`; copied in otherwise), the test script run from the
+    workdir, the reward read from /logs/verifier (`harbor_reward_order`), whatever the script's
+    exit status, as Harbor does: whether a reward is trusted is the seal's, the canary's and
+    pytest's records' to say (rollout/verdict.py). /logs/verifier is created empty before the
+    tests run. A verifier that timed out, or a reward file missing, unreadable or unparseable,
+    scores 0 as a result, with the cause under `suspect`."""
     spec = task.evaluator
     tests = Path(spec.tests_dir) if spec.tests_dir else None
     if tests is None or not (tests / "test.sh").is_file():
         raise EvaluatorError(f"task {task.id}: {tests}/test.sh does not exist")
-    # One exec: /tests and /logs/verifier cleared, and the verdict's record directory made.
-    clear = f"rm -rf {HARBOR_TESTS} {HARBOR_REWARD_DIR} && mkdir -p {HARBOR_REWARD_DIR}"
+    mounted = setup is not None and setup.tests_mounted
+    # One exec: /tests (unless it is our read-only mount) and /logs/verifier cleared, and the
+    # verdict's record directory made.
+    clear = f"rm -rf {HARBOR_REWARD_DIR} && mkdir -p {HARBOR_REWARD_DIR}"
+    if not mounted:
+        clear = f"rm -rf {HARBOR_TESTS} && {clear}"
     problem = await verdict.prepare(sandbox, clear)
     if problem is not None:
         made = f"{HARBOR_REWARD_DIR} or {verdict.RECORD_DIR}" if sandbox.supervises else HARBOR_REWARD_DIR
         raise EvaluatorError(f"task {task.id}: cannot create {made}: {problem}")
-    await sandbox.put(tests, HARBOR_TESTS)
-    r, left = await _supervised(task, sandbox, ["bash", f"{HARBOR_TESTS}/test.sh"], prepared=True)
+    if not mounted:
+        await sandbox.put(tests, HARBOR_TESTS)
+    # Harbor runs the script itself (its shebang decides); `bash` where it is not executable.
+    script = f"{HARBOR_TESTS}/test.sh"
+    argv = [script] if mounted or os.access(tests / "test.sh", os.X_OK) else ["bash", script]
+    r, left = await _supervised(task, sandbox, argv, prepared=True, setup=setup)
     detail: dict[str, Any] = {
         "verifier_exit_code": r.exit_code,
         "timed_out": r.timed_out,
         "output": r.output[-DETAIL_TAIL:],
+        "tests": "read-only, from a pristine copy" if mounted else "copied in",
     }
-    found = {n: await sandbox.read(f"{HARBOR_REWARD_DIR}/{n}") for n in HARBOR_REWARD_FILES}
-    name, rule = harbor_reward_file(
-        harbor_reward_names(tests), [n for n in HARBOR_REWARD_FILES if found[n] is not None]
-    )
+    order, rule = harbor_reward_order(harbor_reward_names(tests))
     detail["reward_file_rule"] = rule
-    raw = found[name] if name is not None else None
-    if name is None or raw is None:
-        detail["reward_file"] = None
-        await verdict.judge(0.0, detail, task=task, sandbox=sandbox, output=r.output, left=left)
-        return Score(0.0, detail)
+    raw, name = None, None
+    for candidate in order:  # the first that is there, read strictly; anything else there stops it
+        try:
+            raw = await sandbox.read(f"{HARBOR_REWARD_DIR}/{candidate}", READ_LIMIT)
+        except Unreadable as e:
+            detail["reward_file_error"], name = str(e), candidate
+            break
+        if raw is not None:
+            name = candidate
+            break
+    if raw is None and "reward_file_error" not in detail:
+        detail["reward_file_error"] = f"the verifier wrote no reward file ({' nor '.join(order)})"
     detail["reward_file_name"] = name
-    detail["reward_file"] = raw.decode("utf-8", "replace")[:1000]
-    value = _reward_of(raw, f"{HARBOR_REWARD_DIR}/{name}", left, detail)
-    detail["reported_reward"] = value
-    reward = value if r.exit_code == 0 else 0.0
-    reward = await verdict.judge(reward, detail, task=task, sandbox=sandbox, output=r.output, left=left)
+    value = rewards_from(raw, name or "reward", spec.reward_key, detail)
+    problems = []
+    if r.timed_out:
+        problems.append(f"the verifier ran past its {spec.timeout_sec:g} s and was killed")
+    elif value is None:
+        problems.append(str(detail.get("reward_file_error") or "no reward"))
+    else:
+        problems += exit_problems(r.exit_code, value, detail.get("rewards") or {})
+    if value is not None:
+        detail["reported_reward"] = value
+    reward = value if value is not None and not r.timed_out else 0.0
+    reward = await verdict.judge(
+        reward, detail, task=task, sandbox=sandbox, output=r.output, left=left, setup=setup, problems=problems
+    )
     return Score(reward, detail)
 
 
@@ -232,11 +350,21 @@ _PYTEST_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+)
 
 
 def pytest_results(output: str) -> dict[str, str]:
-    """Test id → status from pytest's `-rA` summary lines (`PASSED tests/x.py::test_a`)."""
+    """Test id → status from pytest's `-rA` summary lines (`PASSED tests/x.py::test_a`); the
+    first line of an id wins: a line printed later (by the code under test, at exit) cannot
+    override what pytest reported (`pytest_repeats` names the ids printed more than once)."""
     out: dict[str, str] = {}
     for status, test in _PYTEST_RESULT.findall(output):
-        out[test] = status
+        out.setdefault(test, status)
     return out
+
+
+def pytest_repeats(output: str) -> list[str]:
+    """The test ids with more than one status line in `output`: pytest prints each once."""
+    seen: dict[str, int] = {}
+    for _status, test in _PYTEST_RESULT.findall(output):
+        seen[test] = seen.get(test, 0) + 1
+    return [t for t, n in seen.items() if n > 1]
 
 
 def patched_files(patch: str) -> list[str]:
@@ -282,7 +410,9 @@ async def reset_conftests(task: Task, sandbox: Sandbox) -> None:
     )
 
 
-async def swebench(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score:
+async def swebench(
+    task: Task, sandbox: Sandbox, outcome: HarnessOutcome, setup: verdict.Setup | None = None
+) -> Score:
     """SWE-bench's rule: the test files are reset and `test_patch` applied, the tests run; the
     sample is resolved when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still does."""
     spec = task.evaluator
@@ -313,11 +443,22 @@ async def swebench(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Sco
         if ap.exit_code != 0:
             detail["output"] = ap.output[-DETAIL_TAIL:]
             return Score(0.0, detail)
-    r, left = await _supervised(task, sandbox, ["sh", "-c", spec.test_command])
-    results = pytest_results(r.output)
-    f2p = {t: results.get(t, "MISSING") for t in spec.fail_to_pass}
-    p2p = {t: results.get(t, "MISSING") for t in spec.pass_to_pass}
+    r, left = await _supervised(task, sandbox, ["sh", "-c", spec.test_command], setup=setup)
+    printed = pytest_results(r.output)
+    wanted = [*spec.fail_to_pass, *spec.pass_to_pass]
+    reported = await verdict.junit_results(sandbox, wanted) if sandbox.supervises else None
+    f2p = {t: printed.get(t, "MISSING") for t in spec.fail_to_pass}
+    p2p = {t: printed.get(t, "MISSING") for t in spec.pass_to_pass}
     resolved = all(s in ("PASSED", "XFAIL") for s in [*f2p.values(), *p2p.values()])
+    problems = []
+    repeated = sorted(set(pytest_repeats(r.output)) & set(wanted))
+    if repeated:
+        problems.append(f"{len(repeated)} test ids printed with more than one status: {repeated[:5]}")
+    if reported is not None:
+        differ = [t for t in wanted if _agrees(printed.get(t, "MISSING"), reported.get(t)) is False]
+        if differ:
+            problems.append(f"pytest's report and its printed results differ on {differ[:5]}")
+        resolved = resolved and not differ
     detail.update(
         {
             "exit_code": r.exit_code,
@@ -328,10 +469,14 @@ async def swebench(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Sco
             "output": r.output[-DETAIL_TAIL:],
         }
     )
+    if reported is not None:
+        detail["reported"] = {t: reported.get(t, "missing") for t in wanted[:200]}
+    if r.timed_out:
+        problems.append(f"the tests ran past their {spec.timeout_sec:g} s and were killed")
     # SWE-bench's files hold tests outside FAIL_TO_PASS and PASS_TO_PASS that may fail as they
     # always did: pytest's totals say nothing about those two lists, so only what was left counts.
     reward = await verdict.judge(
-        1.0 if resolved else 0.0,
+        1.0 if resolved and not r.timed_out else 0.0,
         detail,
         task=task,
         sandbox=sandbox,
@@ -339,8 +484,18 @@ async def swebench(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Sco
         left=left,
         check_pytest=False,
         require_report=True,
+        setup=setup,
+        problems=problems,
+        wanted=wanted,
     )
     return Score(reward, detail)
+
+
+def _agrees(printed: str, reported: str | None) -> bool | None:
+    """Whether a printed status and the JUnit report's agree on passing (None: no report line)."""
+    if reported is None:
+        return False if printed in ("PASSED", "XFAIL") else None
+    return (printed in ("PASSED", "XFAIL")) == (reported in ("passed", "xfailed"))
 
 
 EVALUATORS = {
@@ -351,7 +506,11 @@ EVALUATORS = {
 }
 
 
-async def evaluate(task: Task, sandbox: Sandbox, outcome: HarnessOutcome) -> Score:
-    score = await EVALUATORS[task.evaluator.kind](task, sandbox, outcome)
+async def evaluate(
+    task: Task, sandbox: Sandbox, outcome: HarnessOutcome, setup: verdict.Setup | None = None
+) -> Score:
+    """The sample's score by its task's evaluator; `setup`: what the verifier's sandbox was given
+    for it (the tests read-only, the canary), decided where the verifier was started."""
+    score = await EVALUATORS[task.evaluator.kind](task, sandbox, outcome, setup)
     score.detail.setdefault("evaluator", task.evaluator.kind)
     return score

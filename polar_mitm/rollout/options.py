@@ -40,5 +40,20 @@ class RolloutOptions(BaseModel):
     total_timeout: float | None = None
     env: dict[str, str] = Field(default_factory=dict)  # extra environment for every harness
     keep_workdirs: bool = False
+    # The one number a trainer gets from a multi-key reward file, where the task names none
+    # (`EvaluatorSpec.reward_key`): a key, or `mean` / `min` / `max` of them all.
+    reward_key: str | None = Field(
+        None,
+        description="the key of a multi-key reward.json the trainer gets, or mean/min/max of its keys, "
+        "where the task names none (default: 'reward', else its only key, else the mean)",
+    )
+    # A sample whose verifier had network requests refused (a tool it could not fetch) ends
+    # `failed` (masked) instead of trained on as the 0 its tests wrote; the refusals are in
+    # reward_detail.egress_refused either way.
+    mask_egress_refused: bool = Field(
+        False,
+        description="mask (fail) a sample whose verifier's network requests were refused, rather than "
+        "train on its 0",
+    )
     # Who the harness runs as in a container ("UID:GID"); None: the image's user (root).
     harness_user: str | None = "1000:1000"

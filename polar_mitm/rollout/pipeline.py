@@ -281,6 +281,11 @@ class Pipeline:
         assert self._log is not None, "start the pipeline first"
         spec = spec or await self._default_spec()
         self._check_task(task, spec)
+        if self.opts.reward_key is not None and task.evaluator.reward_key is None:
+            # Decided here, where the task enters, and carried with it (the task's own wins).
+            task = task.model_copy(
+                update={"evaluator": task.evaluator.model_copy(update={"reward_key": self.opts.reward_key})}
+            )
         await spec.runtime.prepare(task)
         gid = group_id or f"{self.rollout_id}/{task.id}"
         g = self._groups.get(gid)
@@ -382,6 +387,7 @@ class Pipeline:
                 self.proxy.egress.contain(job.session_id)
             if not job.task.allow_internet:
                 self.proxy.egress.deny_internet(job.session_id)
+            self.proxy.egress.allow_hosts(job.session_id, job.task.allowed_hosts)
 
     def _move(self, job: SampleJob, stage: Stage) -> None:
         now = time.monotonic()
@@ -507,6 +513,7 @@ class Pipeline:
         if egress is not None:
             egress.contain(session)
             egress.deny_model(session)
+            egress.allow_hosts(session, job.task.allowed_hosts)
         channel = await open_channel(session, token, serve=self._adopt)
         try:
             yield channel
@@ -596,6 +603,18 @@ class Pipeline:
                 await self._internal_error(job, "scoring", e)
                 continue
             assert job.outcome is not None
+            refused = self._egress_refused(job, score)
+            if refused and self.opts.mask_egress_refused and not job.outcome.timed_out:
+                # The verifier could not fetch what it needed: its 0 says nothing of the agent.
+                hosts = ", ".join(sorted(refused))
+                await self._finish_job(
+                    job,
+                    "failed",
+                    reward=0.0,
+                    cause=f"the verifier's network requests were refused ({hosts}); see --egress-allow",
+                    detail=score.detail,
+                )
+                continue
             if job.outcome.timed_out:
                 # Trainable: the harness did work until it was stopped; it gets no credit for it.
                 await self._finish_job(
@@ -603,6 +622,18 @@ class Pipeline:
                 )
             else:
                 await self._finish_job(job, "completed", reward=score.reward, detail=score.detail)
+
+    def _egress_refused(self, job: SampleJob, score: Score) -> dict[str, int]:
+        """The hosts the proxy refused to the sample's agent and verifier, recorded in its
+        reward_detail (`egress_refused`); returns the verifier's."""
+        egress = self.proxy.egress
+        if egress is None:
+            return {}
+        agent = egress.take_refused(job.session_id)
+        verifier = egress.take_refused(f"{job.session_id}-verifier")
+        if agent or verifier:
+            score.detail["egress_refused"] = {"agent": agent, "verifier": verifier}
+        return verifier
 
     def _scores_in_place(self, job: SampleJob) -> bool:
         return not job.spec.runtime.fresh_verifier or job.task.evaluator.kind == "session_completed"

@@ -25,13 +25,15 @@ need is in docs/threat-model.md.
 
 from __future__ import annotations
 
+import html
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polar_mitm.sandbox.base import ExecResult, Leftover, Sandbox
+from polar_mitm.rollout.canary import Canary, Record, canary_reasons, read_record
+from polar_mitm.sandbox.base import ExecResult, Leftover, Sandbox, Unreadable
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
 RECORD_DIR = "/logs/polar-mitm"  # created empty by us before the tests run
@@ -42,6 +44,22 @@ LISTED = 20  # leftover processes named in the detail
 # What the verifier's commands get on top of the task's own environment (which may override them:
 # PYTHONSAFEPATH="" gives a task that imports from its working directory the old behaviour).
 SAFE_PYTHON = {"PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
+
+
+# The checks `judge` weighs, by name; a test may narrow them to show what one catches alone.
+CHECKS = frozenset({"leftovers", "pytest_report", "canary", "per_test", "reward_file"})
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a verifier's sandbox was given for its run, decided where it was started
+    (rollout/verify.py): the tests shown read-only at /tests from a pristine host copy, and the
+    canary's plugin (rollout/canary.py) shown read-only for pytest to load."""
+
+    tests_mounted: bool = False
+    canary: Canary | None = None
+    # In shared mode: what the agent changed of what the tests start with (verify.LAUNCH_PATHS).
+    tampered: tuple[str, ...] = ()
 
 
 def uses_pytest(spec: EvaluatorSpec) -> bool:
@@ -56,9 +74,9 @@ def uses_pytest(spec: EvaluatorSpec) -> bool:
     return False
 
 
-def test_env(task: Task, sandbox: Sandbox) -> dict[str, str]:
-    """The environment the tests run with: SAFE_PYTHON, the JUnit report where pytest runs in a
-    supervised sandbox, then the task's and the evaluator's own variables."""
+def test_env(task: Task, sandbox: Sandbox, setup: Setup | None = None) -> dict[str, str]:
+    """The environment the tests run with: SAFE_PYTHON, the JUnit report and the canary's plugin
+    where pytest runs in a supervised sandbox, then the task's and the evaluator's own variables."""
     spec = task.evaluator
     safe = dict(SAFE_PYTHON)
     if spec.kind == "swebench":
@@ -69,6 +87,8 @@ def test_env(task: Task, sandbox: Sandbox) -> dict[str, str]:
     if sandbox.supervises and uses_pytest(spec):
         own = env.get("PYTEST_ADDOPTS", "")
         env["PYTEST_ADDOPTS"] = f"--junitxml={JUNIT} {own}".strip()
+        if setup is not None and setup.canary is not None:
+            env = setup.canary.env(env)
     return env
 
 
@@ -199,6 +219,80 @@ def cross_check(
     return out
 
 
+_CASE = re.compile(r"<testcase\b([^>]*?)(/>|>(.*?)</testcase>)", re.DOTALL)
+_CASE_ATTR = re.compile(r'\b(classname|name)="([^"]*)"')
+
+
+def junit_name(nodeid: str) -> tuple[str, str]:
+    """The (classname, name) pytest's JUnit report gives a test id: the path's separators as
+    dots without `.py`, classes after it, the parameters kept on the name."""
+    path, bracket, params = nodeid.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
+
+
+def junit_cases(raw: bytes) -> dict[tuple[str, str], str]:
+    """(classname, name) → passed / failed / error / skipped / xfailed for every <testcase> of a
+    JUnit report (read by pattern: the file is the tests' and may be hostile); a case listed
+    twice keeps its first entry."""
+    out: dict[tuple[str, str], str] = {}
+    for attrs, _end, body in _CASE.findall(raw[:RECORD_LIMIT].decode("utf-8", "replace")):
+        a = {k: html.unescape(v) for k, v in _CASE_ATTR.findall(attrs)}
+        body = body or ""
+        if "<failure" in body:
+            status = "failed"
+        elif "<error" in body:
+            status = "error"
+        elif "<skipped" in body:
+            status = "xfailed" if "pytest.xfail" in body else "skipped"
+        else:
+            status = "passed"
+        out.setdefault((a.get("classname", ""), a.get("name", "")), status)
+    return out
+
+
+async def read_bounded(
+    sandbox: Sandbox, path: str, limit: int = RECORD_LIMIT
+) -> tuple[bytes | None, str | None]:
+    """A record file read strictly: (its bytes, None), (None, None) when absent, (None, why)
+    when something else stands there."""
+    try:
+        return await sandbox.read(path, limit), None
+    except Unreadable as e:
+        return None, str(e)
+
+
+async def junit_results(sandbox: Sandbox, wanted: list[str]) -> dict[str, str] | None:
+    """The status pytest's JUnit report gives each of `wanted` (an id it does not list is left
+    out), or None when there is no report."""
+    raw, _why = await read_bounded(sandbox, JUNIT)
+    if raw is None:
+        return None
+    cases = junit_cases(raw)
+    return {t: cases[junit_name(t)] for t in wanted if junit_name(t) in cases}
+
+
+def record_reasons(record: Record, report: PytestCounts | None, summary: PytestCounts | None) -> list[str]:
+    """Where what pytest reported as it ran (the canary plugin's record of its last session)
+    disagrees with its JUnit report or its summary line: one of them was rewritten."""
+    if not record.sessions:
+        return []
+    counts = record.sessions[-1].counts
+    seen = PytestCounts(
+        counts.get("passed", 0), counts.get("failed", 0), counts.get("errors", 0), counts.get("skipped", 0)
+    )
+    out = []
+    for name, other in (("JUnit report", report), ("summary line", summary)):
+        if other is not None and (other.bad != seen.bad or other.passed != seen.passed):
+            out.append(
+                f"pytest's {name} says {other.passed} passed and {other.bad} failed, but as it ran pytest "
+                f"reported {seen.passed} passed and {seen.bad} failed"
+            )
+    return out
+
+
 async def judge(
     reward: float,
     detail: dict[str, Any],
@@ -209,35 +303,87 @@ async def judge(
     left: list[Leftover],
     check_pytest: bool = True,
     require_report: bool = False,
+    setup: Setup | None = None,
+    problems: list[str] | None = None,
+    wanted: list[str] | None = None,
 ) -> float:
     """The reward to keep once the run's evidence is weighed; records it in `detail`.
-    `require_report`: a positive reward from tests that run pytest needs pytest's JUnit report
-    (SWE-bench, whose totals are not compared: see evaluators.swebench)."""
+    `problems`: what the evaluator found already (a timeout, a reward file missing or
+    unreadable): the verdict is 0 and they are its cause. `require_report`: a positive reward
+    from tests that run pytest needs pytest's JUnit report (SWE-bench, whose totals are not
+    compared: see evaluators.swebench; `wanted` its test ids, held to the canary's record)."""
     spec = task.evaluator
-    reasons = []
-    if require_report and reward > 0 and sandbox.supervises and uses_pytest(spec):
-        if await sandbox.read(JUNIT) is None:
-            reasons.append("the tests run pytest, but pytest wrote no report (was it pytest that ran?)")
-    if left:
+    reasons = list(problems or []) if "reward_file" in CHECKS else []
+    if setup is not None and setup.tampered and reward > 0:
+        reasons.append(f"the agent changed what the tests start with: {list(setup.tampered)[:5]}")
+    named = sandbox.supervises and uses_pytest(spec)
+    report_raw, report_problem = (None, None)
+    if named:
+        report_raw, report_problem = await read_bounded(sandbox, JUNIT)
+        if report_problem is not None and reward > 0 and "pytest_report" in CHECKS:
+            reasons.append(f"pytest's report is not a file we can read: {report_problem}")
+    if require_report and reward > 0 and named and report_raw is None and "pytest_report" in CHECKS:
+        reasons.append("the tests run pytest, but pytest wrote no report (was it pytest that ran?)")
+    if left and "leftovers" in CHECKS:
         detail["left_running"] = [p.describe() for p in left[:LISTED]]
         reasons.append(f"{len(left)} processes outlived the tests (a detached process, live or exited)")
-    if check_pytest and sandbox.supervises:
-        named = uses_pytest(spec)
-        report = None
-        if named:
-            raw = await sandbox.read(JUNIT)
-            report = junit_counts(raw) if raw is not None else None
-        summary = summary_counts(output) if named else None
-        if named:
-            detail["pytest"] = {
-                "report": None if report is None else report.__dict__,
-                "summary": None if summary is None else summary.__dict__,
-            }
-        reasons += cross_check(reward, pytest_named=named, report=report, summary=summary)
+    report = junit_counts(report_raw) if report_raw is not None else None
+    summary = summary_counts(output) if named else None
+    if named and check_pytest:
+        detail["pytest"] = {
+            "report": None if report is None else report.__dict__,
+            "summary": None if summary is None else summary.__dict__,
+        }
+        if "pytest_report" in CHECKS:
+            reasons += cross_check(reward, pytest_named=named, report=report, summary=summary)
+    canary = setup.canary if setup is not None else None
+    if named and canary is not None and reward > 0:
+        reasons += await _canary_reasons(
+            sandbox, canary, report_raw, report, summary, check_pytest, wanted, detail
+        )
     if sandbox.supervises:
         detail["supervised"] = True
     if not reasons:
         return reward
     detail["suspect"] = reasons
-    detail["reported_reward"] = reward
+    detail.setdefault("reported_reward", reward)
     return reward if spec.on_suspect == "record" else 0.0
+
+
+async def _canary_reasons(
+    sandbox: Sandbox,
+    canary: Canary,
+    report_raw: bytes | None,
+    report: PytestCounts | None,
+    summary: PytestCounts | None,
+    totals: bool,
+    wanted: list[str] | None,
+    detail: dict[str, Any],
+) -> list[str]:
+    raw, problem = await read_bounded(sandbox, canary.record)
+    out: list[str] = []
+    if problem is not None:
+        return [f"the canary's record is not a file we can read: {problem}"] if "canary" in CHECKS else []
+    if raw is None:
+        detail["canary"] = {"record": None}
+        if report_raw is not None and "canary" in CHECKS:
+            out.append(
+                "pytest's report is there but the canary's record is not (removed, or pytest ran without it)"
+            )
+        return out
+    record = read_record(raw)
+    detail["canary"] = {
+        "runs": record.starts,
+        "finished": len(record.sessions),
+        "outcomes": [(s.canary or {}).get("outcome") for s in record.sessions[:10]],
+    }
+    if "canary" in CHECKS:
+        out += canary_reasons(record)
+        if totals:
+            out += record_reasons(record, report, summary)
+    if wanted and record.sessions and "per_test" in CHECKS:
+        seen = record.sessions[-1].tests
+        differ = [t for t in wanted if seen.get(t, "missing") not in ("passed",)]
+        if differ:
+            out.append(f"as it ran, pytest reported {differ[:5]} as not passed")
+    return out

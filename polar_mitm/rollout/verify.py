@@ -25,13 +25,17 @@ import contextlib
 import dataclasses
 import posixpath
 import shlex
+import shutil
 import tarfile
 import tempfile
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any, BinaryIO
 
+from polar_mitm.rollout.canary import Canary
 from polar_mitm.rollout.evaluators import (
+    HARBOR_TESTS,
     EvaluatorError,
     FromImage,
     HarnessOutcome,
@@ -40,7 +44,8 @@ from polar_mitm.rollout.evaluators import (
     from_image,
     reset_conftests,
 )
-from polar_mitm.sandbox.base import ExportTooLarge, Runtime, Sandbox, SandboxError, SandboxSpec
+from polar_mitm.rollout.verdict import RECORD_DIR, Setup, uses_pytest
+from polar_mitm.sandbox.base import ExportTooLarge, Runtime, Sandbox, SandboxError, SandboxSpec, Snapshot
 from polar_mitm.sandbox.channel import Channel
 from polar_mitm.tasks.model import Task
 
@@ -85,7 +90,73 @@ async def score(
             "the agent left and files it changed outside its workdir can reach the verifier",
         }
         return s
+    if verifier_mode(task, runtime) == "shared":
+        return await _shared(runtime, task, agent, spec, outcome, open_channel)
     return await _fresh(runtime, task, agent, spec, outcome, open_channel)
+
+
+def verifier_mode(task: Task, runtime: Runtime) -> str:
+    """Where a sample is verified: "shared" (a sandbox from a snapshot of the agent's own
+    filesystem, everything it changed anywhere: Harbor's default for its tasks) or "separate"
+    (a sandbox from the task's image holding the agent's workdir: SWE-bench's rule, and a Harbor
+    task's that says `environment_mode = "separate"`). Shared where the runtime can snapshot."""
+    mode = task.evaluator.environment_mode or ("shared" if task.evaluator.kind == "harbor" else "separate")
+    return mode if mode == "separate" or runtime.snapshots else "separate"
+
+
+# What a verifier's tests start with before any of the task's code runs: the shells, `env` (a
+# test script's `#!/usr/bin/env bash`), the dynamic loader and libc and what the loader is told to
+# load first. In shared mode the agent's filesystem is the verifier's; a change the agent made to
+# any of these makes the verdict suspect (the seal, the read-only tests and the canary hold for
+# the rest). The agent runs as an unprivileged user by default and cannot change them at all.
+LAUNCH_PATHS = frozenset(
+    {
+        "/bin/bash", "/usr/bin/bash", "/bin/sh", "/usr/bin/sh", "/bin/dash", "/usr/bin/dash",
+        "/bin/env", "/usr/bin/env", "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.cache",
+    }
+)  # fmt: skip
+LAUNCH_PREFIXES = ("/etc/ld.so.conf.d/", "/lib/x86_64-linux-gnu/ld-linux", "/lib/x86_64-linux-gnu/libc.so",
+                   "/usr/lib/x86_64-linux-gnu/ld-linux", "/usr/lib/x86_64-linux-gnu/libc.so", "/lib64/",
+                   "/usr/lib64/", "/lib/ld-linux", "/usr/lib/ld-linux")  # fmt: skip
+
+
+def launch_changes(changed: list[str]) -> list[str]:
+    """The paths of `changed` that the verifier's tests start with (LAUNCH_PATHS)."""
+    return [p for p in changed if p in LAUNCH_PATHS or p.startswith(LAUNCH_PREFIXES)]
+
+
+async def _shared(
+    runtime: Runtime,
+    task: Task,
+    agent: Sandbox,
+    spec: SandboxSpec,
+    outcome: HarnessOutcome,
+    open_channel: OpenChannel | None,
+) -> Score:
+    """Harbor's shared mode, with what the agent ran kept out: the agent's sandbox halted (every
+    process it left ends at once), its filesystem snapshotted, the sandbox removed, and the
+    verifier started from the snapshot: what the agent installed, built or edited anywhere is
+    there; nothing it started is."""
+    agent_name = agent.describe().get("container") or agent.name
+    try:
+        await agent.halt()
+        snap = await runtime.snapshot(agent, f"{spec.name}-verifier")
+    except SandboxError as e:
+        await agent.stop()
+        if isinstance(e, ExportTooLarge):
+            raise EvaluatorError(f"task {task.id}: the agent's environment is not scored: {e}") from None
+        raise VerifierUnavailable(f"snapshotting {agent_name}: {e}") from e
+    except BaseException:
+        await asyncio.shield(agent.stop())
+        raise
+    removing = asyncio.ensure_future(agent.stop())
+    try:
+        return await _score_artefacts(
+            runtime, task, spec, outcome, None, 0, agent_name, open_channel, snapshot=snap
+        )
+    finally:
+        await asyncio.shield(removing)
+        await asyncio.shield(runtime.drop_snapshot(snap))
 
 
 async def _fresh(
@@ -142,29 +213,38 @@ async def _score_artefacts(
     size: int,
     agent_name: str,
     open_channel: OpenChannel | None = None,
+    snapshot: Snapshot | None = None,
 ) -> Score:
     workdir = posixpath.normpath(task.workdir)
     parent = posixpath.dirname(workdir)
     keep = from_image(task.evaluator)
     copied: dict[str, Any] = {"from": workdir, "bytes": size}
+    if snapshot is not None:
+        copied = {"snapshot": snapshot.ref, "changed_paths": snapshot.changed_count}
     async with contextlib.AsyncExitStack() as stack:
-        if data is not None and (keep.paths or keep.names):
+        if snapshot is None and data is not None and (keep.paths or keep.names):
             kept = stack.enter_context(tempfile.TemporaryFile(prefix="polar-artefacts-"))
             dropped = await asyncio.to_thread(without, data, keep, kept)
             data = kept
             copied["kept_from_image"] = [*keep.paths, *(f"**/{n}" for n in keep.names)]
             copied["dropped"] = dropped[:LISTED]
-        if data is None:
+        if data is None and snapshot is None:
             copied["note"] = "the agent's workdir did not exist"
         channel = None
         if open_channel is not None and task.verifier_internet:
             channel = await stack.enter_async_context(open_channel())
+        setup, inputs = verifier_inputs(runtime, task, spec.session_dir / "verifier-inputs")
+        if snapshot is not None:
+            tampered = tuple(launch_changes(snapshot.changed))
+            setup = dataclasses.replace(setup, tampered=tampered)
         vspec = dataclasses.replace(
             spec,
             name=f"{spec.name}-verifier",
             harness=None,
             purpose="verifier",
             channel=channel.socket_path if channel is not None else None,
+            inputs=inputs,
+            image=snapshot.ref if snapshot is not None else None,
         )
         try:
             verifier = await runtime.start(task, vspec)
@@ -179,14 +259,16 @@ async def _score_artefacts(
                         raise VerifierUnavailable(
                             f"the verifier's forwarder did not start within {FORWARDER_START_SEC:g} s"
                         ) from None
-                await _place(verifier, workdir, parent, data, keep)
-                s = await evaluate(task, verifier, outcome)
+                if snapshot is None:
+                    await _place(verifier, workdir, parent, data, keep)
+                s = await evaluate(task, verifier, outcome, setup)
             except SandboxError as e:
                 if not await verifier.alive():
                     raise VerifierUnavailable(f"the verifier's sandbox died: {e}") from e
                 raise
             s.detail["verifier"] = {
                 "sandbox": "fresh",
+                "mode": "shared" if snapshot is not None else "separate",
                 **verifier.describe(),
                 "agent_sandbox": agent_name,
                 "agent_stopped_first": True,
@@ -196,6 +278,33 @@ async def _score_artefacts(
             return s
         finally:
             await verifier.stop()
+
+
+def verifier_inputs(runtime: Runtime, task: Task, host_dir: Path) -> tuple[Setup, list[tuple[Path, str]]]:
+    """What a fresh verifier is shown read-only, prepared on the host in `host_dir`: a pristine
+    copy of a Harbor task's tests at /tests (its test.sh executable, as Harbor makes it before it
+    runs it), and the canary's plugin where the tests run pytest (rollout/canary.py). Nothing
+    where the runtime cannot mount them (the tests are then copied in, as before)."""
+    if not runtime.mounts_inputs:
+        return Setup(), []
+    spec = task.evaluator
+    shutil.rmtree(host_dir, ignore_errors=True)
+    inputs: list[tuple[Path, str]] = []
+    mounted = False
+    if spec.kind == "harbor" and spec.tests_dir is not None:
+        tests = host_dir / "tests"
+        shutil.copytree(spec.tests_dir, tests, symlinks=True)
+        for p in [tests, *tests.rglob("*")]:
+            if not p.is_symlink():
+                p.chmod((p.stat().st_mode | 0o444 | (0o111 if p.is_dir() else 0)) & 0o7777)
+        (tests / "test.sh").chmod(0o755)
+        inputs.append((tests, HARBOR_TESTS))
+        mounted = True
+    canary = None
+    if uses_pytest(spec):
+        canary = Canary.new(RECORD_DIR)
+        inputs.append((canary.write(host_dir / "plugin"), canary.mount))
+    return Setup(tests_mounted=mounted, canary=canary), inputs
 
 
 def without(data: BinaryIO, keep: FromImage, into: BinaryIO) -> list[str]:

@@ -74,6 +74,7 @@ from polar_mitm.sandbox.base import (
     NODE_BIN,
     NPM_MODULES,
     PIDS_LIMIT,
+    READ_LIMIT,
     ROOT_CAPS,
     ExecResult,
     ExportTooLarge,
@@ -81,6 +82,7 @@ from polar_mitm.sandbox.base import (
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
+    Unreadable,
     ca_mounts,
     chown,
     hand_over,
@@ -115,7 +117,9 @@ NAME_MAX = 100
 _ENV_INLINE_UNSAFE = re.compile(r"[,\"\n\r]")
 ENV_INLINE_MAX_VARS = 32
 ENV_INLINE_MAX_CHARS = 4096
-EXIT_NOT_A_FILE = 3  # `read`'s shell line: the path is missing or not a regular file
+EXIT_NOT_A_FILE = 3  # `read`'s shell line: nothing is at the path
+EXIT_NOT_REGULAR = 4  # ... something is, but not a regular file
+EXIT_TOO_LARGE = 5  # ... a regular file, larger than the bound
 EXIT_NO_DIR = 3  # `export`'s shell line: the directory is missing
 CGROUPS_REFUSED = ("cannot use cgroups", "cgroups", "while applying cgroups config")
 ROOTLESS = "rootless: the user running Apptainer, without capabilities"
@@ -182,6 +186,7 @@ def binds(spec: SandboxSpec) -> list[str]:
     out = [bind_option((own_dir(spec) / "xfer").resolve(), XFER_DIR)]
     if spec.purpose == "verifier":
         out.append(bind_option(REAPER_HOST.resolve(), REAPER, read_only=True))
+        out += [bind_option(host.resolve(), inside, read_only=True) for host, inside in spec.inputs]
         if spec.channel is not None:
             out.append(bind_option(spec.channel, CHANNEL_SOCKET, read_only=True))
             out.append(bind_option(FORWARDER_DIR.resolve(), FORWARDER_ROOT, read_only=True))
@@ -450,9 +455,10 @@ def safe_members(src: BinaryIO, into: BinaryIO, top: str) -> list[str]:
     return dropped
 
 
-def read_beneath(root: Path, path: str, limit: int = 64 << 20) -> bytes | None:
+def read_beneath(root: Path, path: str, limit: int = READ_LIMIT) -> bytes | None:
     """The regular file at `path` under the directory `root` (an overlay's upper directory), no
-    link followed on the way; None when it is not there (or not a regular file)."""
+    link followed on the way; None when nothing is there, `Unreadable` when it is not a regular
+    file or holds more than `limit` bytes (by its size, before a byte is read)."""
     parts = [p for p in PurePosixPath(path).parts if p not in ("/", "")]
     if not parts or ".." in parts:
         return None
@@ -462,15 +468,25 @@ def read_beneath(root: Path, path: str, limit: int = 64 << 20) -> bytes | None:
             nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = nfd
+        try:
+            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
         f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-    except OSError:
-        os.close(fd)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    os.close(fd)
+    except OSError as e:  # a link on the way (ELOOP), or a directory standing for the file
+        raise Unreadable(f"{path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
     with os.fdopen(f, "rb") as fh:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
-            return None
+            raise Unreadable(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise Unreadable(f"{path} holds {st.st_size} bytes, more than the {limit} read")
         return fh.read(limit)
 
 
@@ -663,22 +679,32 @@ class ApptainerSandbox:
         finally:
             shutil.rmtree(host, ignore_errors=True)
 
-    async def read(self, path: str) -> bytes | None:
+    async def read(self, path: str, limit: int = READ_LIMIT) -> bytes | None:
         if self._sealed and self.overlay is not None:
             # Nothing runs in the sandbox once it is sealed: the file is read from its overlay on
             # the host (the tests may have replaced every binary in it).
-            return await asyncio.to_thread(read_beneath, self.overlay / "upper", path)
+            return await asyncio.to_thread(read_beneath, self.overlay / "upper", path, limit)
         host, inside = self._xfer()
         try:
-            script = f'[ -f "$1" ] || exit {EXIT_NOT_A_FILE}; cp -- "$1" "$2"'
-            result = await self.exec(["sh", "-c", script, "sh", path, f"{inside}/data"])
+            script = (
+                f'[ -e "$1" ] || [ -L "$1" ] || exit {EXIT_NOT_A_FILE}; '
+                f'[ -f "$1" ] && [ ! -L "$1" ] || exit {EXIT_NOT_REGULAR}; '
+                f'[ "$(stat -c %s -- "$1")" -le {int(limit)} ] || exit {EXIT_TOO_LARGE}; '
+                'head -c "$3" -- "$1" > "$2"'
+            )
+            result = await self.exec(["sh", "-c", script, "sh", path, f"{inside}/data", str(limit)])
             if result.exit_code == EXIT_NOT_A_FILE:
                 return None
+            if result.exit_code == EXIT_NOT_REGULAR:
+                raise Unreadable(f"{path} is not a regular file")
+            if result.exit_code == EXIT_TOO_LARGE:
+                raise Unreadable(f"{path} holds more than the {limit} bytes read")
             if result.exit_code != 0:
                 raise SandboxError(
                     f"apptainer: reading {path} failed in {self.name} (exit {result.exit_code}): {result.output}"
                 )
-            return (host / "data").read_bytes()
+            with open(host / "data", "rb") as f:
+                return f.read(limit)
         finally:
             shutil.rmtree(host, ignore_errors=True)
 
@@ -868,6 +894,14 @@ class ApptainerRuntime:
     name = "apptainer"
     isolated = True
     fresh_verifier = True
+    mounts_inputs = True
+    snapshots = False
+
+    async def snapshot(self, sandbox: Any, name: str) -> Any:
+        raise SandboxError(f"the {self.name} runtime keeps no snapshots; its verifier runs separate")
+
+    async def drop_snapshot(self, snapshot: Any) -> None:
+        return None
 
     def __init__(
         self,

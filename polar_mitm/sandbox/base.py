@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
+import tarfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Literal, Protocol
@@ -89,6 +91,16 @@ class SandboxError(RuntimeError):
 
 class ExportTooLarge(SandboxError):
     """A directory to export holds more than asked for: what the agent left, not a failure of ours."""
+
+
+class Unreadable(Exception):
+    """A file a verdict is read from is there but is not what it must be: not a regular file (a
+    directory, a link, a FIFO), or larger than the bound it is read with. What the sandbox left,
+    never an infrastructure failure: a verdict read from it is suspect."""
+
+
+# Bytes read of a file a verdict comes from, unless the caller says otherwise (`Sandbox.read`).
+READ_LIMIT = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -167,6 +179,56 @@ def tree_size(root: str | Path, limit: int) -> int:
         except OSError:
             continue
     return total
+
+
+class _Chunks(io.RawIOBase):
+    """A readable file over an iterator of byte chunks (a daemon's streamed tar)."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks = chunks
+        self._left = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        while not self._left:
+            try:
+                self._left = next(self._chunks)
+            except StopIteration:
+                return 0
+        n = min(len(buf), len(self._left))
+        buf[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
+
+
+def _kind(m: tarfile.TarInfo) -> str:
+    if m.isdir():
+        return "a directory"
+    if m.issym() or m.islnk():
+        return f"a link to {m.linkname[:100]!r}"
+    return "a FIFO or a device" if m.isfifo() or m.isdev() else "not a regular file"
+
+
+def tar_file(chunks: Iterator[bytes], path: str, limit: int) -> bytes:
+    """The bytes of the one regular file `path` from a tar of it streamed in chunks (what a
+    container daemon's archive of a path gives): its first member must be that file, by name,
+    a regular file (no link, no directory member), of at most `limit` bytes by its header; no more
+    of the stream is read than the file. `Unreadable` otherwise."""
+    name = PurePosixPath(path).name
+    with tarfile.open(fileobj=io.BufferedReader(_Chunks(chunks), 1 << 16), mode="r|") as tar:
+        m = tar.next()
+        if m is None:
+            raise Unreadable(f"{path}: an empty archive")
+        if PurePosixPath(m.name.rstrip("/")).name != name:
+            raise Unreadable(f"{path}: the archive holds {m.name[:100]!r}")
+        if not m.isreg():
+            raise Unreadable(f"{path} is {_kind(m)}, not a regular file")
+        if m.size > limit:
+            raise Unreadable(f"{path} holds {m.size} bytes, more than the {limit} read")
+        f = tar.extractfile(m)
+        return f.read(limit) if f is not None else b""
 
 
 OUTPUT_TAIL = 16_000  # characters of a command's output kept
@@ -365,6 +427,27 @@ class SandboxSpec:
     # The node binary a verifier's forwarder runs on, where it has a channel (a verifier has no
     # harness installation mounted); None: the image's python3.
     forwarder_node: Path | None = None
+    # A verifier's read-only inputs: (host directory, sandbox path) pairs shown read-only (the
+    # task's tests from a pristine copy, the canary's plugin), so nothing the tests run can change
+    # them; a runtime that cannot mount them says so with `mounts_inputs = False`.
+    inputs: list[tuple[Path, str]] = field(default_factory=list)
+    # A verifier started from a snapshot of its agent's sandbox (`Runtime.snapshot`) instead of
+    # the task's image: Harbor's shared mode.
+    image: str | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A halted agent sandbox's filesystem, kept to start its verifier from (`Runtime.snapshot`):
+    the runtime's reference to it, and the paths the agent changed in the task's image (added,
+    changed or removed; the first CHANGES_LISTED of them)."""
+
+    ref: str
+    changed: list[str]
+    changed_count: int
+
+
+CHANGES_LISTED = 10_000
 
 
 class Sandbox(Protocol):
@@ -402,8 +485,11 @@ class Sandbox(Protocol):
         """Copy a host file or directory to `dest` (a path in the sandbox)."""
         ...
 
-    async def read(self, path: str) -> bytes | None:
-        """A file's bytes from the sandbox, or None when it does not exist."""
+    async def read(self, path: str, limit: int = READ_LIMIT) -> bytes | None:
+        """A regular file's bytes from the sandbox, or None when nothing is at `path`. Strict,
+        because verdicts are read with it: `Unreadable` for anything but a regular file (a
+        directory, a link, even to a regular file) or one of more than `limit` bytes (known from
+        its size before it is read); memory holds at most `limit` bytes whatever is there."""
         ...
 
     async def alive(self) -> bool: ...
@@ -473,6 +559,20 @@ class Runtime(Protocol):
 
     async def prepare(self, task: Task) -> None:
         """Make the task's image available (build from its Dockerfile, cached by content)."""
+        ...
+
+    # True when a verifier's `SandboxSpec.inputs` are shown read-only (Docker, Apptainer).
+    mounts_inputs: bool
+    # True when `snapshot` can keep a halted agent sandbox's filesystem for its verifier.
+    snapshots: bool
+
+    async def snapshot(self, sandbox: Sandbox, name: str) -> Snapshot:
+        """The halted `sandbox`'s filesystem kept under `name` (ExportTooLarge past what the
+        runtime keeps), for `start(task, SandboxSpec(image=snapshot.ref))`."""
+        ...
+
+    async def drop_snapshot(self, snapshot: Snapshot) -> None:
+        """Remove a snapshot; safe to call twice."""
         ...
 
     async def start(self, task: Task, spec: SandboxSpec) -> Sandbox: ...

@@ -89,6 +89,19 @@ class DaemonCalls:
     def inspect(self, container: str) -> dict[str, Any]:
         return self._json("GET", f"/containers/{container}/json")
 
+    def changes(self, container: str) -> list[dict[str, Any]]:
+        """What the container changed in its image's filesystem: [{"Path", "Kind": 0 changed,
+        1 added, 2 deleted}]."""
+        return self._json("GET", f"/containers/{container}/changes") or []
+
+    def commit(self, container: str, repo: str, tag: str) -> str:
+        """The container's filesystem as a new image `repo:tag` (its config kept); the image id."""
+        q = urllib.parse.urlencode({"container": container, "repo": repo, "tag": tag, "pause": "false"})
+        return self._json("POST", f"/commit?{q}")["Id"]
+
+    def remove_image(self, image: str) -> None:
+        self._json("DELETE", f"/images/{urllib.parse.quote(image, safe='')}?force=1&noprune=0")
+
     def get_archive(self, container: str, path: str, chunk: int) -> Iterator[bytes]:
         """The tar of `path`, in chunks as the daemon writes it, on a connection of its own: closing
         the iterator early closes it, which stops the daemon's tar. DaemonRefused 404 when `path`
@@ -380,6 +393,18 @@ class SdkCalls:
     def inspect(self, container: str) -> dict[str, Any]:
         with _sdk_refusals():
             return self.api.inspect_container(container)
+
+    def changes(self, container: str) -> list[dict[str, Any]]:
+        with _sdk_refusals():
+            return self.api.diff(container) or []
+
+    def commit(self, container: str, repo: str, tag: str) -> str:
+        with _sdk_refusals():
+            return self.api.commit(container, repository=repo, tag=tag, pause=False)["Id"]
+
+    def remove_image(self, image: str) -> None:
+        with _sdk_refusals():
+            self.api.remove_image(image, force=True)
 
     def get_archive(self, container: str, path: str, chunk: int) -> Iterator[bytes]:
         with _sdk_refusals():

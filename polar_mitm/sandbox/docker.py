@@ -46,6 +46,7 @@ from typing import Any, BinaryIO
 
 from polar_mitm.proxy.certs import CA
 from polar_mitm.sandbox.base import (
+    CHANGES_LISTED,
     CHANNEL_SOCKET,
     FORWARDER_ROOT,
     HARNESS_BIN,
@@ -53,13 +54,17 @@ from polar_mitm.sandbox.base import (
     NODE_BIN,
     NPM_MODULES,
     PIDS_LIMIT,
+    READ_LIMIT,
     ROOT_CAPS,
     ExecResult,
     ExportTooLarge,
     Leftover,
     RuntimeUnavailable,
+    Sandbox,
     SandboxError,
     SandboxSpec,
+    Snapshot,
+    Unreadable,
     ca_mounts,
     chown,
     exec_then_seal,
@@ -67,6 +72,7 @@ from polar_mitm.sandbox.base import (
     host_process,
     sandbox_ca,
     tail,
+    tar_file,
     tree_size,
 )
 from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
@@ -89,9 +95,17 @@ HOST_KEYS = frozenset(
         "pids_limit",
         "nano_cpus",
         "mem_limit",
+        "readonly_paths",
     }
 )
+# A verifier's /proc is read-only as a whole (Docker's own read-only paths are parts of it): the
+# tests run the agent's code as root, which could otherwise write the memory of the tests' own
+# shell through /proc/<pid>/mem (no capability needed for a process of the same user) or a
+# kernel knob; writes through /proc/self/fd/N reach their files' own mounts, as before.
+VERIFIER_READONLY_PATHS = ["/proc", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 LABEL = "polar-mitm"
+SNAPSHOT_REPO = "polar-mitm/snapshot"  # agent containers kept for their verifiers (shared mode)
+SNAPSHOT_LIMIT = 8 << 30  # bytes an agent's changes may claim (file sizes) to be kept for scoring
 
 
 class ImageUnavailable(RuntimeUnavailable):
@@ -202,6 +216,8 @@ class DockerSandbox:
         self.quiet = quiet  # nothing of its own runs but its init (a verifier without a channel)
         self._stopped = False
         self._halted = False
+        # While a verifier's tests run (exec_sealed): what a seal on their timeout found.
+        self._sealing: list[Leftover] | None = None
 
     @property
     def calls(self) -> DaemonCalls | SdkCalls:
@@ -236,7 +252,10 @@ class DockerSandbox:
             code, out = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             timed_out = True
-            await self._kill_all()
+            if self._sealing is not None:  # the tests overran: sealed as they stand, not restarted
+                self._sealing.extend(await self.seal())
+            else:
+                await self._kill_all()
             code, out = await self._settle(fut)
         except asyncio.CancelledError:
             await asyncio.shield(self._kill_all(restart=False))  # it is being stopped
@@ -330,7 +349,7 @@ class DockerSandbox:
         except Exception as e:
             raise SandboxError(f"container {self.name}: copy {src} to {dest}: {e}") from e
 
-    async def read(self, path: str) -> bytes | None:
+    async def read(self, path: str, limit: int = READ_LIMIT) -> bytes | None:
         def get() -> bytes | None:
             try:
                 stream = self.calls.get_archive(self.container.id, path, CHUNK)
@@ -338,14 +357,19 @@ class DockerSandbox:
                 if e.status == 404:
                     return None
                 raise
-            raw = b"".join(stream)
-            with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
-                member = next((m for m in tar.getmembers() if m.isfile()), None)
-                f = tar.extractfile(member) if member else None
-                return f.read() if f else None
+            try:
+                return tar_file(iter(stream), path, limit)
+            except tarfile.TarError as e:
+                raise Unreadable(f"{path}: the daemon's archive of it is unreadable: {e}") from None
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()  # stop the daemon's tar rather than draining it
 
         try:
             return await asyncio.to_thread(get)
+        except Unreadable:
+            raise
         except Exception as e:
             raise SandboxError(f"container {self.name}: read {path}: {e}") from e
 
@@ -442,7 +466,16 @@ class DockerSandbox:
         # and our own commands, each ended before the tests: whatever is there after them is
         # theirs, so nothing is listed before.
         before: set[int] | None = set() if self.quiet else None
-        return await exec_then_seal(self, cmd, env=env, timeout=timeout, workdir=workdir, before=before)
+        if before is None:
+            before = {p.pid for p in await self.processes()}
+        self._sealing = []
+        try:
+            r, left = await exec_then_seal(
+                self, cmd, env=env, timeout=timeout, workdir=workdir, before=before
+            )
+        finally:
+            sealed, self._sealing = self._sealing, None
+        return r, [*(p for p in sealed if p.pid not in before), *left]
 
     def _host_processes(self) -> list[Leftover]:
         """The container's processes but its init, read from this host's /proc: the children of
@@ -520,6 +553,8 @@ class DockerRuntime:
     name = "docker"
     isolated = True
     fresh_verifier = True
+    mounts_inputs = True
+    snapshots = True
 
     def __init__(self, client: Any | None = None, *, network: str = "none"):
         """`network`: "none" (isolated; the harness reaches the proxy through its channel) or
@@ -623,9 +658,44 @@ class DockerRuntime:
 
         return await asyncio.to_thread(build)
 
+    async def snapshot(self, sandbox: Sandbox, name: str) -> Snapshot:
+        """`docker commit` of the halted container: its layer (what the agent added, changed or
+        removed anywhere, within SNAPSHOT_LIMIT bytes by its files' sizes) over the task's image,
+        as an image of its own; bind mounts (HOME, the harness) are not part of it."""
+        assert isinstance(sandbox, DockerSandbox)
+        cid = sandbox.container.id
+        tag = re.sub(r"[^a-z0-9_.-]", "-", name.lower())[:120]
+
+        def commit() -> Snapshot:
+            claimed = sandbox._changed_size("/", SNAPSHOT_LIMIT)
+            if claimed is not None and claimed > SNAPSHOT_LIMIT:
+                raise ExportTooLarge(
+                    f"container {sandbox.name}: its changes hold more than {SNAPSHOT_LIMIT} bytes"
+                )
+            changes = self.calls.changes(cid)
+            self.calls.commit(cid, SNAPSHOT_REPO, tag)
+            paths = [str(c.get("Path")) for c in changes[:CHANGES_LISTED]]
+            return Snapshot(f"{SNAPSHOT_REPO}:{tag}", paths, len(changes))
+
+        try:
+            return await asyncio.to_thread(commit)
+        except ExportTooLarge:
+            raise
+        except Exception as e:
+            raise SandboxError(f"container {sandbox.name}: snapshot failed: {e}") from e
+
+    async def drop_snapshot(self, snapshot: Snapshot) -> None:
+        try:
+            await asyncio.to_thread(self.calls.remove_image, snapshot.ref)
+        except DaemonRefused as e:
+            if e.status != 404:
+                log.warning("could not remove snapshot %s: %s", snapshot.ref, e)
+        except Exception as e:
+            log.warning("could not remove snapshot %s: %s", snapshot.ref, e)
+
     async def start(self, task: Task, spec: SandboxSpec) -> DockerSandbox:
         await self.prepare(task)
-        image = self._images[task.id]
+        image = spec.image or self._images[task.id]
         agent = spec.purpose == "agent"
         volumes: dict[str, dict[str, str]] = {}
         home: str | None = None
@@ -638,7 +708,7 @@ class DockerRuntime:
         channel = spec.channel is not None and self.network == "none"
         node = spec.harness.node if agent and spec.harness is not None else spec.forwarder_node
         if not agent:  # a verifier: nothing of ours but, where it may reach the internet, its channel
-            volumes = {}
+            volumes = {str(host): {"bind": inside, "mode": "ro"} for host, inside in spec.inputs}
             if channel and node is not None:
                 volumes[str(node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
         if channel:
@@ -744,6 +814,7 @@ class DockerRuntime:
         api = self.client.api
         host = {k: kw[k] for k in HOST_KEYS if k in kw}
         host["binds"] = host.pop("volumes", None) or None
+        readonly = host.pop("readonly_paths", None)
         config = api.create_container_config(
             image,
             kw.get("command"),
@@ -751,6 +822,8 @@ class DockerRuntime:
             detach=True,
             host_config=api.create_host_config(**host),
         )
+        if readonly:  # the SDK has no argument for it; the daemon's API does
+            config["HostConfig"]["ReadonlyPaths"] = readonly
         cid = self.calls.create(config, kw["name"])
         try:
             self.calls.start(cid)
@@ -773,9 +846,15 @@ class DockerRuntime:
     def _verifier_options(self, volumes: dict[str, dict[str, str]]) -> dict[str, Any]:
         """A verifier's container: nothing of ours mounted (no session directory, CA or harness)
         but its channel's socket, the forwarder and the node it runs on, read-only, where the
-        task lets its verifier reach the internet; no network besides; the image's own user,
-        binaries and environment."""
-        return {"network_mode": "none", "volumes": volumes, "mounts": []}
+        task lets its verifier reach the internet, and its read-only inputs (the tests, the
+        canary); no network besides; /proc read-only; the image's own user, binaries and
+        environment."""
+        return {
+            "network_mode": "none",
+            "volumes": volumes,
+            "mounts": [],
+            "readonly_paths": VERIFIER_READONLY_PATHS,
+        }
 
     async def remove(self, container: Any) -> None:
         try:
@@ -794,4 +873,11 @@ class DockerRuntime:
             return 0
         for c in found:
             await self.remove(c)
+        try:  # snapshots a crashed run left (an image carries its agent container's labels)
+            images = await asyncio.to_thread(self.client.images.list, filters=filters)
+        except Exception:
+            images = []
+        for img in images:
+            for ref in [t for t in img.tags if t.startswith(SNAPSHOT_REPO + ":")]:
+                await self.drop_snapshot(Snapshot(ref, [], 0))
         return len(found)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import stat
 import tarfile
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -19,11 +20,13 @@ from typing import Any, BinaryIO
 from polar_mitm.procs import kill_group
 from polar_mitm.proxy.certs import CA
 from polar_mitm.sandbox.base import (
+    READ_LIMIT,
     ExecResult,
     ExportTooLarge,
     Leftover,
     SandboxError,
     SandboxSpec,
+    Unreadable,
     exec_then_seal,
     host_env,
     run_process,
@@ -87,11 +90,18 @@ class TempdirSandbox:
         else:
             shutil.copy2(src, target)
 
-    async def read(self, path: str) -> bytes | None:
+    async def read(self, path: str, limit: int = READ_LIMIT) -> bytes | None:
+        p = self.host_path(path)
         try:
-            return self.host_path(path).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            st = p.lstat()
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > limit:
+            raise Unreadable(f"{path} holds {st.st_size} bytes, more than the {limit} read")
+        with open(p, "rb") as f:
+            return f.read(limit)
 
     async def alive(self) -> bool:
         return not self._stopped and self.root.is_dir()
@@ -159,6 +169,14 @@ class TempdirRuntime:
     name = "local"
     isolated = False
     fresh_verifier = False  # a host directory: scored in place, as the detail records
+    mounts_inputs = False
+    snapshots = False
+
+    async def snapshot(self, sandbox: Any, name: str) -> Any:
+        raise SandboxError(f"the {self.name} runtime keeps no snapshots; its verifier runs separate")
+
+    async def drop_snapshot(self, snapshot: Any) -> None:
+        return None
 
     async def check(self) -> None:
         return None

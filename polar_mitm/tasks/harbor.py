@@ -8,6 +8,7 @@ are ignored, since Harbor adds some over time, but a known field of the wrong ty
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,12 @@ class VerifierSection(_Section):
     # Ours, beside Harbor's: whether the verifier may reach the internet (None: as the task's
     # [environment] says; Harbor's [agent] network_mode applies while the agent runs only).
     allow_internet: bool | None = None
+    # Harbor's: "shared" (the agent's environment, its default) or "separate"; a
+    # [verifier.environment] of its own means separate.
+    environment_mode: Literal["shared", "separate"] | None = None
+    environment: dict[str, Any] | None = None
+    # Ours: which key of a multi-key reward.json the trainer gets (or mean/min/max).
+    reward_key: str | None = None
 
 
 class EnvironmentSection(_Section):
@@ -132,8 +139,9 @@ def load_harbor_task(directory: Path) -> Task:
             image=env.docker_image,
             dockerfile=dockerfile if env.docker_image is None and dockerfile.is_file() else None,
             workdir=env.workdir,
-            env=env.env,
+            env=resolve_env(env.env, directory / "task.toml", "[environment.env]"),
             allow_internet=allow_internet,
+            allowed_hosts=list(metadata.get("allowed_hosts") or []),
             cpus=env.cpus,
             memory_mb=memory_mb,
             agent_timeout_sec=config.agent.timeout_sec,
@@ -141,14 +149,42 @@ def load_harbor_task(directory: Path) -> Task:
                 kind="harbor",
                 tests_dir=tests_dir,
                 timeout_sec=config.verifier.timeout_sec,
-                env=config.verifier.env,
+                env=resolve_env(config.verifier.env, directory / "task.toml", "[verifier.env]"),
                 internet=verifier_internet,
+                reward_key=config.verifier.reward_key,
+                environment_mode=config.verifier.environment_mode
+                or ("separate" if config.verifier.environment is not None else None),
             ),
             source=str(directory),
             metadata=metadata,
         )
     except ValidationError as e:
         raise TaskFileError.from_validation(directory, e) from None
+
+
+_TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?\}")
+
+
+def resolve_env(env: dict[str, str], source: Path, section: str) -> dict[str, str]:
+    """A task's environment values as Harbor resolves them: a value that is a whole `${VAR}` or
+    `${VAR:-default}` takes VAR from the environment this rollout runs in (a secret an LLM judge
+    needs, say), or the default; anything else is literal. A VAR unset without a default is an
+    error naming it. The task names which of the operator's variables it reads: a task set is
+    the operator's own choice, as in Harbor."""
+    out = {}
+    for key, value in env.items():
+        match = _TEMPLATE.fullmatch(value)
+        if match is None:
+            out[key] = value
+        elif match[1] in os.environ:
+            out[key] = os.environ[match[1]]
+        elif match[2] is not None:
+            out[key] = match[2]
+        else:
+            raise TaskFileError(
+                source, f"{section} {key} = {value!r}: {match[1]} is not set here and has no default"
+            )
+    return out
 
 
 def _read_config(path: Path) -> HarborTaskConfig:
@@ -176,8 +212,8 @@ def _verifier_network(config: HarborTaskConfig) -> bool:
 def _network(config: HarborTaskConfig) -> tuple[bool, dict[str, Any]]:
     """Whether the agent may reach the internet, and the task's metadata with any allowlist in it.
 
-    We cannot allow some hosts and not others yet, so an allowlist counts as no internet; its hosts
-    stay in the metadata.
+    An allowlist is no internet but its hosts (`Task.allowed_hosts`, public addresses only); its
+    hosts stay in the metadata too.
     """
     agent, env = config.agent, config.environment
     metadata = dict(config.metadata)

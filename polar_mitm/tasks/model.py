@@ -29,9 +29,9 @@ class EvaluatorSpec(BaseModel):
     - `command`: run `command` (a shell line) in the workdir; reward 1.0 when it exits 0, else 0.0,
       unless `reward_file` names a file the command writes (a float, or JSON `{"reward": x}`); the
       file is removed before the command runs, so one the agent left never counts.
-    - `harbor`: copy `tests_dir` to `/tests`, create `/logs/verifier` empty, run `/tests/test.sh`,
-      read `reward.txt` or `reward.json` there (the one the tests name, else the one the verifier
-      wrote); the reward counts only if the verifier exits 0.
+    - `harbor`: `tests_dir` at `/tests` (read-only where the runtime can), `/logs/verifier` created
+      empty, `/tests/test.sh` run, `reward.json` or else `reward.txt` read there, as Harbor does
+      (only the one the tests name when they name one), whatever the script's exit status.
     - `swebench`: the repository, test files and conftest.py files from the image, apply
       `test_patch`, run `test_command`; 1.0 when every FAIL_TO_PASS test passes and every
       PASS_TO_PASS test still passes.
@@ -58,6 +58,15 @@ class EvaluatorSpec(BaseModel):
     # Whether the verifier may reach the internet (through its own channel, under the same egress
     # rules as the agent: never this machine, never the model); None: as the task allows.
     internet: bool | None = None
+    # The one number a trainer gets from a reward file with several keys (`reward.json`'s
+    # `{"correctness": 1, "performance": 0.5}`): a key, or `mean` / `min` / `max` of them all;
+    # None: `reward` where there is one, else the only key, else the mean (every key is kept in
+    # reward_detail.rewards). The rollout's `--reward-key` applies where the task names none.
+    reward_key: str | None = None
+    # Where the tests run (rollout/verify.py): "shared", a sandbox from a snapshot of the agent's
+    # (everything it changed, nothing it runs: Harbor's default), or "separate", one from the
+    # task's image with the agent's workdir; None: shared for `harbor`, separate otherwise.
+    environment_mode: Literal["shared", "separate"] | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> EvaluatorSpec:
@@ -83,6 +92,9 @@ class Task(BaseModel):
     setup: list[str] = Field(default_factory=list)  # shell lines run once the sandbox is up
     env: dict[str, str] = Field(default_factory=dict)
     allow_internet: bool = True  # False: the proxy refuses every host but the model's
+    # Hosts its sandboxes may reach even without the internet (Harbor's `allowlist` network
+    # mode), at public addresses: by name or `*.suffix`. The operator's --egress-allow widens more.
+    allowed_hosts: list[str] = Field(default_factory=list)
     cpus: float | None = None
     memory_mb: int | None = None
     agent_timeout_sec: float = 600.0

@@ -399,12 +399,11 @@ def test_rollout_command_says_when_docker_is_not_running(tmp_path, monkeypatch):
 
 
 def test_reward_files_and_pytest_summaries_are_read_as_their_tools_write_them():
-    from polar_mitm.rollout.evaluators import EvaluatorError, parse_reward, patched_files, pytest_results
+    from polar_mitm.rollout.evaluators import parse_reward, patched_files, pytest_results
 
-    assert parse_reward(b"1\n", "r") == 1.0 and parse_reward('{"reward": 0.25}', "r") == 0.25
-    assert parse_reward('{"accuracy": 0.5}', "r") == 0.5  # a single metric
-    with pytest.raises(EvaluatorError, match="r: expected a number"):
-        parse_reward('{"a": 1, "b": 2}', "r")
+    assert parse_reward(b"1\n", "r") == 1.0 and parse_reward('{"reward": 0.25}', "r.json") == 0.25
+    assert parse_reward('{"accuracy": 0.5}', "r.json") == 0.5  # a single metric
+    assert parse_reward('{"a": 1, "b": 0}', "r.json") == 0.5  # several: their mean (every key kept)
     out = "PASSED tests/test_calc.py::test_add\nFAILED tests/test_calc.py::test_sub - assert 1 == 2\n"
     assert pytest_results(out) == {
         "tests/test_calc.py::test_add": "PASSED",
@@ -434,20 +433,17 @@ async def test_a_reward_file_the_agent_leaves_does_not_count_and_the_detail_says
     assert verifier["sandbox"] == "agent" and verifier["runtime"] == "local" and not verifier["isolated"]
 
 
-def test_harbor_reward_file_is_the_one_the_tests_name_else_the_one_the_verifier_wrote(tmp_path):
-    from polar_mitm.rollout.evaluators import harbor_reward_file, harbor_reward_names
+def test_harbor_reward_file_is_the_one_the_tests_name_else_reward_json_first(tmp_path):
+    from polar_mitm.rollout.evaluators import harbor_reward_names, harbor_reward_order
 
     (tmp_path / "test.sh").write_text("python3 /tests/grade.py\n")
     assert harbor_reward_names(tmp_path) == []
     (tmp_path / "grade.py").write_text("open('/logs/verifier/reward.json', 'w').write('1')\n")
     assert harbor_reward_names(tmp_path) == ["reward.json"]
     # Named: only that file counts, even when the other one is there too.
-    assert harbor_reward_file(["reward.json"], ["reward.txt", "reward.json"])[0] == "reward.json"
-    assert harbor_reward_file(["reward.json"], ["reward.txt"])[0] == "reward.json"
-    # Not named (or both): what the verifier wrote into the empty directory.
-    assert harbor_reward_file([], ["reward.json"])[0] == "reward.json"
-    assert harbor_reward_file(["reward.txt", "reward.json"], ["reward.txt", "reward.json"])[0] == "reward.txt"
-    assert harbor_reward_file([], []) == (None, "the verifier wrote no reward file")
+    assert harbor_reward_order(["reward.json"])[0] == ["reward.json"]
+    # Not named (or both): Harbor's order, reward.json when it was written, else reward.txt.
+    assert harbor_reward_order([])[0] == ["reward.json", "reward.txt"]
 
 
 def test_swebench_artefacts_leave_out_what_comes_from_the_image():

@@ -54,3 +54,19 @@ async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
             stop_node(p)
         await svc.server.stop()
         await runner.cleanup()
+
+
+@pytest.fixture(params=["docker", "apptainer"])
+def runtime(request, docker_client, tmp_path):
+    """Each verdict attack (test_reward_cheats.py, test_verdict_attacks.py) against both runtimes
+    with a fresh verifier: Docker, and Apptainer (the real binary; the image converted from the
+    local daemon once)."""
+    if request.param == "docker":
+        from polar_mitm.sandbox.docker import DockerRuntime
+
+        return DockerRuntime()
+    from polar_mitm.sandbox.apptainer import ApptainerRuntime
+
+    return ApptainerRuntime(
+        binary=request.getfixturevalue("apptainer_binary"), registry_dir=tmp_path / "registry"
+    )

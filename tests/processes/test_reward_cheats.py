@@ -122,26 +122,13 @@ def samples(db: str) -> dict[str, tuple[str, float, dict]]:
     return {t: (st, r, json.loads(d) if d else {"cause": c}) for t, st, r, d, c in rows}
 
 
-@pytest.fixture(params=["docker", "apptainer"])
-def runtime(request, docker_client, tmp_path):
-    """Each cheat against both runtimes with a fresh verifier: Docker, and Apptainer (the real
-    binary; the image converted from the local daemon once)."""
-    if request.param == "docker":
-        return DockerRuntime()
-    from polar_mitm.sandbox.apptainer import ApptainerRuntime
-
-    return ApptainerRuntime(
-        binary=request.getfixturevalue("apptainer_binary"), registry_dir=tmp_path / "registry"
-    )
-
-
 async def rollout(
-    stack, tasks: list[Task], tmp_path: Path, docker_client, runtime=None
+    stack, tasks: list[Task], tmp_path: Path, docker_client, runtime=None, harness: str = HARNESS
 ) -> dict[str, tuple[str, float, dict]]:
     runtime = runtime or DockerRuntime()
     options = RolloutOptions(
         harness="claude-code",
-        harness_cmd=["sh", "-c", HARNESS, "harness", "{instruction}"],
+        harness_cmd=["sh", "-c", harness, "harness", "{instruction}"],
         runtime=runtime.name,
         init_workers=4,
         run_workers=4,
@@ -161,8 +148,9 @@ async def rollout(
 
 
 def assert_fresh_verifier(detail: dict, image: str) -> None:
-    """Scored in a container (or instance) of its own, started from the task's image after the
-    agent's was stopped."""
+    """Scored in a container (or instance) of its own, started after the agent's was stopped:
+    from a snapshot of the agent's (Harbor tasks on Docker: Harbor's shared mode, nothing the
+    agent ran), or from the task's image holding the agent's workdir (separate mode)."""
     v = detail["verifier"]
     assert v["sandbox"] == "fresh", v
     assert v["network"] == "none" and v["agent_stopped_first"] is True
@@ -170,8 +158,12 @@ def assert_fresh_verifier(detail: dict, image: str) -> None:
         assert v["image"].endswith(".sif") and v["user"] == "root, without capabilities", v
         assert v["instance"] != v["agent_sandbox"] and v["supervisor"] == "reap.py"
     else:
-        assert v["image"] == image and v["user"] == "root"
-        assert v["container"] != v["agent_sandbox"]
+        assert v["user"] == "root" and v["container"] != v["agent_sandbox"]
+        if v["mode"] == "shared":
+            assert v["image"].startswith("polar-mitm/snapshot:") and v["copied"]["snapshot"] == v["image"], v
+            return
+        assert v["image"] == image
+    assert v["mode"] == "separate"
     assert v["copied"]["from"] == "/app" or v["copied"]["from"] == "/testbed"
 
 

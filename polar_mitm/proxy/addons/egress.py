@@ -15,6 +15,13 @@ Two lists of sessions, both set by the rollout pipeline for its samples:
 - `modelless` (a verifier that may reach the internet): the hosts the proxy answers itself (the
   model, the stubs) are refused; `contained` applies as well.
 
+Widened on purpose, by name only: the operator's `--egress-allow` hosts (`widen`: a private
+package mirror) are reachable from every sandboxed session, offline ones too, also where they
+resolve to a private or reserved address (never loopback, link-local or unspecified ones); a
+task's own allowed hosts (`allow_hosts`: Harbor's `allowlist` network mode) are reachable from its
+sessions at public addresses only. Every refusal is counted per session and host
+(`take_refused`), so a verdict the network decided is visible in its sample's reward_detail.
+
 All apply to the session the proxy settled for the connection (`proxy/addons/sessions.py`): for a
 rollout, the sample's own channel, not a name the client chose.
 """
@@ -64,6 +71,29 @@ def host_local(ip: str) -> bool:
         return False
 
 
+REFUSED_HOSTS = 50  # hosts counted per session
+
+
+def _never(ip: str) -> bool:
+    """An address no sandbox reaches even by an operator's name: this machine's loopback, a
+    link-local, unspecified or multicast one."""
+    try:
+        a = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return True
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    return a.is_loopback or a.is_link_local or a.is_unspecified or a.is_multicast
+
+
+def _hosts_pattern(hosts: list[str]) -> re.Pattern[str] | None:
+    """One pattern for host names and `*.suffix` wildcards (case-insensitive), None for none."""
+    names = [h.strip().lower() for h in hosts if h.strip()]
+    if not names:
+        return None
+    return re.compile("^(?:" + "|".join(host_pattern(h) for h in sorted(set(names))) + ")$")
+
+
 def _refuse(flow: http.HTTPFlow, text: str) -> None:
     flow.response = http.Response.make(403, text.encode(), {"content-type": "text/plain"})
 
@@ -75,6 +105,30 @@ class Egress:
         self.contained: set[str] = set()  # sessions that may reach no host service
         self.modelless: set[str] = set()  # sessions that may not reach the model (verifiers)
         self.refused = 0
+        self.widened: re.Pattern[str] | None = None  # the operator's hosts (widen)
+        self.allowed: dict[str, re.Pattern[str]] = {}  # a session's task's own hosts
+        self._refusals: dict[str, dict[str, int]] = {}  # session -> host -> refusals
+
+    def widen(self, hosts: list[str]) -> None:
+        """The operator's hosts (`--egress-allow`): reachable from every sandboxed session, also
+        at private or reserved addresses."""
+        self.widened = _hosts_pattern(hosts)
+
+    def allow_hosts(self, session: str, hosts: list[str]) -> None:
+        """A task's own hosts: reachable from its session (offline or not), public addresses only."""
+        pattern = _hosts_pattern(hosts)
+        if pattern is not None:
+            self.allowed[session] = pattern
+
+    def take_refused(self, session: str) -> dict[str, int]:
+        """The hosts refused to `session` and how often, forgotten once taken."""
+        return self._refusals.pop(session, {})
+
+    def _count(self, session: str | None, host: str) -> None:
+        self.refused += 1
+        per = self._refusals.setdefault(str(session), {})
+        if host in per or len(per) < REFUSED_HOSTS:
+            per[host] = per.get(host, 0) + 1
 
     def deny_internet(self, session: str) -> None:
         self.offline.add(session)
@@ -95,6 +149,7 @@ class Egress:
         self.offline.discard(session)
         self.contained.discard(session)
         self.modelless.discard(session)
+        self.allowed.pop(session, None)
 
     async def _check(self, flow: http.HTTPFlow, connect: bool) -> None:
         if flow.response is not None:
@@ -104,15 +159,17 @@ class Egress:
         # a client may name a provider there and connect anywhere.
         host = flow.request.host.lower()
         if session in self.modelless and self.pattern.match(host):
-            self.refused += 1
+            self._count(session, host)
             log.info("refused %s for session %s, which may not reach the model", host, session)
             _refuse(flow, f"polar-mitm: {host} is not reachable from a verifier: the model is not.\n")
             return
         if self.pattern.match(host) or (session not in self.offline and session not in self.contained):
             return
         port = flow.request.port
-        if session in self.offline:
-            self.refused += 1
+        widened = self.widened is not None and self.widened.match(host) is not None
+        own = session in self.allowed and self.allowed[session].match(host) is not None
+        if session in self.offline and not (widened or own):
+            self._count(session, host)
             log.info("refused %s:%s for offline session %s", host, port, session)
             _refuse(
                 flow,
@@ -125,7 +182,7 @@ class Egress:
         except OSError as e:
             # Fail closed: letting it through would have mitmproxy resolve the name again when the
             # client sends data, and the client's DNS chooses what it says then.
-            self.refused += 1
+            self._count(session, host)
             log.info("refused %s:%s (does not resolve: %s) for sandboxed session %s", host, port, e, session)
             _refuse(
                 flow,
@@ -134,8 +191,12 @@ class Egress:
             )
             return
         addresses = [str(info[4][0]) for info in infos]
-        if not addresses or any(host_local(a) for a in addresses):
-            self.refused += 1
+        if widened:
+            refused = not addresses or any(_never(a) for a in addresses)
+        else:
+            refused = not addresses or any(host_local(a) for a in addresses)
+        if refused:
+            self._count(session, host)
             log.info("refused %s:%s (a host address) for sandboxed session %s", host, port, session)
             _refuse(
                 flow,
