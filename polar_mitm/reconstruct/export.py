@@ -4,7 +4,8 @@ Prefix merging needs a session's whole tree before it can say which rows exist, 
 interleaved in the store. Rather than buffer every open session of one global pass, the export
 reads one session at a time (`read_turns(session=...)`, served by the store's
 `(session_id, seq)` index), so memory holds one session's unique tokens plus one row group.
-Per-request rows need no grouping and come from a single pass in creation order.
+Per-request rows are read the same way: a turn's role depends on the other conversations of its
+session (`structure`), so one session's turns are held at a time.
 
 Formats are a registry: `FORMATS[name]` opens a `Sink` for an output path; add an entry (and,
 if it needs one, a field of `SinkOptions`) to add a format to `polar-mitm export --format`. A sink
@@ -35,7 +36,7 @@ from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.groups import annotate, group_advantages
 from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
-from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids
+from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids, tool_results
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA, Trajectory, to_table
 from polar_mitm.store.queries import session_rewards, tool_calls
@@ -204,13 +205,21 @@ def iter_trajectories(
     rewards = session_rewards(path)
     samples = read_samples(path, rollout=selection.rollout)
     advantage = group_advantages(samples, normalize) if normalize else {}
+    rows: Iterator[Trajectory]
     if strategy == Strategy.PER_REQUEST:
         # Arrays, not lists: a per-request row repeats its whole prompt, and a Python int per
         # token cost more than the rest of the export.
-        rows = per_request(
-            read_selected(path, selection, stats=stats, on_turn=on_turn, arrays=True),
-            rewards=rewards,
-            stats=stats,
+        # Session by session: a turn's role depends on its session's other conversations.
+        rows = (
+            row
+            for session in session_ids(path, selection)
+            for row in per_request(
+                read_selected(path, selection, session=session, stats=stats, on_turn=on_turn, arrays=True),
+                rewards=rewards,
+                stats=stats,
+                tool_calls=lambda ids: tool_calls(path, ids),
+                tool_results=lambda ids: tool_results(path, ids),
+            )
         )
     elif strategy == Strategy.PREFIX_MERGE:
         rows = (
@@ -222,6 +231,7 @@ def iter_trajectories(
                 text=text,
                 stats=stats,
                 tool_calls=lambda ids: tool_calls(path, ids),
+                tool_results=lambda ids: tool_results(path, ids),
             )
         )
     else:

@@ -3,6 +3,12 @@
 `prompt_ids` is what the engine received, `response_ids` what it sampled (the stop token
 included), `loss_mask` is all 1 and `response_logprobs` are the engine's. Nothing is merged, so
 a session of n turns costs its context n times over; `prefix_merge` is the compact alternative.
+
+Each row's `role` and `parent_id` come from the same pass as prefix-merge's
+(`SessionMerger.turn_links`, `structure.link`): a turn's role is its conversation's, and its
+parent is the turn it came from (a subagent's spawning turn, a compaction's summarized turn),
+which is a row of its own here. So the turns of a session are held until its last one is read;
+feed one session at a time (what `export.iter_trajectories` does).
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from polar_mitm.reconstruct.prefix_merge import SessionMerger, ToolCallsOf, ToolResultsOf
 from polar_mitm.reconstruct.stats import ReconstructStats
+from polar_mitm.reconstruct.structure import Link
 from polar_mitm.reconstruct.trajectory import (
     MASK_DTYPE,
     Trajectory,
@@ -30,12 +38,18 @@ def per_request(
     *,
     rewards: Mapping[str, float | None] | None = None,
     stats: ReconstructStats | None = None,
+    tool_calls: ToolCallsOf | None = None,
+    tool_results: ToolResultsOf | None = None,
 ) -> Iterator[Trajectory]:
-    """One `Trajectory` per turn, in the order given. `rewards` maps session id → reward.
+    """One `Trajectory` per turn, in the order given. `rewards` maps session id → reward;
+    `tool_calls` and `tool_results` are the store's evidence for the structure (as for
+    `prefix_merge`; without them no subagent or continuation is recognized).
 
     A turn's ids and logprobs may be lists or numpy arrays (`read_turns(arrays=True)`, which the
     export uses: no Python int per token); the rows hold the same values either way."""
     rewards = rewards or {}
+    turns = list(turns)
+    links = turn_links(turns, tool_calls=tool_calls, tool_results=tool_results, stats=stats)
     for turn in turns:
         output, logprobs, fits = output_arrays(turn.output_ids, turn.output_logprobs)
         if stats is not None and not fits:
@@ -51,6 +65,7 @@ def per_request(
             "status": turn.status,
             "prompt_ref": turn.prompt_ref,
             "prompt_ref_len": turn.prompt_ref_len,
+            **links[turn.id].meta(),
         }
         yield Trajectory(
             trajectory_id=turn.id,
@@ -64,6 +79,29 @@ def per_request(
             finish_reason=finish_reason_of(turn.finish_reason, turn.status),
             reward=rewards.get(turn.session_id),
             meta=meta,
-            # Each turn is its own row here; conversations are linked by prefix-merge only.
-            role="side" if turn.tag else "main",
+            role=links[turn.id].role,
+            parent_id=links[turn.id].parent_turn,
         )
+
+
+def turn_links(
+    turns: list[Turn],
+    *,
+    tool_calls: ToolCallsOf | None = None,
+    tool_results: ToolResultsOf | None = None,
+    stats: ReconstructStats | None = None,
+) -> dict[str, Link]:
+    """Every turn's role and origin, by turn id, session by session (the prefix tree is built
+    to find the conversations; its own counters are not this export's and are left out)."""
+    sessions: dict[str, SessionMerger] = {}
+    for turn in turns:
+        merger = sessions.get(turn.session_id)
+        if merger is None:
+            merger = sessions[turn.session_id] = SessionMerger(
+                turn.session_id, stats=ReconstructStats(), tool_calls=tool_calls, tool_results=tool_results
+            )
+        merger.add(turn)
+    links: dict[str, Link] = {}
+    for merger in sessions.values():
+        links.update(merger.turn_links(stats=stats if stats is not None else ReconstructStats()))
+    return links

@@ -106,9 +106,9 @@ class _Prompt:
 
     __slots__ = ("ids", "_array", "_bytes")
 
-    def __init__(self, ids: list[int]):
+    def __init__(self, ids: list[int] | np.ndarray):
         self.ids = ids
-        self._array: np.ndarray | None = None
+        self._array: np.ndarray | None = ids if isinstance(ids, np.ndarray) else None
         self._bytes: bytes | None = None
 
     def __len__(self) -> int:
@@ -143,11 +143,14 @@ class SessionMerger:
         text: TokenText | None = None,
         stats: ReconstructStats | None = None,
         tool_calls: ToolCallsOf | None = None,
+        tool_results: ToolResultsOf | None = None,
     ) -> None:
         self.session_id = session_id
-        # The tool calls (id, name) each of some turns made, from the store; asked only for
-        # sessions of several conversations (None: no subagent is recognized).
+        # The tool calls (id, name) each of some turns made, and the call ids whose results some
+        # turns' requests carry, from the store; asked only for sessions of several conversations
+        # (None: no subagent, and no continuation by a carried result, is recognized).
         self.tool_calls = tool_calls
+        self.tool_results = tool_results
         self.task_id = task_id
         self.reward = reward
         self.text = text or TokenText()
@@ -161,6 +164,7 @@ class SessionMerger:
         # The newest node and its full sequence as the store's list: a continuation's prompt
         # shares those very int objects, so comparing it costs a pointer check per token.
         self._last: tuple[_Node, list[int]] | None = None
+        self._links: dict[str, structure.Link] | None = None
 
     # --- placing turns ----------------------------------------------------------------------
 
@@ -200,7 +204,9 @@ class SessionMerger:
         parent.children.append(node)
         self.nodes.append(node)
         self.by_turn[turn.id] = node
-        self._last = (node, turn.prompt_ids + turn.output_ids)
+        # Token arrays (what a per-request export reads) take the memcmp path instead.
+        self._last = (node, turn.prompt_ids + turn.output_ids) if isinstance(turn.prompt_ids, list) else None
+        self._links = None
         if turn.finish_reason == "stop" and len(output):
             self.stop_ids.add(int(output[-1]))
 
@@ -284,6 +290,7 @@ class SessionMerger:
 
     def finish(self) -> Iterator[Trajectory]:
         """The session's rows, one per leaf, in the order their last turns were created."""
+        links = self.turn_links()
         self._drop_retries()
         for node in reversed(self.nodes):  # children come after parents
             if node.dropped:
@@ -296,15 +303,30 @@ class SessionMerger:
             node.best = node.best_child.best
             self.stats.branches += len(kept) - 1
         rows = [self._row(leaf) for leaf in self.nodes if not leaf.dropped and not leaf.children]
-        if len(self.root.children) > 1:
-            self._link(rows)
+        for row in rows:
+            found = links[row.turn_ids[0]]
+            row.role = found.role
+            if found.parent_turn is not None:
+                row.parent_id = self._trained_row(self.by_turn[found.parent_turn])
+            row.meta.update(found.meta())
         self._last = None
         yield from rows
 
-    def _link(self, rows: list[Trajectory]) -> None:
-        """Roles and parents of the rows of a session of several conversations (structure.py)."""
+    def turn_links(self, stats: ReconstructStats | None = None) -> dict[str, structure.Link]:
+        """Every turn's role and origin: its conversation's (`structure.link`), by turn id; a
+        session of one conversation is all `main`, or `side` where its first turn is tagged.
+        Where the evidence decided nothing, the break kind is counted in `stats` (default: the
+        merger's own). Call before `finish`, which drops retries from the tree."""
+        if self._links is not None:
+            return self._links
+        stats = stats if stats is not None else self.stats
+        tops = self.root.children
+        if len(tops) < 2:
+            one = structure.Link("side" if tops and tops[0].turn["tag"] is not None else "main")
+            self._links = dict.fromkeys(self.by_turn, one)
+            return self._links
         convs: list[tuple[_Node, list[_Node]]] = []
-        for top in self.root.children:
+        for top in tops:
             members, stack = [], [top]
             while stack:
                 n = stack.pop()
@@ -312,6 +334,8 @@ class SessionMerger:
                 stack.extend(n.children)
             convs.append((top, sorted(members, key=lambda n: n.order)))
         calls = self.tool_calls([n.turn_id for _, ms in convs for n in ms]) if self.tool_calls else {}
+        later = [top.turn_id for top, _ in convs[1:]]
+        results = self.tool_results(later) if self.tool_results else {}
         facts = []
         for top, members in convs:
             turns = [
@@ -332,19 +356,21 @@ class SessionMerger:
                     tag=top.turn["tag"],
                     prompt=np.frombuffer(top.interstitial, dtype=TOKEN_DTYPE),
                     turns=turns,
+                    results=frozenset(results.get(top.turn_id, ())),
                 )
             )
-        links = structure.link(facts)
-        for row in rows:
-            found = links[row.turn_ids[0]]
-            row.role = found.role
-            if found.parent_turn is not None:
-                row.parent_id = self._trained_row(self.by_turn[found.parent_turn])
-            row.meta.update(found.meta())
+        by_root = structure.link(facts)
+        for found in by_root.values():
+            if found.ambiguous is not None:
+                stats.breaks[found.ambiguous] += 1
+        self._links = {n.turn_id: by_root[top.turn_id] for top, members in convs for n in members}
+        return self._links
 
     @staticmethod
     def _trained_row(node: _Node) -> str:
-        """The id of the row that trains `node`: the leaf reached through its longest branches."""
+        """The id of the row that trains `node`: the leaf reached through its longest branches
+        (a dropped retry's: that of the retry kept in its place)."""
+        node = node.notes.get("kept", node)
         while node.best_child is not None:
             node = node.best_child
         return node.turn_id
@@ -363,6 +389,7 @@ class SessionMerger:
                 for c in group:
                     if c not in keep:
                         c.dropped = True
+                        c.notes["kept"] = keep[0]
                         self.stats.retries_dropped += 1
                 keep[0].notes["retries_dropped"] = len(group) - len(keep)
             parent.children = [c for c in parent.children if not c.dropped]
@@ -421,6 +448,7 @@ class SessionMerger:
 
 _NO_LOGPROBS = np.zeros(0, dtype=LOGPROB_DTYPE)
 ToolCallsOf = Callable[[list[str]], Mapping[str, list[tuple[str, str]]]]
+ToolResultsOf = Callable[[list[str]], Mapping[str, Iterable[str]]]
 
 
 def _distinct(values: Iterable[Any]) -> list[Any]:
@@ -434,6 +462,7 @@ def prefix_merge(
     text: TokenText | None = None,
     stats: ReconstructStats | None = None,
     tool_calls: ToolCallsOf | None = None,
+    tool_results: ToolResultsOf | None = None,
 ) -> Iterator[Trajectory]:
     """Prefix-merge `turns` (creation order, any sessions); rows come session by session.
 
@@ -451,6 +480,7 @@ def prefix_merge(
                 text=text,
                 stats=stats,
                 tool_calls=tool_calls,
+                tool_results=tool_results,
             )
         merger.add(turn)
     for merger in mergers.values():
