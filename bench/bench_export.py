@@ -163,7 +163,13 @@ def structure_cost(db: Path, work: Path) -> None:
     """Export time with the structure pass (roles and parents, `structure.link`) ÷ without it, in
     this run: without it, every turn is linked `main` at once. Per-request rows need the session's
     prefix tree for it; prefix-merge builds that tree anyway."""
-    from polar_mitm.reconstruct import per_request, prefix_merge, structure
+    import importlib
+
+    from polar_mitm.reconstruct import structure
+
+    # The modules, not the functions of the same names the package exports.
+    per_request = importlib.import_module("polar_mitm.reconstruct.per_request")
+    prefix_merge = importlib.import_module("polar_mitm.reconstruct.prefix_merge")
 
     main_link = structure.Link("main")
 

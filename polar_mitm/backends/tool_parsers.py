@@ -144,7 +144,8 @@ _PY_TYPES: dict[str, tuple[type, ...]] = {
 def _fits(args: dict[str, Any], schema: dict[str, Any]) -> bool:
     """The checks a trainer can rely on without a validator: required keys present, no key the
     schema forbids, each value of a clearly typed property of that type (null always passes)."""
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    found = schema.get("properties")
+    props: dict[str, Any] = found if isinstance(found, dict) else {}
     required = schema.get("required")
     if isinstance(required, list) and any(isinstance(k, str) and k not in args for k in required):
         return False

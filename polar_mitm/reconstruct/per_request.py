@@ -14,6 +14,7 @@ feed one session at a time (what `export.iter_trajectories` does).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -21,12 +22,15 @@ from polar_mitm.reconstruct.prefix_merge import SessionMerger, ToolCallsOf, Tool
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.structure import Link
 from polar_mitm.reconstruct.trajectory import (
+    LOGPROB_DTYPE,
     MASK_DTYPE,
+    TOOL_PARSE_POLICIES,
     Trajectory,
     finish_reason_of,
     output_arrays,
     token_array,
 )
+from polar_mitm.reconstruct.trajectory import tool_parse_failures as tool_parse_failures_of
 from polar_mitm.store.turn import Turn
 from polar_mitm.strategies import Strategy
 
@@ -40,13 +44,20 @@ def per_request(
     stats: ReconstructStats | None = None,
     tool_calls: ToolCallsOf | None = None,
     tool_results: ToolResultsOf | None = None,
+    tool_parse_failures: str = "keep",
 ) -> Iterator[Trajectory]:
     """One `Trajectory` per turn, in the order given. `rewards` maps session id → reward;
     `tool_calls` and `tool_results` are the store's evidence for the structure (as for
-    `prefix_merge`; without them no subagent or continuation is recognized).
+    `prefix_merge`; without them no subagent or continuation is recognized). A turn whose tool
+    calls did not all parse has its failures in the metadata, and with `tool_parse_failures`
+    "mask" its sampled tokens untrained (`TOOL_PARSE_POLICIES`; "zero" is the export's).
 
     A turn's ids and logprobs may be lists or numpy arrays (`read_turns(arrays=True)`, which the
     export uses: no Python int per token); the rows hold the same values either way."""
+    if tool_parse_failures not in TOOL_PARSE_POLICIES:
+        raise ValueError(
+            f"unknown tool-parse policy {tool_parse_failures!r}; choose one of {', '.join(TOOL_PARSE_POLICIES)}"
+        )
     rewards = rewards or {}
     turns = list(turns)
     links = turn_links(turns, tool_calls=tool_calls, tool_results=tool_results, stats=stats)
@@ -54,7 +65,7 @@ def per_request(
         output, logprobs, fits = output_arrays(turn.output_ids, turn.output_logprobs)
         if stats is not None and not fits:
             stats.mismatches["logprob_length"] += 1
-        meta = {
+        meta: dict[str, Any] = {
             "strategy": STRATEGY,
             "seq": turn.seq,
             "created_at": turn.created_at,
@@ -67,13 +78,20 @@ def per_request(
             "prompt_ref_len": turn.prompt_ref_len,
             **links[turn.id].meta(),
         }
+        mask = np.ones(len(output), dtype=MASK_DTYPE)
+        parsed, failures = tool_parse_failures_of(turn.tool_parse)
+        if failures:
+            meta["tool_parse_failures"] = [{"turn_id": turn.id, **f} for f in failures]
+            if tool_parse_failures == "mask":
+                mask[:] = 0
+                logprobs = np.zeros(len(output), dtype=LOGPROB_DTYPE)
         yield Trajectory(
             trajectory_id=turn.id,
             session_id=turn.session_id,
             task_id=turn.task_id,
             prompt_ids=token_array(turn.prompt_ids),
             response_ids=output,
-            loss_mask=np.ones(len(output), dtype=MASK_DTYPE),
+            loss_mask=mask,
             response_logprobs=logprobs,
             turn_ids=[turn.id],
             finish_reason=finish_reason_of(turn.finish_reason, turn.status),
@@ -81,6 +99,7 @@ def per_request(
             meta=meta,
             role=links[turn.id].role,
             parent_id=links[turn.id].parent_turn,
+            tool_parse=(failures[0].get("kind") if failures else "ok") if parsed else None,
         )
 
 

@@ -59,11 +59,13 @@ from polar_mitm.reconstruct.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
     TOKEN_DTYPE,
+    TOOL_PARSE_POLICIES,
     Trajectory,
     finish_reason_of,
     output_arrays,
     token_array,
 )
+from polar_mitm.reconstruct.trajectory import tool_parse_failures as tool_parse_failures_of
 from polar_mitm.store.turn import Turn
 from polar_mitm.strategies import Strategy
 
@@ -144,7 +146,15 @@ class SessionMerger:
         stats: ReconstructStats | None = None,
         tool_calls: ToolCallsOf | None = None,
         tool_results: ToolResultsOf | None = None,
+        tool_parse_failures: str = "keep",
     ) -> None:
+        if tool_parse_failures not in TOOL_PARSE_POLICIES:
+            raise ValueError(
+                f"unknown tool-parse policy {tool_parse_failures!r}; "
+                f"choose one of {', '.join(TOOL_PARSE_POLICIES)}"
+            )
+        # "mask": a turn whose tool calls did not all parse is not trained in any row.
+        self.mask_tool_parse_failures = tool_parse_failures == "mask"
         self.session_id = session_id
         # The tool calls (id, name) each of some turns made, and the call ids whose results some
         # turns' requests carry, from the store; asked only for sessions of several conversations
@@ -191,6 +201,7 @@ class SessionMerger:
                 "status": turn.status,
                 "finish_reason": finish_reason_of(turn.finish_reason, turn.status),
                 "weight_version": turn.weight_version,
+                "tool_parse": turn.tool_parse,
             },
             parent=parent,
             start=parent.length,
@@ -410,8 +421,12 @@ class SessionMerger:
         ids = np.frombuffer(b"".join(n.delta for n in path), dtype=TOKEN_DTYPE)
         mask = np.zeros(len(ids), dtype=MASK_DTYPE)
         logprobs = np.zeros(len(ids), dtype=LOGPROB_DTYPE)
-        for n, mine in zip(path, owned, strict=True):
-            if mine:
+        parse = [
+            tool_parse_failures_of(n.turn["tool_parse"]) if mine else (False, [])
+            for n, mine in zip(path, owned, strict=True)
+        ]
+        for n, mine, (_, failed) in zip(path, owned, parse, strict=True):
+            if mine and not (failed and self.mask_tool_parse_failures):
                 s = n.start + n.n_inter
                 mask[s : n.length] = 1
                 logprobs[s : n.length] = n.logprobs
@@ -443,12 +458,29 @@ class SessionMerger:
             reward=self.reward,
             meta=meta,
         )
+        if any(parsed for parsed, _ in parse):
+            cut = len(row.prompt_ids)
+            found = [
+                {**f, "turn_id": n.turn_id, "span": _shifted(f.get("span"), n.start + n.n_inter - cut)}
+                for n, (_, failed) in zip(path, parse, strict=True)
+                for f in failed
+            ]
+            row.tool_parse = found[0].get("kind") if found else "ok"
+            if found:
+                meta["tool_parse_failures"] = found
         return row
 
 
 _NO_LOGPROBS = np.zeros(0, dtype=LOGPROB_DTYPE)
 ToolCallsOf = Callable[[list[str]], Mapping[str, list[tuple[str, str]]]]
 ToolResultsOf = Callable[[list[str]], Mapping[str, Iterable[str]]]
+
+
+def _shifted(span: Any, by: int) -> list[int] | None:
+    """A failed block's span in its turn's sampled tokens, moved to the row's `response_ids`."""
+    if not (isinstance(span, list) and len(span) == 2):
+        return None
+    return [int(span[0]) + by, int(span[1]) + by]
 
 
 def _distinct(values: Iterable[Any]) -> list[Any]:
@@ -463,6 +495,7 @@ def prefix_merge(
     stats: ReconstructStats | None = None,
     tool_calls: ToolCallsOf | None = None,
     tool_results: ToolResultsOf | None = None,
+    tool_parse_failures: str = "keep",
 ) -> Iterator[Trajectory]:
     """Prefix-merge `turns` (creation order, any sessions); rows come session by session.
 
@@ -481,6 +514,7 @@ def prefix_merge(
                 stats=stats,
                 tool_calls=tool_calls,
                 tool_results=tool_results,
+                tool_parse_failures=tool_parse_failures,
             )
         merger.add(turn)
     for merger in mergers.values():
