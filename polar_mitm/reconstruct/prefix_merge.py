@@ -25,13 +25,19 @@ Rules (token ids only; nothing is ever re-tokenized):
    break too (`at: "branch"`). Prompts that diverge inside sampled tokens are also counted as
    `sampled_rewrite` mismatches.
 5. **Structure.** A session whose turns form several conversations (the root's children: a
-   subagent, a compacted conversation carried on, side calls) has each row's `role` and
-   `parent_id` set by `structure.link`: the parent is the row that trains the turn the
-   conversation came from (its tool call, or the summary it carries).
+   subagent, a compacted conversation carried on, side calls, a prompt that stopped extending
+   its history while the conversation went on) has each row's `role` and `parent_id` set by
+   `structure.link`, from the evidence `SessionMerger.turn_links` gathers (the tool calls each
+   turn made, the call results each later conversation's first request carries): the parent is
+   the row that trains the turn the conversation came from (its tool call, or the summary it
+   carries). Per-request rows take the same links (`per_request.turn_links`).
 6. **Rows.** `prompt_ids` is everything before the first mask-1 token, `response_ids` the rest;
    `finish_reason` is the last turn's; `trajectory_id` is the last turn's id; the session's
    reward goes on every row of the session; `metadata` (JSON) holds the strategy, weight versions,
    models, styles, tags, where the row branched from and its breaks.
+7. **Tool-call parse status.** A row's `tool_parse` is that of the turns it trains (null: no tool
+   parser read them; `ok`; or the first failure's kind), with every failure's span moved into
+   the row's `response_ids`; with `tool_parse_failures="mask"` a failed turn is trained nowhere.
 
 Cost: each turn is placed with the store's `prompt_ref` hint (the turn its prompt was stored as
 extending), verified by comparing tokens: against the newest sequence (the usual case: a linear
