@@ -20,9 +20,10 @@ evidence, strongest first:
    earlier calling reply whole (its stop token aside; a text reply repeated is a summary
    carried, rule 5), continues that turn's conversation: it
    takes that conversation's role and parent (`continues_turn_id` in the metadata), and the call
-   counts as answered. The newest such turn wins. Not where that conversation has an agent call
-   still open whose result the prompt does not carry (a forked subagent repeats its parent's
-   history): rule 4 decides then. Results of calls from conversations with different roles or
+   counts as answered. The newest such turn wins. Not where that conversation made an agent call,
+   at or after that turn, whose result the request does not carry (a forked subagent carries its
+   parent's history up to the call that spawned it, whether that call is still open or was
+   answered at once): rule 4 decides then. Results of calls from conversations with different roles or
    parents are ambiguous: the conversation is `main` with no parent and the break kind
    `ambiguous_continuation` is counted.
 4. **Subagent, by an agent call.** A conversation that starts while a call of a tool whose name
@@ -181,7 +182,7 @@ def _continued(
     if len(distinct) > 1:
         return Link("main", ambiguous="ambiguous_continuation")
     turn, other = max(carried, key=lambda p: p[0].created_at)
-    if _agent_open_not_carried(other, conv, answered):
+    if _forked_after(other, turn, conv):
         return None  # a forked subagent repeats the history of the conversation that spawned it
     for u, _ in carried:
         answered[u.id] = min(answered.get(u.id, _NEVER), t)
@@ -200,9 +201,12 @@ def _origin(found: Link) -> tuple[str, str | None]:
     return found.role, found.parent_turn
 
 
-def _agent_open_not_carried(other: Conversation, conv: Conversation, answered: dict[str, float]) -> bool:
+def _forked_after(other: Conversation, carried: TurnFacts, conv: Conversation) -> bool:
+    """Whether `other` made an agent call, at or after the newest turn `conv` carries and before
+    `conv` began, whose result `conv` does not carry: then `conv` is a fork that agent call made
+    (it carries the history up to it), answered or not, rather than `other` going on."""
     return any(
-        _open(u, conv.created_at, answered)
+        carried.created_at <= u.created_at < conv.created_at
         and any(_SPAWNS.search(name) and cid not in conv.results for cid, name in u.calls)
         for u in other.turns
     )

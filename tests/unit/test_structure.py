@@ -391,3 +391,28 @@ def test_a_forked_subagent_that_repeats_its_parents_history_is_still_a_subagent(
     fork = conv("f1", 1, [facts("f1", 1)], prompt=[1, *agent_reply[:-1], 2])
     found = structure.link([main, fork])["f1"]
     assert (found.role, found.parent_turn) == ("subagent", "m1")
+
+
+def test_a_background_fork_that_carries_its_parents_results_is_a_subagent():
+    """A forked agent (its parent's history up to the spawning call) whose call was answered at
+    once ("launched"): it carries the results of the parent's earlier calls, not the spawn's."""
+    main = conv(
+        "m1",
+        0,
+        [
+            facts("m1", 0, 1.0, [("c_bash", "Bash")]),
+            facts("m2", 1.0, 2.0, [("c_spawn", "spawn_agent")], extends="m1"),
+            facts("m3", 2.0, 4.0, extends="m2"),
+            facts("m4", 4.0, extends="m3"),
+        ],
+    )
+    fork = structure.Conversation("f1", 3, None, np.zeros(0, "<i4"), [facts("f1", 3)], frozenset({"c_bash"}))
+    found = structure.link([main, fork])["f1"]
+    assert (found.role, found.parent_turn, found.tool_call_id) == ("subagent", "m2", "c_spawn")
+    # A later conversation carrying the newest call's result goes on, an older agent call or not.
+    going_on = structure.Conversation(
+        "g1", 5, None, np.zeros(0, "<i4"), [facts("g1", 5)], frozenset({"c_late"})
+    )
+    main.turns.append(facts("m5", 4.5, None, [("c_late", "ToolSearch")], extends="m4"))
+    assert structure.link([main, going_on])["g1"].role == "main"
+    assert structure.link([main, going_on])["g1"].continues == "m5"
