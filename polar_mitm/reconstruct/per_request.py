@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from polar_mitm.reconstruct.prefix_merge import SessionMerger, ToolCallsOf, ToolResultsOf
+from polar_mitm.reconstruct.prefix_merge import SessionMerger, ToolCallsOf, ToolResultsOf, shifted_span
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.structure import Link
 from polar_mitm.reconstruct.trajectory import (
@@ -81,7 +81,10 @@ def per_request(
         mask = np.ones(len(output), dtype=MASK_DTYPE)
         parsed, failures = tool_parse_failures_of(turn.tool_parse)
         if failures:
-            meta["tool_parse_failures"] = [{"turn_id": turn.id, **f} for f in failures]
+            at = len(turn.prompt_ids)
+            meta["tool_parse_failures"] = [
+                {"turn_id": turn.id, **f, "row_span": shifted_span(f.get("span"), at)} for f in failures
+            ]
             if tool_parse_failures == "mask":
                 mask[:] = 0
                 logprobs = np.zeros(len(output), dtype=LOGPROB_DTYPE)

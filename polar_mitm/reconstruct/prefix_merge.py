@@ -36,8 +36,8 @@ Rules (token ids only; nothing is ever re-tokenized):
    reward goes on every row of the session; `metadata` (JSON) holds the strategy, weight versions,
    models, styles, tags, where the row branched from and its breaks.
 7. **Tool-call parse status.** A row's `tool_parse` is that of the turns it trains (null: no tool
-   parser read them; `ok`; or the first failure's kind), with every failure's span moved into
-   the row's `response_ids`; with `tool_parse_failures="mask"` a failed turn is trained nowhere.
+   parser read them; `ok`; or the first failure's kind), every failure with its span in the row
+   (`row_span`, positions in prompt_ids + response_ids); with `tool_parse_failures="mask"` a failed turn is trained nowhere.
 
 Cost: each turn is placed with the store's `prompt_ref` hint (the turn its prompt was stored as
 extending), verified by comparing tokens: against the newest sequence (the usual case: a linear
@@ -465,9 +465,8 @@ class SessionMerger:
             meta=meta,
         )
         if any(parsed for parsed, _ in parse):
-            cut = len(row.prompt_ids)
             found = [
-                {**f, "turn_id": n.turn_id, "span": _shifted(f.get("span"), n.start + n.n_inter - cut)}
+                {**f, "turn_id": n.turn_id, "row_span": shifted_span(f.get("span"), n.start + n.n_inter)}
                 for n, (_, failed) in zip(path, parse, strict=True)
                 for f in failed
             ]
@@ -482,8 +481,9 @@ ToolCallsOf = Callable[[list[str]], Mapping[str, list[tuple[str, str]]]]
 ToolResultsOf = Callable[[list[str]], Mapping[str, Iterable[str]]]
 
 
-def _shifted(span: Any, by: int) -> list[int] | None:
-    """A failed block's span in its turn's sampled tokens, moved to the row's `response_ids`."""
+def shifted_span(span: Any, by: int) -> list[int] | None:
+    """A failed block's span in its turn's sampled tokens, moved to the row's whole sequence
+    (prompt_ids + response_ids: a masked turn may have moved into prompt_ids)."""
     if not (isinstance(span, list) and len(span) == 2):
         return None
     return [int(span[0]) + by, int(span[1]) + by]

@@ -69,7 +69,9 @@ async def test_keep_mask_and_zero(store_with_a_broken_call, tmp_path, strategy):
     assert last["keep"]["tool_parse"] == "invalid_json" and last["keep"]["reward"] == 1.0
     meta = json.loads(last["keep"]["metadata"])
     [failure] = meta["tool_parse_failures"]
-    start, end = failure["span"]  # in the row's response_ids
+    start, end = failure["row_span"]  # in prompt_ids + response_ids: here in the response
+    start, end = start - len(last["keep"]["prompt_ids"]), end - len(last["keep"]["prompt_ids"])
+    assert 0 <= start < end and end - start == failure["span"][1] - failure["span"][0]
     assert last["keep"]["loss_mask"][start:end] == [1] * (end - start)
     # mask: the broken turn untrained (in prefix-merge the turn before it still is)
     assert sum(last["mask"]["loss_mask"][start:end]) == 0
@@ -94,3 +96,31 @@ async def test_stats_show_the_rate_per_harness_and_parser(store_with_a_broken_ca
         {"invalid_json": 1},
     )
     assert "tool parse           - / qwen25: 1 of 2 turns failed (50.0%): invalid_json 1" in stats.render()
+
+
+async def test_a_masked_first_turn_keeps_its_span_in_the_whole_sequence(tmp_path):
+    """With `mask`, a row whose first trained turn failed starts training later: its prompt_ids
+    grow, and the failure's `row_span` still points at that turn's tokens."""
+    from polar_mitm.store.turn import Turn
+    from polar_mitm.store.writer import Store
+
+    failed = json.dumps({"parser": "qwen25", "calls": 0, "failures": [{"kind": "unclosed", "span": [1, 3]}]})
+    db = tmp_path / "s.sqlite"
+    store = await Store.open(db)
+    await store.ensure_session("s")
+    for t in (
+        Turn(id="t1", session_id="s", style="anthropic", created_at=1.0, prompt_ids=[1, 2], output_ids=[7, 8, 9],
+             output_logprobs=[-0.1] * 3, finish_reason="length", tool_parse=failed),
+        Turn(id="t2", session_id="s", style="anthropic", created_at=2.0, prompt_ids=[1, 2, 7, 8, 9, 3],
+             output_ids=[10, 11], output_logprobs=[-0.2] * 2, finish_reason="stop",
+             tool_parse='{"parser":"qwen25","calls":0,"failures":[]}'),
+    ):  # fmt: skip
+        await store.insert_turn(t)
+    await store.close()
+    export(db, tmp_path / "m.parquet", quiet=True, tool_parse_failures="mask")
+    [row] = pq.read_table(tmp_path / "m.parquet").to_pylist()
+    seq = row["prompt_ids"] + row["response_ids"]
+    [failure] = json.loads(row["metadata"])["tool_parse_failures"]
+    start, end = failure["row_span"]
+    assert seq[start:end] == [8, 9] and row["prompt_ids"] == [1, 2, 7, 8, 9, 3]
+    assert row["response_ids"] == [10, 11] and row["loss_mask"] == [1, 1] and row["tool_parse"] == "unclosed"
