@@ -18,14 +18,16 @@ evidence, strongest first:
 3. **Continuation.** A later conversation whose first request carries the result of an earlier
    turn's tool call (the call's id in a tool-result message), or whose first prompt repeats an
    earlier calling reply whole (its stop token aside; a text reply repeated is a summary
-   carried, rule 5), continues that turn's conversation: it
-   takes that conversation's role and parent (`continues_turn_id` in the metadata), and the call
-   counts as answered. The newest such turn wins. Not where that conversation made an agent call,
-   at or after that turn, whose result the request does not carry (a forked subagent carries its
-   parent's history up to the call that spawned it, whether that call is still open or was
-   answered at once): rule 4 decides then. Results of calls from conversations with different roles or
-   parents are ambiguous: the conversation is `main` with no parent and the break kind
-   `ambiguous_continuation` is counted.
+   carried, rule 5), continues that turn's conversation: it takes that conversation's role and
+   parent (`continues_turn_id` in the metadata), and the call counts as answered. Of several
+   conversations, the one whose last turn before it is carried wins (a fork's continuation also
+   carries older history of its parent), else the newest turn carried; where that holds for
+   conversations of different roles or parents, the evidence is ambiguous: the conversation is
+   `main` with no parent and the break kind `ambiguous_continuation` is counted. Not a
+   continuation where that conversation made an agent call, at or after the turn carried, whose
+   result the request does not carry (a forked subagent carries its parent's history up to the
+   call that spawned it, whether that call is still open or was answered at once): rule 4
+   decides then.
 4. **Subagent, by an agent call.** A conversation that starts while a call of a tool whose name
    says it spawns agents (`Agent`, `Task`, `spawn_agent`, `delegate`, …) is open (the turn that
    made it was created before, and nothing answered it yet) is `subagent`, spawned by the most
@@ -178,10 +180,22 @@ def _continued(
         if repeated is None:
             return None
         carried = [repeated]
-    distinct = {_origin(links[o.root]) for _, o in carried}
-    if len(distinct) > 1:
+    # Per conversation, the newest turn carried; "live" where that is the conversation's newest
+    # turn before `conv` (the request goes on from its last call). A conversation that carries
+    # another's history (a fork) carries older turns of it too: only live candidates compete.
+    newest: dict[str, tuple[TurnFacts, Conversation]] = {}
+    for turn, other in carried:
+        if other.root not in newest or turn.created_at > newest[other.root][0].created_at:
+            newest[other.root] = (turn, other)
+    live = [
+        (turn, other)
+        for turn, other in newest.values()
+        if turn.created_at == max(u.created_at for u in other.turns if u.created_at < t)
+    ]
+    pool = live or list(newest.values())
+    if len(live) > 1 and len({_origin(links[o.root]) for _, o in live}) > 1:
         return Link("main", ambiguous="ambiguous_continuation")
-    turn, other = max(carried, key=lambda p: p[0].created_at)
+    turn, other = max(pool, key=lambda p: p[0].created_at)
     if _forked_after(other, turn, conv):
         return None  # a forked subagent repeats the history of the conversation that spawned it
     for u, _ in carried:

@@ -416,3 +416,27 @@ def test_a_background_fork_that_carries_its_parents_results_is_a_subagent():
     main.turns.append(facts("m5", 4.5, None, [("c_late", "ToolSearch")], extends="m4"))
     assert structure.link([main, going_on])["g1"].role == "main"
     assert structure.link([main, going_on])["g1"].continues == "m5"
+
+
+def test_a_forks_own_continuation_goes_on_in_the_fork_not_in_its_parent():
+    """A fork carries its parent's older results; its own moved-context turn carries those and the
+    result of its own last call: it goes on in the fork (a subagent), nothing ambiguous."""
+    main = conv(
+        "m1",
+        0,
+        [
+            facts("m1", 0, 1.0, [("c_bash", "Bash")]),
+            facts("m2", 1.0, None, [("c_agent", "Agent")], extends="m1"),
+            facts("m3", 5.0, extends="m2"),
+        ],
+    )
+    fork = structure.Conversation(
+        "f1", 2, None, np.zeros(0, "<i4"), [facts("f1", 2, None, [("c_read", "Read")])], frozenset({"c_bash"})
+    )
+    moved = structure.Conversation(
+        "f2", 3, None, np.zeros(0, "<i4"), [facts("f2", 3)], frozenset({"c_bash", "c_read"})
+    )
+    links = structure.link([main, fork, moved])
+    assert (links["f1"].role, links["f1"].parent_turn) == ("subagent", "m2")
+    assert (links["f2"].role, links["f2"].parent_turn, links["f2"].continues) == ("subagent", "m2", "f1")
+    assert links["f2"].ambiguous is None
