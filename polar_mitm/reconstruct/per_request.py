@@ -76,8 +76,10 @@ def per_request(
             "status": turn.status,
             "prompt_ref": turn.prompt_ref,
             "prompt_ref_len": turn.prompt_ref_len,
-            **links[turn.id].meta(),
         }
+        # A tagged turn is a side call whatever conversation its prompt extends (the recipe says so).
+        found = Link("side") if turn.tag else links[turn.id]
+        meta.update(found.meta())
         mask = np.ones(len(output), dtype=MASK_DTYPE)
         parsed, failures = tool_parse_failures_of(turn.tool_parse)
         if failures:
@@ -100,8 +102,8 @@ def per_request(
             finish_reason=finish_reason_of(turn.finish_reason, turn.status),
             reward=rewards.get(turn.session_id),
             meta=meta,
-            role=links[turn.id].role,
-            parent_id=links[turn.id].parent_turn,
+            role=found.role,
+            parent_id=found.parent_turn,
             tool_parse=(failures[0].get("kind") if failures else "ok") if parsed else None,
         )
 
