@@ -154,8 +154,50 @@ def main() -> None:
             print(
                 f"{'':<24} merge ratio {stats.merge_ratio:.1f}, trainer-token ratio {stats.trainer_token_ratio:.1f}"
             )
+    structure_cost(db, work)
     if tmp is not None:
         tmp.cleanup()
+
+
+def structure_cost(db: Path, work: Path) -> None:
+    """Export time with the structure pass (roles and parents, `structure.link`) ÷ without it, in
+    this run: without it, every turn is linked `main` at once. Per-request rows need the session's
+    prefix tree for it; prefix-merge builds that tree anyway."""
+    import importlib
+
+    from polar_mitm.reconstruct import structure
+
+    # The modules, not the functions of the same names the package exports.
+    per_request = importlib.import_module("polar_mitm.reconstruct.per_request")
+    prefix_merge = importlib.import_module("polar_mitm.reconstruct.prefix_merge")
+
+    main_link = structure.Link("main")
+
+    def all_main(turns, **_):  # type: ignore[no-untyped-def]
+        return {t.id: main_link for t in turns}
+
+    def merger_all_main(self, stats=None):  # type: ignore[no-untyped-def]
+        return dict.fromkeys(self.by_turn, main_link)
+
+    for strategy in ("per-request", "prefix-merge"):
+        out = work / f"structure-{strategy}.parquet"
+        times = {}
+        for label in ("without", "with", "without ", "with "):  # interleaved, twice each
+            saved = (per_request.turn_links, prefix_merge.SessionMerger.turn_links)
+            if label.strip() == "without":
+                per_request.turn_links = all_main  # type: ignore[assignment]
+                prefix_merge.SessionMerger.turn_links = merger_all_main  # type: ignore[method-assign]
+            try:
+                t0 = time.perf_counter()
+                export(db, out, strategy=strategy, quiet=True)
+                times.setdefault(label.strip(), []).append(time.perf_counter() - t0)
+            finally:
+                per_request.turn_links, prefix_merge.SessionMerger.turn_links = saved  # type: ignore[method-assign]
+        with_s, without_s = min(times["with"]), min(times["without"])
+        print(
+            f"{'structure pass ' + strategy:<24} export {with_s:5.1f} s with, {without_s:5.1f} s without: "
+            f"{with_s / without_s:.2f}×"
+        )
 
 
 if __name__ == "__main__":

@@ -9,11 +9,19 @@ back until it resolves.
 
 from __future__ import annotations
 
+import bisect
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from polar_mitm.backends.tool_parsers import KIMI_SECTION_BEGIN, TOOL_FORMATS, ToolFormat, tool_schemas
+from polar_mitm.backends.tool_parsers import (
+    KIMI_SECTION_BEGIN,
+    TOOL_FORMATS,
+    ToolFormat,
+    check_call,
+    diagnose,
+    tool_schemas,
+)
 from polar_mitm.neutral import ReasoningDelta, TextDelta, Tool, ToolCall, ToolCallEvent
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -112,6 +120,7 @@ class OutputParser:
     ):
         tool_parser = check_tool_parser(tool_parser)
         reasoning_parser = check_reasoning_parser(reasoning_parser)
+        self.tool_parser = tool_parser
         self.tool_format: ToolFormat | None = TOOL_FORMATS[tool_parser] if tool_parser else None
         self.reasoning_format = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
         self.schemas = tool_schemas(tools)
@@ -126,10 +135,44 @@ class OutputParser:
         self.reasoning = ""
         self.text = ""
         self.tool_calls: list[ToolCall] = []
+        # Every tool-call block seen: (verdict: "ok" or one of PARSE_FAILURES, tool name or None,
+        # first char, end char) in the text fed; and (chars fed, tokens fed) after each chunk, to
+        # turn those into token spans (`parse_status`).
+        self.blocks: list[tuple[str, str | None, int, int]] = []
+        self.fed = 0
+        self._block_start = 0
+        self._marks: list[tuple[int, int]] = []
 
-    def feed(self, chunk: str) -> list[ParsedEvent]:
+    def feed(self, chunk: str, tokens: int | None = None) -> list[ParsedEvent]:
+        """Parse the next text; `tokens`: how many sampled tokens it ends at (for token spans)."""
         self.buf += chunk
+        self.fed += len(chunk)
+        if tokens is not None:
+            self._marks.append((self.fed, tokens))
         return self._run(final=False)
+
+    def parse_status(self) -> dict | None:
+        """What the tool parser made of this output, for the turn's record: None where no tool
+        parser read it; else `{"parser", "calls", "failures": [{"kind", "name", "span"}]}`, with
+        `span` the sampled tokens [start, end) of each failed block, as fine as the chunks the text
+        came in (exact when each chunk is one token; null when no token counts were given)."""
+        if self.tool_format is None:
+            return None
+        failures = [
+            {"kind": kind, "name": name, "span": self._token_span(start, end)}
+            for kind, name, start, end in self.blocks
+            if kind != "ok"
+        ]
+        return {"parser": self.tool_parser, "calls": len(self.tool_calls), "failures": failures}
+
+    def _token_span(self, start: int, end: int) -> list[int] | None:
+        if not self._marks:
+            return None
+        chars = [c for c, _ in self._marks]
+        # The chunk holding `start` begins where the one before it ended.
+        i = bisect.bisect_right(chars, start) - 1
+        j = min(bisect.bisect_left(chars, end), len(chars) - 1)
+        return [self._marks[i][1] if i >= 0 else 0, self._marks[j][1]]
 
     def finish(self) -> list[ParsedEvent]:
         return self._run(final=True)
@@ -187,6 +230,7 @@ class OutputParser:
             i, opener = _first(self.buf, fmt.openers)
             if i >= 0:
                 self._emit_text(out, self.buf[:i], final=True)
+                self._block_start = self.fed - len(self.buf) + i  # the buffer is the stream's tail
                 self.buf = self.buf[i + len(opener) :]
                 self.in_section = opener == fmt.section_open
                 self.state = "section" if self.in_section else "tool"
@@ -209,6 +253,8 @@ class OutputParser:
                 self._emit_text(out, leftover, final=True)
             self.state = "text"
             return True
+        if marker == fmt.call_open:
+            self._block_start = self.fed - len(self.buf) + i
         self.buf = self.buf[i + len(marker) :]
         if marker == fmt.call_open:
             self.state = "tool"
@@ -223,14 +269,18 @@ class OutputParser:
         if i < 0 and not final:
             return False
         body = self.buf[:i] if i >= 0 else self.buf
+        end = self.fed - len(self.buf) + (i + len(fmt.call_close) if i >= 0 else len(self.buf))
         calls = fmt.decode(body, self.schemas, i >= 0)
         if calls:
             for name, args in calls:
                 call = _tool_call(name, args, self.id_prefix)
                 self.tool_calls.append(call)
                 out.append(ToolCallEvent(call=call))
+                verdict = check_call(name, args, self.schemas) or "ok"
+                self.blocks.append((verdict, name, self._block_start, end))
             self.pending_ws = ""
         else:  # not a valid call: it was text after all
+            self.blocks.append((diagnose(fmt, body, i >= 0), None, self._block_start, end))
             self._emit_text(out, fmt.call_open + body + (fmt.call_close if i >= 0 else ""), final=final)
         self.buf = self.buf[i + len(fmt.call_close) :] if i >= 0 else ""
         self.state = "section" if self.in_section else "text"

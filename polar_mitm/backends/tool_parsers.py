@@ -15,6 +15,12 @@ read from SGLang's `python/sglang/srt/function_call/*_detector.py`:
 
 The XML-ish formats write values as text; like SGLang, they are typed with the tool's JSON schema
 when the request's tools are known.
+
+Each block is also judged (`PARSE_FAILURES`): a block that is not a call says why (`diagnose`: its
+format's own reading of what is missing), and a call that is read says whether its tool is one
+the request declared and its arguments fit that tool's schema (`check_call`). The harness still
+gets what it always got (a block that is not a call as text, a call as a call); the turn records
+the verdicts, so a trainer can tell a malformed call from an honest text reply.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class ToolFormat:
     decode: Decoder
     section_open: str | None = None  # DeepSeek and Kimi wrap their calls in a section
     section_close: str | None = None
+    # Why a closed block's body is no call (one of PARSE_FAILURES), by the format's own reading.
+    diagnose: Callable[[str], str] | None = None
 
     @property
     def openers(self) -> tuple[str, ...]:
@@ -95,6 +103,110 @@ def _json_object(text: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
+
+
+# -- why a block is not a (valid) call ---------------------------------------------------------
+
+# What a tool-call block can fail by, as a turn records it (`OutputParser.parse_status`).
+PARSE_FAILURES = ("invalid_json", "unclosed", "missing_name", "unknown_tool", "schema_mismatch", "malformed")
+
+
+def diagnose(fmt: ToolFormat, body: str, complete: bool) -> str:
+    """Why `fmt.decode` read no call from a block (one of PARSE_FAILURES)."""
+    if not complete:
+        return "unclosed"
+    return fmt.diagnose(body) if fmt.diagnose is not None else "malformed"
+
+
+def check_call(name: str, args: dict[str, Any] | str, schemas: Schemas) -> str | None:
+    """Why a call that was read is not one the request can run, or None: a tool it did not declare,
+    arguments that are not a JSON object, or arguments that do not fit the declared schema."""
+    if schemas and name not in schemas:
+        return "unknown_tool"
+    if isinstance(args, str):
+        return "invalid_json"
+    schema = schemas.get(name)
+    if isinstance(schema, dict) and not _fits(args, schema):
+        return "schema_mismatch"
+    return None
+
+
+_PY_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+}
+
+
+def _fits(args: dict[str, Any], schema: dict[str, Any]) -> bool:
+    """The checks a trainer can rely on without a validator: required keys present, no key the
+    schema forbids, each value of a clearly typed property of that type (null always passes)."""
+    found = schema.get("properties")
+    props: dict[str, Any] = found if isinstance(found, dict) else {}
+    required = schema.get("required")
+    if isinstance(required, list) and any(isinstance(k, str) and k not in args for k in required):
+        return False
+    if schema.get("additionalProperties") is False and any(k not in props for k in args):
+        return False
+    for key, value in args.items():
+        sub = props.get(key)
+        if value is None or not isinstance(sub, dict):
+            continue
+        want = _PY_TYPES.get(_schema_type(sub) or "")
+        if want is None:
+            continue
+        if isinstance(value, bool) and bool not in want:
+            return False  # a bool is an int to Python, not to JSON Schema
+        if not isinstance(value, want):
+            return False
+    return True
+
+
+def _diagnose_json(body: str) -> str:
+    try:
+        obj = json.loads(body.strip())
+    except ValueError:
+        return "invalid_json"
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return "missing_name"
+    return "malformed"
+
+
+def _diagnose_coder(body: str) -> str:
+    pos = body.find(_FUNCTION)
+    if pos < 0 or not body[pos + len(_FUNCTION) : body.find(">", pos)].strip():
+        return "missing_name"
+    return "malformed"
+
+
+def _diagnose_glm(body: str) -> str:
+    m = _GLM_NAME_END.search(body)
+    name = (body[: m.start()] if m else body).strip()
+    return "missing_name" if not name or "<" in name else "malformed"
+
+
+def _diagnose_deepseek_v3(body: str) -> str:
+    _, sep, rest = body.partition(DS_SEP)
+    if not sep:
+        return "malformed"
+    return "missing_name" if not rest.split("\n", 1)[0].strip() else "invalid_json"
+
+
+def _diagnose_deepseek_v31(body: str) -> str:
+    name, sep, _ = body.partition(DS_SEP)
+    if not sep:
+        return "malformed"
+    return "missing_name" if not name.strip() or "<" in name else "invalid_json"
+
+
+def _diagnose_kimi(body: str) -> str:
+    call_id, sep, _ = body.partition(KIMI_ARGS)
+    if not sep:
+        return "malformed"
+    return "missing_name" if not _KIMI_ID.fullmatch(call_id.strip()) else "invalid_json"
 
 
 # -- qwen25 / hermes: a JSON object per call ---------------------------------------------------
@@ -296,22 +408,26 @@ def decode_kimi_k2(body: str, schemas: Schemas, complete: bool) -> list[Decoded]
 
 # -- the names ---------------------------------------------------------------------------------
 
-_QWEN25 = ToolFormat("<tool_call>", "</tool_call>", decode_json_call)
-_GLM = ToolFormat("<tool_call>", "</tool_call>", decode_glm)
-_DEEPSEEK_V3 = ToolFormat(DS_CALL_BEGIN, DS_CALL_END, decode_deepseek_v3, DS_CALLS_BEGIN, DS_CALLS_END)
+_QWEN25 = ToolFormat("<tool_call>", "</tool_call>", decode_json_call, diagnose=_diagnose_json)
+_GLM = ToolFormat("<tool_call>", "</tool_call>", decode_glm, diagnose=_diagnose_glm)
+_DEEPSEEK_V3 = ToolFormat(
+    DS_CALL_BEGIN, DS_CALL_END, decode_deepseek_v3, DS_CALLS_BEGIN, DS_CALLS_END, _diagnose_deepseek_v3
+)
 
 TOOL_FORMATS: dict[str, ToolFormat] = {
     "qwen25": _QWEN25,
     "qwen": _QWEN25,
     "hermes": _QWEN25,
-    "qwen3_coder": ToolFormat("<tool_call>", "</tool_call>", decode_qwen3_coder),
+    "qwen3_coder": ToolFormat("<tool_call>", "</tool_call>", decode_qwen3_coder, diagnose=_diagnose_coder),
     "glm45": _GLM,
     "glm": _GLM,
     "glm47": _GLM,
     "deepseekv3": _DEEPSEEK_V3,
     "deepseek-v3": _DEEPSEEK_V3,  # SGLang's reasoning parser name, often given for the tool parser too
-    "deepseekv31": ToolFormat(DS_CALL_BEGIN, DS_CALL_END, decode_deepseek_v31, DS_CALLS_BEGIN, DS_CALLS_END),
+    "deepseekv31": ToolFormat(
+        DS_CALL_BEGIN, DS_CALL_END, decode_deepseek_v31, DS_CALLS_BEGIN, DS_CALLS_END, _diagnose_deepseek_v31
+    ),
     "kimi_k2": ToolFormat(
-        KIMI_CALL_BEGIN, KIMI_CALL_END, decode_kimi_k2, KIMI_SECTION_BEGIN, KIMI_SECTION_END
+        KIMI_CALL_BEGIN, KIMI_CALL_END, decode_kimi_k2, KIMI_SECTION_BEGIN, KIMI_SECTION_END, _diagnose_kimi
     ),
 }

@@ -32,6 +32,7 @@ from polar_mitm.reconstruct.export import export as export_rows
 from polar_mitm.reconstruct.report import render_table, rollout_reports
 from polar_mitm.reconstruct.show import find_rows, render_header, render_list, render_sequence
 from polar_mitm.reconstruct.source import Selection, check_session, parse_since, set_reward
+from polar_mitm.reconstruct.trajectory import TOOL_PARSE_POLICIES
 from polar_mitm.strategies import Normalize, Strategy, choices
 
 F = Callable[..., Any]
@@ -185,6 +186,16 @@ def _guarded(f: F) -> F:
     help="Which rows of a session get its reward: all of them, or the main agent's only (subagent, "
     "compaction and side rows then have none). Each row's role and parent_id say which is which.",
 )
+@click.option(
+    "--tool-parse-failures",
+    type=click.Choice(TOOL_PARSE_POLICIES),
+    default="keep",
+    show_default=True,
+    help="What a trainer gets of a turn whose tool calls the proxy's tool parser could not read "
+    "(invalid JSON, an unclosed block, no name, an unknown tool, arguments against the tool's "
+    "schema): keep it as it is (the tool_parse column and metadata name the failure), mask its "
+    "sampled tokens (loss_mask 0), or zero the reward of its whole session.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @_guarded
 def export(
@@ -196,6 +207,7 @@ def export(
     tokenizer: Path | None,
     group_normalize: str | None,
     reward_to: str,
+    tool_parse_failures: str,
     quiet: bool,
 ) -> None:
     """Export recorded turns as training rows (parquet or JSON lines).
@@ -203,7 +215,8 @@ def export(
     Every row has the columns trajectory_id, session_id, task_id, prompt_ids, response_ids,
     loss_mask, response_logprobs, num_turns, turn_ids, finish_reason, reward, metadata, for
     rollout samples group_id, sample_index, status, reward_detail and advantage (null elsewhere),
-    and role (main, subagent, compaction, side) with parent_id (the row it came from).
+    and role (main, subagent, compaction, side) with parent_id (the row it came from), and
+    tool_parse (null, ok, or the first tool-call parse failure of the turns the row trains).
     Side calls and turns that did not finish 'ok' are left out unless asked for. Rows of samples
     that failed (sandbox, evaluator) or were cancelled are kept with loss_mask 0 and reward 0.
 
@@ -232,6 +245,7 @@ def export(
         quiet=quiet,
         normalize=group_normalize,  # type: ignore[arg-type]
         reward_to=reward_to,  # type: ignore[arg-type]
+        tool_parse_failures=tool_parse_failures,
     )
     if not quiet:
         ratio = stats.merge_ratio

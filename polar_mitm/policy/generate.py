@@ -149,6 +149,7 @@ class _RenderTurn:
             started=self.t0,
             finish_reason=finish_reason,
             logprobs_mode=self.logprobs_mode,
+            tool_parse=self.parser.parse_status(),
         )
 
 
@@ -394,7 +395,7 @@ class Generation:
                 if not turn.started:
                     turn.started = True
                     yield Started(turn_id=turn.turn_id, prompt_tokens=len(turn.prompt_ids))
-                for ev in parser.feed(delta):
+                for ev in parser.feed(delta, tokens=len(state.output_ids)):
                     yield ev
                 if state.finish_reason is not None or gen.finished:
                     break

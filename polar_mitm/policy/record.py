@@ -4,6 +4,7 @@ both backend modes, so their usage cannot drift apart), the counts in it, and it
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 
@@ -92,6 +93,7 @@ def turn_record(
     started: float,
     finish_reason: str | None = None,
     logprobs_mode: str | None = None,
+    tool_parse: dict | None = None,
 ) -> Turn:
     """The stored form of one generation; post_hash lets a later echo of the reply find it.
 
@@ -116,6 +118,7 @@ def turn_record(
         output_logprobs=output_logprobs,
         weight_version=None if weight_version is None else str(weight_version),
         logprobs_mode=logprobs_mode,
+        tool_parse=None if tool_parse is None else json.dumps(tool_parse, separators=(",", ":")),
         msg_hash=msg_hash,
         post_hash=extend_hash(msg_hash, completion.as_message()) if completion else None,
         request=ctx.raw_request,

@@ -4,7 +4,8 @@ Prefix merging needs a session's whole tree before it can say which rows exist, 
 interleaved in the store. Rather than buffer every open session of one global pass, the export
 reads one session at a time (`read_turns(session=...)`, served by the store's
 `(session_id, seq)` index), so memory holds one session's unique tokens plus one row group.
-Per-request rows need no grouping and come from a single pass in creation order.
+Per-request rows are read the same way: a turn's role depends on the other conversations of its
+session (`structure`), so one session's turns are held at a time.
 
 Formats are a registry: `FORMATS[name]` opens a `Sink` for an output path; add an entry (and,
 if it needs one, a field of `SinkOptions`) to add a format to `polar-mitm export --format`. A sink
@@ -23,7 +24,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Literal, Protocol
 
@@ -35,10 +36,15 @@ from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.groups import annotate, group_advantages
 from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
-from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids
+from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids, tool_results
 from polar_mitm.reconstruct.stats import ReconstructStats
-from polar_mitm.reconstruct.trajectory import TRAJECTORY_SCHEMA, Trajectory, to_table
-from polar_mitm.store.queries import session_rewards, tool_calls
+from polar_mitm.reconstruct.trajectory import TOOL_PARSE_POLICIES, TRAJECTORY_SCHEMA, Trajectory, to_table
+from polar_mitm.store.queries import (
+    session_rewards,
+    tool_calls,
+    tool_parse_failed_sessions,
+    tool_parse_rates,
+)
 from polar_mitm.store.rollouts import read_samples
 from polar_mitm.strategies import Normalize, Strategy, choices
 
@@ -192,25 +198,45 @@ def iter_trajectories(
     retokenize: str | Path | None = None,
     normalize: Normalize | None = None,
     reward_to: RewardTo = "all",
+    tool_parse_failures: str = "keep",
 ) -> Iterator[Trajectory]:
     """The rows of a store under one strategy, streamed (see the module docstring). With
     `retokenize` (a tokenizer directory), harvested conversations follow as retokenized rows.
     Rows of rollout samples carry their group, sample and reward (`groups.annotate`); with
     `normalize`, a GRPO advantage too. A session's reward goes to all its rows (`reward_to`
     "all"), or to its main agent's rows only ("main": subagent, compaction and side rows get
-    none)."""
+    none). A turn whose tool calls did not all parse (`tool_parse_failures`): "keep" it as it is
+    (the `tool_parse` column says so), "mask" its sampled tokens, or "zero" the reward of its
+    session (its sample: before advantages are computed)."""
+    if tool_parse_failures not in TOOL_PARSE_POLICIES:
+        raise ValueError(
+            f"unknown tool-parse policy {tool_parse_failures!r}; choose one of {', '.join(TOOL_PARSE_POLICIES)}"
+        )
     selection = selection or Selection()
     stats = stats if stats is not None else ReconstructStats()
     rewards = session_rewards(path)
     samples = read_samples(path, rollout=selection.rollout)
+    if tool_parse_failures == "zero":
+        failed = tool_parse_failed_sessions(path)
+        rewards = {sid: 0.0 if sid in failed else r for sid, r in rewards.items()}
+        samples = {sid: replace(s, reward=0.0) if sid in failed else s for sid, s in samples.items()}
     advantage = group_advantages(samples, normalize) if normalize else {}
+    rows: Iterator[Trajectory]
     if strategy == Strategy.PER_REQUEST:
         # Arrays, not lists: a per-request row repeats its whole prompt, and a Python int per
         # token cost more than the rest of the export.
-        rows = per_request(
-            read_selected(path, selection, stats=stats, on_turn=on_turn, arrays=True),
-            rewards=rewards,
-            stats=stats,
+        # Session by session: a turn's role depends on its session's other conversations.
+        rows = (
+            row
+            for session in session_ids(path, selection)
+            for row in per_request(
+                read_selected(path, selection, session=session, stats=stats, on_turn=on_turn, arrays=True),
+                rewards=rewards,
+                stats=stats,
+                tool_calls=lambda ids: tool_calls(path, ids),
+                tool_results=lambda ids: tool_results(path, ids),
+                tool_parse_failures=tool_parse_failures,
+            )
         )
     elif strategy == Strategy.PREFIX_MERGE:
         rows = (
@@ -222,6 +248,8 @@ def iter_trajectories(
                 text=text,
                 stats=stats,
                 tool_calls=lambda ids: tool_calls(path, ids),
+                tool_results=lambda ids: tool_results(path, ids),
+                tool_parse_failures=tool_parse_failures,
             )
         )
     else:
@@ -266,6 +294,7 @@ def export(
     quiet: bool = False,
     normalize: Normalize | None = None,
     reward_to: RewardTo = "all",
+    tool_parse_failures: str = "keep",
 ) -> ReconstructStats:
     """Write every row of the store to `out`; returns what happened on the way."""
     if fmt not in FORMATS:
@@ -290,6 +319,7 @@ def export(
                     retokenize=options.tokenizer,
                     normalize=normalize,
                     reward_to=reward_to,
+                    tool_parse_failures=tool_parse_failures,
                 )
             for row in rows:
                 sink.write(row)
@@ -313,4 +343,7 @@ def compute_stats(
     with progress_bar(path, selection, quiet=quiet, desc="stats") as bar:
         for _ in iter_trajectories(path, selection=selection, stats=stats, text=text, on_turn=bar.update):
             pass
+    stats.tool_parse = tool_parse_rates(
+        path, session=selection.session, task=selection.task, since=selection.since, rollout=selection.rollout
+    )
     return stats

@@ -25,13 +25,19 @@ Rules (token ids only; nothing is ever re-tokenized):
    break too (`at: "branch"`). Prompts that diverge inside sampled tokens are also counted as
    `sampled_rewrite` mismatches.
 5. **Structure.** A session whose turns form several conversations (the root's children: a
-   subagent, a compacted conversation carried on, side calls) has each row's `role` and
-   `parent_id` set by `structure.link`: the parent is the row that trains the turn the
-   conversation came from (its tool call, or the summary it carries).
+   subagent, a compacted conversation carried on, side calls, a prompt that stopped extending
+   its history while the conversation went on) has each row's `role` and `parent_id` set by
+   `structure.link`, from the evidence `SessionMerger.turn_links` gathers (the tool calls each
+   turn made, the call results each later conversation's first request carries): the parent is
+   the row that trains the turn the conversation came from (its tool call, or the summary it
+   carries). Per-request rows take the same links (`per_request.turn_links`).
 6. **Rows.** `prompt_ids` is everything before the first mask-1 token, `response_ids` the rest;
    `finish_reason` is the last turn's; `trajectory_id` is the last turn's id; the session's
    reward goes on every row of the session; `metadata` (JSON) holds the strategy, weight versions,
    models, styles, tags, where the row branched from and its breaks.
+7. **Tool-call parse status.** A row's `tool_parse` is that of the turns it trains (null: no tool
+   parser read them; `ok`; or the first failure's kind), every failure with its span in the row
+   (`row_span`, positions in prompt_ids + response_ids); with `tool_parse_failures="mask"` a failed turn is trained nowhere.
 
 Cost: each turn is placed with the store's `prompt_ref` hint (the turn its prompt was stored as
 extending), verified by comparing tokens: against the newest sequence (the usual case: a linear
@@ -59,11 +65,13 @@ from polar_mitm.reconstruct.trajectory import (
     LOGPROB_DTYPE,
     MASK_DTYPE,
     TOKEN_DTYPE,
+    TOOL_PARSE_POLICIES,
     Trajectory,
     finish_reason_of,
     output_arrays,
     token_array,
 )
+from polar_mitm.reconstruct.trajectory import tool_parse_failures as tool_parse_failures_of
 from polar_mitm.store.turn import Turn
 from polar_mitm.strategies import Strategy
 
@@ -106,9 +114,9 @@ class _Prompt:
 
     __slots__ = ("ids", "_array", "_bytes")
 
-    def __init__(self, ids: list[int]):
+    def __init__(self, ids: list[int] | np.ndarray):
         self.ids = ids
-        self._array: np.ndarray | None = None
+        self._array: np.ndarray | None = ids if isinstance(ids, np.ndarray) else None
         self._bytes: bytes | None = None
 
     def __len__(self) -> int:
@@ -143,11 +151,22 @@ class SessionMerger:
         text: TokenText | None = None,
         stats: ReconstructStats | None = None,
         tool_calls: ToolCallsOf | None = None,
+        tool_results: ToolResultsOf | None = None,
+        tool_parse_failures: str = "keep",
     ) -> None:
+        if tool_parse_failures not in TOOL_PARSE_POLICIES:
+            raise ValueError(
+                f"unknown tool-parse policy {tool_parse_failures!r}; "
+                f"choose one of {', '.join(TOOL_PARSE_POLICIES)}"
+            )
+        # "mask": a turn whose tool calls did not all parse is not trained in any row.
+        self.mask_tool_parse_failures = tool_parse_failures == "mask"
         self.session_id = session_id
-        # The tool calls (id, name) each of some turns made, from the store; asked only for
-        # sessions of several conversations (None: no subagent is recognized).
+        # The tool calls (id, name) each of some turns made, and the call ids whose results some
+        # turns' requests carry, from the store; asked only for sessions of several conversations
+        # (None: no subagent, and no continuation by a carried result, is recognized).
         self.tool_calls = tool_calls
+        self.tool_results = tool_results
         self.task_id = task_id
         self.reward = reward
         self.text = text or TokenText()
@@ -161,6 +180,7 @@ class SessionMerger:
         # The newest node and its full sequence as the store's list: a continuation's prompt
         # shares those very int objects, so comparing it costs a pointer check per token.
         self._last: tuple[_Node, list[int]] | None = None
+        self._links: dict[str, structure.Link] | None = None
 
     # --- placing turns ----------------------------------------------------------------------
 
@@ -187,6 +207,7 @@ class SessionMerger:
                 "status": turn.status,
                 "finish_reason": finish_reason_of(turn.finish_reason, turn.status),
                 "weight_version": turn.weight_version,
+                "tool_parse": turn.tool_parse,
             },
             parent=parent,
             start=parent.length,
@@ -200,7 +221,9 @@ class SessionMerger:
         parent.children.append(node)
         self.nodes.append(node)
         self.by_turn[turn.id] = node
-        self._last = (node, turn.prompt_ids + turn.output_ids)
+        # Token arrays (what a per-request export reads) take the memcmp path instead.
+        self._last = (node, turn.prompt_ids + turn.output_ids) if isinstance(turn.prompt_ids, list) else None
+        self._links = None
         if turn.finish_reason == "stop" and len(output):
             self.stop_ids.add(int(output[-1]))
 
@@ -284,6 +307,7 @@ class SessionMerger:
 
     def finish(self) -> Iterator[Trajectory]:
         """The session's rows, one per leaf, in the order their last turns were created."""
+        links = self.turn_links()
         self._drop_retries()
         for node in reversed(self.nodes):  # children come after parents
             if node.dropped:
@@ -296,15 +320,30 @@ class SessionMerger:
             node.best = node.best_child.best
             self.stats.branches += len(kept) - 1
         rows = [self._row(leaf) for leaf in self.nodes if not leaf.dropped and not leaf.children]
-        if len(self.root.children) > 1:
-            self._link(rows)
+        for row in rows:
+            found = links[row.turn_ids[0]]
+            row.role = found.role
+            if found.parent_turn is not None:
+                row.parent_id = self._trained_row(self.by_turn[found.parent_turn])
+            row.meta.update(found.meta())
         self._last = None
         yield from rows
 
-    def _link(self, rows: list[Trajectory]) -> None:
-        """Roles and parents of the rows of a session of several conversations (structure.py)."""
+    def turn_links(self, stats: ReconstructStats | None = None) -> dict[str, structure.Link]:
+        """Every turn's role and origin: its conversation's (`structure.link`), by turn id; a
+        session of one conversation is all `main`, or `side` where its first turn is tagged.
+        Where the evidence decided nothing, the break kind is counted in `stats` (default: the
+        merger's own). Call before `finish`, which drops retries from the tree."""
+        if self._links is not None:
+            return self._links
+        stats = stats if stats is not None else self.stats
+        tops = self.root.children
+        if len(tops) < 2:
+            one = structure.Link("side" if tops and tops[0].turn["tag"] is not None else "main")
+            self._links = dict.fromkeys(self.by_turn, one)
+            return self._links
         convs: list[tuple[_Node, list[_Node]]] = []
-        for top in self.root.children:
+        for top in tops:
             members, stack = [], [top]
             while stack:
                 n = stack.pop()
@@ -312,6 +351,8 @@ class SessionMerger:
                 stack.extend(n.children)
             convs.append((top, sorted(members, key=lambda n: n.order)))
         calls = self.tool_calls([n.turn_id for _, ms in convs for n in ms]) if self.tool_calls else {}
+        later = [top.turn_id for top, _ in convs[1:]]
+        results = self.tool_results(later) if self.tool_results else {}
         facts = []
         for top, members in convs:
             turns = [
@@ -332,19 +373,21 @@ class SessionMerger:
                     tag=top.turn["tag"],
                     prompt=np.frombuffer(top.interstitial, dtype=TOKEN_DTYPE),
                     turns=turns,
+                    results=frozenset(results.get(top.turn_id, ())),
                 )
             )
-        links = structure.link(facts)
-        for row in rows:
-            found = links[row.turn_ids[0]]
-            row.role = found.role
-            if found.parent_turn is not None:
-                row.parent_id = self._trained_row(self.by_turn[found.parent_turn])
-            row.meta.update(found.meta())
+        by_root = structure.link(facts)
+        for found in by_root.values():
+            if found.ambiguous is not None:
+                stats.breaks[found.ambiguous] += 1
+        self._links = {n.turn_id: by_root[top.turn_id] for top, members in convs for n in members}
+        return self._links
 
     @staticmethod
     def _trained_row(node: _Node) -> str:
-        """The id of the row that trains `node`: the leaf reached through its longest branches."""
+        """The id of the row that trains `node`: the leaf reached through its longest branches
+        (a dropped retry's: that of the retry kept in its place)."""
+        node = node.notes.get("kept", node)
         while node.best_child is not None:
             node = node.best_child
         return node.turn_id
@@ -363,6 +406,7 @@ class SessionMerger:
                 for c in group:
                     if c not in keep:
                         c.dropped = True
+                        c.notes["kept"] = keep[0]
                         self.stats.retries_dropped += 1
                 keep[0].notes["retries_dropped"] = len(group) - len(keep)
             parent.children = [c for c in parent.children if not c.dropped]
@@ -383,8 +427,12 @@ class SessionMerger:
         ids = np.frombuffer(b"".join(n.delta for n in path), dtype=TOKEN_DTYPE)
         mask = np.zeros(len(ids), dtype=MASK_DTYPE)
         logprobs = np.zeros(len(ids), dtype=LOGPROB_DTYPE)
-        for n, mine in zip(path, owned, strict=True):
-            if mine:
+        parse = [
+            tool_parse_failures_of(n.turn["tool_parse"]) if mine else (False, [])
+            for n, mine in zip(path, owned, strict=True)
+        ]
+        for n, mine, (_, failed) in zip(path, owned, parse, strict=True):
+            if mine and not (failed and self.mask_tool_parse_failures):
                 s = n.start + n.n_inter
                 mask[s : n.length] = 1
                 logprobs[s : n.length] = n.logprobs
@@ -416,11 +464,29 @@ class SessionMerger:
             reward=self.reward,
             meta=meta,
         )
+        if any(parsed for parsed, _ in parse):
+            found = [
+                {**f, "turn_id": n.turn_id, "row_span": shifted_span(f.get("span"), n.start + n.n_inter)}
+                for n, (_, failed) in zip(path, parse, strict=True)
+                for f in failed
+            ]
+            row.tool_parse = found[0].get("kind") if found else "ok"
+            if found:
+                meta["tool_parse_failures"] = found
         return row
 
 
 _NO_LOGPROBS = np.zeros(0, dtype=LOGPROB_DTYPE)
 ToolCallsOf = Callable[[list[str]], Mapping[str, list[tuple[str, str]]]]
+ToolResultsOf = Callable[[list[str]], Mapping[str, Iterable[str]]]
+
+
+def shifted_span(span: Any, by: int) -> list[int] | None:
+    """A failed block's span in its turn's sampled tokens, moved to the row's whole sequence
+    (prompt_ids + response_ids: a masked turn may have moved into prompt_ids)."""
+    if not (isinstance(span, list) and len(span) == 2):
+        return None
+    return [int(span[0]) + by, int(span[1]) + by]
 
 
 def _distinct(values: Iterable[Any]) -> list[Any]:
@@ -434,6 +500,8 @@ def prefix_merge(
     text: TokenText | None = None,
     stats: ReconstructStats | None = None,
     tool_calls: ToolCallsOf | None = None,
+    tool_results: ToolResultsOf | None = None,
+    tool_parse_failures: str = "keep",
 ) -> Iterator[Trajectory]:
     """Prefix-merge `turns` (creation order, any sessions); rows come session by session.
 
@@ -451,6 +519,8 @@ def prefix_merge(
                 text=text,
                 stats=stats,
                 tool_calls=tool_calls,
+                tool_results=tool_results,
+                tool_parse_failures=tool_parse_failures,
             )
         merger.add(turn)
     for merger in mergers.values():

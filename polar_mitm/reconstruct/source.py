@@ -8,18 +8,29 @@ lives here.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from polar_mitm import providers
+from polar_mitm.neutral import ProviderError
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.store import queries
 from polar_mitm.store.queries import set_reward
 from polar_mitm.store.reader import read_turns
 from polar_mitm.store.turn import Turn
 
-__all__ = ["Selection", "count_turns", "parse_since", "read_selected", "session_ids", "set_reward"]
+__all__ = [
+    "Selection",
+    "count_turns",
+    "parse_since",
+    "read_selected",
+    "session_ids",
+    "set_reward",
+    "tool_results",
+]
 
 
 @dataclass(frozen=True)
@@ -103,3 +114,23 @@ def read_selected(
             stats.per_request_tokens += len(turn.prompt_ids) + len(turn.output_ids)
             stats.sampled_tokens += len(turn.output_ids)
         yield turn
+
+
+def tool_results(path: str | Path, turn_ids: list[str]) -> dict[str, set[str]]:
+    """The tool call ids whose results each of these turns' requests carries (tool-result
+    messages, parsed by the turn's style module); turns whose request carries none, or cannot be
+    parsed, are left out. Asked only for the first turns of a session's later conversations
+    (`structure`: a continuation carries the result of its conversation's last call)."""
+    out: dict[str, set[str]] = {}
+    for turn in queries.text_turns_by_id(path, turn_ids):
+        module = providers.STYLES.get(turn.style)
+        if module is None or not turn.request:
+            continue
+        try:
+            req = module.parse_request(json.loads(turn.request), path=turn.path or "")
+        except (ProviderError, ValueError, TypeError, KeyError):
+            continue
+        ids = {m.tool_call_id for m in req.messages if m.role == "tool" and m.tool_call_id}
+        if ids:
+            out[turn.id] = ids
+    return out

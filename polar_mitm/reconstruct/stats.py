@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polar_mitm.reconstruct.trajectory import Trajectory
+from polar_mitm.store.queries import ToolParseRate
 
 
 @dataclass
@@ -32,6 +33,8 @@ class ReconstructStats:
     branches: int = 0  # extra rows created where two turns extend the same sequence
     breaks: Counter[str] = field(default_factory=Counter)  # class → count (prefix-merge)
     mismatches: Counter[str] = field(default_factory=Counter)  # kind → count
+    # The tool parser per harness (`stats` only: the store's `tool_parse_rates`).
+    tool_parse: list[ToolParseRate] = field(default_factory=list)
 
     def add_row(self, row: Trajectory) -> None:
         self.trajectories += 1
@@ -69,6 +72,7 @@ class ReconstructStats:
             "branches": self.branches,
             "breaks": dict(sorted(self.breaks.items())),
             "mismatches": {"total": sum(self.mismatches.values()), **dict(sorted(self.mismatches.items()))},
+            "tool_parse": [r.model_dump() for r in self.tool_parse],
         }
 
     def render(self) -> str:
@@ -100,6 +104,12 @@ class ReconstructStats:
                 else ""
             ),
         ]
+        for r in self.tool_parse:
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(r.failures.items()))
+            lines.append(
+                f"tool parse           {r.harness or '-'} / {r.parser}: {r.failed_turns} of {r.turns} turns failed "
+                f"({r.failed_turns / r.turns:.1%})" + (f": {kinds}" if kinds else "")
+            )
         return "\n".join(lines)
 
 

@@ -44,6 +44,9 @@ TRAJECTORY_SCHEMA = pa.schema(
         # and the trajectory id of the row it came from (null for main and side rows).
         pa.field("role", pa.string(), nullable=False),
         pa.field("parent_id", pa.string(), nullable=True),
+        # The proxy's tool parser on the turns this row trains: null (none read one), "ok", or the
+        # kind of the first block that failed (all of them in metadata `tool_parse_failures`).
+        pa.field("tool_parse", pa.string(), nullable=True),
     ]
 )
 
@@ -71,6 +74,7 @@ class Trajectory:
     advantage: float | None = None
     role: str = "main"
     parent_id: str | None = None
+    tool_parse: str | None = None
 
     @classmethod
     def from_sequence(
@@ -136,6 +140,7 @@ class Trajectory:
             advantage=row.get("advantage"),
             role=row.get("role") or "main",
             parent_id=row.get("parent_id"),
+            tool_parse=row.get("tool_parse"),
         )
 
     def to_row(self) -> dict[str, Any]:
@@ -160,6 +165,7 @@ class Trajectory:
             "advantage": self.advantage,
             "role": self.role,
             "parent_id": self.parent_id,
+            "tool_parse": self.tool_parse,
         }
 
 
@@ -194,6 +200,7 @@ def to_table(rows: list[Trajectory]) -> pa.Table:
         pa.array([r.advantage for r in rows], type=pa.float64()),
         pa.array([r.role for r in rows], type=pa.string()),
         pa.array([r.parent_id for r in rows], type=pa.string()),
+        pa.array([r.tool_parse for r in rows], type=pa.string()),
     ]
     return pa.Table.from_arrays(columns, schema=TRAJECTORY_SCHEMA)
 
@@ -232,3 +239,21 @@ def finish_reason_of(finish_reason: str | None, status: str) -> str:
     if finish_reason:
         return finish_reason
     return {"aborted": "abort", "error": "error"}.get(status, "unknown")
+
+
+# What a trainer gets of a turn whose tool-call blocks did not all parse (`export
+# --tool-parse-failures`): the row as it is, the turn's sampled tokens masked, or the reward of its
+# sample (session) set to 0.0.
+TOOL_PARSE_POLICIES = ("keep", "mask", "zero")
+
+
+def tool_parse_failures(stored: str | None) -> tuple[bool, list[dict[str, Any]]]:
+    """(whether a tool parser read the turn, its failed blocks) from `Turn.tool_parse`."""
+    if not stored:
+        return False, []
+    try:
+        status = json.loads(stored)
+    except ValueError:
+        return False, []
+    failures = status.get("failures") if isinstance(status, dict) else None
+    return True, [f for f in failures or [] if isinstance(f, dict)]

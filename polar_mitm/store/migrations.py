@@ -214,6 +214,13 @@ def m008_logprobs_mode(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE turns ADD COLUMN logprobs_mode TEXT")
 
 
+def m009_tool_parse(db: sqlite3.Connection) -> None:
+    """What the proxy's tool parser made of a turn's output (`OutputParser.parse_status`), as
+    JSON: `{"parser", "calls", "failures": [{"kind", "name", "span"}]}`; NULL where no tool parser
+    read it (a request without tools, the engine's own parser, a harvested turn, an older row)."""
+    db.execute("ALTER TABLE turns ADD COLUMN tool_parse TEXT")
+
+
 MIGRATIONS: list[Migration] = [
     m001_initial,
     m002_rollouts,
@@ -223,6 +230,7 @@ MIGRATIONS: list[Migration] = [
     m006_request_zstd,
     m007_service_rows_zstd,
     m008_logprobs_mode,
+    m009_tool_parse,
 ]
 
 

@@ -115,6 +115,60 @@ def _calls_of(response: str | None) -> list[tuple[str, str]]:
     ]
 
 
+def tool_parse_failed_sessions(path: str | Path) -> set[str]:
+    """Sessions with a turn whose tool-call blocks did not all parse (`turns.tool_parse`)."""
+    db = connect(path)
+    try:
+        rows = db.execute("SELECT DISTINCT session_id FROM turns WHERE tool_parse LIKE '%\"kind\"%'")
+        return {r[0] for r in rows}
+    finally:
+        db.close()
+
+
+class ToolParseRate(BaseModel):
+    """How the tool parser fared on one harness's turns: turns it read, turns with a block that
+    failed, and the failed blocks by kind."""
+
+    harness: str | None
+    parser: str
+    turns: int = 0
+    failed_turns: int = 0
+    failures: dict[str, int] = {}
+
+
+def tool_parse_rates(
+    path: str | Path,
+    *,
+    session: str | None = None,
+    task: str | None = None,
+    since: float | None = None,
+    rollout: str | None = None,
+) -> list[ToolParseRate]:
+    """Per harness and tool parser, over the turns a selection reads that a tool parser read."""
+    where, args = _where(session=session, task=task, since=since, rollout=rollout)
+    where = (where + " AND " if where else " WHERE ") + "t.tool_parse IS NOT NULL"
+    out: dict[tuple[str | None, str], ToolParseRate] = {}
+    db = connect(path)
+    try:
+        for harness, text in db.execute(f"SELECT s.harness, t.tool_parse{_FROM}{where}", args):
+            try:
+                status = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                continue
+            parser = str(status.get("parser"))
+            rate = out.setdefault((harness, parser), ToolParseRate(harness=harness, parser=parser))
+            rate.turns += 1
+            failures = status.get("failures") or []
+            if failures:
+                rate.failed_turns += 1
+            for f in failures:
+                kind = str(f.get("kind"))
+                rate.failures[kind] = rate.failures.get(kind, 0) + 1
+    finally:
+        db.close()
+    return sorted(out.values(), key=lambda r: (r.harness or "", r.parser))
+
+
 def session_rewards(path: str | Path) -> dict[str, float | None]:
     """Every session's outcome reward (None where none was attached)."""
     db = connect(path)

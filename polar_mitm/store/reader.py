@@ -93,7 +93,7 @@ def read_turns(
     sql = (
         "SELECT t.id, t.session_id, t.seq, t.created_at, t.style, t.model, t.tag, t.status, t.finish_reason,"
         " t.prompt_ref, t.prompt_ref_len, t.prompt_suffix, t.output_ids, t.output_logprobs, t.weight_version,"
-        f" t.logprobs_mode, s.task_id{raw_cols} FROM turns t JOIN sessions s ON s.id = t.session_id"
+        f" t.logprobs_mode, t.tool_parse, s.task_id{raw_cols} FROM turns t JOIN sessions s ON s.id = t.session_id"
         + (" WHERE " + " AND ".join(where) if where else "")
         + " ORDER BY t.seq"
     )
@@ -117,7 +117,8 @@ def read_turns(
                 lps,
                 wv,
                 lp_mode,
-            ) = row[:16]
+                tool_parse,
+            ) = row[:17]
             prompt = ids_of(suffix)
             if ref:
                 base = cache.get(ref)
@@ -144,10 +145,11 @@ def read_turns(
                 prompt_ref_len=ref_len,
                 weight_version=wv,
                 logprobs_mode=lp_mode,
-                task_id=row[16],
-                request=requests.text(tid, *row[20:]) if with_raw else None,
-                request_headers=requests.headers(tid, row[18], row[19]) if with_raw else {},
-                response=row[17] if with_raw else None,
+                tool_parse=tool_parse,
+                task_id=row[17],
+                request=requests.text(tid, *row[21:]) if with_raw else None,
+                request_headers=requests.headers(tid, row[19], row[20]) if with_raw else {},
+                response=row[18] if with_raw else None,
             )
     finally:
         db.close()

@@ -37,6 +37,10 @@ class Turn(BaseModel):
     # What the engine's logprobs are of (`polar_mitm.backends.logprobs.MODES`: sampling, tempered,
     # raw, logits); None: unknown, or not sampled here (harvested).
     logprobs_mode: str | None = None
+    # What the proxy's tool parser made of the output, as JSON (`OutputParser.parse_status`: the
+    # parser, the calls read, the blocks that failed with their kind and token span); None: no
+    # tool parser read it.
+    tool_parse: str | None = None
     msg_hash: str | None = None
     post_hash: str | None = None
     request: str | None = None

@@ -33,9 +33,9 @@ _INSERT_TURN = (
     " finish_reason, prompt_ref, prompt_ref_len, prompt_suffix, prompt_len, output_ids,"
     " output_logprobs, output_len, weight_version, msg_hash, post_hash, request, request_headers,"
     " response, error, latency_ms, request_ref, request_head, request_tail, request_delta,"
-    " request_zstd, request_dict, headers_ref, logprobs_mode)"
+    " request_zstd, request_dict, headers_ref, logprobs_mode, tool_parse)"
     " VALUES (?,?,(SELECT COALESCE(MAX(seq), 0) + 1 FROM turns),"
-    "?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+    "?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 )
 # Places in its values (after the seq, which the INSERT computes) of the columns `_write_turn` fills.
 _REQUEST_COL, _REF_COL, _DELTA_COL, _ZSTD_COL, _DICT_COL = 20, 25, 28, 29, 30
@@ -280,6 +280,7 @@ class Store:
             None,
             headers_ref,
             rec.logprobs_mode,
+            rec.tool_parse,
         ]
         statements: list[Statement] = []
         if not known:

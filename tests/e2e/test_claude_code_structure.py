@@ -58,6 +58,20 @@ def test_a_subagent_exports_as_a_subagent_row_linked_to_the_main_row(tmp_path, q
     # in the background: the call is answered at once, the main agent answers that, and once more
     # when it is told the agent finished (3).
     assert main["num_turns"] in (2, 3) and sub["num_turns"] >= 1
+    # Per-request rows take role and parent from the same pass: the subagent's turns are
+    # `subagent` rows whose parent is the turn that made the Agent call (a row of its own).
+    per = tmp_path / "turns.parquet"
+    e = subprocess.run(
+        [*POLAR, "export", "--db", str(db), "--strategy", "per-request", "--out", str(per), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert e.returncode == 0, e.stderr
+    turns = {r["trajectory_id"]: r for r in pq.read_table(per).to_pylist()}
+    assert {t: turns[t]["role"] for t in sub["turn_ids"]} == dict.fromkeys(sub["turn_ids"], "subagent")
+    assert {turns[t]["parent_id"] for t in sub["turn_ids"]} == {meta["parent_turn_id"]}
+    assert {turns[t]["role"] for t in main["turn_ids"]} == {"main"}
 
 
 COMPACT_SCRIPT = [

@@ -206,8 +206,10 @@ def test_jsonl_holds_the_same_rows_as_parquet(db: Path, tmp_path: Path) -> None:
 def test_per_request_rows_are_each_generation(db: Path, tmp_path: Path) -> None:
     export(db, tmp_path / "turns.parquet", strategy="per-request")
     rows = pq.read_table(tmp_path / "turns.parquet").to_pylist()
-    assert [r["trajectory_id"] for r in rows] == ["a1", "b1", "a2", "b2", "a3"]
-    a3 = rows[-1]
+    # Session by session (a turn's role depends on its session's other conversations), each in
+    # creation order.
+    assert [r["trajectory_id"] for r in rows] == ["a1", "a2", "a3", "b1", "b2"]
+    a3 = rows[2]
     assert a3["prompt_ids"] == [1, 2, 3, 10, 11, 4, 12, 5] and a3["response_ids"] == [14, 15]
     assert a3["loss_mask"] == [1, 1] and a3["response_logprobs"] == [B, D] and a3["num_turns"] == 1
 

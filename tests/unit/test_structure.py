@@ -16,7 +16,7 @@ def completion(*calls):
     return json.dumps({"text": "", "tool_calls": [{"id": i, "name": n, "arguments": {}} for i, n in calls]})
 
 
-def turn(id, prompt, output, at, response=None, tag=None):
+def turn(id, prompt, output, at, response=None, tag=None, request=None):
     return Turn(
         id=id,
         session_id="s",
@@ -28,6 +28,29 @@ def turn(id, prompt, output, at, response=None, tag=None):
         output_ids=output,
         output_logprobs=[-0.5] * len(output),
         response=response or '{"text": "done"}',
+        request=request,
+        path="/v1/messages",
+    )
+
+
+def carrying(*results):
+    """An Anthropic request whose last message carries the results of these tool calls."""
+    return json.dumps(
+        {
+            "model": "m",
+            "max_tokens": 100,
+            "messages": [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": i, "name": "T", "input": {}} for i in results],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": i, "content": "ok"} for i in results],
+                },
+            ],
+        }
     )
 
 
@@ -196,3 +219,224 @@ def test_a_summary_forked_from_the_conversation_links_the_compaction_to_the_turn
         ],
     )
     assert structure.link([chain, carried])["c1"].parent_turn == "s"
+
+
+# ---- each mislabelling reported, as the store holds it, in both strategies ---------------------
+
+
+def structure_of(db, strategy):
+    from polar_mitm.reconstruct.source import Selection
+    from polar_mitm.reconstruct.stats import ReconstructStats
+
+    stats = ReconstructStats()
+    rows = iter_trajectories(db, strategy=strategy, selection=Selection(include_side_calls=True), stats=stats)
+    return {r.trajectory_id: (r.role, r.parent_id) for r in rows}, stats
+
+
+CALL_REPLY = list(range(600, 620))  # a reply long enough to be recognized when repeated
+
+
+async def test_reactive_compaction_after_a_refused_request_is_a_compaction_not_a_subagent(tmp_path):
+    """Claude Code past the policy's context: the request after m2's Bash call is refused
+    ("prompt is too long") and never stored, so the call stays open; the harness asks for a
+    summary in a branch of the conversation (s1) and carries on with it (c1)."""
+    m1_out = [7, 8, 9]
+    m2_prompt = SYSTEM + [1, 2] + m1_out + [3, 3]
+    db = tmp_path / "s.sqlite"
+    await write(
+        db,
+        [
+            turn("m1", SYSTEM + [1, 2], m1_out, 1.0, completion(("toolu_1", "Bash"))),
+            turn("m2", m2_prompt, [50, 51], 2.0, completion(("toolu_2", "Bash"))),
+            # The summary request: the conversation up to m2's prompt, a summarize instruction.
+            turn("s1", m2_prompt + [90, 91], SUMMARY, 3.0),
+            turn("c1", [4000, 4001] + SUMMARY[:-1] + [4002], [70], 4.0),
+            turn("c2", [4000, 4001] + SUMMARY[:-1] + [4002, 70, 5], [71], 5.0),
+        ],
+    )
+    merged, stats = structure_of(db, "prefix-merge")
+    assert merged == {"m2": ("main", None), "s1": ("main", None), "c2": ("compaction", "m2")}
+    per, _ = structure_of(db, "per-request")
+    assert per == {
+        "m1": ("main", None),
+        "m2": ("main", None),
+        "s1": ("main", None),
+        "c1": ("compaction", "m2"),
+        "c2": ("compaction", "m2"),
+    }
+    assert not any(k.startswith("ambiguous") for k in stats.breaks)
+
+
+async def test_a_summary_request_that_re_renders_the_conversation_continues_it(tmp_path):
+    """Claude Code before 2.1.33x: the summary request re-renders the conversation without its
+    tools (a new conversation that repeats m2's reply, its Bash call unanswered), and the
+    conversation carried on is a compaction of it."""
+    m1_out = [7, 8, 9]
+    m2_prompt = SYSTEM + [1, 2] + m1_out + [3, 3]
+    db = tmp_path / "s.sqlite"
+    await write(
+        db,
+        [
+            turn("m1", SYSTEM + [1, 2], m1_out, 1.0, completion(("toolu_1", "Bash"))),
+            turn("m2", m2_prompt, CALL_REPLY, 2.0, completion(("toolu_2", "Bash"))),
+            turn("s1", [8000, 1, 2] + m1_out + [3] + CALL_REPLY + [91], SUMMARY, 3.0),
+            turn("c1", [4000, 4001] + SUMMARY[:-1] + [4002], [70], 4.0),
+        ],
+    )
+    for strategy in ("prefix-merge", "per-request"):
+        rows, _ = structure_of(db, strategy)
+        assert rows["s1"] == ("main", None)
+        assert rows["c1"] == ("compaction", "m2")
+        assert "subagent" not in {role for role, _ in rows.values()}
+
+
+async def test_a_tool_loaded_mid_session_keeps_one_main_conversation(tmp_path):
+    """ToolSearch loads a deferred tool: `tools` grows, so turn 2's prompt does not extend turn
+    1's, but its request carries ToolSearch's result; then Bash runs as usual."""
+    db = tmp_path / "s.sqlite"
+    await write(
+        db,
+        [
+            turn("t1", SYSTEM + [1, 2], [7, 8], 1.0, completion(("toolu_search", "ToolSearch"))),
+            turn(
+                "t2",
+                SYSTEM[:-1] + [1999, 1, 2, 7, 8, 3],  # the tools block changed
+                [9, 9],
+                2.0,
+                completion(("toolu_bash", "Bash")),
+                request=carrying("toolu_search"),
+            ),
+            turn("t3", SYSTEM[:-1] + [1999, 1, 2, 7, 8, 3, 9, 9, 4], [10], 3.0),
+        ],
+    )
+    for strategy in ("prefix-merge", "per-request"):
+        rows, _ = structure_of(db, strategy)
+        assert {role for role, _ in rows.values()} == {"main"}, (strategy, rows)
+        assert all(parent is None for _, parent in rows.values())
+    merged = {r.trajectory_id: r for r in iter_trajectories(db)}
+    assert merged["t3"].meta["continues_turn_id"] == "t1"
+
+
+async def test_context_moved_to_the_end_is_the_same_conversation(tmp_path):
+    """OpenClaw moves its internal-context message to the end of each request: turn 2 does not
+    extend turn 1, yet it carries the result of turn 1's call (and repeats its reply)."""
+    db = tmp_path / "s.sqlite"
+    await write(
+        db,
+        [
+            turn("o1", SYSTEM + [1, 2, 555], CALL_REPLY, 1.0, completion(("call_exec", "exec"))),
+            turn(
+                "o2",
+                SYSTEM + [1, 2] + CALL_REPLY + [3, 555],
+                [9, 9],
+                2.0,
+                completion(("call_exec2", "exec")),
+                request=carrying("call_exec"),
+            ),
+            turn("o3", SYSTEM + [1, 2] + CALL_REPLY + [3, 9, 9, 4, 555], [10], 3.0),
+        ],
+    )
+    for strategy in ("prefix-merge", "per-request"):
+        rows, _ = structure_of(db, strategy)
+        assert {role for role, _ in rows.values()} == {"main"}, (strategy, rows)
+
+
+async def test_a_real_subagent_is_one_subagent_row_in_both_strategies(tmp_path):
+    db = tmp_path / "s.sqlite"
+    await write(db, claude_code_like_session())
+    merged, _ = structure_of(db, "prefix-merge")
+    assert [k for k, (role, _) in merged.items() if role == "subagent"] == ["a2"]
+    per, _ = structure_of(db, "per-request")
+    assert per == {
+        "m1": ("main", None),
+        "x1": ("side", None),
+        "a1": ("subagent", "m1"),  # the turn that made the Agent call, a row of its own here
+        "a2": ("subagent", "m1"),
+        "m2": ("main", None),
+        "m3": ("main", None),
+        "c1": ("compaction", "m3"),
+    }
+
+
+async def test_reward_to_main_leaves_a_subagent_unrewarded_per_request(tmp_path):
+    db = tmp_path / "s.sqlite"
+    await write(db, claude_code_like_session())
+    rows = {r.trajectory_id: r for r in iter_trajectories(db, strategy="per-request", reward_to="main")}
+    assert rows["a1"].reward is None and rows["a2"].reward is None and rows["m2"].reward == 1.0
+    assert rows["a1"].meta["spawned_by_tool"] == "Agent"
+
+
+def test_results_carried_from_two_differently_placed_conversations_are_a_named_break():
+    main = conv("m1", 0, [facts("m1", 0, None, [("c_agent", "Agent")])])
+    sub = conv("s1", 1, [facts("s1", 1, None, [("c_sub", "Bash")])])
+    both = structure.Conversation(
+        "b1", 2, None, np.zeros(0, "<i4"), [facts("b1", 2)], frozenset({"c_agent", "c_sub"})
+    )
+    found = structure.link([main, sub, both])["b1"]
+    assert (found.role, found.parent_turn, found.ambiguous) == ("main", None, "ambiguous_continuation")
+
+
+def test_open_calls_of_several_conversations_spawn_nothing():
+    a = conv("a1", 0, [facts("a1", 0, None, [("c1", "Bash")])])
+    b = conv("b1", 1, [facts("b1", 1, None, [("c2", "Bash")])])  # no open call before it: main
+    c = conv("c1", 2, [facts("c1", 2)])
+    links = structure.link([a, b, c])
+    assert links["b1"].role == "subagent"  # one conversation had a call open: the weak rule
+    assert (links["c1"].role, links["c1"].ambiguous) == ("main", "ambiguous_spawn")
+
+
+def test_a_forked_subagent_that_repeats_its_parents_history_is_still_a_subagent():
+    agent_reply = np.arange(700, 720, dtype="<i4")
+    main = conv("m1", 0, [facts("m1", 0, None, [("c_agent", "Agent")], output=agent_reply)])
+    fork = conv("f1", 1, [facts("f1", 1)], prompt=[1, *agent_reply[:-1], 2])
+    found = structure.link([main, fork])["f1"]
+    assert (found.role, found.parent_turn) == ("subagent", "m1")
+
+
+def test_a_background_fork_that_carries_its_parents_results_is_a_subagent():
+    """A forked agent (its parent's history up to the spawning call) whose call was answered at
+    once ("launched"): it carries the results of the parent's earlier calls, not the spawn's."""
+    main = conv(
+        "m1",
+        0,
+        [
+            facts("m1", 0, 1.0, [("c_bash", "Bash")]),
+            facts("m2", 1.0, 2.0, [("c_spawn", "spawn_agent")], extends="m1"),
+            facts("m3", 2.0, 4.0, extends="m2"),
+            facts("m4", 4.0, extends="m3"),
+        ],
+    )
+    fork = structure.Conversation("f1", 3, None, np.zeros(0, "<i4"), [facts("f1", 3)], frozenset({"c_bash"}))
+    found = structure.link([main, fork])["f1"]
+    assert (found.role, found.parent_turn, found.tool_call_id) == ("subagent", "m2", "c_spawn")
+    # A later conversation carrying the newest call's result goes on, an older agent call or not.
+    going_on = structure.Conversation(
+        "g1", 5, None, np.zeros(0, "<i4"), [facts("g1", 5)], frozenset({"c_late"})
+    )
+    main.turns.append(facts("m5", 4.5, None, [("c_late", "ToolSearch")], extends="m4"))
+    assert structure.link([main, going_on])["g1"].role == "main"
+    assert structure.link([main, going_on])["g1"].continues == "m5"
+
+
+def test_a_forks_own_continuation_goes_on_in_the_fork_not_in_its_parent():
+    """A fork carries its parent's older results; its own moved-context turn carries those and the
+    result of its own last call: it goes on in the fork (a subagent), nothing ambiguous."""
+    main = conv(
+        "m1",
+        0,
+        [
+            facts("m1", 0, 1.0, [("c_bash", "Bash")]),
+            facts("m2", 1.0, None, [("c_agent", "Agent")], extends="m1"),
+            facts("m3", 5.0, extends="m2"),
+        ],
+    )
+    fork = structure.Conversation(
+        "f1", 2, None, np.zeros(0, "<i4"), [facts("f1", 2, None, [("c_read", "Read")])], frozenset({"c_bash"})
+    )
+    moved = structure.Conversation(
+        "f2", 3, None, np.zeros(0, "<i4"), [facts("f2", 3)], frozenset({"c_bash", "c_read"})
+    )
+    links = structure.link([main, fork, moved])
+    assert (links["f1"].role, links["f1"].parent_turn) == ("subagent", "m2")
+    assert (links["f2"].role, links["f2"].parent_turn, links["f2"].continues) == ("subagent", "m2", "f1")
+    assert links["f2"].ambiguous is None
