@@ -379,29 +379,34 @@ def to_request(req: TaskRequest, *, task_root: Path | None = None) -> m.TaskRequ
     agent_timeout = req.metadata.get("agent_timeout")
     total = float(req.timeout_seconds)
     try:
-        ours = m.TaskRequest(
-            task_id=req.task_id,
-            task=m.BoundedTask(
-                id=req.task_id,
-                instruction=req.instruction,
-                # Polar's budget is the sample's, from INIT; its agent's is the same unless given.
-                agent_timeout_sec=float(agent_timeout) if agent_timeout is not None else total,  # type: ignore[arg-type]
-                total_timeout_sec=total,
-                evaluator=_evaluator(req.evaluator, recorded, task_root),  # type: ignore[arg-type]
-                **task_fields,
-            ),
-            num_samples=req.num_samples,
-            harness=harness,
-            harness_cmd=harness_cmd,
-            runtime=runtime,
-            builder=Strategy.PER_REQUEST if req.builder.strategy == "per_request" else Strategy.PREFIX_MERGE,
-            priority=req.dispatch_priority,
-            early_stop_min_usable=req.early_stop_min_usable_sessions,
-            timeout_seconds=total,
-            agent_timeout_seconds=float(agent_timeout) if agent_timeout is not None else None,  # type: ignore[arg-type]
-            metadata={
-                KEY: {"metadata": req.metadata, "callback_url": req.callback_url, "recorded": recorded}
-            },
+        # Validated as a whole, so a bound of ours names its place (task.cpus -> runtime.cpus).
+        ours = m.TaskRequest.model_validate(
+            {
+                "task_id": req.task_id,
+                "task": {
+                    "id": req.task_id,
+                    "instruction": req.instruction,
+                    # Polar's budget is the sample's, from INIT; its agent's is the same unless given.
+                    "agent_timeout_sec": float(agent_timeout) if agent_timeout is not None else total,  # type: ignore[arg-type]
+                    "total_timeout_sec": total,
+                    "evaluator": _evaluator(req.evaluator, recorded, task_root),
+                    **task_fields,
+                },
+                "num_samples": req.num_samples,
+                "harness": harness,
+                "harness_cmd": harness_cmd,
+                "runtime": runtime,
+                "builder": Strategy.PER_REQUEST
+                if req.builder.strategy == "per_request"
+                else Strategy.PREFIX_MERGE,
+                "priority": req.dispatch_priority,
+                "early_stop_min_usable": req.early_stop_min_usable_sessions,
+                "timeout_seconds": total,
+                "agent_timeout_seconds": float(agent_timeout) if agent_timeout is not None else None,  # type: ignore[arg-type]
+                "metadata": {
+                    KEY: {"metadata": req.metadata, "callback_url": req.callback_url, "recorded": recorded}
+                },
+            }
         )
     except ValidationError as e:
         err = e.errors()[0]
