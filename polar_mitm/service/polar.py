@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -32,11 +32,12 @@ from aiohttp import web
 from polar_mitm import auth, jsontext
 from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.service import polar_models as p
+from polar_mitm.service.events import Events
 from polar_mitm.service.http import ApiError, Handler, body_of, forbid, json_body
+from polar_mitm.service.nodes_api import Nodes
+from polar_mitm.service.tasks_api import Tasks
+from polar_mitm.service.weights import Weights
 from polar_mitm.store.service import unpack_rows
-
-if TYPE_CHECKING:
-    from polar_mitm.service.server import RolloutServer
 
 log = logging.getLogger("polar_mitm.service")
 
@@ -53,11 +54,14 @@ def _callback_key(task_id: str) -> str:
 
 
 class PolarApi:
-    def __init__(self, server: RolloutServer):
-        self.server = server
-        self.store = server.store
-        self.tasks = server.tasks
-        self.prefix = "/" + auth.polar_prefix(server.token)
+    def __init__(self, token: str, tasks: Tasks, nodes: Nodes, weights: Weights, events: Events):
+        """`token`: the service token, whose derived secret is the routes' prefix."""
+        self.store = tasks.store
+        self.tasks = tasks
+        self.nodes = nodes
+        self.weights = weights
+        self.events = events
+        self.prefix = "/" + auth.polar_prefix(token)
         self._kept: dict[str, dict[str, Any]] = {}  # task id -> what the mapping kept (its request's)
 
     def routes(self) -> list[tuple[str, str, Handler, str]]:
@@ -230,10 +234,10 @@ class PolarApi:
     # -- nodes, health, weights -----------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "nodes": len(self.server.healthy_nodes())})
+        return web.json_response({"status": "ok", "nodes": len(self.nodes.healthy_nodes())})
 
     async def list_nodes(self, request: web.Request) -> web.Response:
-        nodes = self.server.nodes
+        nodes = self.nodes
         beat = max(1, int(nodes.node_timeout // 3))
         base = self._base(request)
         out = [
@@ -251,13 +255,13 @@ class PolarApi:
             {
                 "tasks": {t.id: p.task_state(t.state) for t in self.store.summaries()},
                 "pipeline": {"samples": counts, "paused": self.store.get("paused") == "1"},
-                "nodes": {"registered": len(self.store.nodes()), "healthy": len(self.server.healthy_nodes())},
+                "nodes": {"registered": len(self.store.nodes()), "healthy": len(self.nodes.healthy_nodes())},
             }
         )
 
     def _generation(self) -> dict[str, Any]:
-        healthy = self.server.healthy_nodes()
-        beats = self.server.heartbeats
+        healthy = self.nodes.healthy_nodes()
+        beats = self.nodes.heartbeats
         inflight = sum(beats[n].generating for n in healthy if n in beats)
         return {
             "paused": self.store.get("paused") == "1",
@@ -278,7 +282,7 @@ class PolarApi:
             timeout = math.nan
         if not math.isfinite(timeout) or not 0 <= timeout <= 24 * 3600:
             raise p.refuse("timeout_seconds", "seconds, between 0 and 86400")
-        reply = await self.server.weights.pause_and_drain(timeout)
+        reply = await self.weights.pause_and_drain(timeout)
         if not reply.drained:
             # Polar's answer to a drain that overran: the pause holds, the caller decides.
             raise ApiError(
@@ -290,7 +294,7 @@ class PolarApi:
 
     async def resume(self, request: web.Request) -> web.Response:
         # Polar's clients send no weight version: each turn records the one its engine reports.
-        self.server.weights.resume_with(None)
+        self.weights.resume_with(None)
         return web.json_response(self._generation())
 
     # -- the callback ---------------------------------------------------------------------------
@@ -298,7 +302,7 @@ class PolarApi:
     async def watch(self) -> None:
         """Post each completed Polar task's TaskResult to its callback, once."""
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CALLBACK_TIMEOUT)) as http:
-            with self.server.events.subscribe() as q:
+            with self.events.subscribe() as q:
                 pending: set[asyncio.Task] = set()
                 try:
                     while True:

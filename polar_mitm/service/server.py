@@ -102,7 +102,9 @@ class RolloutServer:
         self.port = 0
         self.host = "127.0.0.1"
         self._loops: list[asyncio.Task] = []
-        self.polar = PolarApi(self) if polar_api else None
+        self.polar = (
+            PolarApi(self.token, self.tasks, self.nodes, self.weights, self.events) if polar_api else None
+        )
 
     def _group(self, task_id: str) -> dict[str, Any]:
         return self.tasks.group(task_id)
