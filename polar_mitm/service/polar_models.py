@@ -221,21 +221,37 @@ def _shell_step(action: ExecInput | PrepareAction) -> str:
     return line
 
 
-def _prepare(actions: list[PrepareAction]) -> list[str]:
-    lines = []
+def _prepare(actions: list[PrepareAction], task_root: Path | None) -> tuple[list[dict[str, str]], list[str]]:
+    """Polar's prepare steps as our uploads (copied in first) and setup lines, in its order."""
+    uploads: list[dict[str, str]] = []
+    lines: list[str] = []
     for i, a in enumerate(actions):
+        field = f"runtime.prepare[{i}]"
         if a.type != "exec":
-            raise refuse(
-                f"runtime.prepare[{i}]",
-                f"{a.type} copies a host path into the sandbox; polar-mitm copies no host path but a "
-                "Harbor task's tests: bake the files into runtime.image",
-            )
+            if lines:
+                raise refuse(
+                    field, f"{a.type} after an exec step: polar-mitm copies files in before the first"
+                )
+            if task_root is None:
+                raise forbid(field, "the server copies no host path unless started with --task-root DIR")
+            assert a.source is not None and a.target is not None
+            if not Path(a.source).resolve().is_relative_to(task_root):
+                raise forbid(field, f"{a.source} is outside --task-root {task_root}")
+            if a.type == "upload_dir" and not Path(a.source).is_dir():
+                raise refuse(field, f"{a.source} is not a directory")
+            if a.type == "upload_file" and not Path(a.source).is_file():
+                raise refuse(field, f"{a.source} is not a file")
+            uploads.append({"source": str(Path(a.source).resolve()), "target": a.target})
+            continue
         line = _shell_step(a)
         if a.max_attempts > 1:  # Polar's retries, in the shell: the last failure fails the setup
             wait = f"sleep {a.retry_backoff_seconds:g}; " if a.retry_backoff_seconds else ""
-            line = f"for _try in $(seq {a.max_attempts}); do ({line}) && break; [ $_try = {a.max_attempts} ] && exit 1; {wait}done"
+            line = (
+                f"for _try in $(seq {a.max_attempts}); do ({line}) && break; "
+                f"[ $_try = {a.max_attempts} ] && exit 1; {wait}done"
+            )
         lines.append(line)
-    return lines
+    return uploads, lines
 
 
 def _harness(agent: AgentSpec) -> tuple[str, list[str] | None]:
@@ -301,7 +317,9 @@ def _evaluator(ev: EvaluatorSpec | None, recorded: dict[str, str], task_root: Pa
     return {"kind": "harbor", "tests_dir": tests_dir.strip(), "timeout_sec": float(timeout), "env": ev.env}
 
 
-def _runtime(rt: RuntimeSpec | None, recorded: dict[str, str]) -> tuple[str, dict[str, Any]]:
+def _runtime(
+    rt: RuntimeSpec | None, recorded: dict[str, str], task_root: Path | None
+) -> tuple[str, dict[str, Any]]:
     """Our runtime name and the task fields the runtime spec gives."""
     if rt is None:
         raise refuse("runtime", "polar-mitm's nodes have no default runtime: give runtime.image")
@@ -341,9 +359,11 @@ def _runtime(rt: RuntimeSpec | None, recorded: dict[str, str]) -> tuple[str, dic
         )
     if rt.storage_mb is not None:
         recorded["runtime.storage_mb"] = "not applied: a sample's disk is bounded by the node's own limits"
+    uploads, setup = _prepare(rt.prepare, task_root)
     fields: dict[str, Any] = {
         "image": rt.image.strip(),
-        "setup": _prepare(rt.prepare),
+        "uploads": uploads,
+        "setup": setup,
         "env": dict(rt.env),
         "allow_internet": allow_internet,
         "cpus": rt.cpus,
@@ -360,7 +380,7 @@ def to_request(req: TaskRequest, *, task_root: Path | None = None) -> m.TaskRequ
     if not m.TASK_ID.fullmatch(req.task_id):
         raise refuse("task_id", "letters, digits and . _ : @ + - (it appears in URLs), at most 200")
     recorded: dict[str, str] = {}
-    runtime, task_fields = _runtime(req.runtime, recorded)
+    runtime, task_fields = _runtime(req.runtime, recorded, task_root)
     harness, harness_cmd = _harness(req.agent)
     if req.agent.custom_shell is not None and req.agent.custom_shell.env:
         task_fields["env"].update(req.agent.custom_shell.env)

@@ -81,12 +81,18 @@ class Tasks:
         return Path(path).resolve().is_relative_to(self.task_root)
 
     def _check_host_paths(self, task: Task, field: str) -> None:
-        """A task's host paths (its Dockerfile, its tests) lie under --task-root, when there is one."""
+        """A task's host paths (its Dockerfile, its tests) lie under --task-root, when there is one;
+        what it copies into a sandbox (`uploads`), only with one."""
         if self.task_root is None:
+            if task.uploads:
+                raise forbid(
+                    f"{field}.uploads", "the server copies no host path unless started with --task-root DIR"
+                )
             return
         for name, path in (
             ("dockerfile", task.dockerfile),
             ("evaluator.tests_dir", task.evaluator.tests_dir),
+            *((f"uploads[{i}].source", u.source) for i, u in enumerate(task.uploads)),
         ):
             if path is not None and not self._under_root(path):
                 raise forbid(f"{field}.{name}", f"{path} is outside --task-root {self.task_root}")

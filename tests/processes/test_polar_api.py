@@ -123,7 +123,7 @@ async def test_a_polar_client_runs_a_group_gets_its_callback_once_and_reads_the_
 
 
 @pytest.mark.slow
-async def test_cancel_leaves_a_tombstone_and_pause_resume_go_through_the_gateways(service):
+async def test_cancel_leaves_a_tombstone_and_pause_resume_go_through_the_gateways(service, tmp_path):
     svc = await service(nodes=2, polar_api=True)
     async with httpx.AsyncClient(base_url=svc.server.polar_url, timeout=60) as h:
         # The slime bridge's weight sync: discover the gateways, pause each (drained: inflight 0), resume.
@@ -146,8 +146,26 @@ async def test_cancel_leaves_a_tombstone_and_pause_resume_go_through_the_gateway
                 message="gates closed",
             )
             assert (await g.get(f"{urls[0]}/admin/inference/status")).json()["paused"] is True
-            # A task submitted while paused waits at the gate, and runs once resumed.
-            await h.post("/rollout/task/submit", json=polar_task("during-pause"))
+            # A task submitted while paused waits at the gate, and runs once resumed. It is
+            # ClawBench's shape: its files uploaded from under --task-root, then a setup step.
+            (tmp_path / "staged").mkdir()
+            (tmp_path / "staged" / "a.txt").write_text("a")
+            (tmp_path / "run.sh").write_text("true")
+            prepare = [
+                {"type": "upload_dir", "source": str(tmp_path / "staged"), "target": "data"},
+                {"type": "upload_file", "source": str(tmp_path / "run.sh"), "target": "data/run.sh"},
+                {"type": "exec", "command": "touch made", "cwd": "data"},
+            ]
+            check = "test -f data/a.txt && test -f data/run.sh && test -f data/made && "
+            agent = {
+                "harness": "shell",
+                "custom_shell": {"command": MODEL_CALL + check + 'echo "$1" > out.txt'},
+            }
+            runtime = {**LOCAL, "prepare": prepare}
+            r = await h.post(
+                "/rollout/task/submit", json=polar_task("during-pause", agent=agent, runtime=runtime)
+            )
+            assert r.status_code == 200, r.text
             resumed = await asyncio.gather(*(g.post(f"{u}/admin/inference/resume") for u in urls))
             assert all(r.json()["paused"] is False for r in resumed)
         assert (await poll(h, "during-pause", {"completed"})).results[0].trajectory.traces[-1].reward == 1.0
@@ -225,3 +243,14 @@ def test_serve_prints_the_capability_and_the_routes_need_it_or_the_token(tmp_pat
         assert httpx.get(root + "/v1/tasks", headers={"x-polar-control-token": TOKEN}).status_code == 401
     finally:
         kill_group(proc.pid)
+
+
+async def test_uploads_need_a_task_root_on_v1_too(service, tmp_path):
+    svc = await service(nodes=0, task_root=None)
+    body = {
+        "task": {"id": "u", "instruction": "x", "uploads": [{"source": str(tmp_path), "target": "/app"}]},
+        "harness": "claude-code",
+    }
+    async with httpx.AsyncClient(base_url=svc.url, headers={"authorization": f"Bearer {TOKEN}"}) as h:
+        r = await h.post("/v1/tasks", json=body)
+    assert r.status_code == 403 and r.json()["error"]["fields"][0]["field"] == "task.uploads"

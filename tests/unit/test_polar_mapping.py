@@ -113,11 +113,11 @@ def test_prepare_retries_are_run_as_polar_runs_them(tmp_path):
     """max_attempts: the step runs again until it succeeds, and fails the setup after the last."""
     count = tmp_path / "n"
     flaky = f"echo x >> {count}; [ $(wc -l < {count}) -ge 3 ]"
-    [line] = p._prepare([p.PrepareAction(type="exec", command=flaky, max_attempts=3)])
+    _, [line] = p._prepare([p.PrepareAction(type="exec", command=flaky, max_attempts=3)], None)
     assert subprocess.run(["sh", "-c", line]).returncode == 0
     assert count.read_text().count("x") == 3
     count.unlink()
-    [line] = p._prepare([p.PrepareAction(type="exec", command=flaky, max_attempts=2)])
+    _, [line] = p._prepare([p.PrepareAction(type="exec", command=flaky, max_attempts=2)], None)
     assert subprocess.run(["sh", "-c", line + "; echo after"], capture_output=True, text=True).returncode == 1
 
 
@@ -151,10 +151,13 @@ def test_prepare_retries_are_run_as_polar_runs_them(tmp_path):
             {
                 "runtime": {
                     "image": "i",
-                    "prepare": [{"type": "upload_dir", "source": "/etc", "target": "/x"}],
+                    "prepare": [
+                        {"type": "exec", "command": "x"},
+                        {"type": "upload_dir", "source": ".", "target": "/x"},
+                    ],
                 }
             },
-            "runtime.prepare[0]",
+            "runtime.prepare[1]",
         ),
         ({"builder": {"strategy": "router_policy"}}, "builder.strategy"),
         ({"builder": {"strategy": "per_request", "config": {"x": 1}}}, "builder.config"),
@@ -248,3 +251,29 @@ def test_stages_and_task_states_speak_polars_vocabulary():
     running = _sample(0, "completed", 1.0)
     running.state, running.stage = "dispatched", "running"
     assert p.session_status(running) == "RUNNING"
+
+
+def test_uploads_under_the_task_root_are_copied_in_first_and_others_are_refused(tmp_path):
+    (tmp_path / "work").mkdir()
+    (tmp_path / "run.sh").write_text("true\n")
+    prepare = [
+        {"type": "upload_dir", "source": str(tmp_path / "work"), "target": "/app"},
+        {"type": "upload_file", "source": str(tmp_path / "run.sh"), "target": "/app/run.sh"},
+        {"type": "exec", "command": "bash /app/setup.sh", "cwd": "/app"},
+    ]
+    ours = p.to_request(request(runtime={"image": "i", "prepare": prepare}), task_root=tmp_path)
+    assert ours.task is not None
+    assert [(str(u.source), u.target) for u in ours.task.uploads] == [
+        (str(tmp_path / "work"), "/app"),
+        (str(tmp_path / "run.sh"), "/app/run.sh"),
+    ]
+    assert ours.task.setup == ["cd /app && bash /app/setup.sh"]
+    outside = [{"type": "upload_file", "source": "/etc/passwd", "target": "/x"}]
+    for root in (tmp_path, None):  # outside the root, or no root at all: 403
+        with pytest.raises(ApiError) as e:
+            p.to_request(request(runtime={"image": "i", "prepare": outside}), task_root=root)
+        assert e.value.status == 403 and e.value.extra["fields"][0]["field"] == "runtime.prepare[0]"
+    wrong_kind = [{"type": "upload_dir", "source": str(tmp_path / "run.sh"), "target": "/x"}]
+    with pytest.raises(ApiError) as e:
+        p.to_request(request(runtime={"image": "i", "prepare": wrong_kind}), task_root=tmp_path)
+    assert e.value.status == 422
