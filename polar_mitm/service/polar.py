@@ -145,7 +145,7 @@ class PolarApi:
         return p.task_status(found[0], samples, rows, kept)
 
     async def get_task(self, request: web.Request) -> web.Response:
-        return json_body(self.status(request.match_info["task_id"]))
+        return status_body(self.status(request.match_info["task_id"]))
 
     async def cancel_task(self, request: web.Request) -> web.Response:
         task_id = request.match_info["task_id"]
@@ -168,7 +168,7 @@ class PolarApi:
                 }  # fmt: skip
             )
         self.tasks.cancel(task_id)
-        return json_body(self.status(task_id))
+        return status_body(self.status(task_id))
 
     async def list_tasks(self, request: web.Request) -> web.Response:
         q = request.query
@@ -329,6 +329,15 @@ class PolarApi:
         body = {k: status[k] for k in ("task_id", "status", "results", "result_paths")}
         outcome = _post_once(http, url, body)
         self.store.put(_callback_key(task_id), await outcome)
+
+
+def status_body(status: dict[str, Any]) -> web.Response:
+    """A TaskStatus as JSON, its results written once for both `results` and `sessions` (the
+    same list: a group's token ids are the bulk of the reply)."""
+    results = jsontext.dumps(status["results"])
+    head = jsontext.dumps({k: v for k, v in status.items() if k not in ("results", "sessions")})
+    body = head[:-1] + b',"results":' + results + b',"sessions":' + results + b"}"
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _post_once(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
