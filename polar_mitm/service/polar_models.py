@@ -302,6 +302,8 @@ def _evaluator(ev: EvaluatorSpec | None, recorded: dict[str, str], task_root: Pa
             "evaluator.config.tests_dir",
             "the server reads no host path unless started with --task-root DIR (the tests must lie under it)",
         )
+    if not Path(tests_dir.strip()).resolve().is_relative_to(task_root):
+        raise forbid("evaluator.config.tests_dir", f"{tests_dir[:200]} is outside --task-root {task_root}")
     timeout = cfg.pop("verifier_timeout", 120.0)  # Polar's default, not ours
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise refuse("evaluator.config.verifier_timeout", "a number of seconds")

@@ -183,12 +183,13 @@ def test_harbor_settings_other_than_harbors_own_layout_are_refused(key, tmp_path
     assert e.value.extra["fields"][0]["field"] == f"evaluator.config.{key}"
 
 
-def test_harbor_tests_need_a_task_root_the_operator_named():
-    with pytest.raises(ApiError) as e:
-        p.to_request(
-            request(evaluator={"strategy": "harbor", "config": {"tests_dir": "/etc"}}), task_root=None
-        )
-    assert e.value.status == 403 and "--task-root" in e.value.message
+def test_harbor_tests_need_a_task_root_the_operator_named(tmp_path):
+    for root in (None, tmp_path):  # no root, or tests outside it
+        with pytest.raises(ApiError) as e:
+            p.to_request(
+                request(evaluator={"strategy": "harbor", "config": {"tests_dir": "/etc"}}), task_root=root
+            )
+        assert e.value.status == 403 and "--task-root" in e.value.message
 
 
 def test_polars_own_request_checks_hold():
