@@ -179,7 +179,15 @@ async def test_cancel_leaves_a_tombstone_and_pause_resume_go_through_the_gateway
         # A running task cancelled: its samples stop, its status says so.
         slow = {"harness": "shell", "custom_shell": {"command": "sleep 60"}}
         await h.post("/rollout/task/submit", json=polar_task("slow", num_samples=2, agent=slow))
-        await wait_until_async(lambda: any(n.jobs for n in svc.nodes), timeout=30, message="a running sample")
+
+        async def running() -> bool:  # on either node (one of them is a process of its own)
+            sessions = (await h.get("/tasks/slow/sessions")).json()["sessions"]
+            return any(x["status"] == "RUNNING" for x in sessions)
+
+        deadline = time.monotonic() + 60
+        while not await running():
+            assert time.monotonic() < deadline, "no sample of 'slow' running"
+            await asyncio.sleep(0.2)
         cancelled = polar.TaskStatus.model_validate((await h.delete("/rollout/task/slow")).json())
         assert cancelled.status == "cancelled"
         assert (await poll(h, "slow", {"cancelled"})).status == "cancelled"
