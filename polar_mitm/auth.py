@@ -97,6 +97,12 @@ def node_token(service_token: str) -> str:
     return "node-" + _derive(service_token, b"node credential v1").hex()
 
 
+def polar_prefix(service_token: str) -> str:
+    """The secret path segment of the Polar-compatible API (`serve --polar-api`): a capability
+    its clients hold in their base URL, the same across restarts, revealing nothing of the token."""
+    return "polar-" + _derive(service_token, b"polar api prefix v1").hex()[:40]
+
+
 def digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 

@@ -111,6 +111,13 @@ def node_options(f):
     help="Accept callback_url on this host (repeatable, or comma-separated); none without it.",
 )
 @click.option(
+    "--polar-api",
+    is_flag=True,
+    help="Serve Polar's rollout API too (POST /rollout/task/submit, GET /nodes, /admin/inference/*, …) "
+    "for trainers built on Polar, under a secret path derived from the control token: it prints the "
+    "base URL (http://HOST:PORT/SECRET) to give them. See docs/polar.md.",
+)
+@click.option(
     "--max-body-mb",
     type=click.FloatRange(min=0.01),
     default=4.0,
@@ -156,6 +163,7 @@ def serve(
     allow_local_runtime,
     task_root,
     callback_allow,
+    polar_api,
     max_body_mb,
     max_result_mb,
     nodes,
@@ -209,6 +217,7 @@ def serve(
         server = RolloutServer(
             db, token=token, node_timeout=node_timeout, allow_local_runtime=allow_local_runtime,
             task_root=task_root, callback_allow=allow, max_body_mb=max_body_mb, max_result_mb=max_result_mb,
+            polar_api=polar_api,
         )  # fmt: skip
         try:
             await server.start(host, port)
@@ -220,6 +229,9 @@ def serve(
             f" · {token_note}",
             err=True,
         )
+        if server.polar is not None:
+            # The capability itself: whoever reads it drives the Polar API (docs/threat-model.md).
+            click.echo(f"polar API on {server.polar.url(url)}", err=True)
         cfg = dict(
             server=url, node_token=server.node_token, db=str(db), certs_dir=certs, policy=policy_cfg, capacity=capacity,
             **workers,

@@ -458,6 +458,8 @@ class Pipeline:
             job.channel = await open_channel(job.session_id, token, serve=self._adopt)
         spec = self._sandbox_spec(job)
         job.sandbox = await asyncio.wait_for(job.spec.runtime.start(job.task, spec), self._budget(job))
+        for up in job.task.uploads:
+            await asyncio.wait_for(job.sandbox.put(up.source, up.target), self._budget(job))
         for n, line in enumerate(job.task.setup, 1):
             r = await job.sandbox.exec(["sh", "-c", line], env=job.task.env, timeout=self._budget(job))
             if r.exit_code != 0:

@@ -23,8 +23,10 @@ from polar_mitm.providers import fields
 log = logging.getLogger("polar_mitm.service")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# Who may call a route: anyone, the operator, a node joining, or the node the path names.
-Who = Literal["public", "operator", "register", "node"]
+# Who may call a route: anyone, the operator, a node joining, or the node the path names;
+# "polar": the operator, also by the header Polar's clients send (`service/polar.py`).
+Who = Literal["public", "operator", "register", "node", "polar"]
+POLAR_TOKEN_HEADER = "x-polar-control-token"
 OPERATOR, ENROLL = "operator", "enroll"
 PRINCIPAL = web.RequestKey("principal", str)  # who the request's bearer is (set by Guard)
 MB = 1024 * 1024
@@ -156,6 +158,12 @@ class Guard:
         if who == "public":
             return await handler(request)
         principal = self.principal(request)
+        if (
+            principal is None
+            and who == "polar"
+            and auth.same(request.headers.get(POLAR_TOKEN_HEADER), self.token)
+        ):
+            principal = OPERATOR
         if principal is None:
             raise ApiError(401, "unauthorized", TOKEN_HINT)
         node_id = request.match_info.get("node_id")

@@ -9,7 +9,8 @@ parts, each one job:
 - `nodes_api.py`: the node protocol (register, heartbeat, lease, result) and lost nodes;
 - `weights.py`: pause and resume around a weight update;
 - `callbacks.py`: a finished group posted to its callback, with retries, resumed after a restart;
-- `events.py`: server-sent events of state changes; `metrics.py`, `openapi.py`.
+- `events.py`: server-sent events of state changes; `metrics.py`, `openapi.py`;
+- `polar.py`: Polar's rollout API under a secret prefix (`serve --polar-api`), `polar_models.py`.
 
 Only the operator drives it (`auth.py`): every route but `/health` takes the control token;
 a node's credential registers, and the key a registration returns serves that node id alone.
@@ -35,6 +36,7 @@ from polar_mitm.service.http import MB, Handler, Who
 from polar_mitm.service.metrics import Metrics
 from polar_mitm.service.nodes_api import Nodes
 from polar_mitm.service.openapi import openapi
+from polar_mitm.service.polar import PolarApi
 from polar_mitm.service.tasks_api import Tasks
 from polar_mitm.service.weights import Weights
 from polar_mitm.store.service import ServiceStore
@@ -55,11 +57,13 @@ class RolloutServer:
         callback_allow: list[str] | tuple[str, ...] = (),
         max_body_mb: float = 4.0,
         max_result_mb: float = 256.0,
+        polar_api: bool = False,
     ):
         """`token`: the operator's control token (a random one when None: the server is never
         open; `serve` gives it one from its token file). `allow_local_runtime`, `task_root` and
         `callback_allow` turn on what reaches the host: tasks run unsandboxed, task paths read
-        under that directory, callbacks to those hosts."""
+        under that directory, callbacks to those hosts. `polar_api`: Polar's rollout API too, under a
+        secret prefix (`polar.py`)."""
         self.store = ServiceStore(db)
         self.token = token or auth.new_token()
         self.node_token = auth.node_token(self.token)
@@ -98,6 +102,9 @@ class RolloutServer:
         self.port = 0
         self.host = "127.0.0.1"
         self._loops: list[asyncio.Task] = []
+        self.polar = (
+            PolarApi(self.token, self.tasks, self.nodes, self.weights, self.events) if polar_api else None
+        )
 
     def _group(self, task_id: str) -> dict[str, Any]:
         return self.tasks.group(task_id)
@@ -147,6 +154,9 @@ class RolloutServer:
         for method, path, handler, *_, who in self.routes():
             app.router.add_route(method, path, handler)
             self.guard.who[(method, path)] = who
+        for method, path, handler, polar_who in self.polar.routes() if self.polar else []:
+            app.router.add_route(method, path, handler)
+            self.guard.who[(method, path)] = polar_who  # type: ignore[assignment]
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -157,11 +167,18 @@ class RolloutServer:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._loops = [asyncio.create_task(self.nodes.watch()), self.callbacks.start()]
+        if self.polar is not None:
+            self._loops.append(asyncio.create_task(self.polar.watch()))
         return self.port
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def polar_url(self) -> str | None:
+        """The Polar API's base URL (its secret prefix included), when it is on."""
+        return self.polar.url(self.url) if self.polar else None
 
     async def stop(self) -> None:
         for t in self._loops:

@@ -81,12 +81,18 @@ class Tasks:
         return Path(path).resolve().is_relative_to(self.task_root)
 
     def _check_host_paths(self, task: Task, field: str) -> None:
-        """A task's host paths (its Dockerfile, its tests) lie under --task-root, when there is one."""
+        """A task's host paths (its Dockerfile, its tests) lie under --task-root, when there is one;
+        what it copies into a sandbox (`uploads`), only with one."""
         if self.task_root is None:
+            if task.uploads:
+                raise forbid(
+                    f"{field}.uploads", "the server copies no host path unless started with --task-root DIR"
+                )
             return
         for name, path in (
             ("dockerfile", task.dockerfile),
             ("evaluator.tests_dir", task.evaluator.tests_dir),
+            *((f"uploads[{i}].source", u.source) for i, u in enumerate(task.uploads)),
         ):
             if path is not None and not self._under_root(path):
                 raise forbid(f"{field}.{name}", f"{path} is outside --task-root {self.task_root}")
@@ -189,6 +195,13 @@ class Tasks:
 
     async def submit(self, request: web.Request) -> web.Response:
         req: m.TaskRequest = await body_of(request, m.TaskRequest, self.max_body)
+        task_id = self.accept(req)
+        return web.json_response(
+            m.Submitted(task_id=task_id, num_samples=req.num_samples).model_dump(mode="json"), status=202
+        )
+
+    def accept(self, req: m.TaskRequest) -> str:
+        """Check, seal and queue a request (an ApiError when it cannot be); its task id."""
         task = self._resolve(req)
         task_id = req.task_id or task.id
         if not m.TASK_ID.fullmatch(task_id):
@@ -215,9 +228,7 @@ class Tasks:
             raise ApiError(409, "conflict", f"a task with id {task_id!r} exists; submit with another task_id")
         self.events.publish(m.Event(kind="task", task_id=task_id, state="queued"))
         self.metrics.submitted.inc()
-        return web.json_response(
-            m.Submitted(task_id=task_id, num_samples=req.num_samples).model_dump(mode="json"), status=202
-        )
+        return task_id
 
     def task(self, task_id: str) -> TaskRow:
         """The task's row, or a 404."""
@@ -316,13 +327,18 @@ class Tasks:
         raise ApiError(422, "invalid_request", f"format: {fmt!r} is not one of json, parquet")
 
     async def cancel_task(self, request: web.Request) -> web.Response:
-        row = self.task(request.match_info["task_id"])
+        task_id = self.cancel(request.match_info["task_id"])
+        return web.json_response(self.view(self._summary(task_id)).model_dump(mode="json"))
+
+    def cancel(self, task_id: str) -> str:
+        """Cancel a task not yet done or cancelled (a 404 when there is none); its id."""
+        row = self.task(task_id)
         if row.state not in ("done", "cancelled"):
             self.store.cancel_samples(row.id, "cancelled by request")
             self.store.set_task_state(row.id, "cancelled")
             self.events.publish(m.Event(kind="task", task_id=row.id, state="cancelled"))
             self.maybe_complete(row.id)
-        return web.json_response(self.view(self._summary(row.id)).model_dump(mode="json"))
+        return row.id
 
     # -- completion -----------------------------------------------------------------------------
 

@@ -29,10 +29,15 @@ class Weights:
 
     async def pause(self, request: web.Request) -> web.Response:
         body: m.PauseRequest = await body_of(request, m.PauseRequest, self.max_body)
+        reply = await self.pause_and_drain(body.timeout_seconds)
+        return web.json_response(reply.model_dump(mode="json"))
+
+    async def pause_and_drain(self, timeout_seconds: float) -> m.PauseReply:
+        """Pause, and wait up to `timeout_seconds` for every healthy node to have drained."""
         self.store.put("paused", "1")
         self.events.publish(m.Event(kind="weights", state="paused"))
         since = time.time()
-        deadline = since + body.timeout_seconds
+        deadline = since + timeout_seconds
         nodes = self.nodes.healthy_nodes()
         heartbeats, heartbeat_at = self.nodes.heartbeats, self.nodes.heartbeat_at
         while True:
@@ -43,20 +48,16 @@ class Weights:
             if drained or time.time() >= deadline:
                 break
             await asyncio.sleep(0.1)
-        return web.json_response(
-            m.PauseReply(paused=True, drained=drained, generating=generating, nodes=len(nodes)).model_dump(
-                mode="json"
-            )
-        )
+        return m.PauseReply(paused=True, drained=drained, generating=generating, nodes=len(nodes))
 
     async def resume(self, request: web.Request) -> web.Response:
         body: m.ResumeRequest = await body_of(request, m.ResumeRequest, self.max_body)
-        if body.weight_version is not None:
-            self.store.put("weight_version", body.weight_version)
+        return web.json_response(self.resume_with(body.weight_version).model_dump(mode="json"))
+
+    def resume_with(self, weight_version: str | None) -> m.Control:
+        """Resume; `weight_version`, when given, is what the nodes are told is now served."""
+        if weight_version is not None:
+            self.store.put("weight_version", weight_version)
         self.store.put("paused", None)
-        self.events.publish(
-            m.Event(kind="weights", state="resumed", data={"weight_version": body.weight_version})
-        )
-        return web.json_response(
-            m.Control(paused=False, weight_version=self.store.get("weight_version")).model_dump(mode="json")
-        )
+        self.events.publish(m.Event(kind="weights", state="resumed", data={"weight_version": weight_version}))
+        return m.Control(paused=False, weight_version=self.store.get("weight_version"))

@@ -79,6 +79,15 @@ class EvaluatorSpec(BaseModel):
         return self
 
 
+class Upload(BaseModel):
+    """A host file or directory copied into the sandbox before the task's setup runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Path
+    target: str = Field(min_length=1, max_length=4096)
+
+
 class Task(BaseModel):
     """One task: what the harness is asked, where it runs, and how its result is scored."""
 
@@ -90,6 +99,7 @@ class Task(BaseModel):
     dockerfile: Path | None = None  # built (cached by content) when no image is given
     workdir: str = "/workspace"  # where the harness starts, inside the sandbox
     setup: list[str] = Field(default_factory=list)  # shell lines run once the sandbox is up
+    uploads: list[Upload] = Field(default_factory=list)  # copied in before setup (service: under --task-root)
     env: dict[str, str] = Field(default_factory=dict)
     allow_internet: bool = True  # False: the proxy refuses every host but the model's
     # Hosts its sandboxes may reach even without the internet (Harbor's `allowlist` network
