@@ -2,7 +2,8 @@
 
 Samples by state and status, and each node's queue depth and in-flight count per stage, are read
 from the store and the last heartbeats at scrape time; turns served, samples finished and the
-seconds each stage took (sandbox start among them) are counted as results arrive; the seconds
+seconds each stage took (sandbox start among them) are counted as results arrive, the samples
+the server repaired (given up by their node or past their deadline) as it repairs them; the seconds
 the server took to answer each route (a node's lease and result calls among them) as it answers.
 """
 
@@ -79,6 +80,13 @@ class Metrics:
         self.submitted = Counter("polar_tasks_submitted", "Tasks submitted", registry=self.registry)
         self.samples_finished = Counter(
             "polar_samples_finished", "Samples finished, by outcome", ["status"], registry=self.registry
+        )
+        self.repairs = Counter(
+            "polar_service_repairs",
+            "Dispatched samples the server gave up (reason: unheld, deadline, node_lost), by what"
+            " became of them (requeued, failed, cancelled)",
+            ["reason", "action"],
+            registry=self.registry,
         )
         self.stage_seconds = Histogram(
             "polar_sample_stage_seconds",

@@ -55,11 +55,13 @@ class RolloutServer:
         callback_allow: list[str] | tuple[str, ...] = (),
         max_body_mb: float = 4.0,
         max_result_mb: float = 256.0,
+        deadline_grace: float = 60.0,
     ):
         """`token`: the operator's control token (a random one when None: the server is never
         open; `serve` gives it one from its token file). `allow_local_runtime`, `task_root` and
         `callback_allow` turn on what reaches the host: tasks run unsandboxed, task paths read
-        under that directory, callbacks to those hosts."""
+        under that directory, callbacks to those hosts. `deadline_grace`: seconds past a sample's budget before the server
+        gives it up on its node."""
         self.store = ServiceStore(db)
         self.token = token or auth.new_token()
         self.node_token = auth.node_token(self.token)
@@ -90,6 +92,7 @@ class RolloutServer:
             max_dispatches=max_dispatches,
             max_body=max_body,
             max_result=max_result,
+            deadline_grace=deadline_grace,
         )
         self.weights = Weights(self.store, self.events, self.nodes, max_body=max_body)
         self.guard = http.Guard(self.token, self.node_token, self.store.node_for_key)
