@@ -27,6 +27,9 @@ class Observed(Protocol):
     @property
     def heartbeats(self) -> dict[str, Any]: ...
 
+    @property
+    def longest_silence(self) -> dict[str, float]: ...
+
     def healthy_nodes(self) -> list[str]: ...
 
 
@@ -63,6 +66,14 @@ class _Live:
             gen.add_metric([node], hb.generating)
             turns.add_metric([node], hb.turns)
         yield from (queue, flight, gen, turns)
+        silence = GaugeMetricFamily(
+            "polar_node_heartbeat_silence_max_seconds",
+            "The longest a node went without a heartbeat (since its registration), seen by this server",
+            labels=["node"],
+        )
+        for node, secs in self.server.longest_silence.items():
+            silence.add_metric([node], secs)
+        yield silence
         healthy = GaugeMetricFamily("polar_nodes_healthy", "Nodes with a recent heartbeat")
         healthy.add_metric([], len(self.server.healthy_nodes()))
         yield healthy

@@ -119,6 +119,7 @@ class GatewayNode:
         self.control = m.Control()
         self.preparing: dict[str, tuple[str, int]] = {}  # lease -> (task, index): image being prepared
         self._beating: threading.Thread | None = None
+        self._beat_http: httpx.Client | None = None
         self._beat_stop = threading.Event()
         self._http: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
@@ -179,8 +180,27 @@ class GatewayNode:
             if v is not None
         }
         self._workers = workers
+        # The heartbeats' own client, made before registering: making one loads a TLS context
+        # (a fraction of a second, seconds on a loaded machine), a silence the server would count.
+        self._beat_http = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0))
+        await self._preload()
         await self._register(wait=120.0)
         log.info("node %s registered with %s (proxy %s)", self.node_id, self.config.server, self.proxy.url)
+
+    async def _preload(self) -> None:
+        """Load what the first model call would (the tokenizer: a second or more of a core, in
+        which the library holds the GIL) before registering, so no sample waits on it and the
+        server sees no silence for it. An engine not up yet is no reason not to serve: the first
+        model call loads it then."""
+        policy = self.proxy.policy
+        if policy is None or policy.config.backend_mode == "chat":
+            return
+        try:
+            await asyncio.wait_for(policy.tokenizer(), timeout=120.0)
+        except Exception as e:  # the engine's info, or its tokenizer path, not there yet
+            log.warning(
+                "node %s: tokenizer not loaded ahead (%s); the first model call loads it", self.node_id, e
+            )
 
     async def _register(self, wait: float = 0.0) -> None:
         """Join with the node credential and keep the key the server issues. An id still held by
@@ -245,6 +265,8 @@ class GatewayNode:
             await self.pipeline.close(interrupted=True)
         if self._http is not None:
             await self._http.close()
+        if self._beat_http is not None:
+            self._beat_http.close()
         await self.proxy.stop()
 
     async def run(self) -> None:
@@ -419,32 +441,33 @@ class GatewayNode:
         the node's work delays what the reply asks (a pause, a drop), never the heartbeat."""
         url = f"{self.config.server.rstrip('/')}/v1/nodes/{self.node_id}/heartbeat"
         registering: Any = None
-        with httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0)) as http:
-            while not self._beat_stop.is_set():
-                try:
-                    r = http.post(
-                        url,
-                        content=self.load().model_dump_json(),
-                        headers={"authorization": f"Bearer {self._key or self._enroll}",
-                                 "content-type": "application/json"},
-                    )  # fmt: skip
-                    if r.status_code == 404:  # the server forgot us (a new database): register again
-                        if registering is None or registering.done():
-                            registering = asyncio.run_coroutine_threadsafe(self._register(), loop)
-                    elif r.status_code >= 400:
-                        log.warning("heartbeat refused: HTTP %d: %s", r.status_code, r.text[:500])
-                    else:
-                        loop.call_soon_threadsafe(self._apply, m.Control.model_validate_json(r.content))
-                except httpx.HTTPError as e:
-                    log.warning("heartbeat to %s failed: %s", self.config.server, e)
-                except RuntimeError:  # the loop closed under us: the node is stopping
-                    return
-                # Fast while paused, so a pause drains promptly.
-                self._beat_stop.wait(
-                    min(self.config.heartbeat_interval, 0.2)
-                    if self.control.paused
-                    else self.config.heartbeat_interval
-                )
+        http = self._beat_http
+        assert http is not None, "start the node first"
+        while not self._beat_stop.is_set():
+            try:
+                r = http.post(
+                    url,
+                    content=self.load().model_dump_json(),
+                    headers={"authorization": f"Bearer {self._key or self._enroll}",
+                             "content-type": "application/json"},
+                )  # fmt: skip
+                if r.status_code == 404:  # the server forgot us (a new database): register again
+                    if registering is None or registering.done():
+                        registering = asyncio.run_coroutine_threadsafe(self._register(), loop)
+                elif r.status_code >= 400:
+                    log.warning("heartbeat refused: HTTP %d: %s", r.status_code, r.text[:500])
+                else:
+                    loop.call_soon_threadsafe(self._apply, m.Control.model_validate_json(r.content))
+            except httpx.HTTPError as e:
+                log.warning("heartbeat to %s failed: %s", self.config.server, e)
+            except RuntimeError:  # the loop closed under us: the node is stopping
+                return
+            # Fast while paused, so a pause drains promptly.
+            self._beat_stop.wait(
+                min(self.config.heartbeat_interval, 0.2)
+                if self.control.paused
+                else self.config.heartbeat_interval
+            )
 
 
 class NodeRefused(RuntimeError):

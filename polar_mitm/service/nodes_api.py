@@ -63,6 +63,9 @@ class Nodes:
         self.deadline_grace = deadline_grace
         self.heartbeats: dict[str, m.Heartbeat] = {}  # the last load each node reported
         self.heartbeat_at: dict[str, float] = {}
+        # Per node, the longest silence between its registration or heartbeats, seen here (what a
+        # node timeout must exceed; `/metrics`).
+        self.longest_silence: dict[str, float] = {}
         # A node's silence counts from this server's start at the earliest: while a killed server
         # was down, nobody could reach it, and its nodes get node_timeout to come back.
         self.started_at = time.time()
@@ -112,6 +115,7 @@ class Nodes:
             )
         key = auth.new_token()
         self.store.register_node(reg.node_id, reg.url, reg.workers)
+        self.heartbeat_at[reg.node_id] = time.time()
         self.store.set_node_key(reg.node_id, auth.digest(key))
         self.events.publish(m.Event(kind="node", state="active", data={"node_id": reg.node_id}))
         log.info("node %s registered (%s)", reg.node_id, reg.url or "no url")
@@ -126,13 +130,19 @@ class Nodes:
             self.store.set_node_state(node_id, "active")
         self.store.heartbeat(node_id, hb.model_dump_json())
         self.heartbeats[node_id] = hb
-        self.heartbeat_at[node_id] = time.time()
+        now = time.time()
+        if (last := self.heartbeat_at.get(node_id)) is not None:
+            self.longest_silence[node_id] = max(self.longest_silence.get(node_id, 0.0), now - last)
+            if now - last > self.node_timeout / 2:  # an operator's early sign of a starved node
+                log.warning(
+                    "node %s was silent %.1f s (node timeout %g s)", node_id, now - last, self.node_timeout
+                )
+        self.heartbeat_at[node_id] = now
         self.store.set_stages(node_id, hb.samples)
         ours = self.store.held_by(node_id)
         # A sample the node does not list (the lease reply never reached it, or it lost the job)
         # for longer than a node may be silent: repaired. A node that lists only (task, index)
         # pairs is taken at its word for every copy of that sample.
-        now = time.time()
         if hb.leases is not None:
             listed = set(hb.leases)
             unheld = [

@@ -110,6 +110,10 @@ class RolloutServer:
     def heartbeats(self) -> dict[str, m.Heartbeat]:
         return self.nodes.heartbeats
 
+    @property
+    def longest_silence(self) -> dict[str, float]:
+        return self.nodes.longest_silence
+
     def healthy_nodes(self) -> list[str]:
         return self.nodes.healthy_nodes()
 

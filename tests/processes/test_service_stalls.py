@@ -233,3 +233,71 @@ async def test_a_node_whose_event_loop_is_blocked_past_the_node_timeout_is_not_d
             await node.stop()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(serve.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_busy_service_loses_no_node_runs_no_harness_twice_and_completes_every_task(
+    tmp_path, monkeypatch, qwen_tokenizer_dir
+):
+    """`serve` and 4 node processes on the test machine, 32 samples that each make a model call,
+    the first calls included (no warm-up: every node loads the 151k-token tokenizer while its
+    first samples wait on it): no node is declared lost, no harness runs twice, every task
+    completes. Prints the longest heartbeat silence the server saw (the node timeout's margin)."""
+    from polar_mitm.client import RolloutClient
+    from tests.support.harness import FakeBackend
+    from tests.support.helpers import MODEL_CALL
+    from tests.support.service import served_url
+
+    monkeypatch.setenv("POLAR_MITM_SERVICE_TOKEN", TOKEN)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    backend = FakeBackend(qwen_tokenizer_dir)
+    runs = tmp_path / "runs.txt"  # a line per harness run
+    log = tmp_path / "serve.log"
+    serve = spawn(["serve", "--listen", "127.0.0.1:0", "--nodes", "4", "--node-timeout", "10",
+                   "--allow-local-runtime", "--backend", backend.url, "--tokenizer", str(qwen_tokenizer_dir),
+                   "--db", str(tmp_path / "s.sqlite")], log)  # fmt: skip
+    try:
+        url = served_url(log, serve, timeout=60)
+        cmd = ["sh", "-c", MODEL_CALL + f'echo "$1" >> {runs}; echo pass > out.txt', "h", "{instruction}"]
+        with RolloutClient(url) as client:
+            ids = [
+                client.submit(
+                    Task(
+                        id=f"t{i}",
+                        instruction=f"t{i}",
+                        evaluator=EvaluatorSpec(kind="command", command="grep -q pass out.txt"),
+                    ),
+                    samples=8,
+                    harness="claude-code",
+                    runtime="local",
+                    harness_cmd=cmd,
+                )
+                for i in range(4)
+            ]
+            groups = list(client.wait(ids, poll=0.3, timeout=150))
+        metrics = httpx.get(f"{url}/metrics", headers=AUTH).text
+        nodes = httpx.get(f"{url}/v1/nodes", headers=AUTH).json()
+        said = log.read_text()  # before the nodes stop (and are lost, as they should be then)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(serve.pid, signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            serve.wait(20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(serve.pid, signal.SIGKILL)
+        backend.stop()
+    silences = {
+        ln.split('node="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1])
+        for ln in metrics.splitlines()
+        if ln.startswith("polar_node_heartbeat_silence_max_seconds{")
+    }
+    print(f"longest heartbeat silence: {max(silences.values()):.2f} s ({silences})")
+    assert len(nodes) == 4 and {n["state"] for n in nodes} == {"active"}, nodes
+    assert " lost" not in said and "silent" not in said, said[-3000:]
+    assert "polar_service_repairs_total{" not in metrics  # nothing repaired
+    for g in groups:
+        assert [o.status for o in g.outcomes] == ["completed"] * 8, said[-3000:]
+        assert {o.dispatches for o in g.outcomes} == {1}
+    lines = runs.read_text().splitlines()
+    assert sorted(lines) == sorted(f"t{i}" for i in range(4) for _ in range(8))  # each harness once
+    assert len(silences) == 4 and max(silences.values()) < 10
