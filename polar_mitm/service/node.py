@@ -432,7 +432,8 @@ class GatewayNode:
     async def _stop_heartbeats(self) -> None:
         self._beat_stop.set()
         if self._beating is not None:
-            await asyncio.to_thread(self._beating.join)
+            # Bounded: a heartbeat stuck on a hung server is a daemon thread, gone with the process.
+            await asyncio.to_thread(self._beating.join, 5.0)
             self._beating = None
 
     def _heartbeats(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -460,8 +461,12 @@ class GatewayNode:
                     loop.call_soon_threadsafe(self._apply, m.Control.model_validate_json(r.content))
             except httpx.HTTPError as e:
                 log.warning("heartbeat to %s failed: %s", self.config.server, e)
-            except RuntimeError:  # the loop closed under us: the node is stopping
-                return
+            except Exception:
+                if loop.is_closed():  # the node is stopping
+                    return
+                # Anything else (a reply it cannot read, say) costs this heartbeat, never the
+                # thread: a thread that ended would have the live node declared lost.
+                log.exception("heartbeat of %s", self.node_id)
             # Fast while paused, so a pause drains promptly.
             self._beat_stop.wait(
                 min(self.config.heartbeat_interval, 0.2)
