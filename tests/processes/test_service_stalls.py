@@ -36,6 +36,7 @@ def task(task_id: str, **kw) -> Task:
     )
 
 
+@pytest.mark.slow
 async def test_a_sample_re_dispatched_to_the_node_that_held_it_completes_and_is_reported_once(
     service, tmp_path
 ):
