@@ -199,6 +199,9 @@ class Control(BaseModel):
     weight_version: str | None = None
     cancel: list[tuple[str, int]] = Field(default_factory=list)  # (task_id, index) to stop
     draining: bool = False
+    # Leases the node listed that are no longer its (it was declared lost, or the sample was
+    # repaired): it stops those copies and reports nothing of them.
+    drop: list[str] = Field(default_factory=list)
 
 
 class Registered(Control):
@@ -236,6 +239,9 @@ class Heartbeat(BaseModel):
     samples: list[tuple[Id, Annotated[int, Field(ge=0, le=1024)], Short]] = Field(
         default_factory=list, max_length=100_000
     )
+    # The leases the node holds (a sample's every copy by its own lease); None from a node that
+    # keys its samples by task and index only, whose `samples` stand for them.
+    leases: list[Id] | None = Field(None, max_length=100_000)
 
 
 class LeaseRequest(BaseModel):

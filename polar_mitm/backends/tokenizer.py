@@ -73,11 +73,20 @@ class Tokenizer:
             resolved = resolved.parent
         with _CACHE_LOCK:
             cached = _CACHE.get(resolved)
+            loading = _LOADING.setdefault(resolved, threading.Lock())
         if cached is not None:
             return cached
-        tokenizer = cls(resolved)  # outside the lock: loading a 150k vocabulary takes a second
-        with _CACHE_LOCK:
-            return _CACHE.setdefault(resolved, tokenizer)
+        # Single-flight per directory: loading a 150k vocabulary takes a second of a core, and
+        # callers that come meanwhile wait for that one load instead of each starting their own.
+        # (Other directories load meanwhile: the lock is this path's only.)
+        with loading:
+            with _CACHE_LOCK:
+                cached = _CACHE.get(resolved)
+            if cached is not None:
+                return cached
+            tokenizer = cls(resolved)
+            with _CACHE_LOCK:
+                return _CACHE.setdefault(resolved, tokenizer)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -220,6 +229,7 @@ class Tokenizer:
 
 _CACHE: dict[Path, Tokenizer] = {}
 _CACHE_LOCK = threading.Lock()
+_LOADING: dict[Path, threading.Lock] = {}  # a lock per directory, held while it loads
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -153,6 +153,14 @@ def node_options(f):
     show_default=True,
     help="Seconds without a heartbeat before a node is lost.",
 )
+@click.option(
+    "--deadline-grace",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds past a sample's timeout before the server gives it up on its node (queued again,"
+    " or failed at the dispatch limit).",
+)
 @node_options
 @policy_options
 def serve(
@@ -169,6 +177,7 @@ def serve(
     nodes,
     ray_address,
     node_timeout,
+    deadline_grace,
     capacity,
     db,
     certs,
@@ -215,7 +224,8 @@ def serve(
 
     async def main() -> None:
         server = RolloutServer(
-            db, token=token, node_timeout=node_timeout, allow_local_runtime=allow_local_runtime,
+            db, token=token, node_timeout=node_timeout, deadline_grace=deadline_grace,
+            allow_local_runtime=allow_local_runtime,
             task_root=task_root, callback_allow=allow, max_body_mb=max_body_mb, max_result_mb=max_result_mb,
             polar_api=polar_api,
         )  # fmt: skip

@@ -1,7 +1,10 @@
 """What the policy learns from its engines before a turn: the model's info (tokenizer path,
 parsers, context length, how it streams), the tokenizer itself, and which engine API it speaks.
 
-Each is asked once and kept; with several engines the first that answers is asked. The info the
+Each is asked once and kept; with several engines the first that answers is asked. Every lazy
+load is single-flight: the first caller starts it, the callers meanwhile wait for that one (the
+tokenizer is loaded once, in a worker thread, however many turns arrive at once), and a failed
+load is tried again by the next caller. The info the
 preflight read is handed in and never asked again. Asking is bounded by the liveness budget
 (`engine_dead_after`): a hung engine costs a turn that long, not one `idle_timeout` per info
 call. A failed ask is kept for a pause that grows (`retry.delays`, Backoff's schedule), so the
@@ -46,6 +49,7 @@ class Discovery:
         self.client = client
         self.engines = engines
         self._tok: Tokenizer | None = None
+        self._loading: asyncio.Future[Tokenizer] | None = None  # the one tokenizer load under way
         self._info: ModelInfo | None = None
         self._asking: asyncio.Future[ModelInfo] | None = None  # the one ask under way, shared
         self._failed: ProviderError | None = None
@@ -151,19 +155,35 @@ class Discovery:
         return self.config.backend_stream == "stream" or incremental is True, cumulative
 
     async def tokenizer(self) -> Tokenizer:
-        if self._tok is None:
-            path = self.config.tokenizer
-            if path is None:
-                path = (await self.model_info()).tokenizer_path
-                if not path or not Path(path).is_dir():
-                    raise ProviderError(
-                        "api_error",
-                        f"no tokenizer: the backend reports tokenizer_path={path!r}, which is not a local "
-                        "directory; pass --tokenizer DIR (or POLAR_MITM_TOKENIZER)",
-                        500,
-                    )
-            # Long texts are tokenized in worker processes, so they stall no other session.
-            self._tok = pooled(await asyncio.to_thread(Tokenizer.load, os.path.expanduser(path)))
+        """The policy's tokenizer, loaded once (single-flight: see the module)."""
+        if self._tok is not None:
+            return self._tok
+        if self._loading is None:
+            self._loading = asyncio.ensure_future(self._load_tokenizer())
+            self._loading.add_done_callback(self._loaded)
+        # Shielded: one turn that goes away does not cancel the load the others wait on.
+        return await asyncio.shield(self._loading)
+
+    def _loaded(self, loading: asyncio.Future[Tokenizer]) -> None:
+        if self._loading is loading:
+            self._loading = None  # kept in `_tok`; after a failure, the next caller loads again
+        if not loading.cancelled():
+            loading.exception()  # raised where awaited; retrieved here even when none waits any more
+
+    async def _load_tokenizer(self) -> Tokenizer:
+        path = self.config.tokenizer
+        if path is None:
+            path = (await self.model_info()).tokenizer_path
+            if not path or not Path(path).is_dir():
+                raise ProviderError(
+                    "api_error",
+                    f"no tokenizer: the backend reports tokenizer_path={path!r}, which is not a local "
+                    "directory; pass --tokenizer DIR (or POLAR_MITM_TOKENIZER)",
+                    500,
+                )
+        # Off the event loop (a second of a core), and long texts are tokenized in worker
+        # processes, so neither stalls other sessions nor the node's heartbeats.
+        self._tok = pooled(await asyncio.to_thread(Tokenizer.load, os.path.expanduser(path)))
         return self._tok
 
     async def parsers(self) -> tuple[str | None, str | None]:

@@ -2,7 +2,8 @@
 
 Samples by state and status, and each node's queue depth and in-flight count per stage, are read
 from the store and the last heartbeats at scrape time; turns served, samples finished and the
-seconds each stage took (sandbox start among them) are counted as results arrive; the seconds
+seconds each stage took (sandbox start among them) are counted as results arrive, the samples
+the server repaired (given up by their node or past their deadline) as it repairs them; the seconds
 the server took to answer each route (a node's lease and result calls among them) as it answers.
 """
 
@@ -25,6 +26,9 @@ class Observed(Protocol):
 
     @property
     def heartbeats(self) -> dict[str, Any]: ...
+
+    @property
+    def longest_silence(self) -> dict[str, float]: ...
 
     def healthy_nodes(self) -> list[str]: ...
 
@@ -62,6 +66,14 @@ class _Live:
             gen.add_metric([node], hb.generating)
             turns.add_metric([node], hb.turns)
         yield from (queue, flight, gen, turns)
+        silence = GaugeMetricFamily(
+            "polar_node_heartbeat_silence_max_seconds",
+            "The longest a node went without a heartbeat (since its registration), seen by this server",
+            labels=["node"],
+        )
+        for node, secs in self.server.longest_silence.items():
+            silence.add_metric([node], secs)
+        yield silence
         healthy = GaugeMetricFamily("polar_nodes_healthy", "Nodes with a recent heartbeat")
         healthy.add_metric([], len(self.server.healthy_nodes()))
         yield healthy
@@ -79,6 +91,13 @@ class Metrics:
         self.submitted = Counter("polar_tasks_submitted", "Tasks submitted", registry=self.registry)
         self.samples_finished = Counter(
             "polar_samples_finished", "Samples finished, by outcome", ["status"], registry=self.registry
+        )
+        self.repairs = Counter(
+            "polar_service_repairs",
+            "Dispatched samples the server gave up (reason: unheld, deadline, node_lost), by what"
+            " became of them (requeued, failed, cancelled)",
+            ["reason", "action"],
+            registry=self.registry,
         )
         self.stage_seconds = Histogram(
             "polar_sample_stage_seconds",

@@ -7,6 +7,16 @@ it whatever the harnesses; when a sample has an outcome, the node builds its row
 store with the request's builder and reports them under the sample's lease. The server's replies
 carry its switches: pause or resume generation (the proxy's gate), samples to cancel, drain.
 
+A node holds each dispatch by its lease: a sample dispatched to it again (after the server gave
+the first copy up) is a new job beside the old one, and the old copy's refusal (409) touches
+nothing of the new. The heartbeats list the leases held; the server answers with the leases it no
+longer counts as this node's (`Control.drop`: a node it declared lost and that came back, a sample
+it repaired), which the node cancels without reporting, so no sample runs under two leases.
+
+Heartbeats go out from a thread of their own, with a client of their own, so the node's work on
+its event loop (a first tokenizer load, a burst of streams, a slow report) cannot starve them: a
+busy node is slow, not lost.
+
 The same code runs in-process beside `serve`, as `polar-mitm node` on another machine, and as a
 Ray actor (`ray_nodes.py`).
 
@@ -23,11 +33,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 from pydantic import BaseModel, Field
 
 from polar_mitm import api as m
@@ -77,6 +90,16 @@ class NodeConfig(BaseModel):
     own_process: bool = False
 
 
+@dataclass(eq=False)
+class Held:
+    """A sample the node holds under one lease (its key in `GatewayNode.jobs`)."""
+
+    job: SampleJob
+    task_id: str
+    index: int
+    builder: str
+
+
 class GatewayNode:
     def __init__(self, config: NodeConfig):
         self.config = config
@@ -92,11 +115,12 @@ class GatewayNode:
         )
         self.pipeline: Pipeline | None = None  # started with the node
         self._runtimes: dict[str, Runtime] = {}  # by name, made on first use
-        self.jobs: dict[
-            tuple[str, int], tuple[SampleJob, str, str]
-        ] = {}  # (task, index) -> job, lease, builder
+        self.jobs: dict[str, Held] = {}  # by lease: a re-dispatch of a sample is another job
         self.control = m.Control()
-        self.preparing: set[tuple[str, int]] = set()  # leased, image being prepared
+        self.preparing: dict[str, tuple[str, int]] = {}  # lease -> (task, index): image being prepared
+        self._beating: threading.Thread | None = None
+        self._beat_http: httpx.Client | None = None
+        self._beat_stop = threading.Event()
         self._http: aiohttp.ClientSession | None = None
         self._stop = asyncio.Event()
         self._work_dir = config.work_dir or Path(tempfile.mkdtemp(prefix="polar-node-"))
@@ -156,8 +180,27 @@ class GatewayNode:
             if v is not None
         }
         self._workers = workers
+        # The heartbeats' own client, made before registering: making one loads a TLS context
+        # (a fraction of a second, seconds on a loaded machine), a silence the server would count.
+        self._beat_http = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0))
+        await self._preload()
         await self._register(wait=120.0)
         log.info("node %s registered with %s (proxy %s)", self.node_id, self.config.server, self.proxy.url)
+
+    async def _preload(self) -> None:
+        """Load what the first model call would (the tokenizer: a second or more of a core, in
+        which the library holds the GIL) before registering, so no sample waits on it and the
+        server sees no silence for it. An engine not up yet is no reason not to serve: the first
+        model call loads it then."""
+        policy = self.proxy.policy
+        if policy is None or policy.config.backend_mode == "chat":
+            return
+        try:
+            await asyncio.wait_for(policy.tokenizer(), timeout=120.0)
+        except Exception as e:  # the engine's info, or its tokenizer path, not there yet
+            log.warning(
+                "node %s: tokenizer not loaded ahead (%s); the first model call loads it", self.node_id, e
+            )
 
     async def _register(self, wait: float = 0.0) -> None:
         """Join with the node credential and keep the key the server issues. An id still held by
@@ -181,8 +224,8 @@ class GatewayNode:
         self._apply(got)
 
     async def serve(self) -> None:
-        """Heartbeats and leases until `stop()` (or cancellation)."""
-        beat = asyncio.create_task(self._heartbeats())
+        """Heartbeats (on their own thread) and leases until `stop()` (or cancellation)."""
+        self._start_heartbeats()
         try:
             while not self._stop.is_set():
                 if self.config.parent_pid is not None and os.getppid() != self.config.parent_pid:
@@ -200,27 +243,30 @@ class GatewayNode:
                     if reply is not None:
                         self._apply(reply.control)
                         for a in reply.assignments:  # held from now on (heartbeats list them)
-                            self.preparing.add((a.task_id, a.index))
+                            self.preparing[a.lease] = (a.task_id, a.index)
                         for a in reply.assignments:
                             try:
-                                await self._take(a)
+                                if a.lease in self.preparing:  # not dropped meanwhile
+                                    await self._take(a)
                             finally:
-                                self.preparing.discard((a.task_id, a.index))
+                                self.preparing.pop(a.lease, None)
                 try:
                     await asyncio.wait_for(self._stop.wait(), self.config.poll_interval)
                 except TimeoutError:
                     pass
         finally:
-            beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            await self._stop_heartbeats()
 
     async def stop(self) -> None:
         """Stop taking work; cancel what runs (recorded as cancelled, reported); close."""
         self._stop.set()
+        await self._stop_heartbeats()
         if self.pipeline is not None:
             await self.pipeline.close(interrupted=True)
         if self._http is not None:
             await self._http.close()
+        if self._beat_http is not None:
+            self._beat_http.close()
         await self.proxy.stop()
 
     async def run(self) -> None:
@@ -268,17 +314,16 @@ class GatewayNode:
                 )
             )
             return
-        self.jobs[(a.task_id, a.index)] = (job, a.lease, a.builder)
+        self.jobs[a.lease] = Held(job, a.task_id, a.index, a.builder)
 
     async def _report(self, job: SampleJob) -> None:
-        key = (job.group.id, job.index)
-        entry = self.jobs.get(key)
-        if entry is None:
+        # The job's own lease: another copy of the same sample (a re-dispatch) has its own.
+        lease = next((lease for lease, h in self.jobs.items() if h.job is job), None)
+        if lease is None:  # dropped (the server no longer counts it as ours): not reported
             return
-        _, lease, builder = entry
         if job.final == "retried":
             return
-        rows = await asyncio.to_thread(self._rows, job.session_id, builder)
+        rows = await asyncio.to_thread(self._rows, job.session_id, self.jobs[lease].builder)
         timings = {k: round(v, 3) for k, v in job.timings.items()}
         detail = None
         if trainable(job.final):
@@ -297,7 +342,7 @@ class GatewayNode:
                 rows=rows,
             )
         )
-        self.jobs.pop(key, None)
+        self.jobs.pop(lease, None)
 
     def _rows(self, session_id: str, builder: str) -> list[dict[str, Any]]:
         rows = iter_trajectories(self.config.db, strategy=builder, selection=Selection(session=session_id))
@@ -333,13 +378,26 @@ class GatewayNode:
             elif not c.paused and not policy.gate.is_set():
                 log.info("resuming generation (weight version %s)", c.weight_version)
                 policy.resume()
-        for task_id, index in c.cancel:
-            entry = self.jobs.get((task_id, index))
-            if entry is not None and self.pipeline is not None:
-                self.pipeline.cancel(entry[0], "cancelled by the server")
+        cancel = set(c.cancel)
+        for held in list(self.jobs.values()):
+            if (held.task_id, held.index) in cancel and self.pipeline is not None:
+                self.pipeline.cancel(held.job, "cancelled by the server")
+        for lease in c.drop:
+            # Fenced: the server gave this lease up (it declared us lost, or repaired the
+            # sample); the sample may run elsewhere now, so this copy stops and is not reported.
+            self.preparing.pop(lease, None)
+            gone = self.jobs.pop(lease, None)
+            if gone is not None:
+                log.warning("dropping %s#%d (lease %s): the server no longer counts it as ours",
+                            gone.task_id, gone.index, lease[:8])  # fmt: skip
+                if self.pipeline is not None:
+                    self.pipeline.cancel(gone.job, "dropped: the server gave its lease up")
         self.control = c
 
     def load(self) -> m.Heartbeat:
+        """The heartbeat's body; read from the heartbeat thread, so it copies what it walks
+        (a dict copy runs whole under the GIL) and changes nothing."""
+        jobs, preparing = dict(self.jobs), dict(self.preparing)
         counts = self.pipeline.counts if self.pipeline is not None else {}
         stages = {
             "init": m.StageLoad(queued=counts.get("queued", 0), in_flight=counts.get("starting", 0)),
@@ -354,24 +412,63 @@ class GatewayNode:
             generating=policy.generating if policy else 0,
             paused=bool(policy and not policy.gate.is_set()),
             turns=gateway.turns_served if gateway else 0,
-            samples=[(t, i, job.stage) for (t, i), (job, _, _) in self.jobs.items()]
-            + [(t, i, "preparing") for t, i in self.preparing],
+            samples=[(h.task_id, h.index, h.job.stage) for h in jobs.values()]
+            + [(t, i, "preparing") for t, i in preparing.values()],
+            leases=[*jobs, *preparing],
         )
 
-    async def _heartbeats(self) -> None:
-        while True:
+    # -- liveness -------------------------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        self._beat_stop.clear()
+        self._beating = threading.Thread(
+            target=self._heartbeats,
+            args=(asyncio.get_running_loop(),),
+            name=f"heartbeats-{self.node_id}",
+            daemon=True,
+        )
+        self._beating.start()
+
+    async def _stop_heartbeats(self) -> None:
+        self._beat_stop.set()
+        if self._beating is not None:
+            # Bounded: a heartbeat stuck on a hung server is a daemon thread, gone with the process.
+            await asyncio.to_thread(self._beating.join, 5.0)
+            self._beating = None
+
+    def _heartbeats(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The heartbeat thread: a load snapshot, a POST with a client of its own, the reply's
+        switches handed to the event loop. Nothing here waits on the loop, so a loop busy with
+        the node's work delays what the reply asks (a pause, a drop), never the heartbeat."""
+        url = f"{self.config.server.rstrip('/')}/v1/nodes/{self.node_id}/heartbeat"
+        registering: Any = None
+        http = self._beat_http
+        assert http is not None, "start the node first"
+        while not self._beat_stop.is_set():
             try:
-                reply = await self._post(f"/v1/nodes/{self.node_id}/heartbeat", self.load())
-                self._apply(m.Control.model_validate(reply))
-            except NodeRefused as e:
-                if e.status == 404:  # the server forgot us (a new database): register again
-                    await self._register()
+                r = http.post(
+                    url,
+                    content=self.load().model_dump_json(),
+                    headers={"authorization": f"Bearer {self._key or self._enroll}",
+                             "content-type": "application/json"},
+                )  # fmt: skip
+                if r.status_code == 404:  # the server forgot us (a new database): register again
+                    if registering is None or registering.done():
+                        registering = asyncio.run_coroutine_threadsafe(self._register(), loop)
+                elif r.status_code >= 400:
+                    log.warning("heartbeat refused: HTTP %d: %s", r.status_code, r.text[:500])
                 else:
-                    log.warning("heartbeat refused: %s", e)
-            except (aiohttp.ClientError, TimeoutError) as e:
+                    loop.call_soon_threadsafe(self._apply, m.Control.model_validate_json(r.content))
+            except httpx.HTTPError as e:
                 log.warning("heartbeat to %s failed: %s", self.config.server, e)
+            except Exception:
+                if loop.is_closed():  # the node is stopping
+                    return
+                # Anything else (a reply it cannot read, say) costs this heartbeat, never the
+                # thread: a thread that ended would have the live node declared lost.
+                log.exception("heartbeat of %s", self.node_id)
             # Fast while paused, so a pause drains promptly.
-            await asyncio.sleep(
+            self._beat_stop.wait(
                 min(self.config.heartbeat_interval, 0.2)
                 if self.control.paused
                 else self.config.heartbeat_interval

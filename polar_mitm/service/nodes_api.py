@@ -5,7 +5,14 @@ with its free capacity), so the nodes with the least stage pressure are the ones
 samples, and the server never needs to reach a node. Every dispatch carries a lease; a result
 under a stale lease is refused, so a sample is never recorded twice. A node that misses
 heartbeats is lost: its unfinished samples are dispatched once more. Each reply carries the
-node's `Control` (paused, weight version, samples to cancel, draining).
+node's `Control` (paused, weight version, samples to cancel, leases to drop, draining).
+
+Nothing waits forever: a sample dispatched to a node whose heartbeats stop listing it, or that
+its node holds past its deadline (its budget plus `deadline_grace`), is repaired, as a lost
+node's are: queued again while it has dispatches left, else failed with the cause, and its task
+completes. A node is told to drop every lease it lists that is no longer its (it was declared
+lost and came back, or the sample was repaired), so no sample runs under two leases. `/metrics`
+counts the repairs (`polar_service_repairs_total` by reason and action).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class Nodes:
         max_dispatches: int,
         max_body: int,
         max_result: int,
+        deadline_grace: float = 60.0,
     ):
         self.store = store
         self.events = events
@@ -52,19 +60,24 @@ class Nodes:
         self.max_dispatches = max_dispatches
         self.max_body = max_body
         self.max_result = max_result
+        self.deadline_grace = deadline_grace
         self.heartbeats: dict[str, m.Heartbeat] = {}  # the last load each node reported
         self.heartbeat_at: dict[str, float] = {}
+        # Per node, the longest silence between its registration or heartbeats, seen here (what a
+        # node timeout must exceed; `/metrics`).
+        self.longest_silence: dict[str, float] = {}
         # A node's silence counts from this server's start at the earliest: while a killed server
         # was down, nobody could reach it, and its nodes get node_timeout to come back.
         self.started_at = time.time()
 
-    def control(self, node_id: str) -> m.Control:
+    def control(self, node_id: str, drop: list[str] | None = None) -> m.Control:
         node = self.store.node(node_id)
         return m.Control(
             paused=self.store.get("paused") == "1",
             weight_version=self.store.get("weight_version"),
             cancel=self.store.cancelling_for(node_id),
             draining=node is not None and node.state == "draining",
+            drop=drop or [],
         )
 
     def _node(self, node_id: str) -> NodeRow:
@@ -102,6 +115,7 @@ class Nodes:
             )
         key = auth.new_token()
         self.store.register_node(reg.node_id, reg.url, reg.workers)
+        self.heartbeat_at[reg.node_id] = time.time()
         self.store.set_node_key(reg.node_id, auth.digest(key))
         self.events.publish(m.Event(kind="node", state="active", data={"node_id": reg.node_id}))
         log.info("node %s registered (%s)", reg.node_id, reg.url or "no url")
@@ -116,17 +130,57 @@ class Nodes:
             self.store.set_node_state(node_id, "active")
         self.store.heartbeat(node_id, hb.model_dump_json())
         self.heartbeats[node_id] = hb
-        self.heartbeat_at[node_id] = time.time()
+        now = time.time()
+        if (last := self.heartbeat_at.get(node_id)) is not None:
+            self.longest_silence[node_id] = max(self.longest_silence.get(node_id, 0.0), now - last)
+            if now - last > self.node_timeout / 2:  # an operator's early sign of a starved node
+                log.warning(
+                    "node %s was silent %.1f s (node timeout %g s)", node_id, now - last, self.node_timeout
+                )
+        self.heartbeat_at[node_id] = now
         self.store.set_stages(node_id, hb.samples)
-        lost = self.store.requeue_unheld(
-            node_id,
-            {(t, i) for t, i, _ in hb.samples},
-            grace=self.node_timeout,
-            max_dispatches=self.max_dispatches,
-        )
-        if lost:
-            log.warning("%d samples leased to %s never reached it: queued again", lost, node_id)
-        return web.json_response(self.control(node_id).model_dump(mode="json"))
+        ours = self.store.held_by(node_id)
+        # A sample the node does not list (the lease reply never reached it, or it lost the job)
+        # for longer than a node may be silent: repaired. A node that lists only (task, index)
+        # pairs is taken at its word for every copy of that sample.
+        if hb.leases is not None:
+            listed = set(hb.leases)
+            unheld = [
+                (t, i, lease)
+                for t, i, lease, _, at in ours
+                if lease not in listed and now - at > self.node_timeout
+            ]
+        else:
+            pairs = {(t, i) for t, i, _ in hb.samples}
+            unheld = [
+                (t, i, lease)
+                for t, i, lease, _, at in ours
+                if (t, i) not in pairs and now - at > self.node_timeout
+            ]
+        if unheld:
+            self.repair(
+                unheld, "unheld", f"node {node_id} no longer holds it (its heartbeats stopped listing it)"
+            )
+        # Leases it lists that are not its any more: it stops those copies (fencing).
+        current = {row[2] for row in ours}
+        drop = [lease for lease in hb.leases or () if lease not in current]
+        return web.json_response(self.control(node_id, drop).model_dump(mode="json"))
+
+    def repair(self, stale: list[tuple[str, int, str]], reason: str, cause: str) -> None:
+        """Samples given up under their leases (`ServiceStore.repair`), counted, and their tasks
+        completed where that was the last one."""
+        requeued, failed, cancelled = self.store.repair(stale, cause, self.max_dispatches)
+        for action, n in (("requeued", requeued), ("failed", failed), ("cancelled", cancelled)):
+            if n:
+                self.metrics.repairs.labels(reason, action).inc(n)
+        if requeued or failed or cancelled:
+            log.warning("%s: %d queued again, %d failed, %d cancelled", cause, requeued, failed, cancelled)
+        for t, i, _ in stale:
+            self.events.publish(
+                m.Event(kind="sample", task_id=t, index=i, state="repaired", data={"reason": reason})
+            )
+        for t in {t for t, _, _ in stale}:
+            self.tasks.maybe_complete(t)
 
     async def lease(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node_id"]
@@ -256,6 +310,9 @@ class Nodes:
         """The node is gone: its samples go back to the queue once, its id is free again."""
         self.store.set_node_state(node_id, "lost")
         requeued, failed = self.store.requeue_node(node_id, self.max_dispatches)
+        for action, n in (("requeued", requeued), ("failed", failed)):
+            if n:
+                self.metrics.repairs.labels("node_lost", action).inc(n)
         log.warning("node %s lost: %d samples queued again, %d failed", node_id, requeued, failed)
         self.events.publish(
             m.Event(
@@ -266,13 +323,26 @@ class Nodes:
             self.tasks.maybe_complete(t)
 
     async def watch(self) -> None:
-        """Nodes that stopped sending heartbeats are lost; their samples go back to the queue once."""
+        """Nodes that stopped sending heartbeats are lost; their samples go back to the queue once.
+        Samples held past their deadline are repaired."""
         while True:
             await asyncio.sleep(min(1.0, self.node_timeout / 3))
             now = time.time()
             for n in self.store.nodes():
                 if n.state != "lost" and self._silent(n, now) > self.node_timeout:
                     self.lose_node(n.id)
+            self.repair_overdue(now)
+
+    def repair_overdue(self, now: float) -> None:
+        by_node: dict[str, list[tuple[str, int, str]]] = {}
+        for t, i, lease, node_id in self.store.overdue(now, self.deadline_grace, self.started_at):
+            by_node.setdefault(node_id, []).append((t, i, lease))
+        for node_id, stale in by_node.items():
+            self.repair(
+                stale,
+                "deadline",
+                f"past its deadline on node {node_id} (its timeout + {self.deadline_grace:g} s)",
+            )
 
 
 def stale_check(

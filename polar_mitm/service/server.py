@@ -58,12 +58,14 @@ class RolloutServer:
         max_body_mb: float = 4.0,
         max_result_mb: float = 256.0,
         polar_api: bool = False,
+        deadline_grace: float = 60.0,
     ):
         """`token`: the operator's control token (a random one when None: the server is never
         open; `serve` gives it one from its token file). `allow_local_runtime`, `task_root` and
         `callback_allow` turn on what reaches the host: tasks run unsandboxed, task paths read
         under that directory, callbacks to those hosts. `polar_api`: Polar's rollout API too, under a
-        secret prefix (`polar.py`)."""
+        secret prefix (`polar.py`). `deadline_grace`: seconds past a sample's budget before the
+        server gives it up on its node."""
         self.store = ServiceStore(db)
         self.token = token or auth.new_token()
         self.node_token = auth.node_token(self.token)
@@ -94,6 +96,7 @@ class RolloutServer:
             max_dispatches=max_dispatches,
             max_body=max_body,
             max_result=max_result,
+            deadline_grace=deadline_grace,
         )
         self.weights = Weights(self.store, self.events, self.nodes, max_body=max_body)
         self.guard = http.Guard(self.token, self.node_token, self.store.node_for_key)
@@ -113,6 +116,10 @@ class RolloutServer:
     @property
     def heartbeats(self) -> dict[str, m.Heartbeat]:
         return self.nodes.heartbeats
+
+    @property
+    def longest_silence(self) -> dict[str, float]:
+        return self.nodes.longest_silence
 
     def healthy_nodes(self) -> list[str]:
         return self.nodes.healthy_nodes()

@@ -317,35 +317,78 @@ class ServiceStore:
             )
         return cur.rowcount == 1
 
-    def requeue_unheld(
-        self, node_id: str, held: set[tuple[str, int]], grace: float, max_dispatches: int
-    ) -> int:
-        """Samples dispatched to a node that its heartbeat does not list (the lease reply never
-        reached it) for longer than `grace` seconds: queued again while dispatches are left."""
+    def held_by(self, node_id: str) -> list[tuple[str, int, str, str, float]]:
+        """The samples the server counts as the node's: (task, index, lease, state, since), since
+        being when the node got the lease (or the sample last changed under it)."""
+        return list(
+            self.db.execute(
+                "SELECT task_id, idx, lease, state, updated_at FROM service_samples"
+                " WHERE node_id = ? AND state IN ('dispatched', 'cancelling')",
+                (node_id,),
+            )
+        )
+
+    def overdue(self, now: float, grace: float, since: float) -> list[tuple[str, int, str, str]]:
+        """Samples a node has held past their deadline: (task, index, lease, node). The deadline
+        is the sample's budget (`timeout_seconds`, else its task's total timeout) plus `grace`,
+        from when its node began it (a heartbeat says so: `set_stages`); while it waits in its
+        node's queue, one budget more. Nothing counts from before `since` (this server's start)."""
+        return list(
+            self.db.execute(
+                "SELECT s.task_id, s.idx, s.lease, s.node_id FROM service_samples s"
+                " JOIN service_tasks t ON t.id = s.task_id"
+                " WHERE s.state IN ('dispatched', 'cancelling') AND max(s.updated_at, ?)"
+                " + coalesce(json_extract(t.request, '$.timeout_seconds'),"
+                " json_extract(t.task, '$.total_timeout_sec'), 3600)"
+                " * (CASE WHEN coalesce(s.stage, 'queued') IN ('queued', 'preparing') THEN 2 ELSE 1 END)"
+                " + ? < ?",
+                (since, grace, now),
+            )
+        )
+
+    def repair(
+        self, stale: list[tuple[str, int, str]], cause: str, max_dispatches: int
+    ) -> tuple[int, int, int]:
+        """Give up samples under the leases in `stale` (task, index, lease), which their node no
+        longer runs or ran past their deadline: queued again while dispatches are left, else
+        failed with `cause` (and how many times each was dispatched); one being cancelled is
+        cancelled. The lease ends, so a node still holding it is told to drop it. A sample whose
+        lease changed meanwhile is left alone. (requeued, failed, cancelled)"""
         now = time.time()
-        stale = [
-            (t, i)
-            for t, i, at in self.db.execute(
-                "SELECT task_id, idx, updated_at FROM service_samples WHERE node_id = ? AND state = 'dispatched'"
-                " AND dispatches < ?",
-                (node_id, max_dispatches),
-            )
-            if (t, i) not in held and now - at > grace
-        ]
+        requeued = failed = cancelled = 0
         with self.db:
-            self.db.executemany(
-                "UPDATE service_samples SET state = 'queued', stage = NULL, node_id = NULL, lease = NULL,"
-                " updated_at = ? WHERE task_id = ? AND idx = ? AND state = 'dispatched'",
-                [(now, t, i) for t, i in stale],
-            )
-        return len(stale)
+            for t, i, lease in stale:
+                key = (t, i, lease)
+                cancelled += self.db.execute(
+                    "UPDATE service_samples SET state = 'finished', status = 'cancelled', stage = NULL,"
+                    " lease = NULL, updated_at = ? WHERE task_id = ? AND idx = ? AND lease = ?"
+                    " AND state = 'cancelling'",
+                    (now, *key),
+                ).rowcount
+                requeued += self.db.execute(
+                    "UPDATE service_samples SET state = 'queued', stage = NULL, node_id = NULL, lease = NULL,"
+                    " updated_at = ? WHERE task_id = ? AND idx = ? AND lease = ? AND state = 'dispatched'"
+                    " AND dispatches < ?",
+                    (now, *key, max_dispatches),
+                ).rowcount
+                failed += self.db.execute(
+                    "UPDATE service_samples SET state = 'finished', status = 'failed', reward = 0.0, stage = NULL,"
+                    " cause = ? || ' (dispatched ' || dispatches || ' times)', lease = NULL, updated_at = ?"
+                    " WHERE task_id = ? AND idx = ? AND lease = ? AND state = 'dispatched'",
+                    (cause, now, *key),
+                ).rowcount
+        return requeued, failed, cancelled
 
     def set_stages(self, node_id: str, stages: list[tuple[str, int, str]]) -> None:
+        """The stage each sample is at on its node. A sample that leaves its node's queue starts
+        its budget there: its deadline (`overdue`) counts from then."""
+        now = time.time()
         with self.db:
             self.db.executemany(
-                "UPDATE service_samples SET stage = ? WHERE task_id = ? AND idx = ? AND node_id = ?"
-                " AND state IN ('dispatched', 'cancelling')",
-                [(stage, t, i, node_id) for t, i, stage in stages],
+                "UPDATE service_samples SET stage = ?1, updated_at = CASE WHEN coalesce(stage, 'queued')"
+                " IN ('queued', 'preparing') AND ?1 NOT IN ('queued', 'preparing') THEN ?2 ELSE updated_at END"
+                " WHERE task_id = ?3 AND idx = ?4 AND node_id = ?5 AND state IN ('dispatched', 'cancelling')",
+                [(stage, now, t, i, node_id) for t, i, stage in stages],
             )
 
     def cancel_samples(self, task_id: str, reason: str) -> int:
