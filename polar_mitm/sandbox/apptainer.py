@@ -73,11 +73,11 @@ from polar_mitm.sandbox.base import (
     HOME_DIR,
     NODE_BIN,
     NPM_MODULES,
-    PIDS_LIMIT,
     ROOT_CAPS,
     ExecResult,
     ExportTooLarge,
     Leftover,
+    Limits,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
@@ -212,13 +212,14 @@ def harness_path(spec: SandboxSpec) -> list[str]:
     return [HARNESS_BIN, NODE_BIN] if spec.harness.node is not None else [HARNESS_BIN]
 
 
-def limit_options(task: Task) -> list[str]:
-    """The task's memory and CPU, and the pids limit, as `instance start` options (cgroups)."""
-    out = ["--pids-limit", str(PIDS_LIMIT)]
-    if task.memory_mb:
-        out += ["--memory", str(int(task.memory_mb) << 20)]
-    if task.cpus:
-        out += ["--cpus", f"{task.cpus:g}"]
+def limit_options(limits: Limits) -> list[str]:
+    """The sample's memory, CPUs and processes (`Limits.for_task`: the task's own, else the
+    rollout's defaults) as `instance start` options (cgroups)."""
+    out = ["--pids-limit", str(limits.pids)]
+    if limits.memory_mb:
+        out += ["--memory", str(int(limits.memory_mb) << 20)]
+    if limits.cpus:
+        out += ["--cpus", f"{limits.cpus:g}"]
     return out
 
 
@@ -916,7 +917,7 @@ class ApptainerRuntime:
     async def _start_instance(
         self, binary: str, image: str, name: str, spec: SandboxSpec, task: Task, overlay: Path | None
     ) -> ExecResult:
-        limits = limit_options(task) if self.limits else []
+        limits = limit_options(spec.limits.for_task(task)) if self.limits else []
         r = await run_argv(start_argv(binary, image, name, spec, overlay, limits))
         if r.exit_code != 0 and limits and "cgroups" in r.output:
             self.limits = False

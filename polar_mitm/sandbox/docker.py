@@ -52,11 +52,11 @@ from polar_mitm.sandbox.base import (
     HOME_DIR,
     NODE_BIN,
     NPM_MODULES,
-    PIDS_LIMIT,
     ROOT_CAPS,
     ExecResult,
     ExportTooLarge,
     Leftover,
+    Limits,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
@@ -89,9 +89,25 @@ HOST_KEYS = frozenset(
         "pids_limit",
         "nano_cpus",
         "mem_limit",
+        "memswap_limit",
+        "tmpfs",
     }
 )
 LABEL = "polar-mitm"
+
+
+def limit_options(limits: Limits) -> dict[str, Any]:
+    """A container's limits as the SDK's options: processes, CPUs, memory (swap none beyond it),
+    and /tmp a tmpfs of its size (its pages count against the memory limit too), so what a sample
+    writes there is refused past the cap instead of filling the host's disk."""
+    out: dict[str, Any] = {"pids_limit": limits.pids}
+    if limits.cpus:
+        out["nano_cpus"] = int(limits.cpus * 1e9)
+    if limits.memory_mb:
+        out["mem_limit"] = out["memswap_limit"] = f"{limits.memory_mb}m"
+    if limits.tmp_mb:
+        out["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"}
+    return out
 
 
 class ImageUnavailable(RuntimeUnavailable):
@@ -681,12 +697,8 @@ class DockerRuntime:
             cap_drop=["ALL"],
             cap_add=ROOT_CAPS,
             security_opt=["no-new-privileges:true"],
-            pids_limit=PIDS_LIMIT,
         )
-        if task.cpus:
-            kwargs["nano_cpus"] = int(task.cpus * 1e9)
-        if task.memory_mb:
-            kwargs["mem_limit"] = f"{task.memory_mb}m"
+        kwargs.update(limit_options(spec.limits.for_task(task)))
         # The daemon makes the workdir (root's, as `mkdir -p` would) when it starts the container.
         kwargs["working_dir"] = task.workdir
         if spec.purpose == "verifier":

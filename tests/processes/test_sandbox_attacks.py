@@ -303,6 +303,66 @@ async def test_nothing_the_harness_started_outlives_it(
     assert not [p for p in left if f"sleep {seconds}" in p], left
 
 
+TAKE = r"""
+import os, sys
+
+if sys.argv[1] == "memory":
+    held = []
+    for i in range(64):  # 640 MB, every page touched
+        held.append(bytearray(os.urandom(1)) * (10 << 20))
+    open("survived", "w").write("all of it")
+elif sys.argv[1] == "tmp":
+    written = 0
+    try:
+        with open("/tmp/fill", "wb") as f:
+            for i in range(96):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+                written += 1
+        note = f"wrote all {written} MiB"
+    except OSError as e:
+        note = f"refused after {written} MiB: {e}"
+    open("tmp.txt", "w").write(note)
+else:
+    open("survived", "w").write("ok")
+"""
+
+
+@pytest.mark.docker
+async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack, tmp_path, docker_client):
+    """Tasks that name no memory, CPUs or disk: one allocates 640 MB, one writes 96 MiB to /tmp,
+    one is a neighbour that does its work. With the rollout's defaults (here --memory 256,
+    --tmp-size 32) the first is OOM-killed inside its own limit, the second's writes are refused
+    past 32 MiB, and the rollout goes on: the neighbour completes with its reward. Before, a task
+    without limits ran with none (Memory=0): all 640 MB were taken and all 96 MiB written."""
+    from polar_mitm.sandbox.docker import DockerRuntime
+
+    stack = await make_stack()
+    tasks = [
+        Task(id=mode, instruction=mode, image=IMAGE, workdir="/app",
+             evaluator=EvaluatorSpec(kind="command", command=check))
+        for mode, check in (("memory", "[ -f survived ]"), ("tmp", "grep -q '^refused after 3[0-2] MiB' tmp.txt"),
+                            ("neighbour", "[ -f survived ]"))
+    ]  # fmt: skip
+    opts = RolloutOptions(
+        harness="claude-code",
+        harness_cmd=["python3", "-c", TAKE, "{instruction}"],
+        runtime="docker",
+        retries=0,
+        memory=256,
+        tmp_size=32,
+        keep_workdirs=True,
+    )
+    p = Pipeline(opts, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
+    result = await p.run(tasks)
+    got = {s.task_id: (s.status, s.reward) for s in result.samples}
+    assert got == {
+        "memory": ("completed", 0.0),
+        "tmp": ("completed", 1.0),
+        "neighbour": ("completed", 1.0),
+    }, got
+
+
 # --- without containers: the proxy's identities, the channel's relay, the local runtime ---------
 
 

@@ -18,6 +18,7 @@ from polar_mitm.sandbox.base import (
     NPM_MODULES,
     SESSION_DIR,
     HarnessMount,
+    Limits,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
@@ -222,9 +223,19 @@ def test_the_supervisors_report_is_found_by_its_secret_only():
 
 
 def test_limits_from_the_task():
-    assert ap.limit_options(Task(id="t", instruction="x")) == ["--pids-limit", "4096"]
+    none = Limits(memory_mb=None, cpus=None)
+    assert ap.limit_options(none.for_task(Task(id="t", instruction="x"))) == ["--pids-limit", "4096"]
+    defaults = Limits().for_task(Task(id="t", instruction="x"))  # the rollout's, where a task names none
+    assert ap.limit_options(defaults) == ["--pids-limit", "4096", "--memory", str(4096 << 20), "--cpus", "2"]
     t = Task(id="t", instruction="x", memory_mb=512, cpus=1.5)
-    assert ap.limit_options(t) == ["--pids-limit", "4096", "--memory", str(512 << 20), "--cpus", "1.5"]
+    assert ap.limit_options(Limits().for_task(t)) == [
+        "--pids-limit",
+        "4096",
+        "--memory",
+        str(512 << 20),
+        "--cpus",
+        "1.5",
+    ]
 
 
 def test_bind_refuses_paths_apptainer_cannot_express(tmp_path):
