@@ -4,15 +4,20 @@ measured in one run, and the one-time conversion of the image into the SIF cache
 Each round starts and stops one agent sandbox of each runtime, alternated, from the Docker test
 image (`scripts/docker.sh`'s), as a rollout does for a sample: the instance or container, the
 workdir, the harness's HOME. `--convert` first converts the image into an empty SIF cache and
-reports how long that took (what the first sample of a new image costs).
+reports how long that took (what the first sample of a new image costs). `--limits` also starts,
+alternated with the others, each runtime's sandboxes as they were before the limits by default and
+the kernel's options (no memory, CPU or /tmp limit; Apptainer without `kernel_options`: no
+read-only /proc knobs, a /sys, no user namespace for a verifier), agent and verifier, and prints
+after / before.
 
-    .venv/bin/python bench/bench_sandbox_start.py [--rounds 10] [--convert]
+    .venv/bin/python bench/bench_sandbox_start.py [--rounds 10] [--convert] [--limits]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -22,8 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from polar_mitm.proxy.certs import ensure_ca  # noqa: E402
+from polar_mitm.sandbox import apptainer as apptainer_module  # noqa: E402
 from polar_mitm.sandbox.apptainer import ApptainerRuntime  # noqa: E402
-from polar_mitm.sandbox.base import SandboxSpec  # noqa: E402
+from polar_mitm.sandbox.base import Limits, SandboxSpec  # noqa: E402
 from polar_mitm.sandbox.docker import DockerRuntime  # noqa: E402
 from polar_mitm.tasks.model import Task  # noqa: E402
 
@@ -38,7 +44,20 @@ async def start_stop(runtime, task: Task, spec: SandboxSpec) -> float:
     return took
 
 
-async def main(rounds: int, convert: bool) -> None:
+NO_LIMITS = Limits(memory_mb=None, cpus=None, tmp_mb=None)
+
+
+async def start_as_before(runtime, task: Task, spec: SandboxSpec) -> float:
+    """A start as it was before the limits by default and Apptainer's kernel options."""
+    kernel = apptainer_module.kernel_options
+    apptainer_module.kernel_options = lambda *a, **k: []  # type: ignore[assignment]
+    try:
+        return await start_stop(runtime, task, dataclasses.replace(spec, limits=NO_LIMITS))
+    finally:
+        apptainer_module.kernel_options = kernel
+
+
+async def main(rounds: int, convert: bool, limits: bool) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-start-"))
     ca = ensure_ca(work / "ca")
     task = Task(id="bench", instruction="x", image=IMAGE, workdir="/app")
@@ -63,12 +82,27 @@ async def main(rounds: int, convert: bool) -> None:
         ):
             spec = SandboxSpec(f"bench-{name}-{i}", work / f"s-{name}-{i}", ca)
             times[name].append(await start_stop(rt, task, spec))
+            if limits:
+                for purpose in ("agent", "verifier"):
+                    spec = SandboxSpec(f"bench-{name}-{purpose}-{i}", work / f"s-{name}-{purpose}-{i}", ca,
+                                       purpose=purpose)  # fmt: skip
+                    before = await start_as_before(rt, task, dataclasses.replace(spec, name=spec.name + "-b"))
+                    after = await start_stop(rt, task, spec)
+                    times.setdefault(f"{name} {purpose} before", []).append(before)
+                    times.setdefault(f"{name} {purpose} after", []).append(after)
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
         print(
-            f"{k:10s} start: median {med[k] * 1000:.0f} ms (min {min(v) * 1000:.0f}, max {max(v) * 1000:.0f}) over {len(v)}"
+            f"{k:26s} start: median {med[k] * 1000:.0f} ms (min {min(v) * 1000:.0f}, max {max(v) * 1000:.0f}) over {len(v)}"
         )
     print(f"apptainer / docker: {med['apptainer'] / med['docker']:.2f}x")
+    if limits:
+        for name in ("docker", "apptainer"):
+            for purpose in ("agent", "verifier"):
+                after, before = med[f"{name} {purpose} after"], med[f"{name} {purpose} before"]
+                print(
+                    f"{name} {purpose}: after / before the limits and kernel options: {after / before:.2f}x"
+                )
 
 
 if __name__ == "__main__":
@@ -77,5 +111,6 @@ if __name__ == "__main__":
     ap.add_argument(
         "--convert", action="store_true", help="convert into an empty SIF cache first, and time it"
     )
+    ap.add_argument("--limits", action="store_true", help="also time starts as before the limits (ratio)")
     args = ap.parse_args()
-    asyncio.run(main(args.rounds, args.convert))
+    asyncio.run(main(args.rounds, args.convert, args.limits))

@@ -130,6 +130,12 @@ FLAGS: dict[str, Flag] = {
         "error shape, unread.",
         default="32 MiB",
     ),
+    "max_session_bytes_in_flight": Flag(
+        "Request body bytes one session may have in the proxy's memory at once, over all its "
+        "connections; a request that would pass it gets a 413 naming it, unread (a sandbox's huge "
+        "bodies cost the proxy at most this).",
+        default="64 MiB",
+    ),
     "ping_interval": Flag("Seconds between keep-alive events while a reply is generated."),
     "first_token_timeout": Flag(
         "Seconds to wait for the backend's first token (a long prompt on a busy engine) before "

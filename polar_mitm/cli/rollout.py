@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from polar_mitm.cli.options import Flag, given, make_policy_config, model_options, policy_options
-from polar_mitm.rollout.options import WORKER_FIELDS, RolloutOptions, default_workers
+from polar_mitm.rollout.options import LIMIT_FIELDS, WORKER_FIELDS, RolloutOptions, default_workers
 from polar_mitm.sandbox import RUNTIMES
 from polar_mitm.strategies import Normalize, Strategy, choices
 
@@ -92,6 +92,13 @@ VERDICT_FLAGS = {
     ),
 }
 verdict_options = model_options(RolloutOptions, VERDICT_FLAGS, VERDICT_FIELDS)
+LIMIT_FLAGS = {
+    "memory": Flag("MiB of memory per sample's sandbox when its task names none; 0: no limit."),
+    "cpus": Flag("CPUs per sample's sandbox when its task names none; 0: no limit."),
+    "pids": Flag("Processes a sample's sandbox may hold at once."),
+    "tmp_size": Flag("MiB of /tmp per sample's sandbox (a tmpfs, in Docker); 0: the image's /tmp."),
+}
+limit_options = model_options(RolloutOptions, LIMIT_FLAGS, LIMIT_FIELDS)
 
 
 @click.command()
@@ -112,6 +119,7 @@ verdict_options = model_options(RolloutOptions, VERDICT_FLAGS, VERDICT_FIELDS)
 )
 @worker_options
 @verdict_options
+@limit_options
 @click.option(
     "--env",
     "extra_env",
@@ -217,6 +225,7 @@ def rollout(
         harness_user=None if harness_user in ("root", "0", "0:0") else harness_user,
         **given(policy, WORKER_FIELDS),  # the pipeline's sizes, out of the policy's options
         **given(policy, VERDICT_FIELDS),
+        **given(policy, LIMIT_FIELDS),
     )
     rt = make_runtime(runtime)
     if runtime == "apptainer":  # an image's one-time conversion, and how long it took, shows in the progress

@@ -30,6 +30,9 @@ class PolicyConfig(BaseModel):
     max_tokens_cap: int | None = None  # clamp what harnesses ask for (Claude Code asks for 32k)
     # Bodies larger than this are refused unread (413 in the provider's shape); Anthropic's own limit.
     max_request_bytes: int = 32 * 1024 * 1024
+    # Request body bytes one session may have in the proxy's memory at once, over all its
+    # connections (`proxy/inflight.py`): a request that would pass it gets a 413 naming it, unread.
+    max_session_bytes_in_flight: int = Field(64 * 1024 * 1024, ge=1)
     ping_interval: float = 5.0
     # Seconds the backend may stay silent before the turn fails (the harness is told to retry;
     # tokens sampled so far are kept as an 'error' turn); None or 0 waits forever. The first token

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from polar_mitm import providers, recipes
 from polar_mitm.backends.engine_api import ModelInfo
 from polar_mitm.policy import Policy, PolicyConfig
+from polar_mitm.proxy.addons.bodies import Bodies
 from polar_mitm.proxy.addons.egress import Egress
 from polar_mitm.proxy.addons.handoff import Handoff, provider_tls
 from polar_mitm.proxy.addons.harvest import Harvest
@@ -35,6 +36,7 @@ from polar_mitm.proxy.certs import CA, ensure_ca
 from polar_mitm.proxy.exchange import parse_upstream
 from polar_mitm.proxy.gateway import Gateway
 from polar_mitm.proxy.heads import read_head
+from polar_mitm.proxy.inflight import InFlight
 from polar_mitm.store.writer import Store
 
 log = logging.getLogger("polar_mitm.proxy")
@@ -167,7 +169,17 @@ class PolicySide:
         self.handoff = Handoff(hosts, sessions, default_session, tls)
         self.egress = Egress(answered)
         self.routing = Routing(0, routes=routes)
-        self.addons: list[object] = [self.handoff, self.egress, self.routing, Stubs(answered, routes)]
+        self.inflight = InFlight(PolicyConfig().max_session_bytes_in_flight)
+        self.bodies = Bodies(
+            self.egress.pattern, self.inflight, PolicyConfig().max_request_bytes, self.egress.sandboxed
+        )
+        self.addons: list[object] = [
+            self.handoff,
+            self.egress,
+            self.bodies,
+            self.routing,
+            Stubs(answered, routes),
+        ]
         self.policy: Policy | None = None
         self.gateway: Gateway | None = None
         self.provider_tls: ssl.SSLContext | None = None
@@ -175,6 +187,8 @@ class PolicySide:
     async def start(self, config: ProxyConfig, store: Store, confdir: Path | str) -> None:
         """Start the policy and the gateway (its plain and TLS ports) and point the addons at it."""
         self.policy = Policy(config.policy, store, model_info=config.model_info)
+        self.inflight.per_session = config.policy.max_session_bytes_in_flight
+        self.bodies.max_request_bytes = config.policy.max_request_bytes
         self.gateway = Gateway(
             self.policy,
             default_session=config.default_session,
@@ -182,6 +196,8 @@ class PolicySide:
             secret=Gateway.new_secret(),
             peers=self.handoff.peer,
             routes=self.routes,
+            reaches_model=self.egress.reaches_model,
+            inflight=self.inflight,
         )
         self.routing.gateway_port = await self.gateway.start()
         self.routing.secret = self.gateway.secret

@@ -33,6 +33,7 @@ from polar_mitm.providers import Style, fields, side_endpoints
 from polar_mitm.providers.base import ItemMemo
 from polar_mitm.proxy import repeats
 from polar_mitm.proxy.continuations import Continuations
+from polar_mitm.proxy.inflight import InFlight
 
 log = logging.getLogger("polar_mitm.proxy.gateway")
 
@@ -58,7 +59,7 @@ class _Call:
     def __init__(self, host: str, request: web.Request, session: str | None = None):
         self.host = host
         self.request = request
-        self.session = session  # of a handed-over connection; routed flows carry it in a header
+        self.session = session  # its connection's, or the routing addon's header (`Gateway._session`)
         self.id = "req_" + secrets.token_hex(6)
         self.turn_id: str | None = None
 
@@ -87,8 +88,17 @@ class Gateway:
         secret: str | None = None,
         peers: Callable[[Any, int | None], tuple[str, str] | None] | None = None,
         routes: providers.Routes = providers.BUILTIN,
+        reaches_model: Callable[[str], bool] | None = None,
+        inflight: InFlight | None = None,
     ):
         self.policy = policy
+        # Whether a session may be answered at all (`Egress.reaches_model`: a verifier's may not);
+        # asked of every request, the one door every way to the model goes through.
+        self.reaches_model = reaches_model
+        # Each session's budget of request body bytes held at once (`proxy/inflight.py`), taken
+        # here for the connections this gateway serves itself (a routed flow's was taken in
+        # mitmproxy, `proxy/addons/bodies.py`); None: bodies are bounded one by one only.
+        self.inflight = inflight
         self.routes = routes  # the hosts this gateway answers, and in which styles
         # (session, provider host) of a connection that the proxy handed over still encrypted or
         # took whole, by the connection's protocol or its remote port (`proxy/addons/handoff.py`):
@@ -157,6 +167,13 @@ class Gateway:
         addr = request.transport.get_extra_info("peername")
         return self.peers(request.protocol, addr[1] if addr and isinstance(addr, tuple) else None)
 
+    def _session(self, request: web.Request, peer: tuple[str, str] | None) -> str:
+        """The session a request is answered for: its connection's, when the proxy handed it over
+        or the gateway took it; else the one the routing addon names (a routed flow)."""
+        if peer is not None:
+            return peer[0]
+        return request.headers.get(SESSION_HEADER) or self.default_session
+
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
@@ -190,6 +207,18 @@ class Gateway:
                     "permission", "this port only answers requests routed by the polar-mitm proxy", 403
                 ),
             )
+        session = self._session(request, peer)
+        if self.reaches_model is not None and not self.reaches_model(session):
+            log.info(
+                "refused %s %s of session %s, which may not reach the model", host, request.path, session
+            )
+            style = found[0] if found else self.routes.error_style(host)
+            return self._error(
+                style,
+                ProviderError(
+                    "permission", f"{host} is not reachable from a verifier: the model is not", 403
+                ),
+            )
         self.first_request.set()
         if found is None and peer is not None:  # a side endpoint of the provider's host
             status, body, ctype = side_endpoints.answer(
@@ -205,7 +234,17 @@ class Gateway:
                 style, ProviderError("not_found", f"{request.method} {request.path} is not served", 404)
             )
         style, ep = found
-        call = _Call(host, request, peer[0] if peer is not None else None)
+        call = _Call(host, request, session)
+        held = 0
+        if peer is not None and self.inflight is not None:
+            size = request.content_length
+            held = self.max_request_bytes if size is None else min(size, self.max_request_bytes + 1)
+            if not self.inflight.take(session, held):
+                log.warning("%s %s: %s", host, request.path, self.inflight.refusal(session, size).strip())
+                return self._error(
+                    style,
+                    ProviderError("request_too_large", self.inflight.refusal(session, size).strip(), 413),
+                )
         task = asyncio.current_task()
         if task is not None:
             self._calls.add(task)
@@ -219,6 +258,8 @@ class Gateway:
         except Exception as e:  # a bug of ours: still an answer the harness's SDK understands
             return self._error(style, call.internal_error(e))
         finally:
+            if held:
+                self.inflight.give(session, held)  # type: ignore[union-attr]
             self._calls.discard(task)  # type: ignore[arg-type]
             if (request.content_length or 0) >= large_inputs.RELEASE_AFTER_BYTES:
                 large_inputs.release_memory_soon()
@@ -238,7 +279,7 @@ class Gateway:
             body, by_orjson = fields.read_body(raw)
         if ep == "models":
             return web.json_response(style.render_models(await self._model_names()))
-        session = request.headers.get(SESSION_HEADER) or call.session or self.default_session
+        session = call.session or self.default_session
         continued = await self.continuations.parse_kwargs(style, session, body) if self.continuations else {}
         if ep == "count_tokens":  # counting needs no max_tokens, even where generating does
             req = style.parse_request(body, path=request.path_qs, require_max_tokens=False, **continued)

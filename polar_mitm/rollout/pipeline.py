@@ -57,6 +57,7 @@ from polar_mitm.rollout.verify import VerifierUnavailable
 from polar_mitm.sandbox.base import (
     HOME_DIR,
     HarnessMount,
+    Limits,
     Runtime,
     Sandbox,
     SandboxError,
@@ -478,6 +479,12 @@ class Pipeline:
             channel=job.channel.socket_path if job.channel is not None else None,
             user=self.opts.harness_user,
             forwarder_node=mount.node if mount is not None else None,
+            limits=Limits(
+                memory_mb=self.opts.memory or None,
+                cpus=self.opts.cpus or None,
+                pids=self.opts.pids,
+                tmp_mb=self.opts.tmp_size or None,
+            ),
         )
 
     async def _run_worker(self) -> None:

@@ -73,12 +73,12 @@ from polar_mitm.sandbox.base import (
     HOME_DIR,
     NODE_BIN,
     NPM_MODULES,
-    PIDS_LIMIT,
     READ_LIMIT,
     ROOT_CAPS,
     ExecResult,
     ExportTooLarge,
     Leftover,
+    Limits,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
@@ -104,7 +104,11 @@ UNAVAILABLE = (
     "(https://apptainer.org) or use --runtime docker / local"
 )
 # Host paths Apptainer would otherwise mount: the sandbox sees only its image and our binds.
-NO_MOUNT = "home,cwd,tmp"
+NO_MOUNT = "home,cwd,tmp,sys"  # (no /sys at all: Docker's is read-only, Apptainer's writable)
+# The kernel's knobs in /proc, bound read-only over themselves in every instance (Docker's
+# ReadonlyPaths): a root that could write /proc/sys/kernel/core_pattern runs a program of its own
+# as host root at the next core dump anywhere.
+KERNEL_RO = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
 NO_NETWORK = ["--net", "--network", "none"]  # a network namespace of its own, loopback only
 CONTAIN = "--contain"  # a minimal /dev (no host disk), empty /tmp and home
 XFER_DIR = f"{HARNESS_ROOT}/xfer"  # the sandbox's end of its transfer directory
@@ -217,14 +221,26 @@ def harness_path(spec: SandboxSpec) -> list[str]:
     return [HARNESS_BIN, NODE_BIN] if spec.harness.node is not None else [HARNESS_BIN]
 
 
-def limit_options(task: Task) -> list[str]:
-    """The task's memory and CPU, and the pids limit, as `instance start` options (cgroups)."""
-    out = ["--pids-limit", str(PIDS_LIMIT)]
-    if task.memory_mb:
-        out += ["--memory", str(int(task.memory_mb) << 20)]
-    if task.cpus:
-        out += ["--cpus", f"{task.cpus:g}"]
+def limit_options(limits: Limits) -> list[str]:
+    """The sample's memory, CPUs and processes (`Limits.for_task`: the task's own, else the
+    rollout's defaults) as `instance start` options (cgroups)."""
+    out = ["--pids-limit", str(limits.pids)]
+    if limits.memory_mb:
+        out += ["--memory", str(int(limits.memory_mb) << 20)]
+    if limits.cpus:
+        out += ["--cpus", f"{limits.cpus:g}"]
     return out
+
+
+def kernel_options(spec: SandboxSpec, *, host_root: bool, knobs: tuple[str, ...] = KERNEL_RO) -> list[str]:
+    """What keeps an instance off the host's kernel, as Docker keeps a container: the kernel's
+    knobs under /proc read-only (KERNEL_RO) and no /sys; as root, a verifier in a user namespace
+    of its own (`--userns`), so that its root (the tests run the agent's code as root) holds no
+    capability of the host's namespace. Run by an unprivileged user, Apptainer's own user
+    namespace does what the last does. (No seccomp profile: Apptainer 1.4.5 cannot load one in
+    an exec whose capabilities `privilege_options` dropped: threat-model.md.)"""
+    out = [arg for path in knobs for arg in ("--bind", f"{path}:{path}:ro")]
+    return [*out, "--userns"] if host_root and spec.purpose == "verifier" else out
 
 
 def start_argv(
@@ -234,13 +250,15 @@ def start_argv(
     spec: SandboxSpec,
     overlay: Path | None,
     limits: list[str] | None = None,
+    kernel: list[str] | None = None,
 ) -> list[str]:
-    """`instance start`: no network but loopback, a minimal /dev, no host home/cwd/tmp, the
+    """`instance start`: no network but loopback, a minimal /dev, no host home/cwd/tmp/sys, the
     environment left out (variables come with each exec), writes going to `overlay` (a directory
-    on the host) or, without one, to a tmpfs, and the cgroup limits asked for."""
+    on the host) or, without one, to a tmpfs, the cgroup limits asked for and `kernel_options`."""
     argv = [binary, "instance", "start", "--cleanenv", CONTAIN, "--no-mount", NO_MOUNT, *NO_NETWORK]
     argv += ["--overlay", str(overlay)] if overlay is not None else ["--writable-tmpfs"]
     argv += limits or []
+    argv += kernel or []
     for bind in binds(spec):
         argv += ["--bind", bind]
     return [*argv, image, name]
@@ -950,8 +968,10 @@ class ApptainerRuntime:
     async def _start_instance(
         self, binary: str, image: str, name: str, spec: SandboxSpec, task: Task, overlay: Path | None
     ) -> ExecResult:
-        limits = limit_options(task) if self.limits else []
-        r = await run_argv(start_argv(binary, image, name, spec, overlay, limits))
+        limits = limit_options(spec.limits.for_task(task)) if self.limits else []
+        knobs = tuple(p for p in KERNEL_RO if os.path.exists(p))  # (a kernel may lack sysrq)
+        kernel = kernel_options(spec, host_root=self.host_root, knobs=knobs)
+        r = await run_argv(start_argv(binary, image, name, spec, overlay, limits, kernel))
         if r.exit_code != 0 and limits and "cgroups" in r.output:
             self.limits = False
             log.warning(
@@ -959,7 +979,7 @@ class ApptainerRuntime:
                 "pids limits (as root without systemd: `systemd cgroups = no` in apptainer.conf)",
                 r.output.strip().splitlines()[-1][-200:],
             )
-            r = await run_argv(start_argv(binary, image, name, spec, overlay, []))
+            r = await run_argv(start_argv(binary, image, name, spec, overlay, [], kernel))
         return r
 
     async def start(self, task: Task, spec: SandboxSpec) -> ApptainerSandbox:

@@ -44,6 +44,28 @@ PIDS_LIMIT = 4096  # processes a container may hold at once (a fork bomb stops t
 ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"]
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one sample's sandbox may take of the host, by default: memory (MiB), CPUs, processes,
+    and the size of its /tmp (MiB, a tmpfs where the runtime makes one). A task's own memory and
+    CPUs win (`for_task`); None: no limit of that kind. The rollout's options set them
+    (`--memory`, `--cpus`, `--pids`, `--tmp-size`)."""
+
+    memory_mb: int | None = 4096
+    cpus: float | None = 2.0
+    pids: int = PIDS_LIMIT
+    tmp_mb: int | None = 1024
+
+    def for_task(self, task: Task) -> Limits:
+        """These limits with the task's own memory and CPUs in place of the defaults."""
+        return Limits(
+            memory_mb=task.memory_mb or self.memory_mb,
+            cpus=task.cpus or self.cpus,
+            pids=self.pids,
+            tmp_mb=self.tmp_mb,
+        )
+
+
 def sandbox_ca(ca: CA) -> CA:
     """Our CA's files as a sandbox sees them: the certificate and the bundle, mounted one by one
     under CA_DIR with their host names. The private key never enters a sandbox."""
@@ -434,6 +456,8 @@ class SandboxSpec:
     # A verifier started from a snapshot of its agent's sandbox (`Runtime.snapshot`) instead of
     # the task's image: Harbor's shared mode.
     image: str | None = None
+    # What the sandbox may take of the host when its task names no limit (`Limits.for_task`).
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,12 @@ from polar_mitm.sandbox.base import (
     HOME_DIR,
     NODE_BIN,
     NPM_MODULES,
-    PIDS_LIMIT,
     READ_LIMIT,
     ROOT_CAPS,
     ExecResult,
     ExportTooLarge,
     Leftover,
+    Limits,
     RuntimeUnavailable,
     Sandbox,
     SandboxError,
@@ -96,6 +96,8 @@ HOST_KEYS = frozenset(
         "nano_cpus",
         "mem_limit",
         "readonly_paths",
+        "memswap_limit",
+        "tmpfs",
     }
 )
 # A verifier's /proc is read-only as a whole (Docker's own read-only paths are parts of it): the
@@ -106,6 +108,20 @@ VERIFIER_READONLY_PATHS = ["/proc", "/proc/bus", "/proc/fs", "/proc/irq", "/proc
 LABEL = "polar-mitm"
 SNAPSHOT_REPO = "polar-mitm/snapshot"  # agent containers kept for their verifiers (shared mode)
 SNAPSHOT_LIMIT = 8 << 30  # bytes an agent's changes may claim (file sizes) to be kept for scoring
+
+
+def limit_options(limits: Limits) -> dict[str, Any]:
+    """A container's limits as the SDK's options: processes, CPUs, memory (swap none beyond it),
+    and /tmp a tmpfs of its size (its pages count against the memory limit too), so what a sample
+    writes there is refused past the cap instead of filling the host's disk."""
+    out: dict[str, Any] = {"pids_limit": limits.pids}
+    if limits.cpus:
+        out["nano_cpus"] = int(limits.cpus * 1e9)
+    if limits.memory_mb:
+        out["mem_limit"] = out["memswap_limit"] = f"{limits.memory_mb}m"
+    if limits.tmp_mb:
+        out["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"}
+    return out
 
 
 class ImageUnavailable(RuntimeUnavailable):
@@ -751,12 +767,8 @@ class DockerRuntime:
             cap_drop=["ALL"],
             cap_add=ROOT_CAPS,
             security_opt=["no-new-privileges:true"],
-            pids_limit=PIDS_LIMIT,
         )
-        if task.cpus:
-            kwargs["nano_cpus"] = int(task.cpus * 1e9)
-        if task.memory_mb:
-            kwargs["mem_limit"] = f"{task.memory_mb}m"
+        kwargs.update(limit_options(spec.limits.for_task(task)))
         # The daemon makes the workdir (root's, as `mkdir -p` would) when it starts the container.
         kwargs["working_dir"] = task.workdir
         if spec.purpose == "verifier":

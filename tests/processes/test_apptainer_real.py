@@ -279,6 +279,56 @@ async def test_the_verifiers_tests_cannot_rewrite_the_verdict_unseen(where, chea
         await v.stop()
 
 
+HOST_KNOBS = (
+    "/proc/sys/kernel/core_pattern /proc/sys/vm/drop_caches /proc/sys/kernel/hostname /proc/sysrq-trigger"
+    " /sys/kernel/mm/transparent_hugepage/enabled"
+)
+KERNEL_ATTACK = rf"""
+grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status
+echo "uidmap=$(tr -s ' ' < /proc/self/uid_map | sed 's/^ //' | tr '\n' ';')"
+for f in {HOST_KNOBS}; do  # opened for writing, nothing written
+  python3 -c "open('$f', 'r+b')" 2>/dev/null && echo "writable=$f"
+done
+unshare -U -r true 2>/dev/null && echo unshare=yes || echo unshare=no
+"""
+
+
+def host_capabilities(output: str) -> bool:
+    """Whether the process that printed KERNEL_ATTACK's lines held a capability in the host's
+    user namespace (the initial one maps every uid onto itself)."""
+    cap = next(x.split(":", 1)[1].strip() for x in output.splitlines() if x.startswith("CapEff:"))
+    uidmap = next(x.split("=", 1)[1] for x in output.splitlines() if x.startswith("uidmap="))
+    return int(cap, 16) != 0 and uidmap.startswith("0 0 4294967295")
+
+
+async def test_the_verifier_is_never_host_root_and_no_instance_reaches_the_kernel(where):
+    """The verifier's tests (which run the agent's code) and the harness, attacked as issue 41
+    found them: before, as root the tests held CHOWN, DAC_OVERRIDE, FOWNER, SETUID and SETGID in
+    the host's user namespace and opened core_pattern (a write there runs a program of theirs
+    as host root at the next core dump), the hostname and /sys knobs for writing; the harness
+    could make a user namespace (`unshare -U`). Now the tests hold no capability of the host's
+    namespace (a user namespace of their own), and every such file is read-only (or absent) in
+    every instance. The harness's `unshare -U` stays open (threat-model.md: Apptainer 1.4.5 cannot
+    load a seccomp profile in the exec of a process without capabilities); it is printed, not
+    asserted."""
+    runtime = where.runtime
+    ca = ca_for(where)
+    v = await runtime.start(where.task, SandboxSpec("apt-kv", session(where, "v"), ca, purpose="verifier"))
+    try:
+        r, _ = await v.exec_sealed(["sh", "-c", KERNEL_ATTACK], workdir="/", timeout=60)
+        assert "writable=" not in r.output, r.output
+        assert not host_capabilities(r.output), r.output
+    finally:
+        await v.stop()
+    agent = await runtime.start(where.task, SandboxSpec("apt-ka", session(where, "a"), ca))
+    try:
+        r = await agent.exec_harness(["sh", "-c", KERNEL_ATTACK], timeout=60)
+        assert "writable=" not in r.output, r.output
+        assert not host_capabilities(r.output), r.output
+    finally:
+        await agent.stop()
+
+
 async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(where):
     runtime, tmp_path, TASK = where.runtime, where.base, where.task
     ca = ca_for(where)

@@ -327,13 +327,19 @@ FETCHING_TEST = """#!/bin/bash
 # A Terminal-Bench-style verifier: it fetches its tool from the internet when it runs.
 set -e
 python3 - <<'PY'
-import urllib.request
+import json, ssl, urllib.request
 urllib.request.urlretrieve("http://{server}:8000/tool.sh", "/tmp/tool.sh")
-# Through its proxy, neither this machine nor the model answers.
-for url in ("http://127.0.0.1:{backend}/model_info", "https://api.anthropic.com/v1/messages"):
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({{"http": "http://127.0.0.1:3128", "https": "http://127.0.0.1:3128"}}))
+# Through its proxy, neither this machine nor the model answers, whatever the TLS context checks.
+body = json.dumps({{"model": "m", "max_tokens": 8, "messages": [{{"role": "user", "content": "hi"}}]}}).encode()
+for url in ("http://127.0.0.1:{backend}/model_info", "https://api.anthropic.com/v1/messages",
+            "https://api.openai.com/v1/chat/completions", "http://api.anthropic.com/v1/messages"):
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({{"http": "http://127.0.0.1:3128", "https": "http://127.0.0.1:3128"}}),
+        urllib.request.HTTPSHandler(context=ssl._create_unverified_context()))
+    request = urllib.request.Request(url, data=None if "model_info" in url else body, headers={{
+        "content-type": "application/json", "x-api-key": "k", "anthropic-version": "2023-06-01"}})
     try:
-        opener.open(url, timeout=10)
+        opener.open(request, timeout=10)
     except Exception as e:
         print("refused as it should be:", url, e)
     else:
@@ -376,8 +382,9 @@ async def test_a_verifier_that_fetches_its_tools_scores_its_real_result(
     make_stack, tmp_path, docker_client, internet, runtime
 ):
     """The task allows the internet, so its verifier gets it too, through a channel of its own
-    and the agent's egress rules (never this machine, never the model): its test.sh downloads its
-    tool and scores what the agent did, 1.0 or 0.0. A task that does not allow the internet keeps
+    and the agent's egress rules (never this machine, never the model, also with a TLS context
+    that checks nothing: before, those calls got the policy's completions through the tunnel the
+    gateway took): its test.sh downloads its tool and scores what the agent did, 1.0 or 0.0. A task that does not allow the internet keeps
     a verifier with no network at all: the download fails and nothing is scored 1.0. Before, every
     verifier had no network: the solved task scored 0."""
     stack = await make_stack()
@@ -399,7 +406,9 @@ async def test_a_verifier_that_fetches_its_tools_scores_its_real_result(
     }, {t: d for t, (_, _, d) in got.items()}
     online, offline = got["online-solved"][2], got["offline-solved"][2]
     assert online["verifier"]["internet"] is True and online["reward_file"] == "1\n"
-    assert online["output"].count("refused as it should be") == 2
+    assert online["output"].count("refused as it should be") == 4
+    with sqlite3.connect(stack.db) as con:  # no turn of a verifier's session
+        assert con.execute("SELECT COUNT(*) FROM turns WHERE session_id LIKE '%-verifier'").fetchone() == (0,)
     assert got["online-unsolved"][2]["reward_file"] == "0\n"  # the tool ran: an honest 0
     assert offline["verifier"]["internet"] is False and offline["verifier_exit_code"] != 0
     assert_fresh_verifier(online, TEST_IMAGE)

@@ -303,6 +303,66 @@ async def test_nothing_the_harness_started_outlives_it(
     assert not [p for p in left if f"sleep {seconds}" in p], left
 
 
+TAKE = r"""
+import os, sys
+
+if sys.argv[1] == "memory":
+    held = []
+    for i in range(64):  # 640 MB, every page touched
+        held.append(bytearray(os.urandom(1)) * (10 << 20))
+    open("survived", "w").write("all of it")
+elif sys.argv[1] == "tmp":
+    written = 0
+    try:
+        with open("/tmp/fill", "wb") as f:
+            for i in range(96):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+                written += 1
+        note = f"wrote all {written} MiB"
+    except OSError as e:
+        note = f"refused after {written} MiB: {e}"
+    open("tmp.txt", "w").write(note)
+else:
+    open("survived", "w").write("ok")
+"""
+
+
+@pytest.mark.docker
+async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack, tmp_path, docker_client):
+    """Tasks that name no memory, CPUs or disk: one allocates 640 MB, one writes 96 MiB to /tmp,
+    one is a neighbour that does its work. With the rollout's defaults (here --memory 256,
+    --tmp-size 32) the first is OOM-killed inside its own limit, the second's writes are refused
+    past 32 MiB, and the rollout goes on: the neighbour completes with its reward. Before, a task
+    without limits ran with none (Memory=0): all 640 MB were taken and all 96 MiB written."""
+    from polar_mitm.sandbox.docker import DockerRuntime
+
+    stack = await make_stack()
+    tasks = [
+        Task(id=mode, instruction=mode, image=IMAGE, workdir="/app",
+             evaluator=EvaluatorSpec(kind="command", command=check))
+        for mode, check in (("memory", "[ -f survived ]"), ("tmp", "grep -q '^refused after 3[0-2] MiB' tmp.txt"),
+                            ("neighbour", "[ -f survived ]"))
+    ]  # fmt: skip
+    opts = RolloutOptions(
+        harness="claude-code",
+        harness_cmd=["python3", "-c", TAKE, "{instruction}"],
+        runtime="docker",
+        retries=0,
+        memory=256,
+        tmp_size=32,
+        keep_workdirs=True,
+    )
+    p = Pipeline(opts, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
+    result = await p.run(tasks)
+    got = {s.task_id: (s.status, s.reward) for s in result.samples}
+    assert got == {
+        "memory": ("completed", 0.0),
+        "tmp": ("completed", 1.0),
+        "neighbour": ("completed", 1.0),
+    }, got
+
+
 # --- without containers: the proxy's identities, the channel's relay, the local runtime ---------
 
 
@@ -344,6 +404,206 @@ async def test_a_rollout_proxy_lets_in_only_the_sessions_it_issued(make_stack):
     assert "407" in await asyncio.to_thread(as_, "s_b", "shared")
     p.revoke_session("s_a")
     assert "407" in await asyncio.to_thread(as_, "s_a", a)
+
+
+def unverified(proxy_url: str, url: str, body: bytes | None = None, **more: str) -> str:
+    """The status of one request through `proxy_url` with a TLS context that checks nothing (as
+    the agent's code may make one), headers `more` added, or what stopped it."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    handler = urllib.request.ProxyHandler({"http": proxy_url, "https": proxy_url})
+    ctx = ssl._create_unverified_context()
+    opener = urllib.request.build_opener(handler, urllib.request.HTTPSHandler(context=ctx))
+    headers = {"content-type": "application/json", "anthropic-version": "2023-06-01", "x-api-key": "k",
+               "authorization": "Bearer k", **more}  # fmt: skip
+    try:
+        return str(opener.open(urllib.request.Request(url, data=body, headers=headers), timeout=20).status)
+    except urllib.error.HTTPError as e:
+        return str(e.code)
+    except OSError as e:
+        return f"error {e}"
+
+
+async def test_a_verifier_reaches_no_model_on_any_path(make_stack):
+    """A verifier's session (contained, the model refused, as a rollout makes it) with a TLS context
+    that checks nothing: a tunnel the proxy's port hands to the gateway, a tunnel mitmproxy relays
+    (bytes after the CONNECT's head), absolute-form plain HTTP, a stub host, an internet address
+    with the provider named in Host: every one refused, and no turn stored. Before, the tunnels
+    the gateway took got the policy's completions (200)."""
+    import socket
+    import ssl
+
+    from polar_mitm.proxy.addons.sessions import basic_auth
+    from polar_mitm.proxy.embedded import proxy_url
+
+    stack = await make_stack()
+    p = stack.proxy
+    p.serve_issued_only()
+    session = "s_box-verifier"
+    await p.store.ensure_session(session)
+    token = p.issue_session(session)
+    p.egress.contain(session)
+    p.egress.deny_model(session)
+    url = proxy_url("127.0.0.1", p.port, session, token)
+    body = json.dumps(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    chat = json.dumps(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+
+    def eager_tunnel() -> str:
+        # The CONNECT and the TLS hello in one write: mitmproxy serves it, not the gateway's take.
+        raw = socket.create_connection(("127.0.0.1", p.port), timeout=20)
+        hello = ssl._create_unverified_context().wrap_bio(
+            ssl.MemoryBIO(), ssl.MemoryBIO(), server_hostname="x"
+        )
+        try:
+            hello.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        head = (f"CONNECT api.anthropic.com:443 HTTP/1.1\r\nHost: api.anthropic.com:443\r\n"
+                f"Proxy-Authorization: {basic_auth(session, token)}\r\n\r\n").encode()  # fmt: skip
+        raw.sendall(head + b"\x16\x03\x01\x00\x05hello")
+        line = raw.makefile("rb").readline().decode().strip()
+        raw.close()
+        return line
+
+    got = {
+        "taken tunnel": await asyncio.to_thread(
+            unverified, url, "https://api.anthropic.com/v1/messages", body
+        ),
+        "openai tunnel": await asyncio.to_thread(
+            unverified, url, "https://api.openai.com/v1/chat/completions", chat
+        ),
+        "absolute-form": await asyncio.to_thread(
+            unverified, url, "http://api.anthropic.com/v1/messages", body
+        ),
+        "stub host": await asyncio.to_thread(
+            unverified, url, "https://statsig.anthropic.com/v1/initialize", b"{}"
+        ),
+        # An internet address in the URL (what the egress rules check), the provider in Host.
+        "address, provider in Host": await asyncio.to_thread(
+            unverified, url, "http://93.184.215.14/v1/models", None, Host="api.anthropic.com"
+        ),
+    }
+    eager = await asyncio.to_thread(eager_tunnel)
+    assert not any(v.startswith("200") for v in got.values()), got
+    assert " 200 " not in eager + " ", eager
+    await asyncio.sleep(0.5)
+    assert session not in turns_by_session(stack.db)
+
+
+HUGE = r"""
+import base64, socket, sys, threading
+
+port, auth, tunnels, tunnel_mb, plains, plain_mb = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+MB = b"x" * 2**20
+statuses = []
+
+def send(head, mb, tls):
+    try:
+        s = socket.create_connection(("127.0.0.1", int(port)), timeout=60)
+        if tls:
+            import ssl
+            s.sendall(b"CONNECT api.anthropic.com:443 HTTP/1.1\r\nHost: api.anthropic.com:443\r\n"
+                      b"Proxy-Authorization: Basic " + auth.encode() + b"\r\n\r\n")
+            s.recv(4096)
+            s = ssl._create_unverified_context().wrap_socket(s, server_hostname="api.anthropic.com")
+        s.sendall(head % (mb * 2**20))
+        for _ in range(mb):
+            s.sendall(MB)
+        statuses.append(s.recv(4096).split(b"\r\n", 1)[0].decode())
+    except OSError as e:
+        statuses.append(f"{e.__class__.__name__}")
+
+tunnel = b"POST /v1/messages HTTP/1.1\r\nHost: api.anthropic.com\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+plain = (b"POST http://93.184.215.14:9/upload HTTP/1.1\r\nHost: 93.184.215.14:9\r\n"
+         b"Proxy-Authorization: Basic " + auth.encode() + b"\r\ncontent-length: %d\r\n\r\n")
+threads = [threading.Thread(target=send, args=(tunnel, tunnel_mb, True)) for _ in range(tunnels)]
+threads += [threading.Thread(target=send, args=(plain, plain_mb, False)) for _ in range(plains)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("\n".join(sorted(statuses)))
+"""
+
+
+def rss_now_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def test_one_samples_huge_bodies_leave_the_proxy_s_memory_bounded(make_stack):
+    """One sandboxed session sends huge request bodies at once, as fast as loopback takes them:
+    20 x 30 MB model calls through tunnels the gateway takes, and 2 x 200 MB plain-HTTP uploads
+    to an internet address through mitmproxy (bodies it would buffer whole before connecting).
+    Before, the proxy held them all: its RSS rose by about a gigabyte. Now each is refused (413,
+    naming the cap) once the session's bytes in flight would pass its budget, or streamed, and
+    the RSS of the process (the proxy's) rises by under 300 MB."""
+    import base64
+    import subprocess
+    import sys
+
+    stack = await make_stack()
+    p = stack.proxy
+    p.serve_issued_only()
+    session = "s_huge"
+    await p.store.ensure_session(session)
+    token = p.issue_session(session)
+    p.egress.contain(session)
+    auth = base64.b64encode(f"{session}:{token}".encode()).decode()
+    before = rss_now_mb()
+    peak = before
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, rss_now_mb())
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        attack = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", HUGE, str(p.port), auth, "20", "30", "2", "200",
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(attack.communicate(), 240)
+    finally:
+        watcher.cancel()
+    statuses = out.decode().splitlines()
+    assert len(statuses) == 22, out.decode()[-2000:]
+    assert not any(" 200 " in s + " " for s in statuses), statuses
+    assert peak - before < 300, (before, peak, statuses)
+
+
+async def test_a_tunnel_keeps_its_session_whatever_header_it_sends(make_stack):
+    """A model call through a tunnel the gateway takes, with the header the routing addon names a
+    routed flow's session in (`x-polar-session`) set to another sample's: its turn is stored in
+    its own session. Before, the header won over the connection's session."""
+    from polar_mitm.proxy.embedded import proxy_url
+
+    stack = await make_stack()
+    p = stack.proxy
+    p.serve_issued_only()
+    for s in ("s_own", "s_other"):
+        await p.store.ensure_session(s)
+        p.issue_session(s)
+    url = proxy_url("127.0.0.1", p.port, "s_own", p.issue_session("s_own"))
+    body = json.dumps(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    got = await asyncio.to_thread(
+        unverified, url, "https://api.anthropic.com/v1/messages", body, **{"x-polar-session": "s_other"}
+    )
+    assert got == "200"
+    await wait_until_async(lambda: sum(turns_by_session(stack.db).values()) >= 1, message="a stored turn")
+    assert turns_by_session(stack.db) == {"s_own": 1}
 
 
 async def test_a_connection_keeps_the_session_it_opened_with(make_stack):

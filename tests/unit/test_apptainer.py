@@ -3,6 +3,7 @@ handling run for real against a fake `apptainer` script; one test needs the real
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from polar_mitm.sandbox.base import (
     NPM_MODULES,
     SESSION_DIR,
     HarnessMount,
+    Limits,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
@@ -141,7 +143,7 @@ def test_start_argv_without_harness(tmp_path):
     )
     xfer = (tmp_path / "session" / "apptainer-agent" / "xfer").resolve()
     assert argv == [
-        "apptainer", "instance", "start", "--cleanenv", "--contain", "--no-mount", "home,cwd,tmp",
+        "apptainer", "instance", "start", "--cleanenv", "--contain", "--no-mount", "home,cwd,tmp,sys",
         "--net", "--network", "none",
         "--overlay", str(overlay), "--pids-limit", "9",
         "--bind", f"{xfer}:{ap.XFER_DIR}",
@@ -153,6 +155,24 @@ def test_start_argv_without_harness(tmp_path):
     assert "--containall" not in argv  # no network but loopback (issue 22), the rest as before
     assert not any("mitmproxy-ca.pem" in a for a in argv)  # the private key stays on the host
     assert not any(a.endswith(f":{SESSION_DIR}") for a in argv)  # only HOME of the session directory
+
+
+def test_kernel_options_keep_every_instance_off_the_kernel_and_the_verifier_off_host_root(tmp_path):
+    agent, verifier = make_spec(tmp_path), dataclasses.replace(make_spec(tmp_path), purpose="verifier")
+    ro = [
+        a
+        for p in ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
+        for a in ("--bind", f"{p}:{p}:ro")
+    ]
+    assert ap.kernel_options(agent, host_root=True) == ro
+    assert ap.kernel_options(verifier, host_root=True) == [*ro, "--userns"]
+    assert ap.kernel_options(verifier, host_root=False) == ro  # Apptainer's user namespace already
+    assert ap.kernel_options(agent, host_root=True, knobs=("/proc/sys",)) == [
+        "--bind",
+        "/proc/sys:/proc/sys:ro",
+    ]
+    argv = ap.start_argv("apptainer", "i.sif", "v", verifier, None, [], ["--userns"])
+    assert argv[argv.index("--userns") + 1 :][-2:] == ["i.sif", "v"]
 
 
 def test_start_argv_with_harness_and_tmpfs(tmp_path):
@@ -222,9 +242,19 @@ def test_the_supervisors_report_is_found_by_its_secret_only():
 
 
 def test_limits_from_the_task():
-    assert ap.limit_options(Task(id="t", instruction="x")) == ["--pids-limit", "4096"]
+    none = Limits(memory_mb=None, cpus=None)
+    assert ap.limit_options(none.for_task(Task(id="t", instruction="x"))) == ["--pids-limit", "4096"]
+    defaults = Limits().for_task(Task(id="t", instruction="x"))  # the rollout's, where a task names none
+    assert ap.limit_options(defaults) == ["--pids-limit", "4096", "--memory", str(4096 << 20), "--cpus", "2"]
     t = Task(id="t", instruction="x", memory_mb=512, cpus=1.5)
-    assert ap.limit_options(t) == ["--pids-limit", "4096", "--memory", str(512 << 20), "--cpus", "1.5"]
+    assert ap.limit_options(Limits().for_task(t)) == [
+        "--pids-limit",
+        "4096",
+        "--memory",
+        str(512 << 20),
+        "--cpus",
+        "1.5",
+    ]
 
 
 def test_bind_refuses_paths_apptainer_cannot_express(tmp_path):

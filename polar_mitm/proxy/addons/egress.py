@@ -12,8 +12,11 @@ Two lists of sessions, both set by the rollout pipeline for its samples:
   is refused with a 403; provider hosts and the side hosts we stub keep working, so the harness
   still talks to its model. A base-URL proxy cannot enforce this: it never sees the other traffic.
 
-- `modelless` (a verifier that may reach the internet): the hosts the proxy answers itself (the
-  model, the stubs) are refused; `contained` applies as well.
+- `modelless` (a verifier): the hosts the proxy answers itself (the model, the stubs) are
+  refused; `contained` applies as well. This addon refuses them at mitmproxy's door, and the
+  gateway asks the same rule (`reaches_model`) of every call it answers, whichever way its bytes
+  came (a tunnel the proxy's port handed over whole, one mitmproxy relays, a plain request
+  routed): the one check that no path to the model goes around.
 
 Widened on purpose, by name only: the operator's `--egress-allow` hosts (`widen`: a private
 package mirror) are reachable from every sandboxed session, offline ones too, also where they
@@ -144,6 +147,14 @@ class Egress:
         run the agent's code, which must not sample from the policy while it is scored)."""
         self.modelless.add(session)
 
+    def sandboxed(self, session: str) -> bool:
+        """Whether `session` is a sample's in a container sandbox (`contain`)."""
+        return session in self.contained
+
+    def reaches_model(self, session: str) -> bool:
+        """Whether `session` may be answered by the model (not a verifier's)."""
+        return session not in self.modelless
+
     def release(self, session: str) -> None:
         """Forget a session that ended (every list)."""
         self.offline.discard(session)
@@ -158,7 +169,7 @@ class Egress:
         # Where the connection goes (the CONNECT's or the URL's authority), not the Host header:
         # a client may name a provider there and connect anywhere.
         host = flow.request.host.lower()
-        if session in self.modelless and self.pattern.match(host):
+        if session is not None and not self.reaches_model(session) and self.pattern.match(host):
             self._count(session, host)
             log.info("refused %s for session %s, which may not reach the model", host, session)
             _refuse(flow, f"polar-mitm: {host} is not reachable from a verifier: the model is not.\n")
