@@ -16,6 +16,9 @@ from Harbor 0.25.0's source and seen in runs:
   read. A trial's `result.json` holds `verifier_result.rewards` (every key of reward.json, or
   `{"reward": x}` from reward.txt), `step_results` for a multi-step task (each with its own
   `verifier_result`) and `exception_info` when the trial raised (no reward file, say).
+- `network_mode = "no-network"` (or an allowlist) needs Harbor's egress-control sidecar, an image
+  it builds on a base it pulls: its docker environment refuses such a task here, so the tasks
+  compared keep Harbor's default (public) network and need none.
 - LiteLLM, which Harbor imports, tries to fetch a model price list at start and falls back to
   its packaged copy after a few retries: `LITELLM_LOCAL_MODEL_COST_MAP=True` skips the fetch.
 - One job runs a directory's tasks concurrently (`-n`); a job per agent, run at once, shares the
