@@ -642,6 +642,9 @@ class Pipeline:
             open_channel=(lambda: self._verifier_channel(job)) if runtime.isolated else None,
         )
         score = await asyncio.wait_for(work, self._budget(job, task.evaluator.timeout_sec + 60))
+        verifier = score.detail.get("verifier")
+        if isinstance(verifier, dict) and verifier.get("sandbox") == "fresh":
+            verifier["agent_kept"] = "its processes killed before the copy, its files kept for the next step"
         if not await job.sandbox.alive():
             raise SandboxDied(
                 f"sandbox died: while scoring step {len(job.steps)}: {job.sandbox.name} is gone"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -92,8 +93,7 @@ CASES: dict[str, Case] = {
 # verifier setting; step two gets a file in its workdir, step three tests of its own (laid over
 # the task's); step one gates the rest (min_reward), the reward is the steps' mean.
 MULTI_STEP = "multi-step"
-MULTI_STEP_TOML = """multi_step_reward_strategy = "mean"
-[[steps]]
+MULTI_STEP_TOML = """[[steps]]
 name = "one"
 min_reward = 1.0
 [steps.verifier]
@@ -120,6 +120,22 @@ MULTI_STEP_STEPS = {
 AGENTS = ("oracle", "nop")
 
 
+# The tasks' image: the test image with /app as its working directory (where Harbor runs the
+# oracle, uploads a step's workdir and runs the tests; an `[environment] workdir` would be a
+# `docker exec -w`, which needs the directory in the image). Built once from the local test image
+# (nothing pulled) and named by `docker_image`, so neither Harbor nor polar-mitm builds per task.
+TASK_IMAGE = f"polar-mitm/test-harbor-ref:{os.getpid()}"
+
+
+def task_toml(top: str = "", tables: str = "") -> str:
+    """task.toml: top-level keys first (a key after a table header belongs to that table)."""
+    return (
+        top
+        + f'[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n[environment]\ndocker_image = "{TASK_IMAGE}"\n'
+        + tables
+    )
+
+
 def write_task(root: Path, name: str, case: Case) -> Path:
     d = root / name
     (d / "tests").mkdir(parents=True)
@@ -127,10 +143,7 @@ def write_task(root: Path, name: str, case: Case) -> Path:
     # The case's name in the instruction tells the polar-mitm harness which solution to run
     # (Harbor's oracle reads solution/ itself and ignores the instruction).
     (d / "instruction.md").write_text(f"Write 42 to /app/answer.txt. case:{name};\n")
-    (d / "task.toml").write_text(
-        "[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n"
-        f'[environment]\ndocker_image = "{TEST_IMAGE}"\nworkdir = "/app"\n' + case.task_toml
-    )
+    (d / "task.toml").write_text(task_toml(tables=case.task_toml))
     (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + case.test_sh + "\n")
     (d / "solution" / "solve.sh").write_text("#!/bin/bash\nset -e\n" + case.solve_sh + "\n")
     for rel, text in case.files.items():
@@ -142,10 +155,7 @@ def write_task(root: Path, name: str, case: Case) -> Path:
 def write_multi_step_task(root: Path) -> Path:
     d = root / MULTI_STEP
     (d / "tests").mkdir(parents=True)
-    (d / "task.toml").write_text(
-        "[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n"
-        f'[environment]\ndocker_image = "{TEST_IMAGE}"\nworkdir = "/app"\n' + MULTI_STEP_TOML
-    )
+    (d / "task.toml").write_text(task_toml('multi_step_reward_strategy = "mean"\n', MULTI_STEP_TOML))
     (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + MULTI_STEP_TEST + "\n")
     for name, (solve, test_sh, files) in MULTI_STEP_STEPS.items():
         step = d / "steps" / name
@@ -225,6 +235,16 @@ async def _run_all(tmp: Path, docker_client, make_stack) -> Verdicts:
         write_task(root, name, case)
     write_multi_step_task(root)
     t0 = time.monotonic()
+    (tmp / "image").mkdir()
+    (tmp / "image" / "Dockerfile").write_text(f"FROM {TEST_IMAGE}\nWORKDIR /app\n")
+    docker_client.images.build(path=str(tmp / "image"), tag=TASK_IMAGE, rm=True)
+    try:
+        return await _run_both(root, tmp, docker_client, make_stack, t0)
+    finally:
+        docker_client.images.remove(TASK_IMAGE, force=True)
+
+
+async def _run_both(root: Path, tmp: Path, docker_client, make_stack, t0: float) -> Verdicts:
     jobs = tmp / "jobs"
     missing = harbor_missing()  # without Harbor, polar-mitm's side still runs (and is checked)
     procs = {} if missing else {a: start_harbor(root, a, jobs, concurrent=len(CASES) + 1) for a in AGENTS}
@@ -305,16 +325,23 @@ def test_polar_mitm_gives_harbors_verdict(verdicts, case, agent):
 @pytest.mark.parametrize("agent", AGENTS)
 def test_a_multi_step_task_gets_harbors_verdict_step_by_step(verdicts, agent):
     """The oracle passes all three steps (mean 1.0); the no-op fails step one, below its
-    min_reward, and no later step runs (0.0 after one step), in Harbor and in polar-mitm alike."""
-    harbor = verdicts.harbor[agent][MULTI_STEP]
+    min_reward, and no later step runs (0.0 after one step), in polar-mitm and in Harbor alike.
+    Each step was verified in a fresh container; between steps the agent's was kept."""
     polar = verdicts.polar[agent][MULTI_STEP]
+    expected = [("one", 1.0), ("two", 1.0), ("three", 1.0)] if agent == "oracle" else [("one", 0.0)]
+    assert (polar.status, polar.reward) == ("completed", 1.0 if agent == "oracle" else 0.0), polar
+    assert [(s["name"], s["reward"]) for s in polar.detail["steps"]] == expected, polar.detail
+    assert polar.detail["stopped_early"] is (agent == "nop") and polar.detail["steps_total"] == 3
+    assert all(s["detail"]["verifier"]["sandbox"] == "fresh" for s in polar.detail["steps"]), polar.detail
+    if agent == "oracle":
+        first, second = (s["detail"]["verifier"] for s in polar.detail["steps"][:2])
+        assert first["agent_sandbox"] == polar.detail["verifier"]["agent_sandbox"]  # one agent sandbox
+        assert (
+            "agent_kept" in first and "agent_kept" in second and "agent_kept" not in polar.detail["verifier"]
+        )
+    harbor, polar = verdicts.pair(agent, MULTI_STEP)
     assert agree(harbor, polar), {"harbor": harbor, "polar-mitm": polar}
-    harbor_steps = [(s["name"], (s["rewards"] or {}).get("reward")) for s in harbor.steps]
-    polar_steps = [(s["name"], s["reward"]) for s in polar.detail["steps"]]
-    assert polar_steps == harbor_steps
-    assert harbor_steps == (
-        [("one", 1.0), ("two", 1.0), ("three", 1.0)] if agent == "oracle" else [("one", 0.0)]
-    )
+    assert [(s["name"], (s["rewards"] or {}).get("reward")) for s in harbor.steps] == expected
 
 
 def test_the_reference_itself(verdicts):
