@@ -152,3 +152,28 @@ def test_a_trajectory_is_tagged_with_the_step_of_its_turns():
     assert step_of_turns(detail, ["t3"]) == "two" and step_of_turns(detail, ["t1", "t2"]) == "one"
     assert step_of_turns(detail, ["other"]) is None and step_of_turns('{"reward_file": "1"}', ["t1"]) is None
     assert step_of_turns(None, ["t1"]) is None
+
+
+def test_an_exported_row_carries_its_step_in_its_metadata():
+    import numpy as np
+
+    from polar_mitm.reconstruct.groups import annotate
+    from polar_mitm.reconstruct.trajectory import Trajectory
+    from polar_mitm.store.rollouts import SampleInfo
+
+    detail = json.dumps({"steps": [{"name": "one", "turn_ids": ["t1"]}, {"name": "two", "turn_ids": ["t2"]}]})
+    sample = SampleInfo("s", "ro", "g", "task", 0, 0, "completed", None, 1.0, detail, "{}")
+    rows = [
+        Trajectory.from_sequence(
+            np.array([1, 2]),
+            np.array([0, 1]),
+            np.array([0.0, -0.5]),
+            trajectory_id=f"r{i}",
+            session_id="s",
+            task_id="task",
+            turn_ids=[t],
+            finish_reason="stop",
+        )  # fmt: skip
+        for i, t in enumerate(("t1", "t2"))
+    ]
+    assert [json.loads(annotate(r, sample, 0.0).metadata)["step"] for r in rows] == ["one", "two"]
