@@ -42,6 +42,7 @@ else
   say "  apt: tmux, chromium and chromedriver (and docker.io, debootstrap for Docker)"
   say "  npm: ten harness CLIs (Claude Code, Codex, Gemini CLI, ...) and undici"
   say "  \$POLAR_MITM_CACHE/venvs: the SDKs, mini-swe-agent, aider, kimi-cli, openhands"
+  on "${POLAR_MITM_NO_HARBOR:-}" && say "  \$POLAR_MITM_CACHE/venvs/harbor: Harbor 0.25.0, the reference the Harbor tests compare with, and Docker Compose v2 (off: POLAR_MITM_NO_HARBOR=1)"
   on "${POLAR_MITM_NO_SGLANG:-}" && say "  real SGLang on CPU where ../shared/sglang-cpu is (off: POLAR_MITM_NO_SGLANG=1)"
   on "${POLAR_MITM_NO_APPTAINER:-}" && say "  Apptainer: the one on PATH, else built where ../shared/apptainer is (~5-8 min; off: POLAR_MITM_NO_APPTAINER=1)"
   on "${POLAR_MITM_NO_DOCKER:-}" && say "  Docker: docker.io, dockerd, the base image (scripts/docker.sh; off: POLAR_MITM_NO_DOCKER=1)"
@@ -210,6 +211,14 @@ PY_ENVS=(
   # a container's read-only copy, with no network, cannot.
   "hermes-agent|hermes-agent[anthropic]==0.19.0|hermes|"
 )
+# Harbor itself (`harbor run -a oracle|nop -e docker`), the reference the Harbor-compatibility
+# test compares polar-mitm's verdicts with (tests/support/harbor_ref.py): about 2 minutes and
+# 400 MB, Python >= 3.12. Off with POLAR_MITM_NO_HARBOR=1 (that test then skips).
+if [ "${POLAR_MITM_NO_HARBOR:-}" = 1 ]; then
+  say "skipping Harbor (POLAR_MITM_NO_HARBOR=1): the Harbor reference test will skip"
+else
+  PY_ENVS+=("harbor|harbor==0.25.0|harbor|")
+fi
 mkdir -p "$CACHE/venvs" "$CACHE/bin"
 # Two lanes, every other entry each (one pip at a time would make this job the install's longest).
 local rc=0 lanes=()
@@ -344,10 +353,40 @@ else
 fi
 }
 
+# Docker Compose v2 (`docker compose`), which Harbor's docker environment drives. Bookworm has
+# only Compose v1 (`docker-compose` 1.29, a Python program Harbor cannot use); Debian's own v2
+# package is trixie's `docker-compose` (2.26, a static Go plugin needing libc6 >= 2.34). Its .deb
+# is fetched with apt from trixie through a source list of its own under the cache (the
+# system's sources and package lists are left as they are) and installed with dpkg. Off with
+# POLAR_MITM_NO_HARBOR=1 or POLAR_MITM_NO_DOCKER=1.
+COMPOSE_DEB_VERSION=2.26.1-4
+compose_v2() {
+  if [ "${POLAR_MITM_NO_HARBOR:-}" = 1 ] || [ "${POLAR_MITM_NO_DOCKER:-}" = 1 ]; then return 0; fi
+  if docker compose version >/dev/null 2>&1; then
+    say "Docker Compose v2 present ($(docker compose version --short 2>/dev/null))"; return 0
+  fi
+  if ! command -v apt-get >/dev/null 2>&1; then
+    say "no apt-get: install Docker Compose v2 yourself (the Harbor reference test skips without it)"; return 0
+  fi
+  local d="$CACHE/apt-trixie"
+  mkdir -p "$d/sources" "$d/lists/partial" "$d/cache"
+  printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' > "$d/sources/trixie.sources"
+  local opts=(-o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$d/sources"
+    -o "Dir::State::Lists=$d/lists" -o "Dir::Cache=$d/cache")
+  say "installing Debian's docker-compose $COMPOSE_DEB_VERSION (Compose v2, from trixie) for Harbor"
+  if (apt-get "${opts[@]}" update -qq && cd "$d" && apt-get "${opts[@]}" download "docker-compose=$COMPOSE_DEB_VERSION" \
+      && dpkg -i "$d/docker-compose_${COMPOSE_DEB_VERSION}_$(dpkg --print-architecture).deb") >/dev/null 2>&1; then
+    say "Docker Compose $(docker compose version --short 2>/dev/null)"
+  else
+    say "could not install Docker Compose v2; the Harbor reference test will skip"
+  fi
+}
+
 # The system's job: Debian's packages first (apt-get runs alone), then Docker's daemon and image
 # beside Apptainer's build (whose own apt-get step then has dpkg to itself).
 job_system() {
   system_packages
+  compose_v2
   local docker apptainer rc=0
   docker_install & docker=$!
   apptainer_install & apptainer=$!

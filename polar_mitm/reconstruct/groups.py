@@ -17,6 +17,8 @@ Pure: `advantages` works on plain numbers; `annotate` on one row.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping
 
 import numpy as np
@@ -66,6 +68,9 @@ def annotate(row: Trajectory, sample: SampleInfo | None, advantage: float | None
     row.advantage = advantage
     row.meta["rollout"] = sample.rollout_id
     row.meta["attempt"] = sample.attempt
+    step = step_of_turns(sample.reward_detail, row.turn_ids)
+    if step is not None:
+        row.meta["step"] = step
     if sample.trainable:
         row.reward = sample.reward
     else:
@@ -73,3 +78,24 @@ def annotate(row: Trajectory, sample: SampleInfo | None, advantage: float | None
         row.reward = 0.0
         row.meta["masked"] = sample.cause or sample.status
     return row
+
+
+def step_of_turns(reward_detail: str | None, turn_ids: list[str]) -> str | None:
+    """The step of a multi-step sample (its reward_detail's `steps`, each with its `turn_ids`:
+    rollout/steps.py) whose harness made a row's first turn, or None: not a multi-step sample,
+    or no turn of the row is a step's."""
+    if not reward_detail or '"steps"' not in reward_detail:
+        return None
+    steps = _steps_of(reward_detail)
+    return next((steps[t] for t in turn_ids if t in steps), None)
+
+
+@functools.lru_cache(maxsize=64)  # every row of a sample reads the same detail
+def _steps_of(reward_detail: str) -> dict[str, str]:
+    try:
+        steps = json.loads(reward_detail).get("steps")
+    except (ValueError, AttributeError):
+        return {}
+    if not isinstance(steps, list):
+        return {}
+    return {t: s["name"] for s in steps if isinstance(s, dict) for t in s.get("turn_ids") or ()}

@@ -53,6 +53,7 @@ from polar_mitm.recipes import Recipe
 from polar_mitm.rollout import verify
 from polar_mitm.rollout.evaluators import EvaluatorError, HarnessOutcome, Score
 from polar_mitm.rollout.options import RolloutOptions
+from polar_mitm.rollout.steps import KeptSandbox, StepRecord, below_min_reward, combine
 from polar_mitm.rollout.verify import VerifierUnavailable
 from polar_mitm.sandbox.base import (
     HOME_DIR,
@@ -66,7 +67,7 @@ from polar_mitm.sandbox.base import (
 )
 from polar_mitm.sandbox.channel import Channel, open_channel
 from polar_mitm.store.rollouts import RolloutLog
-from polar_mitm.tasks.model import Task
+from polar_mitm.tasks.model import Task, TaskStep
 
 log = logging.getLogger("polar_mitm.rollout")
 
@@ -112,6 +113,10 @@ class SampleJob:
     final: str | None = None  # the recorded outcome, once there is one
     reward: float | None = None
     cause: str | None = None
+    # A multi-step task's steps scored so far (`steps.StepRecord`s), and whether a step's reward
+    # below its min_reward ended the sample before its last step.
+    steps: list[StepRecord] = field(default_factory=list)
+    stopped_early: bool = False
 
 
 @dataclass(eq=False)
@@ -364,6 +369,7 @@ class Pipeline:
         assert self._log is not None and self.proxy.store is not None
         job.session_id = f"s_{uuid.uuid4().hex[:16]}"
         job.stage, job.sandbox, job.outcome, job.timings = "queued", None, None, {}
+        job.steps, job.stopped_early = [], False
         self.counts["queued"] += 1
         spec = job.spec
         await self.proxy.store.ensure_session(
@@ -503,6 +509,9 @@ class Pipeline:
             except SandboxDied as e:
                 await self._infra_failure(job, f"sandbox died: {_describe(e)}")
                 continue
+            except EvaluatorError as e:  # scoring a multi-step task's step
+                await self._finish_job(job, "failed", reward=0.0, cause=f"evaluator: {_describe(e)}")
+                continue
             except (SandboxError, OSError, RuntimeError) as e:
                 await self._infra_failure(job, f"harness run: {_describe(e)}")
                 continue
@@ -568,8 +577,15 @@ class Pipeline:
         return env
 
     async def _run_harness(self, job: SampleJob) -> None:
+        if job.task.steps:
+            await self._run_steps(job)
+            return
+        job.outcome = await self._harness(job, job.task, "harness.log")
+
+    async def _harness(self, job: SampleJob, task: Task, log_name: str) -> HarnessOutcome:
+        """One run of the harness on `task`'s instruction in the sample's sandbox."""
         assert job.sandbox is not None
-        cmd = job.spec.command(job.task.instruction)
+        cmd = job.spec.command(task.instruction)
         if job.channel is not None and job.sandbox.proxy_address is not None:
             # Set long before, as a rule (the forwarder starts with the sandbox); the harness never
             # starts before its way to the proxy is open.
@@ -579,13 +595,77 @@ class Pipeline:
                 raise SandboxError(
                     f"the proxy forwarder in the sandbox did not start within {FORWARDER_START_SEC:.0f} s"
                 ) from None
-        limit = self.opts.agent_timeout or job.task.agent_timeout_sec
+        limit = self.opts.agent_timeout or task.agent_timeout_sec
         r = await job.sandbox.exec_harness(cmd, env=self.harness_env(job), timeout=self._budget(job, limit))
         if job.session_dir is not None:
-            write_new(job.session_dir / "harness.log", r.output)
+            write_new(job.session_dir / log_name, r.output)
         if not await job.sandbox.alive():
             raise SandboxDied(f"while the harness ran (exit {r.exit_code}): {r.output[-300:]}")
-        job.outcome = HarnessOutcome(exit_code=r.exit_code, timed_out=r.timed_out)
+        return HarnessOutcome(exit_code=r.exit_code, timed_out=r.timed_out)
+
+    async def _run_steps(self, job: SampleJob) -> None:
+        """A multi-step task: each step's files put in the workdir, the harness run on the step's
+        instruction, in one sandbox. Every step but the last is scored here, in a fresh verifier
+        from a copy of the workdir while the agent's sandbox is kept (`steps.KeptSandbox`); a
+        reward below the step's min_reward ends the sample there. The last step run is scored in
+        POSTRUN, like a single-step task's."""
+        assert job.sandbox is not None and self._log is not None
+        steps = job.task.steps
+        for i, step in enumerate(steps):
+            task = job.task.step_task(step)
+            await self._prepare_step(job, step)
+            seen = set(await self._log.turn_ids(job.session_id))
+            job.outcome = await self._harness(job, task, f"harness-{i + 1}-{step.name}.log")
+            turns = [t for t in await self._log.turn_ids(job.session_id) if t not in seen]
+            job.steps.append(StepRecord(step.name, turns, job.outcome))
+            if i == len(steps) - 1 or job.outcome.timed_out:
+                return  # POSTRUN scores it (an agent timeout ends the sample, as it ends one step)
+            score = await self._score_step(job, task, job.outcome)
+            job.steps[-1].score = score
+            if below_min_reward(step.min_reward, score):
+                job.stopped_early = True
+                return
+
+    async def _prepare_step(self, job: SampleJob, step: TaskStep) -> None:
+        """A step's `workdir/` files copied into the workdir, then its `setup.sh` run there."""
+        assert job.sandbox is not None
+        if step.workdir_dir is None:
+            return
+        workdir = job.sandbox.workdir
+        await job.sandbox.put(step.workdir_dir, workdir)
+        if (step.workdir_dir / "setup.sh").is_file():
+            r = await job.sandbox.exec(
+                ["bash", f"{workdir.rstrip('/')}/setup.sh"],
+                env=job.task.env,
+                timeout=self._budget(job),
+                workdir=workdir,
+            )
+            if r.exit_code != 0:
+                raise SandboxError(f"step {step.name}: setup.sh exited {r.exit_code}: {r.output[-300:]}")
+
+    async def _score_step(self, job: SampleJob, task: Task, outcome: HarnessOutcome) -> Score:
+        """An intermediate step's score, by the same entry as a sample's (`verify.score`), given
+        the agent's sandbox as a `KeptSandbox`: its processes killed, its workdir copied to a
+        fresh verifier, the sandbox itself kept for the next step."""
+        assert job.sandbox is not None
+        runtime = job.spec.runtime
+        work = verify.score(
+            runtime,
+            task,
+            KeptSandbox(job.sandbox),
+            self._sandbox_spec(job),
+            outcome,
+            open_channel=(lambda: self._verifier_channel(job)) if runtime.isolated else None,
+        )
+        score = await asyncio.wait_for(work, self._budget(job, task.evaluator.timeout_sec + 60))
+        verifier = score.detail.get("verifier")
+        if isinstance(verifier, dict) and verifier.get("sandbox") == "fresh":
+            verifier["agent_kept"] = "its processes killed before the copy, its files kept for the next step"
+        if not await job.sandbox.alive():
+            raise SandboxDied(
+                f"sandbox died: while scoring step {len(job.steps)}: {job.sandbox.name} is gone"
+            )
+        return score
 
     async def _post_worker(self) -> None:
         while True:
@@ -649,21 +729,31 @@ class Pipeline:
 
     async def _score(self, job: SampleJob) -> Score:
         """The evaluator's score; on runtimes with fresh sandboxes, in a new one holding the agent's
-        artefacts, started once the agent's sandbox was halted (rollout/verify.py)."""
+        artefacts, started once the agent's sandbox was halted (rollout/verify.py). A multi-step
+        task's: its last step run scored so, then the steps' rewards combined (`steps.combine`)."""
         assert job.sandbox is not None and job.outcome is not None
         if not await job.sandbox.alive():
             raise SandboxDied(f"sandbox died: while scoring: {job.sandbox.name} is gone")
-        limit = job.task.evaluator.timeout_sec + 60
+        task = job.task
+        if task.steps:
+            if job.stopped_early:
+                return combine(task, job.steps, stopped_early=True)
+            task = task.step_task(task.steps[len(job.steps) - 1])
+        limit = task.evaluator.timeout_sec + 60
         runtime = job.spec.runtime
         work = verify.score(
             runtime,
-            job.task,
+            task,
             job.sandbox,
             self._sandbox_spec(job),
             job.outcome,
             open_channel=(lambda: self._verifier_channel(job)) if runtime.isolated else None,
         )
-        return await asyncio.wait_for(work, self._budget(job, limit))
+        score = await asyncio.wait_for(work, self._budget(job, limit))
+        if not job.task.steps:
+            return score
+        job.steps[-1].score = score
+        return combine(job.task, job.steps, stopped_early=False)
 
     # -- outcomes -------------------------------------------------------------------------------
 

@@ -678,6 +678,7 @@ class DockerRuntime:
         """`docker commit` of the halted container: its layer (what the agent added, changed or
         removed anywhere, within SNAPSHOT_LIMIT bytes by its files' sizes) over the task's image,
         as an image of its own; bind mounts (HOME, the harness) are not part of it."""
+        sandbox = getattr(sandbox, "sandbox", sandbox)  # a multi-step task's kept sandbox: its own
         assert isinstance(sandbox, DockerSandbox)
         cid = sandbox.container.id
         tag = re.sub(r"[^a-z0-9_.-]", "-", name.lower())[:120]

@@ -72,6 +72,11 @@ class RolloutLog:
             )
         )
 
+    async def turn_ids(self, session_id: str) -> list[str]:
+        """The session's turns so far, oldest first (a multi-step sample's turns by step)."""
+        rows = await self.store.query("SELECT id FROM turns WHERE session_id = ? ORDER BY seq", (session_id,))
+        return [r[0] for r in rows]
+
     async def set_status(self, session_id: str, status: str) -> None:
         await self.store.write(("UPDATE samples SET status = ? WHERE session_id = ?", (status, session_id)))
 

@@ -4,18 +4,26 @@ A task directory holds `instruction.md`, an optional `task.toml`, `environment/D
 task.toml names a `docker_image`), `tests/test.sh` (the verifier) and optionally `solution/solve.sh`.
 task.toml is read by `HarborTaskConfig` with Harbor's section and field names; fields we do not use
 are ignored, since Harbor adds some over time, but a known field of the wrong type is an error.
+
+A multi-step task lists `[[steps]]` in task.toml instead of one instruction.md: each step's files
+are under `steps/NAME/` (`instruction.md`; optionally `tests/`, laid over the task's `tests/` as
+Harbor uploads them, whose `test.sh` wins; `solution/`; `workdir/`, copied into the workdir
+before the step, then its setup script, if any, run there). docs/tasks.md compares every field with Harbor's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from polar_mitm.tasks.model import EvaluatorSpec, Task, TaskFileError
+from polar_mitm.tasks.model import EvaluatorSpec, Task, TaskFileError, TaskStep
 from polar_mitm.tasks.plain import read_document, read_text
 
 HARBOR_WORKDIR = "/app"  # where Terminal-Bench images put the task's files
@@ -66,6 +74,24 @@ class EnvironmentSection(_Section):
         return value
 
 
+class StepAgentSection(_Section):
+    timeout_sec: float | None = None  # None: the task's [agent]
+
+
+class StepVerifierSection(_Section):
+    timeout_sec: float | None = None  # None: the task's [verifier]
+    env: dict[str, str] = Field(default_factory=dict)  # over the task's [verifier] env
+
+
+class StepSection(_Section):
+    """One `[[steps]]` table."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a directory under steps/
+    agent: StepAgentSection = Field(default_factory=StepAgentSection)
+    verifier: StepVerifierSection = Field(default_factory=StepVerifierSection)
+    min_reward: float | dict[str, float] | None = None
+
+
 class HarborTaskConfig(_Section):
     """task.toml: every section and field optional."""
 
@@ -73,6 +99,8 @@ class HarborTaskConfig(_Section):
     agent: AgentSection = Field(default_factory=AgentSection)
     verifier: VerifierSection = Field(default_factory=VerifierSection)
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    steps: list[StepSection] | None = None
+    multi_step_reward_strategy: Literal["mean", "final"] | None = None
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt])i?b?\s*", re.IGNORECASE)
@@ -88,7 +116,11 @@ def memory_mb_of(size: str) -> int:
 
 
 def is_harbor_task(directory: Path) -> bool:
-    return (directory / "instruction.md").is_file()
+    """A task directory: its instruction.md, or a task.toml listing `[[steps]]` (a multi-step task)."""
+    if (directory / "instruction.md").is_file():
+        return True
+    config = directory / "task.toml"
+    return config.is_file() and (directory / "steps").is_dir() and "[[steps]]" in read_text(config)
 
 
 def load_harbor(directory: Path) -> list[Task]:
@@ -103,7 +135,10 @@ def load_harbor(directory: Path) -> list[Task]:
         if is_harbor_task(child):
             tasks.append(load_harbor_task(child))
         elif (child / "task.toml").is_file():
-            raise TaskFileError(child, "has task.toml but no instruction.md (the task's instruction)")
+            raise TaskFileError(
+                child,
+                "has task.toml but no instruction.md (the task's instruction) nor [[steps]] with steps/",
+            )
     if not tasks:
         raise TaskFileError(
             directory,
@@ -116,13 +151,17 @@ def load_harbor(directory: Path) -> list[Task]:
 def load_harbor_task(directory: Path) -> Task:
     """The task in one Harbor task directory; its id is the directory's name."""
     directory = directory.absolute()
-    instruction = read_text(directory / "instruction.md")
-    if not instruction.strip():
-        raise TaskFileError(directory / "instruction.md", "empty: it should hold the task's instruction")
     config = _read_config(directory / "task.toml")
     tests_dir = directory / "tests"
-    if not (tests_dir / "test.sh").is_file():
-        raise TaskFileError(tests_dir / "test.sh", "missing: Harbor's verifier runs it to score the task")
+    steps = _steps(directory, config) if config.steps else []
+    if steps:
+        instruction = steps[0].instruction
+    else:
+        instruction = read_text(directory / "instruction.md")
+        if not instruction.strip():
+            raise TaskFileError(directory / "instruction.md", "empty: it should hold the task's instruction")
+        if not (tests_dir / "test.sh").is_file():
+            raise TaskFileError(tests_dir / "test.sh", "missing: Harbor's verifier runs it to score the task")
     env = config.environment
     dockerfile = directory / "environment" / "Dockerfile"
     allow_internet, metadata = _network(config)
@@ -145,7 +184,9 @@ def load_harbor_task(directory: Path) -> Task:
             cpus=env.cpus,
             memory_mb=memory_mb,
             agent_timeout_sec=config.agent.timeout_sec,
-            evaluator=EvaluatorSpec(
+            evaluator=steps[0].evaluator
+            if steps
+            else EvaluatorSpec(
                 kind="harbor",
                 tests_dir=tests_dir,
                 timeout_sec=config.verifier.timeout_sec,
@@ -157,6 +198,8 @@ def load_harbor_task(directory: Path) -> Task:
             ),
             source=str(directory),
             metadata=metadata,
+            steps=steps,
+            multi_step_reward_strategy=config.multi_step_reward_strategy or "mean",
         )
     except ValidationError as e:
         raise TaskFileError.from_validation(directory, e) from None
@@ -185,6 +228,79 @@ def resolve_env(env: dict[str, str], source: Path, section: str) -> dict[str, st
                 source, f"{section} {key} = {value!r}: {match[1]} is not set here and has no default"
             )
     return out
+
+
+def _steps(directory: Path, config: HarborTaskConfig) -> list[TaskStep]:
+    """The `[[steps]]` of a multi-step task, each with its files under steps/NAME/."""
+    assert config.steps
+    verifier_internet = _verifier_network(config)
+    steps = []
+    for i, section in enumerate(config.steps):
+        where = directory / "steps" / section.name
+        instruction = read_text(where / "instruction.md") if (where / "instruction.md").is_file() else ""
+        if not instruction.strip():
+            raise TaskFileError(
+                where / "instruction.md", f"step {section.name!r} (steps[{i}]) needs its instruction"
+            )
+        tests = step_tests(directory / "tests", where / "tests")
+        if tests is None:
+            raise TaskFileError(
+                where / "tests" / "test.sh",
+                f"missing, and so is {directory / 'tests' / 'test.sh'}: step {section.name!r} has no verifier",
+            )
+        workdir = where / "workdir"
+        try:
+            steps.append(
+                TaskStep(
+                    name=section.name,
+                    instruction=instruction,
+                    evaluator=EvaluatorSpec(
+                        kind="harbor",
+                        tests_dir=tests,
+                        timeout_sec=section.verifier.timeout_sec or config.verifier.timeout_sec,
+                        env=resolve_env(
+                            {**config.verifier.env, **section.verifier.env},
+                            directory / "task.toml",
+                            "[steps.verifier.env]",
+                        ),
+                        reward_key=config.verifier.reward_key,
+                        internet=verifier_internet,
+                    ),
+                    agent_timeout_sec=section.agent.timeout_sec,
+                    min_reward=section.min_reward,
+                    workdir_dir=workdir if workdir.is_dir() else None,
+                )
+            )
+        except ValidationError as e:
+            raise TaskFileError.from_validation(directory / "task.toml", e, prefix=("steps", i)) from None
+    return steps
+
+
+def step_tests(shared: Path, own: Path) -> Path | None:
+    """The tests a step's verifier gets, as Harbor uploads them: the task's `tests/` with the
+    step's own `tests/` laid over it, its test.sh the step's where it has one. Where both exist
+    they are merged into a directory named by their content under the temporary directory (made
+    once; a changed file makes a new one); else the one that exists. None: no test.sh in either."""
+    has_shared, has_own = shared.is_dir(), own.is_dir()
+    if not (shared / "test.sh").is_file() and not (own / "test.sh").is_file():
+        return None
+    if not (has_shared and has_own):
+        return own if has_own else shared
+    digest = hashlib.sha256()
+    for root in (shared, own):
+        for f in sorted(p for p in root.rglob("*") if p.is_file()):
+            digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    merged = Path(tempfile.gettempdir()) / "polar-mitm-step-tests" / digest.hexdigest()[:24]
+    if not merged.is_dir():
+        merged.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="staging-", dir=merged.parent))
+        shutil.copytree(shared, staging, dirs_exist_ok=True)
+        shutil.copytree(own, staging, dirs_exist_ok=True)
+        try:
+            staging.rename(merged)
+        except OSError:  # made meanwhile by another loader: the same content
+            shutil.rmtree(staging, ignore_errors=True)
+    return merged
 
 
 def _read_config(path: Path) -> HarborTaskConfig:

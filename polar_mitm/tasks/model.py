@@ -88,8 +88,32 @@ class Upload(BaseModel):
     target: str = Field(min_length=1, max_length=4096)
 
 
+class TaskStep(BaseModel):
+    """One step of a multi-step task (Harbor's `[[steps]]`): its own instruction, run in the same
+    agent sandbox as the steps before it, and its own scoring.
+
+    Before the harness runs, `workdir_dir` (a host directory: Harbor's `steps/NAME/workdir/`) is
+    copied into the task's workdir, and a `setup.sh` it holds is run there. When the step's reward
+    is below `min_reward` (a number: the step's reward; a table: each named key of its rewards,
+    a missing key counting as below) no later step runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    instruction: str = Field(min_length=1)
+    evaluator: EvaluatorSpec
+    agent_timeout_sec: float | None = None  # None: the task's
+    min_reward: float | dict[str, float] | None = None
+    workdir_dir: Path | None = None
+
+
 class Task(BaseModel):
-    """One task: what the harness is asked, where it runs, and how its result is scored."""
+    """One task: what the harness is asked, where it runs, and how its result is scored.
+
+    A multi-step task has `steps`: the harness runs once per step, in one sandbox, each step
+    scored on its own and the sample's reward combined by `multi_step_reward_strategy` (`mean`
+    of the steps that were scored, or the `final` step's). Its `instruction` and `evaluator` are
+    the first step's, and its timeouts the sum of its steps'."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -112,6 +136,21 @@ class Task(BaseModel):
     evaluator: EvaluatorSpec = Field(default_factory=EvaluatorSpec)
     source: str | None = None  # the file or directory it was loaded from
     metadata: dict[str, Any] = Field(default_factory=dict)
+    steps: list[TaskStep] = Field(default_factory=list)
+    multi_step_reward_strategy: Literal["mean", "final"] = "mean"
+
+    def step_task(self, step: TaskStep) -> Task:
+        """This task as one of its steps: the step's instruction, evaluator and agent time, no
+        steps of its own (what a harness run and a scoring of that step read). Its id stays the
+        task's: runtimes find the task's image by it."""
+        return self.model_copy(
+            update={
+                "instruction": step.instruction,
+                "evaluator": step.evaluator,
+                "agent_timeout_sec": step.agent_timeout_sec or self.agent_timeout_sec,
+                "steps": [],
+            }
+        )
 
     @property
     def verifier_internet(self) -> bool:
@@ -122,8 +161,15 @@ class Task(BaseModel):
     @model_validator(mode="after")
     def _default_total_timeout(self) -> Task:
         # Unless given: the harness's time, the evaluator's, and a sandbox start.
+        if self.total_timeout_sec is None and self.steps:
+            self.total_timeout_sec = SANDBOX_START_SEC + sum(
+                (s.agent_timeout_sec or self.agent_timeout_sec) + s.evaluator.timeout_sec for s in self.steps
+            )
         if self.total_timeout_sec is None:
             self.total_timeout_sec = self.agent_timeout_sec + self.evaluator.timeout_sec + SANDBOX_START_SEC
+        names = [s.name for s in self.steps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"step names must be unique, got {names}")
         return self
 
 
