@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 from polar_mitm.proxy.certs import CA
 from polar_mitm.rollout.evaluators import HarnessOutcome, Score
-from polar_mitm.sandbox.base import ExecResult, Leftover, Sandbox, SandboxError
+from polar_mitm.sandbox.base import READ_LIMIT, ExecResult, Leftover, Sandbox, SandboxError
 from polar_mitm.tasks.model import Task
 
 
@@ -139,8 +139,8 @@ class KeptSandbox:
     async def put(self, src: Path, dest: str) -> None:
         await self.sandbox.put(src, dest)
 
-    async def read(self, path: str) -> bytes | None:
-        return await self.sandbox.read(path)
+    async def read(self, path: str, limit: int = READ_LIMIT) -> bytes | None:
+        return await self.sandbox.read(path, limit)
 
     async def alive(self) -> bool:
         return await self.sandbox.alive()
