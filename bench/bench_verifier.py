@@ -2,11 +2,16 @@
 flight while artefacts are scored.
 
 The example Harbor tasks (examples/tasks) x --samples, solved by a one-line `--harness-cmd` in a
-hardened Docker sandbox, each scored in a fresh verifier container. Two modes, alternated round by
-round in one run: `supervised` (today's: the record directory made, the tests sealed when they
-end, the processes listed, pytest's report read) and `plain` (the same fresh verifier with the
-supervision off: the tests run, the reward read). Per sample: the scoring stage's wall time (from
-the halt of the agent's container to its verdict). Also the process's peak RSS over its RSS
+hardened Docker sandbox, each scored in a fresh verifier container. Four modes, alternated round
+by round in one run:
+- `plain`: a fresh verifier from the task's image with the workdir copied in, unsupervised (the
+  tests run, the reward read);
+- `copied`: the same, supervised, the tests copied in (the verifier before the read-only inputs:
+  the baseline the ratios are to);
+- `separate`: supervised, the tests and the canary shown read-only from a pristine host copy;
+- `shared`: Harbor's default: the verifier started from a snapshot (`docker commit`) of the halted
+  agent container, the tests read-only.
+Per sample: the scoring stage's wall time (from the halt of the agent's container to its verdict). Also the process's peak RSS over its RSS
 before, divided by the samples scored at once (--postrun-workers), with an artefact of
 --artefact-mb in each workdir.
 
@@ -37,13 +42,25 @@ from polar_mitm.tasks import load_tasks  # noqa: E402
 TASKS = Path(__file__).resolve().parent.parent / "examples" / "tasks"
 
 
-class Unsupervised(DockerRuntime):
-    """The Docker runtime with its verifier's supervision off (the baseline)."""
+class Copied(DockerRuntime):
+    """The Docker runtime verifying as before the read-only inputs and the shared mode: the tests
+    copied in, the workdir into a container from the task's image."""
+
+    mounts_inputs = False
+    snapshots = False
+
+
+class Unsupervised(Copied):
+    """... with its verifier's supervision off too."""
 
     async def start(self, task, spec):
         sb = await super().start(task, spec)
         sb.supervises = False
         return sb
+
+
+class Separate(DockerRuntime):
+    snapshots = False  # the workdir into a container from the task's image, the inputs read-only
 
 
 def rss_mb() -> float:
@@ -92,8 +109,9 @@ async def main() -> None:
         postrun_workers=a.postrun_workers,
         retries=0,
     )
-    times: dict[str, list[float]] = {"plain": [], "supervised": []}
-    rss: dict[str, list[float]] = {"plain": [], "supervised": []}
+    modes = {"plain": Unsupervised, "copied": Copied, "separate": Separate, "shared": DockerRuntime}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    rss: dict[str, list[float]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         engine = start_fake(work, tokenizer_path=str(tok))
@@ -108,8 +126,8 @@ async def main() -> None:
         t0 = time.perf_counter()
         try:
             for r in range(a.rounds):
-                for mode, runtime in (("plain", Unsupervised()), ("supervised", DockerRuntime())):
-                    t, grew = await one(proxy, runtime, tasks, opts, work / f"{mode}-{r}")
+                for mode, make in modes.items():
+                    t, grew = await one(proxy, make(), tasks, opts, work / f"{mode}-{r}")
                     times[mode] += t
                     rss[mode].append(grew)
         finally:
@@ -126,8 +144,9 @@ async def main() -> None:
         t = times[mode]
         per = max(rss[mode]) / a.postrun_workers
         print(f"| {mode} | {statistics.median(t):.2f} [{min(t):.2f}-{max(t):.2f}] | {per:.1f} MB |")
-    ratio = statistics.median(times["supervised"]) / statistics.median(times["plain"])
-    print(f"supervised / plain, median scoring time: {ratio:.2f}x")
+    base = statistics.median(times["copied"])
+    for mode in modes:
+        print(f"{mode} / copied, median scoring time: {statistics.median(times[mode]) / base:.2f}x")
 
 
 if __name__ == "__main__":

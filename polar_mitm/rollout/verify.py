@@ -280,11 +280,22 @@ async def _score_artefacts(
             await verifier.stop()
 
 
+VERIFIER_HELPERS = "/opt/polar-mitm/verifier"  # what a task's tests may use, read-only
+# `untrusted CMD...`: CMD as an unprivileged user with no capability, for a task's tests to run
+# the agent's code with: it cannot then write /logs, touch the tests' own processes or read
+# what only root reads (docs/threat-model.md).
+UNTRUSTED = """#!/bin/sh
+# polar-mitm: run a command as nobody, with no capability and no way to gain one.
+exec setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all --no-new-privs -- "$@"
+"""
+
+
 def verifier_inputs(runtime: Runtime, task: Task, host_dir: Path) -> tuple[Setup, list[tuple[Path, str]]]:
     """What a fresh verifier is shown read-only, prepared on the host in `host_dir`: a pristine
     copy of a Harbor task's tests at /tests (its test.sh executable, as Harbor makes it before it
-    runs it), and the canary's plugin where the tests run pytest (rollout/canary.py). Nothing
-    where the runtime cannot mount them (the tests are then copied in, as before)."""
+    runs it), the helpers a task's tests may use at VERIFIER_HELPERS, and the canary's plugin
+    where the tests run pytest (rollout/canary.py). Nothing where the runtime cannot mount them
+    (the tests are then copied in, as before)."""
     if not runtime.mounts_inputs:
         return Setup(), []
     spec = task.evaluator
@@ -300,6 +311,12 @@ def verifier_inputs(runtime: Runtime, task: Task, host_dir: Path) -> tuple[Setup
         (tests / "test.sh").chmod(0o755)
         inputs.append((tests, HARBOR_TESTS))
         mounted = True
+    helper = host_dir / "verifier"
+    helper.mkdir(parents=True)
+    (helper / "untrusted").write_text(UNTRUSTED)
+    (helper / "untrusted").chmod(0o755)
+    helper.chmod(0o755)
+    inputs.append((helper, VERIFIER_HELPERS))
     canary = None
     if uses_pytest(spec):
         canary = Canary.new(RECORD_DIR)

@@ -77,6 +77,7 @@ from polar_mitm.sandbox.base import (
 )
 from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
 from polar_mitm.sandbox.daemon import CHUNK, DaemonCalls, DaemonRefused, SdkCalls
+from polar_mitm.sandbox.seccomp import verifier_security_opt
 from polar_mitm.tasks.model import Task
 
 log = logging.getLogger("polar_mitm.docker")
@@ -860,13 +861,15 @@ class DockerRuntime:
         """A verifier's container: nothing of ours mounted (no session directory, CA or harness)
         but its channel's socket, the forwarder and the node it runs on, read-only, where the
         task lets its verifier reach the internet, and its read-only inputs (the tests, the
-        canary); no network besides; /proc read-only; the image's own user, binaries and
-        environment."""
+        canary); no network besides; /proc read-only; no call into another process (the
+        verifier's seccomp profile); the image's own user, binaries and environment."""
         return {
             "network_mode": "none",
             "volumes": volumes,
             "mounts": [],
             "readonly_paths": VERIFIER_READONLY_PATHS,
+            # Docker's default profile, and no call into another process (sandbox/seccomp.py).
+            "security_opt": ["no-new-privileges:true", verifier_security_opt()],
         }
 
     async def remove(self, container: Any) -> None:

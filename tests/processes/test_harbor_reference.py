@@ -6,9 +6,8 @@ pipeline with the same two agents: the task's `solution/solve.sh` run as root as
 (Harbor's oracle), and a harness that does nothing (Harbor's nop). Every pair of verdicts must
 be equal: the reward a trainer gets and, where Harbor keeps several keys, every key.
 
-The kinds of task where today's code is known to differ from Harbor are marked
-`xfail(strict=True)` with the difference as the reason, so they fail loudly once the evaluator
-gives Harbor's verdict (then drop the mark).
+A kind of task where polar-mitm is known to differ from Harbor is marked `xfail(strict=True)`
+with the difference as the reason (none today), so it fails loudly once the verdicts agree.
 
 One Harbor job per agent runs every task at once, beside polar-mitm's own rollout of all of them
 (module-scoped: the parametrized cases only read the verdicts).
@@ -59,19 +58,15 @@ CASES: dict[str, Case] = {
     "multi-key": Case(
         f"if {SOLVED}; then r=1; else r=0; fi\n"
         'echo "{\\"correctness\\": $r, \\"performance\\": $r}" > /logs/verifier/reward.json',
-        oracle_differs="a reward.json of several keys without 'reward' is an evaluator error: the sample fails",
-        nop_differs="a reward.json of several keys without 'reward' is an evaluator error: the sample fails",
     ),
     # Both files: Harbor reads reward.json first.
     "both-files": Case(
         f"echo 0 > /logs/verifier/reward.txt\nif {SOLVED}; then r=1; else r=0; fi\n"
         'echo "{\\"reward\\": $r}" > /logs/verifier/reward.json',
-        oracle_differs="polar-mitm reads reward.txt first where Harbor reads reward.json first",
     ),
     # A partial reward, then the test script exits non-zero (as `pytest; exit $?` does).
     "partial-exit": Case(
         f"if {SOLVED}; then echo 0.5; else echo 0; fi > /logs/verifier/reward.txt\nexit 1",
-        oracle_differs="polar-mitm zeroes the reward when test.sh exits non-zero; Harbor ignores the exit status",
     ),
     # The solution installs a Python package outside the workdir, which the tests import.
     "installs-package": Case(
@@ -79,13 +74,11 @@ CASES: dict[str, Case] = {
         " && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt",
         solve_sh="d=$(python3 -c 'import site; print(site.getsitepackages()[0])')/answerpkg\n"
         'mkdir -p "$d" && echo "ANSWER = 42" > "$d/__init__.py"',
-        oracle_differs="the fresh verifier gets the workdir only: a package installed outside it is gone",
     ),
     # The solution edits a file outside the workdir.
     "edits-etc": Case(
         'if [ "$(cat /etc/answer.conf 2>/dev/null)" = 42 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt',
         solve_sh="echo 42 > /etc/answer.conf",
-        oracle_differs="the fresh verifier gets the workdir only: /etc is the image's",
     ),
 }
 
