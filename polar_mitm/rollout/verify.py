@@ -286,7 +286,12 @@ VERIFIER_HELPERS = "/opt/polar-mitm/verifier"  # what a task's tests may use, re
 # what only root reads (docs/threat-model.md).
 UNTRUSTED = """#!/bin/sh
 # polar-mitm: run a command as nobody, with no capability and no way to gain one.
-exec setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all --no-new-privs -- "$@"
+if setpriv --reuid=65534 --regid=65534 --clear-groups -- true 2>/dev/null; then
+  exec setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all --no-new-privs -- "$@"
+fi
+# A user namespace that maps root alone (Apptainer's verifier) has no other user to become.
+echo "polar-mitm: no unprivileged user here; running as is, without new privileges" >&2
+exec setpriv --inh-caps=-all --no-new-privs -- "$@"
 """
 
 
