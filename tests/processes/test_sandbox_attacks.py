@@ -815,7 +815,14 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
     assert host["NetworkMode"] == "none"
     assert host["CapDrop"] == ["ALL"] and sorted(host["CapAdd"]) == sorted(ROOT_CAPS)
     assert "NET_RAW" not in host["CapAdd"]
-    assert host["SecurityOpt"] == ["no-new-privileges:true"] and host["PidsLimit"] == PIDS_LIMIT
+    if purpose == "agent":  # Docker's default seccomp profile
+        assert host["SecurityOpt"] == ["no-new-privileges:true"]
+    else:  # the verifier's own (sandbox/seccomp.py), and /proc read-only
+        from polar_mitm.sandbox.seccomp import verifier_security_opt
+
+        assert host["SecurityOpt"] == ["no-new-privileges:true", verifier_security_opt()]
+        assert "/proc" in host["ReadonlyPaths"] and "/proc/sys" in host["ReadonlyPaths"]
+    assert host["PidsLimit"] == PIDS_LIMIT
     assert host["Memory"] == 512 * 2**20 and host["NanoCpus"] == 1_500_000_000
     writable = [m["Destination"] for m in attrs["Mounts"] if m["RW"]]
     if purpose == "agent":
