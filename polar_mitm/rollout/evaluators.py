@@ -34,6 +34,9 @@ DETAIL_TAIL = 4000  # characters of verifier output kept in the detail
 HARBOR_TESTS = "/tests"
 HARBOR_REWARD_DIR = "/logs/verifier"
 HARBOR_REWARD_FILES = ("reward.txt", "reward.json")
+# Where SWE-bench's test patch is copied in: not /tmp, a tmpfs in a container with --tmp-size,
+# which the daemon's archive copy cannot write into.
+TEST_PATCH_PATH = "/var/tmp/polar_mitm_test.patch"
 
 
 @dataclass
@@ -430,12 +433,12 @@ async def swebench(
         with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as f:
             f.write(spec.test_patch)
         try:
-            await sandbox.put(Path(f.name), "/tmp/polar_mitm_test.patch")
+            await sandbox.put(Path(f.name), TEST_PATCH_PATH)
         finally:
             Path(f.name).unlink(missing_ok=True)
         ap = await _shell(
             sandbox,
-            "git apply -v /tmp/polar_mitm_test.patch || patch -p1 --forward < /tmp/polar_mitm_test.patch",
+            f"git apply -v {TEST_PATCH_PATH} || patch -p1 --forward < {TEST_PATCH_PATH}",
             spec,
             task,
         )
