@@ -419,3 +419,70 @@ async def test_the_canary_alone_catches_both_pytest_forgeries(
     )
     swe = {t: v for t, v in outcomes(got).items() if t.startswith("swe-")}
     assert swe == {"swe-patch-report": ("completed", 0.0), "swe-fix": ("completed", 1.0)}, details(got)
+
+
+MIRROR_TEST = (
+    "python3 -c \"import urllib.request; urllib.request.urlretrieve('http://{mirror}:8000/tool.sh', '/tmp/tool.sh')\""
+    " && bash /tmp/tool.sh\n"
+)
+TOOL = 'if [ "$(cat /app/answer.txt 2>/dev/null)" = 42 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n'
+
+
+@pytest.fixture
+def mirror(docker_client):
+    """A package mirror on a private network (10.213.7.0/24, a Docker network of this test's
+    own): what a cluster's PyPI or apt proxy is."""
+    import docker.types
+
+    name = f"polar-test-mirror-{os.getpid()}"
+    ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet="10.213.7.0/24")])
+    net = docker_client.networks.create(name, driver="bridge", ipam=ipam)
+    script = base64.b64encode(TOOL.encode()).decode()
+    server = docker_client.containers.run(
+        TEST_IMAGE,
+        [
+            "sh",
+            "-c",
+            f"mkdir -p /srv && echo {script} | base64 -d > /srv/tool.sh && cd /srv && exec python3 -m http.server 8000",
+        ],
+        detach=True,
+        network=name,
+        name=f"{name}-server",
+    )
+    try:
+        server.reload()
+        yield server.attrs["NetworkSettings"]["Networks"][name]["IPAddress"]
+    finally:
+        server.remove(force=True)
+        net.remove()
+
+
+async def test_a_private_mirror_is_reached_only_when_the_operator_allows_it(
+    make_stack, tmp_path, docker_client, mirror
+):
+    """The verifier fetches its tool from a mirror on a private address: refused by default (the
+    egress rules keep sandboxes off private networks), so the tests write 0, and
+    reward_detail.egress_refused says the network decided it; with `--egress-allow` naming the
+    mirror, the same solved task scores 1.0. Before, there was no way to allow it and nothing in the
+    detail said why the 0."""
+    root = tmp_path / "tasks"
+    d = harbor(root, "mirror", "honest", MIRROR_TEST.format(mirror=mirror))
+    (d / "task.toml").write_text(
+        "[agent]\ntimeout_sec = 60\n[verifier]\ntimeout_sec = 60\n"
+        f'[environment]\ndocker_image = "{TEST_IMAGE}"\nnetwork_mode = "public"\n'
+    )
+    agent = 'case "$1" in *prog:*) echo 42 > /app/answer.txt ;; esac'
+    refused = await rollout(
+        await make_stack(), load_tasks([root]), tmp_path / "a", docker_client, harness=agent
+    )
+    allowed = await rollout(
+        await make_stack(egress_allow=[mirror]),
+        load_tasks([root]),
+        tmp_path / "b",
+        docker_client,
+        harness=agent,
+    )
+    assert outcomes(refused) == {"mirror": ("completed", 0.0)}, details(refused)
+    assert details(refused)["mirror"]["egress_refused"]["verifier"] == {mirror: 1}
+    assert outcomes(allowed) == {"mirror": ("completed", 1.0)}, details(allowed)
+    assert "egress_refused" not in details(allowed)["mirror"]
