@@ -168,7 +168,10 @@ def test_swebench_rows_against_a_locally_built_image(tmp_path, backend, qwen_tok
         assert r.returncode == 0, r.stderr
         by_task = {row["task_id"]: row for row in pq.read_table(out).to_pylist()}
         fixed, unfixed = by_task["example__calc-1"], by_task["example__calc-2"]
-        assert fixed["reward"] == 1.0 and unfixed["reward"] == 0.0, (fixed["reward_detail"], unfixed["reward_detail"])
+        assert fixed["reward"] == 1.0 and unfixed["reward"] == 0.0, (
+            fixed["reward_detail"],
+            unfixed["reward_detail"],
+        )
         detail = json.loads(fixed["reward_detail"])
         assert detail["FAIL_TO_PASS"] == {"tests/test_calc.py::test_add": "PASSED"}
         assert detail["PASS_TO_PASS"] == {"tests/test_calc.py::test_mul": "PASSED"}
