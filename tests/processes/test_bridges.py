@@ -56,8 +56,9 @@ async def test_slime_rollout_function_fills_groups_and_flags_failures(service, t
 async def test_slime_marks_samples_that_failed_and_keeps_them(service, tmp_path):
     svc = await service(nodes=1)
     example = runpy.run_path(str(EXAMPLES / "slime_rollout.py"))
-    # The evaluator cannot read its reward file: the samples fail after calling the model.
-    broken = {"kind": "command", "command": "echo garbage > r.txt", "reward_file": "r.txt"}
+    # The evaluator cannot run (it cannot clear its reward file, "." here): the samples fail
+    # after calling the model. (A reward file it cannot parse is a result now, 0, not a failure.)
+    broken = {"kind": "command", "command": "true", "reward_file": "."}
     source = example["DataSource"]([], 0)
     source.groups = [[example["Sample"](prompt="x", metadata={"polar_evaluator": broken}) for _ in range(2)]]
     args = SimpleNamespace(rollout_batch_size=1, polar_server=svc.url, polar_runtime="local", polar_poll=0.2,
