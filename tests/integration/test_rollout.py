@@ -232,9 +232,9 @@ def test_advantages_std_and_leave_one_out():
 @pytest.mark.slow
 async def test_export_carries_groups_masks_failed_samples_and_normalizes(make_stack, tmp_path):
     """Each 'harness' makes one real model call through the proxy (so its sample has a row), then
-    the first sample of a group writes 'pass' and the others 'fail'. The command of 'broken' writes a
-    reward file the evaluator cannot read: an evaluator failure, whose rows stay, masked. (The
-    harness's own reward.txt is removed before the command runs: only the command's counts.)"""
+    the first sample of a group writes 'pass' and the others 'fail'. The evaluator of 'broken' cannot
+    run (it cannot clear its reward file, "."): an evaluator failure, whose rows stay, masked. (A
+    reward file it cannot parse is a result, 0 and suspect, not a failure.)"""
     stack = await make_stack()
     cmd = sh(
         MODEL_CALL
@@ -246,9 +246,7 @@ async def test_export_carries_groups_masks_failed_samples_and_normalizes(make_st
         Task(
             id="broken",
             instruction="broken",
-            evaluator=EvaluatorSpec(
-                kind="command", command="echo garbage > reward.txt", reward_file="reward.txt"
-            ),
+            evaluator=EvaluatorSpec(kind="command", command="true", reward_file="."),
         ),
     ]
     (tmp_path / "work").mkdir()
@@ -271,7 +269,7 @@ async def test_export_carries_groups_masks_failed_samples_and_normalizes(make_st
     for r in broken:  # ... masked, with reward 0 and the cause
         assert r["status"] == "failed" and sum(r["loss_mask"]) == 0 and r["reward"] == 0.0
         assert r["advantage"] == 0.0
-        assert json.loads(r["metadata"])["masked"].startswith("evaluator: reward.txt: expected a number")
+        assert json.loads(r["metadata"])["masked"].startswith("evaluator: task broken: cannot clear")
     export(stack.db, out, selection=Selection(rollout=result.rollout_id), normalize="loo", quiet=True)
     loo = sorted(
         (r["advantage"] for r in pq.read_table(out).to_pylist() if r["task_id"] == "mixed"), reverse=True

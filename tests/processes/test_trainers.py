@@ -438,7 +438,7 @@ async def test_trl_grpo_trainer_takes_two_steps_on_claude_code_groups_and_masks_
         "mixed": {"id": "mixed", "instruction": "run: echo 42 > answer.txt",
                   "evaluator": {"kind": "command", "command": f"mkdir {first} 2>/dev/null"}},  # the first scored wins
         "broken": {"id": "broken", "instruction": "run: echo 41 > answer.txt",
-                   "evaluator": {"kind": "command", "command": "echo garbage > r.txt", "reward_file": "r.txt"}},
+                   "evaluator": {"kind": "command", "command": "true", "reward_file": "."}},  # cannot run
     }  # fmt: skip
     rollout = PolarRollout(
         svc.url, harness="claude-code", runtime="local", poll=0.3, timeout=240,
