@@ -16,9 +16,14 @@ One Harbor job per agent runs every task at once, beside polar-mitm's own rollou
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import functools
+import http.server
 import json
 import os
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +86,17 @@ CASES: dict[str, Case] = {
         solve_sh="echo 42 > /etc/answer.conf",
     ),
 }
+
+# Tests that fetch their tool while they verify, from a mirror on a private address: this host's
+# Docker bridge address (a server the fixture starts), which Harbor's containers reach directly
+# and polar-mitm's verifier through its proxy, as `--egress-allow` names it.
+MIRROR_HOST = "172.17.0.1"
+MIRROR_TOOL = f"if {SOLVED}; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
+CASES["downloads-tool"] = Case(
+    "python3 -c \"import urllib.request; urllib.request.urlretrieve('http://"
+    + MIRROR_HOST
+    + ":@PORT@/tool.sh', '/tmp/tool.sh')\" && bash /tmp/tool.sh"
+)
 
 # A multi-step task: three steps in one environment, each its own instruction, solution and
 # verifier setting; step two gets a file in its workdir, step three tests of its own (laid over
@@ -222,9 +238,30 @@ async def verdicts(tmp_path_factory, docker_client, make_stack) -> Verdicts:
     return got
 
 
+@contextlib.contextmanager
+def mirror(directory: Path):
+    """An HTTP server on MIRROR_HOST serving `directory`; yields its port."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer((MIRROR_HOST, 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 async def _run_all(tmp: Path, docker_client, make_stack) -> Verdicts:
+    (tmp / "mirror").mkdir()
+    (tmp / "mirror" / "tool.sh").write_text(MIRROR_TOOL)
+    with mirror(tmp / "mirror") as port:
+        return await _run_tasks(tmp, docker_client, make_stack, port)
+
+
+async def _run_tasks(tmp: Path, docker_client, make_stack, port: int) -> Verdicts:
     root = tmp / "tasks"
     for name, case in CASES.items():
+        case = dataclasses.replace(case, test_sh=case.test_sh.replace("@PORT@", str(port)))
         write_task(root, name, case)
     write_multi_step_task(root)
     t0 = time.monotonic()
@@ -253,7 +290,7 @@ async def _run_both(root: Path, tmp: Path, docker_client, make_stack, t0: float)
 
 
 async def _polar(root: Path, tmp: Path, docker_client, make_stack) -> dict[str, dict[str, PolarVerdict]]:
-    stack = await make_stack()
+    stack = await make_stack(egress_allow=[MIRROR_HOST])  # the operator's mirror, on purpose
     runtime = DockerRuntime()
     # Harbor's oracle runs solve.sh as the environment's user: root here.
     options = RolloutOptions(
