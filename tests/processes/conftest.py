@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from polar_mitm.service.node import stop_node
@@ -70,3 +72,32 @@ def runtime(request, docker_client, tmp_path):
     return ApptainerRuntime(
         binary=request.getfixturevalue("apptainer_binary"), registry_dir=tmp_path / "registry"
     )
+
+
+REPO_FILES = {
+    "calc.py": "def add(a, b):\n    return a - b\n",
+    "tests/test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
+    # A root conftest.py puts the repository on sys.path (pytest imports it from there), as real
+    # repositories do or an editable install does: the verifier runs Python with PYTHONSAFEPATH.
+    "conftest.py": "",
+}
+
+
+@pytest.fixture
+def swebench_image(tmp_path, docker_client):
+    """A tiny repository whose add() subtracts, committed in an image: the SWE-bench attacks' task
+    (test_reward_cheats.py, test_verdict_attacks.py)."""
+    from tests.support.docker_rollout import TEST_IMAGE
+
+    ctx = tmp_path / "image"
+    for name, text in REPO_FILES.items():
+        (ctx / "repo" / name).parent.mkdir(parents=True, exist_ok=True)
+        (ctx / "repo" / name).write_text(text)
+    (ctx / "Dockerfile").write_text(
+        f"FROM {TEST_IMAGE}\nCOPY repo /testbed\nWORKDIR /testbed\n"
+        "RUN git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm base\n"
+    )
+    tag = f"polar-mitm/test-swe-calc:{os.getpid()}"
+    docker_client.images.build(path=str(ctx), tag=tag, rm=True)
+    yield tag
+    docker_client.images.remove(tag, force=True)

@@ -271,31 +271,6 @@ async def test_what_the_agents_program_does_inside_the_verifier_gets_nothing(
     assert detail["honest-py"]["pytest"]["report"]["passed"] == 1
 
 
-REPO_FILES = {
-    "calc.py": "def add(a, b):\n    return a - b\n",
-    "tests/test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
-    # A root conftest.py puts the repository on sys.path (pytest imports it from there), as real
-    # repositories do or an editable install does: the verifier runs Python with PYTHONSAFEPATH.
-    "conftest.py": "",
-}
-
-
-@pytest.fixture
-def swebench_image(tmp_path, docker_client):
-    ctx = tmp_path / "image"
-    for name, text in REPO_FILES.items():
-        (ctx / "repo" / name).parent.mkdir(parents=True, exist_ok=True)
-        (ctx / "repo" / name).write_text(text)
-    (ctx / "Dockerfile").write_text(
-        f"FROM {TEST_IMAGE}\nCOPY repo /testbed\nWORKDIR /testbed\n"
-        "RUN git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm base\n"
-    )
-    tag = f"polar-mitm/test-cheat-swe:{os.getpid()}"
-    docker_client.images.build(path=str(ctx), tag=tag, rm=True)
-    yield tag
-    docker_client.images.remove(tag, force=True)
-
-
 async def test_swebench_conftest_cheat_gets_nothing_and_a_fix_full_reward(
     make_stack, tmp_path, swebench_image, docker_client, runtime
 ):

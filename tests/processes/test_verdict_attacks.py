@@ -318,11 +318,6 @@ async def test_harbor_attacks_from_the_program_the_tests_run_get_nothing(
     assert d["honest-py"]["canary"] == {"runs": 1, "finished": 1, "outcomes": ["failed"]}
 
 
-REPO = {
-    "calc.py": "def add(a, b):\n    return a - b\n",
-    "tests/test_calc.py": "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n",
-    "conftest.py": "",
-}
 SWE_PROGRAMS = {
     "fix": "def add(a, b):\n    return a + b\n",
     # a status line printed at exit, after pytest's own
@@ -332,22 +327,6 @@ SWE_PROGRAMS = {
         "def answer():\n    return 41", "def add(a, b):\n    return a - b"
     ),
 }
-
-
-@pytest.fixture
-def swe_image(tmp_path, docker_client):
-    ctx = tmp_path / "image"
-    for name, text in REPO.items():
-        (ctx / "repo" / name).parent.mkdir(parents=True, exist_ok=True)
-        (ctx / "repo" / name).write_text(text)
-    (ctx / "Dockerfile").write_text(
-        f"FROM {TEST_IMAGE}\nCOPY repo /testbed\nWORKDIR /testbed\n"
-        "RUN git init -q && git add -A && git -c user.email=t@t -c user.name=t commit -qm base\n"
-    )
-    tag = f"polar-mitm/test-verdict-swe:{os.getpid()}"
-    docker_client.images.build(path=str(ctx), tag=tag, rm=True)
-    yield tag
-    docker_client.images.remove(tag, force=True)
 
 
 SWE_AGENT = "\n".join(
@@ -376,10 +355,10 @@ def swe_rows(tmp_path: Path, image: str, names: list[str], prefix: str = "") -> 
 
 
 async def test_swebench_statuses_printed_at_exit_or_forged_in_process_get_nothing(
-    make_stack, tmp_path, swe_image, docker_client, runtime
+    make_stack, tmp_path, swebench_image, docker_client, runtime
 ):
     stack = await make_stack()
-    rows = swe_rows(tmp_path, swe_image, ["print-passed", "patch-report", "fix"])
+    rows = swe_rows(tmp_path, swebench_image, ["print-passed", "patch-report", "fix"])
     got = await rollout(stack, load_tasks([rows]), tmp_path, docker_client, runtime, harness=SWE_AGENT)
     assert outcomes(got) == {
         "print-passed": ("completed", 0.0),
@@ -394,7 +373,7 @@ async def test_swebench_statuses_printed_at_exit_or_forged_in_process_get_nothin
 
 
 async def test_the_canary_alone_catches_both_pytest_forgeries(
-    make_stack, tmp_path, swe_image, docker_client, monkeypatch
+    make_stack, tmp_path, swebench_image, docker_client, monkeypatch
 ):
     """With every other check switched off (no seal leftovers, no report totals, no per-test
     comparison), the forgeries above are still caught: by the canary and its record, which no
@@ -413,7 +392,7 @@ async def test_the_canary_alone_catches_both_pytest_forgeries(
     }, details(got)
     got = await rollout(
         stack,
-        load_tasks([swe_rows(tmp_path, swe_image, ["patch-report", "fix"], prefix="swe-")]),
+        load_tasks([swe_rows(tmp_path, swebench_image, ["patch-report", "fix"], prefix="swe-")]),
         tmp_path,
         docker_client,
         harness=SWE_AGENT,
