@@ -10,7 +10,9 @@ and options, as mitmproxy's addons do: its options are declared in `load`, check
 Every `PolicyConfig` field is an option (`polar_` and the name of its `polar-mitm run` flag:
 `polar_backend`, `polar_tool_parser`, `polar_idle_timeout` …), made from the field as the
 command line's flags are (`cli/options.py`), with the flag's help; numbers with a fraction are
-written as text (mitmproxy's `--set` reads no float), and the field checks every value.
+written as text (mitmproxy's `--set` reads no float), an option left unset takes the flag's
+environment variable where it has one (POLAR_MITM_BACKEND_API_KEY …), and the field checks every
+value.
 
 What it changes of mitmproxy's own behaviour, and only for provider hosts: their TLS connections
 are not intercepted but relayed, still encrypted, to the gateway (`next_layer`, then
@@ -23,6 +25,7 @@ trust mitmproxy's CA (its `confdir`), as with `polar-mitm proxy`.
 from __future__ import annotations
 
 import logging
+import os
 import types
 import typing
 from typing import Any
@@ -88,15 +91,31 @@ def add_policy_options(loader: Loader) -> None:
         flag = FLAGS.get(field, Flag(field.replace("_", " ").capitalize() + "."))
         required = " (required)" if field in REQUIRED else ""
         several = " (several: separated by commas)" if flag.multiple else ""
+        env = f" [unset: env {flag.envvar}]" if flag.envvar else ""
         loader.add_option(
-            POLICY_OPTIONS[field], typespec, default, f"polar-mitm{required}: {flag.help}{several}", choices
+            POLICY_OPTIONS[field],
+            typespec,
+            default,
+            f"polar-mitm{required}: {flag.help}{several}{env}",
+            choices,
         )
 
 
+def _value(options: Any, field: str) -> Any:
+    """A field's option as set, else its flag's environment variable (as the command line reads
+    it), else None."""
+    value = getattr(options, POLICY_OPTIONS[field])
+    flag = FLAGS.get(field)
+    if value in (None, "") and flag is not None and flag.envvar:
+        value = os.environ.get(flag.envvar)
+    return None if value in (None, "") else value
+
+
 def policy_config(options: Any) -> PolicyConfig:
-    """The PolicyConfig of the policy options set (an empty one: the field's default); raises
+    """The PolicyConfig of the policy options set (or their environment variables; neither: the
+    field's default); raises
     OptionsError naming the option of a value its field refuses."""
-    values = {f: v for f, o in POLICY_OPTIONS.items() if (v := getattr(options, o)) not in (None, "")}
+    values = {f: v for f in POLICY_OPTIONS if (v := _value(options, f)) is not None}
     for field, check in CHECKS.items():
         try:
             if field in values:
@@ -158,7 +177,7 @@ class PolarMitm:
     async def running(self) -> None:
         from polar_mitm.store.writer import Store
 
-        if any(not getattr(ctx.options, POLICY_OPTIONS[f]) for f in REQUIRED):
+        if any(_value(ctx.options, f) is None for f in REQUIRED):
             log.error("polar-mitm: set polar_backend and polar_tokenizer (--set polar_backend=URL ...)")
             ctx.master.shutdown()
             return

@@ -8,8 +8,16 @@ import pytest
 from mitmproxy import exceptions, hooks
 from mitmproxy.test import taddons
 
+from polar_mitm.cli.options import FLAGS
 from polar_mitm.mitmdump import POLICY_OPTIONS, PolarMitm
 from polar_mitm.policy.config import PolicyConfig
+
+
+@pytest.fixture(autouse=True)
+def no_policy_environment(monkeypatch):
+    for flag in FLAGS.values():
+        if flag.envvar:
+            monkeypatch.delenv(flag.envvar, raising=False)
 
 
 def loaded(tctx: taddons.context, addon: PolarMitm) -> None:
@@ -69,3 +77,13 @@ def test_values_set_as_set_sets_them_reach_the_policy():
         assert (p.tool_parser, p.reasoning_parser) == ("qwen3_coder", "none")
         assert (p.idle_timeout, p.first_token_timeout, p.max_tokens_cap) == (300.0, 0.5, 8192)
         assert p.backend_mode == "chat"
+
+
+def test_an_unset_option_takes_its_flags_environment_variable(monkeypatch):
+    monkeypatch.setenv("POLAR_MITM_BACKEND_API_KEY", "from-env")  # kept off the command line
+    addon = PolarMitm()
+    with taddons.context(addon) as tctx:
+        loaded(tctx, addon)
+        assert addon.policy is not None and addon.policy.backend_api_key == "from-env"
+        tctx.options.set("polar_backend_api_key=given")
+        assert addon.policy.backend_api_key == "given"
