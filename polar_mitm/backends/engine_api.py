@@ -251,6 +251,7 @@ class EngineAPI(Protocol):
     # version the engine serves beside the turn (`weight_version`, `polar_mitm.policy.versions`).
     VERSION_IN_REPLY: bool
     VERSION_IN_CHAT_REPLY: bool
+    HEALTH_PATH: str  # its liveness check, probed while a turn waits (`backends/engines.py`)
 
     def sampling_params(self, s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
         """Neutral sampling settings in the engine's names (with what captures the tokens)."""

@@ -31,6 +31,7 @@ NAME = "sglang"
 GENERATE_PATH = "/generate"
 VERSION_IN_REPLY = True  # meta_info.weight_version, in /generate's replies and chat completions
 VERSION_IN_CHAT_REPLY = True
+HEALTH_PATH = "/health_generate"  # one token through the scheduler (/health: the HTTP process is up)
 
 
 class NotSGLang(ProviderError):

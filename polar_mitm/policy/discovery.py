@@ -55,6 +55,7 @@ class Discovery:
         self._failed: ProviderError | None = None
         self._retry_at = float("-inf")  # loop time before which `_failed` is raised unasked
         self._pauses: Iterator[float] = retry.delays(RETRY_FIRST, cap=RETRY_CAP)
+        self.engines.health_path = self.known_api().HEALTH_PATH
         if info is not None:
             self._keep(info)
 
@@ -65,7 +66,7 @@ class Discovery:
 
     def _keep(self, info: ModelInfo) -> None:
         self._info = info
-        self.engines.kind = "vllm" if info.front == "vllm" else "sglang"
+        self.engines.health_path = self.known_api().HEALTH_PATH
 
     async def model_info(self) -> ModelInfo:
         if self._info is not None:

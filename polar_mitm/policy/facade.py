@@ -47,12 +47,8 @@ class Policy:
             api_key=config.backend_api_key,
             kind=config.backend_kind,
         )
-        self.engines = EnginePool(
-            urls,
-            self.client.alive,
-            kind="vllm" if config.backend_kind in ("vllm", "vllm-generate") else "sglang",
-            interval=config.engine_probe_interval or 5.0,
-        )
+        self.engines = EnginePool(urls, self.client.alive, interval=config.engine_probe_interval or 5.0)
+        # Sets the engines' liveness check to their API's (again when it learns the model info).
         self.discovery = Discovery(config, self.client, self.engines, model_info)
         self.weights = WeightGate(config.ping_interval)
         self.versions = WeightVersions(self.client)
