@@ -55,7 +55,6 @@ class Discovery:
         self._failed: ProviderError | None = None
         self._retry_at = float("-inf")  # loop time before which `_failed` is raised unasked
         self._pauses: Iterator[float] = retry.delays(RETRY_FIRST, cap=RETRY_CAP)
-        self.engines.health_path = self.known_api().HEALTH_PATH
         if info is not None:
             self._keep(info)
 

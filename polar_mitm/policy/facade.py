@@ -48,8 +48,9 @@ class Policy:
             kind=config.backend_kind,
         )
         self.engines = EnginePool(urls, self.client.alive, interval=config.engine_probe_interval or 5.0)
-        # Sets the engines' liveness check to their API's (again when it learns the model info).
         self.discovery = Discovery(config, self.client, self.engines, model_info)
+        # The engines' liveness check is their API's (discovery sets it again from the model info).
+        self.engines.health_path = self.discovery.known_api().HEALTH_PATH
         self.weights = WeightGate(config.ping_interval)
         self.versions = WeightVersions(self.client)
         if model_info is not None and model_info.front == "vllm" and model_info.weight_version is None:
