@@ -246,6 +246,12 @@ class EngineAPI(Protocol):
 
     NAME: str  # PolicyConfig.backend_kind's word for it
     GENERATE_PATH: str  # where a generation is posted
+    # Whether its generations' replies name the weight version that sampled them, and whether
+    # the front's chat completions (chat backend mode) do; where not, the policy reads the
+    # version the engine serves beside the turn (`weight_version`, `polar_mitm.policy.versions`).
+    VERSION_IN_REPLY: bool
+    VERSION_IN_CHAT_REPLY: bool
+    HEALTH_PATH: str  # its liveness check, probed while a turn waits (`backends/engines.py`)
 
     def sampling_params(self, s: Sampling, *, default_max_tokens: int) -> dict[str, Any]:
         """Neutral sampling settings in the engine's names (with what captures the tokens)."""
@@ -262,4 +268,9 @@ class EngineAPI(Protocol):
 
     async def model_info(self, fetch: Fetch, base: str) -> ModelInfo:
         """What the front at `base` serves, read the way it offers it."""
+        ...
+
+    async def weight_version(self, fetch: Fetch, base: str) -> str | None:
+        """The weight version the engine at `base` serves now, asked apart from any reply; None
+        where it serves none. A timeout raises EngineTimeout."""
         ...

@@ -113,13 +113,13 @@ class EngineClient:
         except (aiohttp.ClientError, OSError) as e:
             raise EngineUnreachable(base, e) from e
 
-    async def vllm_weight_version(self, url: str | None = None) -> str | None:
-        """The weight version the vLLM engine at `url` (default: ours) serves now; None where it
-        serves none (`vllm.weight_version`). Raises EngineTimeout or EngineUnreachable when it
-        does not answer."""
+    async def weight_version(self, api: EngineAPI, url: str | None = None) -> str | None:
+        """The weight version the engine at `url` (default: ours) serves now, asked in `api`'s
+        words; None where it serves none (`EngineAPI.weight_version`). Raises EngineTimeout or
+        EngineUnreachable when it does not answer."""
         base = (url or self.base_url).rstrip("/")
         try:
-            return await vllm.weight_version(self, base)  # a timeout is EngineTimeout already
+            return await api.weight_version(self, base)  # a timeout is EngineTimeout already
         except (aiohttp.ClientError, OSError) as e:
             raise EngineUnreachable(base, e) from e
 

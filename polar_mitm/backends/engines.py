@@ -8,8 +8,8 @@ picks its engine by rendezvous hashing (highest hash of key and URL wins), so ea
 stays on one engine while that engine lives, and when it dies only its conversations move (each to
 its next-highest engine: their prefix cache is lost, nothing else).
 
-Liveness is the engine's own: SGLang's `/health_generate` runs one token through the scheduler
-(`/health` only says the HTTP process is up), vLLM's `/health`. While turns wait on an engine
+Liveness is the engine's own (its API's `HEALTH_PATH`): SGLang's `/health_generate` runs one
+token through the scheduler (`/health` only says the HTTP process is up), vLLM's `/health`. While turns wait on an engine
 (for their first token, or for the next after a silence), one prober per engine (however many
 turns wait) probes it every `interval` seconds; a turn whose engine has passed no probe for
 `dead_after` seconds (counted from the turn's start, or its last token) fails with a retryable
@@ -25,8 +25,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("polar_mitm.engines")
-
-HEALTH_PATHS = {"sglang": "/health_generate", "vllm": "/health"}
 
 
 def rendezvous_score(key: str, url: str) -> int:
@@ -55,15 +53,13 @@ class EnginePool:
     """The engines of one policy: `pick` a conversation's engine, `watch` it while a turn waits,
     `mark_dead` the one that failed."""
 
-    def __init__(self, urls: list[str], probe: Probe, *, kind: str = "sglang", interval: float = 5.0):
+    def __init__(
+        self, urls: list[str], probe: Probe, *, health_path: str = "/health_generate", interval: float = 5.0
+    ):
         self.engines = [Engine(u.rstrip("/")) for u in urls]
         self.probe = probe
-        self.kind = kind
+        self.health_path = health_path  # the engine API's liveness check (`EngineAPI.HEALTH_PATH`)
         self.interval = interval
-
-    @property
-    def health_path(self) -> str:
-        return HEALTH_PATHS.get(self.kind, "/health")
 
     def pick(self, key: str) -> Engine:
         """The conversation's engine: the live one of highest rendezvous weight for its key (the

@@ -8,8 +8,8 @@ while it works, which glibc keeps after it is freed: one 20 MB request stalled e
 - `prompt_tokens_at_least`: the fewest tokens a request's prompt can take, from its text alone.
   No token stands for more bytes than the tokenizer's longest one (`longest_token_bytes`), and
   every chat template renders the text of system, user and tool messages, so their bytes over
-  that length bound the prompt from below. The gateway refuses a request this bound puts past
-  the policy's context before anything is tokenized.
+  that length bound the prompt from below. The policy refuses a request this bound puts past
+  its context before anything is tokenized (`polar_mitm.policy.admission`).
 - `body_tokens_at_least`: the same kind of bound read from the request body's JSON alone, before
   the style parses it (parsing, hashing and rendering a 70,000-message body takes ~15 s of the
   proxy's time). A user message whose content is a plain string becomes one user message of

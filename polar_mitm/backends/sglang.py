@@ -29,6 +29,9 @@ from polar_mitm.neutral import ProviderError, Sampling
 
 NAME = "sglang"
 GENERATE_PATH = "/generate"
+VERSION_IN_REPLY = True  # meta_info.weight_version, in /generate's replies and chat completions
+VERSION_IN_CHAT_REPLY = True
+HEALTH_PATH = "/health_generate"  # one token through the scheduler (/health: the HTTP process is up)
 
 
 class NotSGLang(ProviderError):
@@ -184,3 +187,8 @@ async def _model_info(fetch: Fetch, base: str) -> ModelInfo:
                 "api_error", f"policy backend {base} sent an unreadable {path}: {e}", 502
             ) from None
     raise NotSGLang(base)
+
+
+async def weight_version(fetch: Fetch, base: str) -> str | None:
+    """The weight version the engine at `base` serves now (its model info's `weight_version`)."""
+    return (await _model_info(fetch, base)).weight_version

@@ -327,86 +327,90 @@ def _check_roundtrip(out_dir: Path) -> None:
             raise RuntimeError(f"tokenizer built in {out_dir} splits added token {content!r}")
 
 
+# The tiny tokenizer's corpus (`_tiny_corpus`).
+_TINY_ENGLISH = (
+    "The quick brown fox jumps over the lazy dog. A proxy sits between the agent and the model, "
+    "records every request and response, and returns token ids with their log probabilities. "
+    "Reinforcement learning needs the exact tokens the policy sampled, not a re-tokenized copy. "
+    "Please read the file, list the directory, run the tests and fix the failing function. "
+    "I will search the repository for the definition, then edit the configuration and commit. "
+    "Sure! Here is a summary of the changes I made to the project, and why they were needed. "
+    "The user asked a question about Python, JSON, HTTP headers, streaming responses and errors. "
+    "Thinking step by step: first we parse the input, then we validate it, finally we answer. "
+)
+_TINY_CODE = (
+    "import json\nimport os\nfrom pathlib import Path\n\n\n"
+    "def read_config(path: str) -> dict:\n    with open(path, encoding='utf-8') as f:\n"
+    "        return json.load(f)\n\n\n"
+    "class Session:\n    def __init__(self, session_id: str, turns: list[int] | None = None) -> None:\n"
+    "        self.session_id = session_id\n        self.turns = turns or []\n\n"
+    "    def add(self, turn):\n        if turn is None:\n            raise ValueError('turn is None')\n"
+    "        self.turns.append(turn)\n        return len(self.turns)\n\n"
+    "for i in range(10):\n    print(f'step {i}: {i * i}')\n"
+    "const response = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' } });\n"
+    "if (!response.ok) { throw new Error(`request failed: ${response.status}`); }\n"
+    "$ ls -la && cat README.md | grep -n 'install' && git status\n"
+)
+_TINY_DATA = (
+    '{"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", '
+    '"function": {"name": "read_file", "arguments": "{\\"path\\": \\"src/main.py\\"}"}}]}\n'
+    '{"type": "function", "function": {"name": "bash", "description": "Run a shell command", '
+    '"parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}\n'
+    '{"model": "policy", "messages": [{"role": "user", "content": "hello"}], "stream": true, '
+    '"max_tokens": 1024, "temperature": 0.7, "top_p": 0.95}\n'
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat time is it?<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\nThe user wants the time.\n</think>\n\n<tool_call>\n"
+    '{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call><|im_end|>\n'
+)
+_TINY_UNICODE = "Café naïve résumé — “quotes” ‘single’ … 你好世界 こんにちは Привет мир 🤖 ✓ → ≤ ≥ ±\n"
+_TINY_WORDS = (
+    "about above accept access account action active actual add address after again agent all allow "
+    "already also always amount analysis and another answer any api append application apply archive "
+    "argument array assert assistant async attribute author available await back background base batch "
+    "because before begin behavior between binary block body boolean both branch break browser buffer "
+    "build bytes cache call callback cannot capture case catch certificate change channel character check "
+    "child choice class clean clear client close code collection column command comment commit common "
+    "compare complete condition config connect connection console constant container content context "
+    "continue control convert copy correct count create current cursor data database date debug decode "
+    "default define delete dependency deploy description detail device dictionary different directory "
+    "disable display document domain download during each edit element else empty enable encode encoding "
+    "end engine environment error event every example exception execute exist expect export expression "
+    "extension false feature field file filter final first fixed float folder follow format found frame "
+    "from function generate generation global gradient group handle handler hash header height help "
+    "history host however image implement import include index information initial input insert install "
+    "instance integer interface internal issue item iterator json just keep key kernel label language "
+    "large last layer learning length level library limit line link list load local location lock log "
+    "logprob loop machine main manager mask match matrix maximum memory merge message method middle "
+    "minimum missing mode model module more multiple name need network never new next node none normal "
+    "number object offset only open operation option order original output package page parameter parent "
+    "parse parser pass patch path pattern policy position possible prefix previous print private process "
+    "project prompt property provider proxy public query queue random range reader reason record reduce "
+    "reference register release remove render replace repository request require reset resource response "
+    "result return reward route row rule sample save schema scope script search second section security "
+    "select send sequence server service session setting shape should signal simple size source space "
+    "special split stack start state status step storage stream string structure style success support "
+    "system table target task template tensor test text thread through time token tokenizer tool total "
+    "trace train training trajectory transform true type update upload user using valid value variable "
+    "vector version view warning weight while width window with within worker write yield zero"
+).split()
+
+
 def _tiny_corpus() -> Iterator[str]:
     """A few kilobytes of English, code, JSON and chat markup, varied so BPE finds ~2,000 merges."""
-    english = (
-        "The quick brown fox jumps over the lazy dog. A proxy sits between the agent and the model, "
-        "records every request and response, and returns token ids with their log probabilities. "
-        "Reinforcement learning needs the exact tokens the policy sampled, not a re-tokenized copy. "
-        "Please read the file, list the directory, run the tests and fix the failing function. "
-        "I will search the repository for the definition, then edit the configuration and commit. "
-        "Sure! Here is a summary of the changes I made to the project, and why they were needed. "
-        "The user asked a question about Python, JSON, HTTP headers, streaming responses and errors. "
-        "Thinking step by step: first we parse the input, then we validate it, finally we answer. "
-    )
-    code = (
-        "import json\nimport os\nfrom pathlib import Path\n\n\n"
-        "def read_config(path: str) -> dict:\n    with open(path, encoding='utf-8') as f:\n"
-        "        return json.load(f)\n\n\n"
-        "class Session:\n    def __init__(self, session_id: str, turns: list[int] | None = None) -> None:\n"
-        "        self.session_id = session_id\n        self.turns = turns or []\n\n"
-        "    def add(self, turn):\n        if turn is None:\n            raise ValueError('turn is None')\n"
-        "        self.turns.append(turn)\n        return len(self.turns)\n\n"
-        "for i in range(10):\n    print(f'step {i}: {i * i}')\n"
-        "const response = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json' } });\n"
-        "if (!response.ok) { throw new Error(`request failed: ${response.status}`); }\n"
-        "$ ls -la && cat README.md | grep -n 'install' && git status\n"
-    )
-    data = (
-        '{"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", '
-        '"function": {"name": "read_file", "arguments": "{\\"path\\": \\"src/main.py\\"}"}}]}\n'
-        '{"type": "function", "function": {"name": "bash", "description": "Run a shell command", '
-        '"parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}\n'
-        '{"model": "policy", "messages": [{"role": "user", "content": "hello"}], "stream": true, '
-        '"max_tokens": 1024, "temperature": 0.7, "top_p": 0.95}\n'
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat time is it?<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\nThe user wants the time.\n</think>\n\n<tool_call>\n"
-        '{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call><|im_end|>\n'
-    )
-    unicode_text = "Café naïve résumé — “quotes” ‘single’ … 你好世界 こんにちは Привет мир 🤖 ✓ → ≤ ≥ ±\n"
-    words = (
-        "about above accept access account action active actual add address after again agent all allow "
-        "already also always amount analysis and another answer any api append application apply archive "
-        "argument array assert assistant async attribute author available await back background base batch "
-        "because before begin behavior between binary block body boolean both branch break browser buffer "
-        "build bytes cache call callback cannot capture case catch certificate change channel character check "
-        "child choice class clean clear client close code collection column command comment commit common "
-        "compare complete condition config connect connection console constant container content context "
-        "continue control convert copy correct count create current cursor data database date debug decode "
-        "default define delete dependency deploy description detail device dictionary different directory "
-        "disable display document domain download during each edit element else empty enable encode encoding "
-        "end engine environment error event every example exception execute exist expect export expression "
-        "extension false feature field file filter final first fixed float folder follow format found frame "
-        "from function generate generation global gradient group handle handler hash header height help "
-        "history host however image implement import include index information initial input insert install "
-        "instance integer interface internal issue item iterator json just keep key kernel label language "
-        "large last layer learning length level library limit line link list load local location lock log "
-        "logprob loop machine main manager mask match matrix maximum memory merge message method middle "
-        "minimum missing mode model module more multiple name need network never new next node none normal "
-        "number object offset only open operation option order original output package page parameter parent "
-        "parse parser pass patch path pattern policy position possible prefix previous print private process "
-        "project prompt property provider proxy public query queue random range reader reason record reduce "
-        "reference register release remove render replace repository request require reset resource response "
-        "result return reward route row rule sample save schema scope script search second section security "
-        "select send sequence server service session setting shape should signal simple size source space "
-        "special split stack start state status step storage stream string structure style success support "
-        "system table target task template tensor test text thread through time token tokenizer tool total "
-        "trace train training trajectory transform true type update upload user using valid value variable "
-        "vector version view warning weight while width window with within worker write yield zero"
-    ).split()
     for round_ in range(3):
-        yield english
-        yield code.replace("turn", ("turn", "item", "event")[round_])
-        yield data
-        yield unicode_text
+        yield _TINY_ENGLISH
+        yield _TINY_CODE.replace("turn", ("turn", "item", "event")[round_])
+        yield _TINY_DATA
+        yield _TINY_UNICODE
         yield " ".join(
             f"{n} {n * 7 % 101} 0x{n:04x} {n / 8:.3f}" for n in range(round_ * 40, round_ * 40 + 40)
         )
     # The same words as prose, identifiers and calls, so common shapes ("Ġword", "_word", ".word(") merge.
-    yield " ".join(words) + ".\n"
-    yield " ".join(w.capitalize() for w in words) + "\n"
+    yield " ".join(_TINY_WORDS) + ".\n"
+    yield " ".join(w.capitalize() for w in _TINY_WORDS) + "\n"
     yield "\n".join(
-        f"    self.{a}_{b} = {b}.{a}({a}_{b}, {b!r})" for a, b in zip(words, words[1:], strict=False)
+        f"    self.{a}_{b} = {b}.{a}({a}_{b}, {b!r})"
+        for a, b in zip(_TINY_WORDS, _TINY_WORDS[1:], strict=False)
     )
 
 

@@ -31,6 +31,9 @@ from polar_mitm.neutral import ProviderError, Sampling
 
 NAME = "vllm"
 GENERATE_PATH = "/v1/completions"
+VERSION_IN_REPLY = False  # `weight_version` reads it (GET /weight_info)
+VERSION_IN_CHAT_REPLY = False
+HEALTH_PATH = "/health"
 # Seconds the one-token probe of vLLM's logprobs mode may take at least (see `logprobs_mode`).
 PROBE_S = 60.0
 

@@ -37,6 +37,10 @@ from polar_mitm.neutral import ProviderError, Sampling
 
 NAME = "vllm-generate"
 GENERATE_PATH = "/inference/v1/generate"
+VERSION_IN_REPLY = True  # `weight_versions` spans
+VERSION_IN_CHAT_REPLY = False  # vLLM's /v1/chat/completions names none: `weight_version` reads it
+weight_version = vllm.weight_version
+HEALTH_PATH = vllm.HEALTH_PATH
 # The one-token generation that shows the endpoint is open (`model_info`).
 PROBE = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "logprobs": 0}, "output_mode": "text"}
 

@@ -334,30 +334,9 @@ class _ChatCompletions(_Handlers):
     async def _chat_stream(
         self, body: dict[str, Any], item: _Item, fault: FaultMode | None, model: str, tools_active: bool
     ) -> AsyncGenerator[bytes, None]:
-        created = int(time.time())
-        head = {"id": item.rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        chunks = _Chunks(item.rid, model)
         opts = body.get("stream_options")
         include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-
-        def delta_chunk(
-            delta: dict[str, Any], logprobs: Any = None, finish: str | None = None, matched: Any = None
-        ) -> bytes:
-            # sse_utils.build_sse_content: `reasoning_content` always present, role/content when set.
-            d = {"reasoning_content": delta.get("reasoning_content")}
-            d.update({k: delta[k] for k in ("role", "content") if delta.get(k) is not None})
-            choice = {
-                "index": 0,
-                "delta": d,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-                "matched_stop": matched,
-            }
-            return _sse({**head, "choices": [choice]})
-
-        def model_chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-            # ChatCompletionStreamResponse.model_dump_json(): every field, nulls included.
-            return _sse({**head, "choices": choices, "usage": extra.pop("usage", None), **extra})
-
         started = time.perf_counter()
         gen = self._start(item)
         prev = ParsedOutput(None, "", [])
@@ -369,7 +348,7 @@ class _ChatCompletions(_Handlers):
                 if out is None:
                     continue
                 if last is None:
-                    yield delta_chunk({"role": "assistant", "content": ""})
+                    yield chunks.delta({"role": "assistant", "content": ""})
                 last = out
                 lp = None
                 if body.get("logprobs") and k > sent_lp:
@@ -380,45 +359,8 @@ class _ChatCompletions(_Handlers):
                     )
                     sent_lp = k
                 cur = self._parse(out["text"], tools_active, body, final=False, hold=finish is None)
-                if new := (cur.reasoning or "")[len(prev.reasoning or "") :]:
-                    yield delta_chunk({"reasoning_content": new}, logprobs=lp)
-                    lp = None
-                if cur.content.startswith(prev.content) and (new := cur.content[len(prev.content) :]):
-                    yield delta_chunk({"content": new}, logprobs=lp)
-                    lp = None
-                for i in range(len(prev.tool_calls), len(cur.tool_calls)):
-                    name, args = cur.tool_calls[i]
-                    for call in (
-                        {
-                            "id": _call_id(),
-                            "index": i,
-                            "type": "function",
-                            "function": {"name": name, "arguments": ""},
-                        },
-                        {
-                            "id": None,
-                            "index": i,
-                            "type": "function",
-                            "function": {"name": None, "arguments": args},
-                        },
-                    ):
-                        delta = {
-                            "role": None,
-                            "content": None,
-                            "reasoning_content": None,
-                            "tool_calls": [call],
-                        }
-                        choice = {
-                            "index": 0,
-                            "delta": delta,
-                            "logprobs": lp,
-                            "finish_reason": None,
-                            "matched_stop": None,
-                        }
-                        yield model_chunk([choice])
-                        lp = None
-                if lp is not None:
-                    yield delta_chunk({}, logprobs=lp)
+                for chunk in chunks.step(prev, cur, lp):
+                    yield chunk
                 if cur.content.startswith(prev.content):
                     prev = cur
                 else:
@@ -429,11 +371,87 @@ class _ChatCompletions(_Handlers):
         meta = last["meta_info"]
         finish = meta["finish_reason"]
         ftype = "tool_calls" if prev.tool_calls and finish["type"] == "stop" else finish["type"]
-        yield delta_chunk({}, finish=ftype, matched=None if ftype == "tool_calls" else finish.get("matched"))
+        yield chunks.delta({}, finish=ftype, matched=None if ftype == "tool_calls" else finish.get("matched"))
         if (sglext := self._sglext(body, item, last["output_ids"])) is not None:
-            yield model_chunk([], sglext=sglext)
+            yield chunks.model([], sglext=sglext)
         if include_usage:
-            yield model_chunk([], usage=self._usage(meta))
+            yield chunks.model([], usage=self._usage(meta))
+
+
+class _Chunks:
+    """The chunks of one streamed chat completion, in SGLang's shapes."""
+
+    def __init__(self, rid: str, model: str):
+        self.head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def delta(
+        self, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None, matched: Any = None
+    ) -> bytes:
+        # sse_utils.build_sse_content: `reasoning_content` always present, role/content when set.
+        d = {"reasoning_content": delta.get("reasoning_content")}
+        d.update({k: delta[k] for k in ("role", "content") if delta.get(k) is not None})
+        choice = {
+            "index": 0,
+            "delta": d,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "matched_stop": matched,
+        }
+        return _sse({**self.head, "choices": [choice]})
+
+    def model(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        # ChatCompletionStreamResponse.model_dump_json(): every field, nulls included.
+        return _sse({**self.head, "choices": choices, "usage": extra.pop("usage", None), **extra})
+
+    def step(self, prev: ParsedOutput, cur: ParsedOutput, lp: Any) -> list[bytes]:
+        """The chunks of what `cur` adds to `prev` (reasoning, content, new tool calls); the
+        step's logprobs go with the first, or alone when nothing was added."""
+        out = []
+        if new := (cur.reasoning or "")[len(prev.reasoning or "") :]:
+            out.append(self.delta({"reasoning_content": new}, logprobs=lp))
+            lp = None
+        if cur.content.startswith(prev.content) and (new := cur.content[len(prev.content) :]):
+            out.append(self.delta({"content": new}, logprobs=lp))
+            lp = None
+        for i in range(len(prev.tool_calls), len(cur.tool_calls)):
+            name, args = cur.tool_calls[i]
+            for call in (
+                {
+                    "id": _call_id(),
+                    "index": i,
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                },
+                {
+                    "id": None,
+                    "index": i,
+                    "type": "function",
+                    "function": {"name": None, "arguments": args},
+                },
+            ):
+                delta = {
+                    "role": None,
+                    "content": None,
+                    "reasoning_content": None,
+                    "tool_calls": [call],
+                }
+                choice = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": lp,
+                    "finish_reason": None,
+                    "matched_stop": None,
+                }
+                out.append(self.model([choice]))
+                lp = None
+        if lp is not None:
+            out.append(self.delta({}, logprobs=lp))
+        return out
 
 
 def _call_id() -> str:

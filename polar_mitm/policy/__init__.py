@@ -1,9 +1,10 @@
 """The policy: a neutral request in, a stream of neutral events out, every turn stored.
 
 Rooms, in the order a turn passes them: `config` (PolicyConfig, TurnContext), `discovery` (what
-the engines are: model info, tokenizer, parsers), `gate` (the weight-sync pause), `prompt`
-(render, splice and their caches), `generate` (the one wait-and-ping loop, render and chat mode),
-`record` (the stored Turn). `Policy` (`facade`) wires them together.
+the engines are: model info, tokenizer, parsers), `admission` (whether a prompt fits the
+context, and the reply's max_tokens), `gate` (the weight-sync pause), `prompt` (render, splice
+and their caches), `generate` (the one wait-and-ping loop, render and chat mode), `record` (the
+stored Turn). `Policy` (`facade`) wires them together.
 
 `Policy` is imported when first asked for, so `polar_mitm.policy.config` (what the command line
 builds its options from) loads no engine client."""

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from polar_mitm import retry
-from polar_mitm.backends.engine_api import EngineTimeout, EngineUnreachable, ModelInfo, NoWorkers
-from polar_mitm.backends.engine_client import EngineClient
+from polar_mitm.backends.engine_api import EngineAPI, EngineTimeout, EngineUnreachable, ModelInfo, NoWorkers
+from polar_mitm.backends.engine_client import APIS, EngineClient
 from polar_mitm.backends.engines import EnginePool
 from polar_mitm.backends.large_inputs import pooled
 from polar_mitm.backends.parsers import check_reasoning_parser, check_tool_parser
@@ -65,7 +65,7 @@ class Discovery:
 
     def _keep(self, info: ModelInfo) -> None:
         self._info = info
-        self.engines.kind = "vllm" if info.front == "vllm" else "sglang"
+        self.engines.health_path = self.known_api().HEALTH_PATH
 
     async def model_info(self) -> ModelInfo:
         if self._info is not None:
@@ -117,6 +117,17 @@ class Discovery:
             if _unanswered(e):
                 raise
             return "sglang"
+
+    async def engine_api(self) -> EngineAPI:
+        """The engine API generations are asked in (`engine_kind`'s)."""
+        return APIS[await self.engine_kind()]
+
+    def known_api(self) -> EngineAPI:
+        """The engine API as far as it is known without asking the engines (chat mode asks them
+        nothing): the configured one, else the one the kept model info shows, else SGLang's."""
+        if self.config.backend_kind != "auto":
+            return APIS[self.config.backend_kind]
+        return APIS["vllm" if self._info is not None and self._info.front == "vllm" else "sglang"]
 
     async def context_length(self) -> int | None:
         if self.config.context_length:

@@ -15,6 +15,7 @@ from polar_mitm.backends.engine_client import EngineClient
 from polar_mitm.backends.engines import EnginePool
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import ChatRequest, Completion, Done, Event, ProviderError
+from polar_mitm.policy.admission import Admission
 from polar_mitm.policy.config import PolicyConfig, TurnContext
 from polar_mitm.policy.discovery import Discovery
 from polar_mitm.policy.gate import WeightGate
@@ -46,18 +47,16 @@ class Policy:
             api_key=config.backend_api_key,
             kind=config.backend_kind,
         )
-        self.engines = EnginePool(
-            urls,
-            self.client.alive,
-            kind="vllm" if config.backend_kind in ("vllm", "vllm-generate") else "sglang",
-            interval=config.engine_probe_interval or 5.0,
-        )
+        self.engines = EnginePool(urls, self.client.alive, interval=config.engine_probe_interval or 5.0)
         self.discovery = Discovery(config, self.client, self.engines, model_info)
+        # The engines' liveness check is their API's (discovery sets it again from the model info).
+        self.engines.health_path = self.discovery.known_api().HEALTH_PATH
         self.weights = WeightGate(config.ping_interval)
         self.versions = WeightVersions(self.client)
         if model_info is not None and model_info.front == "vllm" and model_info.weight_version is None:
             self.versions.absent(urls[0])  # the preflight said so
         self.prompts = Prompts(config, store, self.discovery)
+        self.admission = Admission(config, self.discovery)
         self.generation = Generation(
             config,
             store,
@@ -67,6 +66,7 @@ class Policy:
             self.prompts,
             self.weights,
             self.versions,
+            self.admission,
         )
         self._turns: weakref.WeakSet[AsyncGenerator[Event, None]] = weakref.WeakSet()  # streams under way
         self._closing = False
@@ -120,6 +120,11 @@ class Policy:
     async def prompt(self, req: ChatRequest, session_id: str) -> tuple[list[int], str | None, int, list[str]]:
         """(prompt ids, referenced turn, tokens reused from it, conversation hashes)."""
         return await self.prompts.prompt(req, session_id)
+
+    async def admit(self, raw: bytes) -> None:
+        """Refuse, from a model call's body alone (before it is parsed), a prompt that cannot fit
+        the context (`Admission.body`); the rest of the admission runs with the turn."""
+        await self.admission.body(raw)
 
     async def count_tokens(self, req: ChatRequest) -> int:
         return await self.prompts.count_tokens(req)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard, TypeVar
 
 from polar_mitm.backends import logprobs
-from polar_mitm.backends.chat_mode import chat_body, parse_chat_result
+from polar_mitm.backends.chat_mode import ChatResult, chat_body, parse_chat_result
 from polar_mitm.backends.engine_api import EngineUnreachable, GenerateState, ids_json
-from polar_mitm.backends.engine_client import APIS, EngineClient, GenerateStream
+from polar_mitm.backends.engine_client import EngineClient, GenerateStream
 from polar_mitm.backends.engines import Engine, EnginePool
 from polar_mitm.backends.parsers import OutputParser, new_call_id
 from polar_mitm.backends.render import PromptIds
@@ -40,6 +40,7 @@ from polar_mitm.neutral import (
     ToolCallEvent,
     new_turn_id,
 )
+from polar_mitm.policy.admission import Admission
 from polar_mitm.policy.config import PolicyConfig, TurnContext
 from polar_mitm.policy.discovery import Discovery
 from polar_mitm.policy.gate import WeightGate
@@ -115,10 +116,9 @@ class _RenderTurn:
     key: str
     engine: Engine
     gen: GenerateStream
-    vllm: bool = False  # vLLM's /v1/completions, whose replies name no weight version
     logprobs_mode: str | None = None  # what the engine's logprobs are of (backends/logprobs.py)
-    # vLLM's weight version for this turn (`WeightVersions.reading`; SGLang's and vllm-generate's
-    # come in their replies).
+    # The weight version for this turn, where the engine API's replies name none (vLLM's
+    # /v1/completions: `WeightVersions.reading`).
     version: asyncio.Future[str | None] | None = None
     started: bool = False  # the harness was sent Started
     error: str | None = None  # why the turn failed, once it did
@@ -153,6 +153,25 @@ class _RenderTurn:
         )
 
 
+@dataclass(eq=False)
+class _ChatTurn:
+    """A chat-mode turn once its call is sent: the conversation's hashes and the turn it echoes
+    (if any), its routing key and engine, the call (`task`, the whole reply) and the weight
+    version's reading, where one was sent."""
+
+    req: ChatRequest
+    ctx: TurnContext
+    turn_id: str
+    t0: float
+    logprobs_mode: str | None
+    hashes: list[str]
+    echo: tuple[str, int] | None
+    key: str
+    engine: Engine
+    task: asyncio.Future[dict[str, Any]]
+    version: asyncio.Future[str | None] | None
+
+
 class Generation:
     """Runs turns: the prompt, the engine call, the wait loop, the parse and the stored record."""
 
@@ -166,6 +185,7 @@ class Generation:
         prompts: Prompts,
         gate: WeightGate,
         versions: WeightVersions,
+        admission: Admission,
     ):
         self.config = config
         self.store = store
@@ -175,6 +195,7 @@ class Generation:
         self.prompts = prompts
         self.gate = gate
         self.versions = versions
+        self.admission = admission
         self._warned: set[str] = set()  # logprob mismatches already logged
 
     async def logprobs_mode(self, req: ChatRequest, ask: bool = True) -> str | None:
@@ -272,17 +293,21 @@ class Generation:
     # -- render mode -----------------------------------------------------------------------------
 
     async def stream(self, req: ChatRequest, ctx: TurnContext) -> AsyncGenerator[Event, None]:
-        """A render-mode turn: planned (`_plan`), run through the gate and the engine's stream
-        (`_run`), committed to the store before its last event (`_commit`). Whatever ends it
-        early, the tokens the engine sent are recorded (as an error or an aborted turn)."""
+        """A render-mode turn: admitted by its text (`Admission.text`), planned (`_plan`), run
+        through the gate and the engine's stream (`_run`), committed to the store before its last
+        event (`_commit`). Whatever ends it early, the tokens the engine sent are recorded (as an
+        error or an aborted turn)."""
+        await self.admission.text(req)
         turn = await self._plan(req, ctx)
         stopped: str | None = None  # why the turn's stream was ended from outside, if it was
         try:
             async for ev in self.gate.through(turn.turn_id, len(turn.prompt_ids)):
                 turn.started = True
                 yield ev
-            if turn.vllm:  # past the gate: read beside the generation where it may have changed
-                turn.version = self.versions.reading(turn.engine.url, ctx.session_id)
+            api = turn.gen.api
+            # Past the gate: read beside the generation, where it may have changed.
+            if not api.VERSION_IN_REPLY:
+                turn.version = self.versions.reading(api, turn.engine.url, ctx.session_id)
             with self.gate.generation():
                 async with contextlib.aclosing(self._run(turn)) as events:
                     async for ev in events:
@@ -309,9 +334,9 @@ class Generation:
                 log.info("turn %s %s before the engine sent a token: nothing to store", turn.turn_id, stopped)
 
     async def _plan(self, req: ChatRequest, ctx: TurnContext) -> _RenderTurn:
-        """The prompt ids (spliced), the parsers, the token budget within the policy's context, the
-        engine for the conversation and its call, opened last (nothing is sent before it is read).
-        Raises the harness's error for a prompt the policy cannot take."""
+        """The prompt ids (spliced), the parsers, the token budget within the policy's context
+        (`Admission.budget`), the engine for the conversation and its call, opened last (nothing
+        is sent before it is read). Raises the harness's error for a prompt the policy cannot take."""
         t0 = time.perf_counter()
         tok = await self.discovery.tokenizer()
         prompt_ids, ref, ref_len, hashes = await self.prompts.prompt(req, ctx.session_id)
@@ -323,20 +348,8 @@ class Generation:
             id_prefix=ctx.id_prefix,
             tools=req.tools,  # formats with text values (qwen3_coder, glm45) type them by the schema
         )
-        max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
-        if self.config.max_tokens_cap and max_tokens > self.config.max_tokens_cap:
-            max_tokens = self.config.max_tokens_cap
-        context = await self.discovery.context_length()
-        if context:
-            if len(prompt_ids) >= context:
-                raise ProviderError(
-                    "invalid_request",
-                    f"prompt is too long: {len(prompt_ids)} tokens > {context - 1} maximum of the policy",
-                    400,
-                )
-            # Harnesses ask for their provider's limits (Claude Code: 32k-64k); fit the policy's.
-            max_tokens = min(max_tokens, context - len(prompt_ids))
-        api = APIS[await self.discovery.engine_kind()]
+        max_tokens = await self.admission.budget(req, len(prompt_ids))
+        api = await self.discovery.engine_api()
         lp_mode = await self.logprobs_mode(req)
         params = api.sampling_params(
             req.sampling.model_copy(update={"max_tokens": max_tokens}),
@@ -367,7 +380,6 @@ class Generation:
             key=key,
             engine=engine,
             gen=gen,
-            vllm=api.NAME == "vllm",
             logprobs_mode=lp_mode,
         )
 
@@ -445,57 +457,91 @@ class Generation:
     # -- chat mode -------------------------------------------------------------------------------
 
     async def stream_chat(self, req: ChatRequest, ctx: TurnContext) -> AsyncGenerator[Event, None]:
+        """A chat-mode turn: through the gate, the engine's call (`_plan_chat`), its whole reply
+        waited for with pings (`_wait_chat`), the turn stored (`_commit_chat`; an abort is stored
+        and raised), then the reply told to the harness in one piece."""
         t0 = time.perf_counter()
         turn_id = new_turn_id()
-        max_tokens = req.sampling.max_tokens or self.config.default_max_tokens
-        if self.config.max_tokens_cap:
-            max_tokens = min(max_tokens, self.config.max_tokens_cap)
         lp_mode = await self.logprobs_mode(req, ask=False)
         gated = False
         async for ev in self.gate.through(turn_id, 0):
             gated = True
             yield ev
+        turn = await self._plan_chat(req, ctx, turn_id, t0, lp_mode)
+        with self.gate.generation():  # from the call until its task is done
+            try:
+                if not gated:
+                    yield Started(turn_id=turn_id, prompt_tokens=0)
+                async with contextlib.aclosing(self._wait_chat(turn)) as waits:
+                    async for ev in waits:
+                        yield ev
+                data = self._chat_reply(turn)
+                result = parse_chat_result(data)
+            finally:
+                if not turn.task.done():
+                    turn.task.cancel()
+                    await asyncio.wait({turn.task})
+        completion = await self._commit_chat(turn, data, result)
+        if completion.reasoning:
+            yield ReasoningDelta(text=completion.reasoning)
+        if completion.text:
+            yield TextDelta(text=completion.text)
+        for c in completion.tool_calls:
+            yield ToolCallEvent(call=c)
+        yield Done(completion=completion)
+
+    async def _plan_chat(
+        self, req: ChatRequest, ctx: TurnContext, turn_id: str, t0: float, lp_mode: str | None
+    ) -> _ChatTurn:
+        """The conversation's routing key and engine, and the engine's call, sent (with the weight
+        version's reading beside it where the engine's chat replies name none)."""
         hashes, echo = await self.prompts.echoed_turn(req, ctx.session_id)
         key = self.prompts.routing_key(req, ctx.session_id, hashes, echo[0] if echo is not None else None)
         engine = self.engines.pick(key)
-        version = self.versions.reading(engine.url, ctx.session_id) if self.engines.kind == "vllm" else None
-        task = asyncio.ensure_future(
-            self.client.chat(chat_body(req, max_tokens), url=engine.url, routing_key=key)
+        api = self.discovery.known_api()
+        version = (
+            None if api.VERSION_IN_CHAT_REPLY else self.versions.reading(api, engine.url, ctx.session_id)
         )
+        body = chat_body(req, self.admission.max_tokens(req))
+        task = asyncio.ensure_future(self.client.chat(body, url=engine.url, routing_key=key))
+        return _ChatTurn(req, ctx, turn_id, t0, lp_mode, hashes, echo, key, engine, task, version)
+
+    async def _wait_chat(self, turn: _ChatTurn) -> AsyncGenerator[Event, None]:
+        """Pings until the engine's call is done. The reply arrives whole: the first-token limit
+        bounds it, the engine is watched throughout."""
+        task = turn.task
 
         async def receive(timeout: float) -> asyncio.Future | None:
             done, _ = await asyncio.wait({task}, timeout=timeout)
             return task if done else None
 
-        with self.gate.generation():  # from the call until its task is done
-            try:
-                if not gated:
-                    yield Started(turn_id=turn_id, prompt_tokens=0)
-                # The reply arrives whole: the first-token limit bounds it, the engine is watched throughout.
-                async with contextlib.aclosing(self.paced(receive, engine, lambda: True)) as waits:
-                    async for done in waits:
-                        if done is not None:
-                            break
-                        yield Ping()
-                try:
-                    data = task.result()
-                except EngineUnreachable as e:
-                    self.engines.mark_dead(engine, e.message)
-                    raise
-                result = parse_chat_result(data)
-            finally:
-                if not task.done():
-                    task.cancel()
-                    await asyncio.wait({task})
+        async with contextlib.aclosing(self.paced(receive, turn.engine, lambda: True)) as waits:
+            async for done in waits:
+                if done is not None:
+                    break
+                yield Ping()
+
+    def _chat_reply(self, turn: _ChatTurn) -> dict[str, Any]:
+        """The engine's reply; an engine that did not answer is marked dead."""
+        try:
+            return turn.task.result()
+        except EngineUnreachable as e:
+            self.engines.mark_dead(turn.engine, e.message)
+            raise
+
+    async def _commit_chat(self, turn: _ChatTurn, data: Any, result: ChatResult) -> Completion:
+        """The finished turn's completion, stored; an aborted one is stored and its error raised
+        (an incomplete reply: the harness retries, the sampled tokens are kept)."""
+        req, ctx, echo = turn.req, turn.ctx, turn.echo
         abort = _chat_abort(data)
-        aborted = abort_error(abort, engine.url) if abort is not None else None
+        aborted = abort_error(abort, turn.engine.url) if abort is not None else None
         ref, ref_len = (
             await self.prompts.extends(result.prompt_ids, echo[0]) if echo is not None else (None, 0)
         )
         calls = [c.model_copy(update={"id": new_call_id(ctx.id_prefix)}) for c in result.tool_calls]
-        await WeightVersions.settle(version)
+        await WeightVersions.settle(turn.version)
         completion = build_completion(
-            turn_id,
+            turn.turn_id,
             req,
             text=result.text,
             reasoning=result.reasoning,
@@ -508,7 +554,7 @@ class Generation:
             reasoning_tokens=result.reasoning_tokens,
         )
         rec = turn_record(
-            turn_id,
+            turn.turn_id,
             req,
             ctx,
             status="aborted" if aborted else "ok",
@@ -520,21 +566,15 @@ class Generation:
             output_logprobs=result.output_logprobs,
             weight_version=result.weight_version
             if result.weight_version is not None
-            else WeightVersions.value(version),
-            msg_hash=hashes[-1],
+            else WeightVersions.value(turn.version),
+            msg_hash=turn.hashes[-1],
             error=aborted.message if aborted else None,
-            started=t0,
+            started=turn.t0,
             finish_reason="abort" if aborted else None,
-            logprobs_mode=lp_mode,
+            logprobs_mode=turn.logprobs_mode,
         )
         await asyncio.shield(self.store.insert_turn(rec))
         if aborted is not None:
-            raise aborted  # an incomplete reply: the harness retries, the sampled tokens are kept
-        self.prompts.keep_key(turn_id, key)
-        if completion.reasoning:
-            yield ReasoningDelta(text=completion.reasoning)
-        if completion.text:
-            yield TextDelta(text=completion.text)
-        for c in calls:
-            yield ToolCallEvent(call=c)
-        yield Done(completion=completion)
+            raise aborted
+        self.prompts.keep_key(turn.turn_id, turn.key)
+        return completion

@@ -22,7 +22,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from polar_mitm.backends.engine_api import VLLM_DEV_MODE
+from polar_mitm.backends.engine_api import VLLM_DEV_MODE, EngineAPI
 from polar_mitm.backends.engine_client import EngineClient
 from polar_mitm.neutral import ProviderError
 
@@ -60,9 +60,10 @@ class WeightVersions:
         """The weights may have changed (the gate resumed): every engine is read again."""
         self.epoch += 1
 
-    def reading(self, url: str, session_id: str) -> asyncio.Future[str | None]:
+    def reading(self, api: EngineAPI, url: str, session_id: str) -> asyncio.Future[str | None]:
         """The version for a turn of `session_id` that `url` is about to sample: the last reading
-        when it still holds, else a read sent now (shared with other turns that need one)."""
+        when it still holds, else a read sent now in `api`'s words (shared with other turns that
+        need one)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[str | None] = loop.create_future()
         if url in self._absent:
@@ -85,13 +86,13 @@ class WeightVersions:
         ):
             done.set_result(last.version)
             return done
-        asking = asyncio.ensure_future(self._read(url, _Reading(None, loop.time(), self.epoch)))
+        asking = asyncio.ensure_future(self._read(api, url, _Reading(None, loop.time(), self.epoch)))
         self._asking[url] = asking
         return asking
 
-    async def _read(self, url: str, reading: _Reading) -> str | None:
+    async def _read(self, api: EngineAPI, url: str, reading: _Reading) -> str | None:
         try:
-            reading.version = await self.client.vllm_weight_version(url)
+            reading.version = await self.client.weight_version(api, url)
         except ProviderError as e:  # the turn's own call says what is wrong with the engine
             log.debug("could not read the weight version of %s: %s", url, e.message)
             return None

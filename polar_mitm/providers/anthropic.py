@@ -372,118 +372,105 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
     return sse.encode(data, event=event)
 
 
-async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
-    """Anthropic SSE, produced as the policy generates. The end arrives only after the commit."""
-    index = -1
-    open_kind: str | None = None
-    reasoning = ""
-    started = False
-
-    def start(turn_id: str, prompt_tokens: int) -> bytes:
-        return _sse(
-            "message_start",
-            {
-                "type": "message_start",
-                "message": {
-                    "id": message_id(turn_id),
-                    "type": "message",
-                    "role": "assistant",
-                    "model": req.model,
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
-                },
+def _message_start(req: ChatRequest, turn_id: str, prompt_tokens: int) -> bytes:
+    return _sse(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": message_id(turn_id),
+                "type": "message",
+                "role": "assistant",
+                "model": req.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
             },
+        },
+    )
+
+
+class _Blocks:
+    """The content blocks of one streamed message: the open one's kind and index, and the
+    thinking so far (its signature closes a thinking block)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open_kind: str | None = None
+        self.reasoning = ""
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        """A delta of the open block."""
+        return _sse(
+            "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
         )
 
-    def close() -> bytes:
-        nonlocal open_kind
+    def close(self) -> bytes:
         out = b""
-        if open_kind == "thinking":
-            out += _sse(
-                "content_block_delta",
-                {
-                    "type": "content_block_delta",
-                    "index": index,
-                    "delta": {"type": "signature_delta", "signature": signature_for(reasoning)},
-                },
-            )
-        if open_kind is not None:
-            out += _sse("content_block_stop", {"type": "content_block_stop", "index": index})
-        open_kind = None
+        if self.open_kind == "thinking":
+            out += self.delta({"type": "signature_delta", "signature": signature_for(self.reasoning)})
+        if self.open_kind is not None:
+            out += _sse("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        self.open_kind = None
         return out
 
-    def open_block(kind: str, block: dict[str, Any]) -> bytes:
-        nonlocal index, open_kind
-        out = close()
-        index += 1
-        open_kind = kind
+    def open(self, kind: str, block: dict[str, Any]) -> bytes:
+        """The open block closed, and a block of `kind` started."""
+        out = self.close()
+        self.index += 1
+        self.open_kind = kind
         return out + _sse(
-            "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
+            "content_block_start",
+            {"type": "content_block_start", "index": self.index, "content_block": block},
         )
 
+    def end(self, c: Completion) -> bytes:
+        """The open block closed, and the message ended with the completion's stop reason and usage."""
+        out = self.close()
+        out += _sse(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": _stop_reason(c), "stop_sequence": c.stop_sequence},
+                "usage": {"output_tokens": c.usage.completion_tokens},
+            },
+        )
+        return out + _sse("message_stop", {"type": "message_stop"})
+
+
+async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> AsyncIterator[bytes]:
+    """Anthropic SSE, produced as the policy generates. The end arrives only after the commit."""
+    blocks = _Blocks()
+    started = False
     async for ev in events:
         if isinstance(ev, Started):
             started = True
-            yield start(ev.turn_id, ev.prompt_tokens)
+            yield _message_start(req, ev.turn_id, ev.prompt_tokens)
             continue
         if not started:
             started = True
-            yield start("turn_pending", 0)
+            yield _message_start(req, "turn_pending", 0)
         if isinstance(ev, Ping):
             yield _sse("ping", {"type": "ping"})
         elif isinstance(ev, ReasoningDelta):
             out = b""
-            if open_kind != "thinking":
-                out = open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            reasoning += ev.text
-            yield out + _sse(
-                "content_block_delta",
-                {
-                    "type": "content_block_delta",
-                    "index": index,
-                    "delta": {"type": "thinking_delta", "thinking": ev.text},
-                },
-            )
+            if blocks.open_kind != "thinking":
+                out = blocks.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            blocks.reasoning += ev.text
+            yield out + blocks.delta({"type": "thinking_delta", "thinking": ev.text})
         elif isinstance(ev, TextDelta):
             out = b""
-            if open_kind != "text":
-                out = open_block("text", {"type": "text", "text": ""})
-            yield out + _sse(
-                "content_block_delta",
-                {
-                    "type": "content_block_delta",
-                    "index": index,
-                    "delta": {"type": "text_delta", "text": ev.text},
-                },
-            )
+            if blocks.open_kind != "text":
+                out = blocks.open("text", {"type": "text", "text": ""})
+            yield out + blocks.delta({"type": "text_delta", "text": ev.text})
         elif isinstance(ev, ToolCallEvent):
             call = ev.call
-            out = open_block("tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-            yield out + _sse(
-                "content_block_delta",
-                {
-                    "type": "content_block_delta",
-                    "index": index,
-                    "delta": {
-                        "type": "input_json_delta",
-                        "partial_json": json.dumps(call.arguments, ensure_ascii=False),
-                    },
-                },
-            )
+            out = blocks.open("tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            partial = json.dumps(call.arguments, ensure_ascii=False)
+            yield out + blocks.delta({"type": "input_json_delta", "partial_json": partial})
         elif isinstance(ev, Done):
-            c = ev.completion
-            out = close()
-            out += _sse(
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(c), "stop_sequence": c.stop_sequence},
-                    "usage": {"output_tokens": c.usage.completion_tokens},
-                },
-            )
-            yield out + _sse("message_stop", {"type": "message_stop"})
+            yield blocks.end(ev.completion)
 
 
 def assemble(events: list[JsonEvent]) -> dict[str, Any]:

@@ -4,7 +4,9 @@ A style is one module (`anthropic`, `openai_chat`, `openai_responses`, `gemini`)
 itself is the object that implements `Style`, and the type checker holds each one to it (see the
 registry in `polar_mitm.providers`). Both directions of the API live in that one file: a request
 and an assistant reply are parsed by the same code whether the policy answers them or harvest
-mode records a real provider's, so an echoed reply always reads like the reply it echoes.
+mode records a real provider's, so an echoed reply always reads like the reply it echoes. A
+long style's reply half (rendering JSON and SSE, errors) may sit in a module beside it
+(`openai_responses_render`, `gemini_render`), whose names the style module takes.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 mitmproxy streams only responses that come from a server, so the routing addon sends provider
 model calls here (on loopback, inside the same process) and streams our answer back. This
-server speaks each provider's API: it parses with the style module, asks the policy, and renders
-the reply as JSON or as SSE while the policy generates.
+server speaks each provider's API: it reads the body, routes it to its style, parses it with the
+style module, asks the policy (which alone decides whether the prompt fits: `policy/admission.py`),
+and renders the reply as JSON or as SSE while the policy generates.
 
 Its port is reachable by every local process, so the proxy's gateway answers only requests that
 carry its per-process secret, which the routing addon adds to the flows it sends (a 403 in the
@@ -123,7 +124,6 @@ class Gateway:
         self._memo_bytes = 0
         # (session, style, field) of the unknown request fields already said (see _say_unknown).
         self._unknown_said: set[tuple[str, str, str]] = set()
-        self._bounds: asyncio.Future[tuple[int, bool]] | None = None  # see _read_bounds
         # Untagged calls shaped like side calls (see _side_signs), and the sessions told of one.
         self.side_call_suspects = 0
         self._suspects_said: set[str] = set()
@@ -268,7 +268,7 @@ class Gateway:
         request = call.request
         raw = await self._read(request)
         if ep not in ("models", "count_tokens"):
-            await self._refuse_what_cannot_fit(raw)
+            await self.policy.admit(raw)  # a prompt that cannot fit, refused before it is parsed
         large = len(raw) >= large_inputs.RELEASE_AFTER_BYTES
         body: Any
         if not raw:
@@ -297,7 +297,6 @@ class Gateway:
             finally:
                 self._memo_bytes += memo.size if memo is not None else 0
         self._say_unknown(session, style, body)
-        await self._check_fits(req)
         ctx = TurnContext(
             session_id=session,
             host=call.host,
@@ -333,65 +332,6 @@ class Gateway:
             f"request body is {what}; polar-mitm accepts at most {limit:,} (--max-request-bytes)",
             413,
         )
-
-    async def _refuse_what_cannot_fit(self, raw: bytes) -> None:
-        """Refuse, from the body's JSON alone (before a style reads it and anything is rendered), a
-        request whose user messages prove it longer than the policy's context: a 70,000-message
-        body would cost seconds of parsing and rendering before the policy said so."""
-        if self.policy.config.backend_mode != "render":
-            return
-        context = await self.policy.context_length()
-        # Each message counted takes ~30 bytes of JSON for at most ~2 tokens of the bound, so a
-        # body with fewer bytes than the context cannot be refused here.
-        if not context or len(raw) < context:
-            self._bounds_read()  # now, rather than when a huge body comes
-            return
-        longest, delimited = await asyncio.shield(self._bounds_read())
-        tokens, count, size = large_inputs.body_tokens_at_least(raw, longest, delimited)
-        if tokens >= context:
-            each = "at least one token each and " if delimited else ""
-            raise ProviderError(
-                "invalid_request",
-                f"prompt is too long: at least {tokens} tokens > {context - 1} maximum of the policy "
-                f"({count} user messages of {size} bytes of text: {each}no token of its tokenizer "
-                f"stands for more than {longest} bytes); shorten the conversation",
-                400,
-            )
-
-    def _bounds_read(self) -> asyncio.Future[tuple[int, bool]]:
-        """The future of `_read_bounds`, started once (again after it failed)."""
-        f = self._bounds
-        if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):
-            f = self._bounds = asyncio.ensure_future(self._read_bounds())
-            f.add_done_callback(lambda f: f.cancelled() or f.exception())  # said where awaited
-        return f
-
-    async def _read_bounds(self) -> tuple[int, bool]:
-        """(the longest token's bytes, whether user messages are delimited) of the policy's tokenizer
-        (~1 s of work, once)."""
-        tok = await self.policy.tokenizer()
-        longest = await asyncio.to_thread(large_inputs.longest_token_bytes, tok)
-        return longest, await asyncio.to_thread(large_inputs.users_delimited, tok)
-
-    async def _check_fits(self, req: ChatRequest) -> None:
-        """Refuse, before anything is tokenized, a prompt whose text alone proves it longer than the
-        policy's context (the policy itself would refuse it only after tokenizing it)."""
-        if self.policy.config.backend_mode != "render":
-            return
-        context = await self.policy.context_length()
-        if not context or large_inputs.rendered_text_bytes(req.messages) < context:
-            return  # cheap: fewer bytes than the context cannot be more tokens
-        tok = await self.policy.tokenizer()
-        longest = await asyncio.to_thread(large_inputs.longest_token_bytes, tok)
-        tokens, size = large_inputs.prompt_tokens_at_least(req.messages, longest)
-        if tokens >= context:
-            raise ProviderError(
-                "invalid_request",
-                f"prompt is too long: at least {tokens} tokens > {context - 1} maximum of the policy "
-                f"({size} bytes of message text, and no token of its tokenizer stands for more than "
-                f"{longest}); shorten the conversation",
-                400,
-            )
 
     def _tag(self, session: str, req: ChatRequest, request: web.Request) -> str | None:
         """The request's side-call tag; an untagged one shaped like a side call is counted, and
