@@ -41,10 +41,6 @@ PAGE_SESSIONS = 200
 STATUSES = ("ok", "failed", "running", "completed", "agent_timeout", "cancelled", "retried")
 
 
-def error_page(status: int, title: str, message: str, hint: Any = "") -> tuple[int, Html]:
-    return status, layout(title, problem(title, message, hint))
-
-
 # --- sessions -----------------------------------------------------------------------------------
 
 
