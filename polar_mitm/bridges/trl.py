@@ -311,6 +311,9 @@ def polar_grpo_trainer_class() -> type:
         as a callback and, unless `importance_sampling=False`, TRL's importance-sampling
         correction against the engine's logprobs (`args.vllm_importance_sampling_*` configure it)."""
 
+        # GRPOTrainer's own (typed by trl where it is installed; said here for a checkout without it).
+        use_vllm: bool
+
         def __init__(
             self,
             *args: Any,

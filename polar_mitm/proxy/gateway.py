@@ -116,7 +116,6 @@ class Gateway:
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.turns_served = 0
-        self.tokens_sampled = 0
         self.first_request = asyncio.Event()
         self._calls: set[asyncio.Task] = set()  # the handlers under way, for `stop`
         # Per (session, style): how the messages and tools of its last requests read (see ItemMemo).
@@ -400,7 +399,6 @@ class Gateway:
 
     def _count(self, tokens: int) -> None:
         self.turns_served += 1
-        self.tokens_sampled += tokens
 
     def _error(self, style: Style, e: ProviderError) -> web.Response:
         status, body = style.render_error(e)

@@ -325,7 +325,3 @@ def stub_hosts() -> set[str]:
     for r in all_recipes().values():
         out.update(r.stub_hosts)
     return out
-
-
-def recipe_path(name: str) -> Path:
-    return Path(str(resources.files("polar_mitm.recipes") / f"{name}.toml"))

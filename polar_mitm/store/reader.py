@@ -4,7 +4,7 @@ their references) and `turn_filter`, the selection every reader shares."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,41 +84,10 @@ def read_turns(
     where, args = turn_filter(
         session=session, task=task, since=since, tokens=None if include_text_only else True, rollout=rollout
     )
-    raw_cols = (
-        ", t.response, t.request_headers, t.headers_ref, "
-        + ", ".join(f"t.{c.strip()}" for c in REQUEST_COLUMNS.split(","))
-        if with_raw
-        else ""
-    )
-    sql = (
-        "SELECT t.id, t.session_id, t.seq, t.created_at, t.style, t.model, t.tag, t.status, t.finish_reason,"
-        " t.prompt_ref, t.prompt_ref_len, t.prompt_suffix, t.output_ids, t.output_logprobs, t.weight_version,"
-        f" t.logprobs_mode, t.tool_parse, s.task_id{raw_cols} FROM turns t JOIN sessions s ON s.id = t.session_id"
-        + (" WHERE " + " AND ".join(where) if where else "")
-        + " ORDER BY t.seq"
-    )
     requests = RequestReader(db)
     try:
-        for row in db.execute(sql, args):
-            (
-                tid,
-                sid,
-                seq,
-                created,
-                style,
-                model,
-                tag,
-                status,
-                finish,
-                ref,
-                ref_len,
-                suffix,
-                out,
-                lps,
-                wv,
-                lp_mode,
-                tool_parse,
-            ) = row[:17]
+        for row in db.execute(_turns_sql(where, with_raw), args):
+            tid, ref, ref_len, suffix, out = row[0], row[9], row[10], row[11], row[12]
             prompt = ids_of(suffix)
             if ref:
                 base = cache.get(ref)
@@ -127,32 +96,60 @@ def read_turns(
                 prompt = _join(base[0][:ref_len], prompt)
             output = ids_of(out)
             cache.put(tid, _join(prompt, output), len(prompt))
-            # Values come straight from our own schema: skip validation, it dominated export time.
-            yield Turn.model_construct(
-                id=tid,
-                session_id=sid,
-                seq=seq,
-                created_at=created,
-                style=style,
-                model=model,
-                tag=tag,
-                status=status,
-                finish_reason=finish,
-                prompt_ids=prompt,
-                output_ids=output,
-                output_logprobs=logprobs_of(lps),
-                prompt_ref=ref,
-                prompt_ref_len=ref_len,
-                weight_version=wv,
-                logprobs_mode=lp_mode,
-                tool_parse=tool_parse,
-                task_id=row[17],
-                request=requests.text(tid, *row[21:]) if with_raw else None,
-                request_headers=requests.headers(tid, row[19], row[20]) if with_raw else {},
-                response=row[18] if with_raw else None,
-            )
+            yield _turn(row, prompt, output, logprobs_of(row[13]), requests if with_raw else None)
     finally:
         db.close()
+
+
+def _turns_sql(where: list[str], with_raw: bool) -> str:
+    """`read_turns`' query: a turn's columns and its session's task (then, `with_raw`, its stored
+    response, headers and request columns), oldest first."""
+    raw_cols = (
+        ", t.response, t.request_headers, t.headers_ref, "
+        + ", ".join(f"t.{c.strip()}" for c in REQUEST_COLUMNS.split(","))
+        if with_raw
+        else ""
+    )
+    return (
+        "SELECT t.id, t.session_id, t.seq, t.created_at, t.style, t.model, t.tag, t.status, t.finish_reason,"
+        " t.prompt_ref, t.prompt_ref_len, t.prompt_suffix, t.output_ids, t.output_logprobs, t.weight_version,"
+        f" t.logprobs_mode, t.tool_parse, s.task_id{raw_cols} FROM turns t JOIN sessions s ON s.id = t.session_id"
+        + (" WHERE " + " AND ".join(where) if where else "")
+        + " ORDER BY t.seq"
+    )
+
+
+def _turn(
+    row: Sequence[Any], prompt: Ids, output: Ids, logprobs: Ids, requests: RequestReader | None
+) -> Turn:
+    """A row of `_turns_sql` as a `Turn`, its token ids resolved; `requests` reads its raw request
+    and headers (None: without them)."""
+    (tid, sid, seq, created, style, model, tag, status, finish, ref, ref_len) = row[:11]
+    wv, lp_mode, tool_parse, task_id = row[14:18]
+    # Values come straight from our own schema: skip validation, it dominated export time.
+    return Turn.model_construct(
+        id=tid,
+        session_id=sid,
+        seq=seq,
+        created_at=created,
+        style=style,
+        model=model,
+        tag=tag,
+        status=status,
+        finish_reason=finish,
+        prompt_ids=prompt,
+        output_ids=output,
+        output_logprobs=logprobs,
+        prompt_ref=ref,
+        prompt_ref_len=ref_len,
+        weight_version=wv,
+        logprobs_mode=lp_mode,
+        tool_parse=tool_parse,
+        task_id=task_id,
+        request=requests.text(tid, *row[21:]) if requests is not None else None,
+        request_headers=requests.headers(tid, row[19], row[20]) if requests is not None else {},
+        response=row[18] if requests is not None else None,
+    )
 
 
 def _join(head: Ids, tail: Ids) -> Ids:

@@ -77,9 +77,6 @@ class RolloutLog:
         rows = await self.store.query("SELECT id FROM turns WHERE session_id = ? ORDER BY seq", (session_id,))
         return [r[0] for r in rows]
 
-    async def set_status(self, session_id: str, status: str) -> None:
-        await self.store.write(("UPDATE samples SET status = ? WHERE session_id = ?", (status, session_id)))
-
     async def finish_sample(
         self,
         session_id: str,

@@ -26,8 +26,6 @@ from polar_mitm.store.requests import zstd
 # Level 1: ~1 ms for a session's 0.45 MB of rows, within a few per cent of level 3's size.
 ROWS_LEVEL = 1
 
-FINAL_TASK_STATES = ("done", "cancelled")
-
 
 @dataclass
 class SampleRow:

@@ -240,7 +240,6 @@ class Store:
         Its request text is compressed in the store's thread, beside the commit, not on the loop."""
         # Sessions named by proxy credentials appear with their first turn.
         known = rec.session_id in self._sessions
-        suffix = rec.prompt_ids[rec.prompt_ref_len :] if rec.prompt_ref else rec.prompt_ids
         key = (rec.session_id, rec.tag, rec.path)
         request_ref, delta = self._request_delta(rec.request, rec.prompt_ref, self._last_request.get(key))
         zdict = self._dicts.get(rec.session_id)
@@ -248,40 +247,7 @@ class Store:
             self._dicts.move_to_end(rec.session_id)
         headers_ref, headers = self._headers_delta(rec.session_id, rec.request_headers)
         stored = (rec.request if delta is None else delta.middle) if self.compress else None
-        values = [
-            rec.id,
-            rec.session_id,
-            rec.created_at,
-            rec.style,
-            rec.host,
-            rec.path,
-            rec.model,
-            rec.tag,
-            rec.status,
-            rec.finish_reason,
-            rec.prompt_ref,
-            rec.prompt_ref_len if rec.prompt_ref else 0,
-            pack_ids(suffix),
-            len(rec.prompt_ids),
-            pack_ids(rec.output_ids),
-            pack_logprobs(rec.output_logprobs),
-            len(rec.output_ids),
-            rec.weight_version,
-            rec.msg_hash,
-            rec.post_hash,
-            rec.request if delta is None else None,
-            json.dumps(headers),
-            rec.response,
-            rec.error,
-            rec.latency_ms,
-            request_ref,
-            *((0, 0, None) if delta is None else delta),
-            0,
-            None,
-            headers_ref,
-            rec.logprobs_mode,
-            rec.tool_parse,
-        ]
+        values = _turn_row(rec, request_ref, delta, headers, headers_ref)
         statements: list[Statement] = []
         if not known:
             statements.append(
@@ -298,6 +264,17 @@ class Store:
         else:
             await self._run(self._write_turn, statements, values, stored, zdict)
         self._committed(_size(statements))
+        self._remember(rec, key, zdict, headers_ref)
+
+    def _remember(
+        self,
+        rec: Turn,
+        key: tuple[str, str | None, str | None],
+        zdict: tuple[str, requests.zstd.ZstdDict, int] | None,
+        headers_ref: str | None,
+    ) -> None:
+        """What the next turns are written against, once `rec` is committed: its session, its
+        post hash, its sequence, its request text and headers (each memory bounded)."""
         self._sessions.add(rec.session_id)
         if rec.status == "ok" and rec.post_hash is not None:
             self._post_hashes[(rec.session_id, rec.post_hash)] = rec.id
@@ -458,3 +435,48 @@ class Store:
 
     async def set_reward(self, session_id: str, value: float | None) -> None:
         await self.write(("UPDATE sessions SET reward = ? WHERE id = ?", (value, session_id)))
+
+
+def _turn_row(
+    rec: Turn,
+    request_ref: str | None,
+    delta: deltas.Delta | None,
+    headers: dict[str, Any],
+    headers_ref: str | None,
+) -> list[Any]:
+    """`rec` as the values of `_INSERT_TURN` (its prompt stored as the suffix past its reference)."""
+    suffix = rec.prompt_ids[rec.prompt_ref_len :] if rec.prompt_ref else rec.prompt_ids
+    return [
+        rec.id,
+        rec.session_id,
+        rec.created_at,
+        rec.style,
+        rec.host,
+        rec.path,
+        rec.model,
+        rec.tag,
+        rec.status,
+        rec.finish_reason,
+        rec.prompt_ref,
+        rec.prompt_ref_len if rec.prompt_ref else 0,
+        pack_ids(suffix),
+        len(rec.prompt_ids),
+        pack_ids(rec.output_ids),
+        pack_logprobs(rec.output_logprobs),
+        len(rec.output_ids),
+        rec.weight_version,
+        rec.msg_hash,
+        rec.post_hash,
+        rec.request if delta is None else None,
+        json.dumps(headers),
+        rec.response,
+        rec.error,
+        rec.latency_ms,
+        request_ref,
+        *((0, 0, None) if delta is None else delta),
+        0,
+        None,
+        headers_ref,
+        rec.logprobs_mode,
+        rec.tool_parse,
+    ]

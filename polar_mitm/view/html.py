@@ -2,7 +2,7 @@
 
 Everything a page shows from the store was written by an untrusted harness (prompts, replies,
 tool output, even session ids), so every value goes through `esc` or `attr`; markup is only ever
-built here and in `pages`, never from stored text. The layout loads our one script and one
+built here, in `pages` and in `token_pages`, never from stored text. The layout loads our one script and one
 stylesheet from /static (the Content-Security-Policy the server sends allows nothing else).
 """
 

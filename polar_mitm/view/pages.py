@@ -1,8 +1,8 @@
 """The viewer's pages, as pure functions from what the store (or the service) says to HTML.
 
 `server` reads the data and picks the page; nothing here does I/O. Each page is a stable URL:
-/sessions, /session/ID, /trajectory/ID (?strategy, ?page), /turn/ID, /rollouts, /group/ID,
-/plots and /live.
+/sessions, /session/ID, /rollouts, /group/ID, /plots and /live; the pages that show tokens,
+/trajectory/ID and /turn/ID, are `token_pages`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from polar_mitm.reconstruct.report import STAGE_COLUMNS, TaskReport
 from polar_mitm.reconstruct.trajectory import Trajectory
 from polar_mitm.store.queries import SessionListing, TurnFacts
 from polar_mitm.store.rollouts import SampleInfo
-from polar_mitm.strategies import Strategy
 from polar_mitm.view import plots
 from polar_mitm.view.html import (
     Html,
@@ -35,14 +34,10 @@ from polar_mitm.view.html import (
     tag,
     when,
 )
-from polar_mitm.view.tokens import TokenPage
+from polar_mitm.view.token_pages import nondefault, strategy_switch
 
 PAGE_SESSIONS = 200
 STATUSES = ("ok", "failed", "running", "completed", "agent_timeout", "cancelled", "retried")
-
-
-def error_page(status: int, title: str, message: str, hint: Any = "") -> tuple[int, Html]:
-    return status, layout(title, problem(title, message, hint))
 
 
 # --- sessions -----------------------------------------------------------------------------------
@@ -143,7 +138,7 @@ def _rows_tree(rows: Sequence[Trajectory], strategy: str, query: dict[str, Any])
 
     def item(r: Trajectory) -> Html:
         label = link(
-            path("trajectory", r.trajectory_id, strategy=_nondefault(strategy), **query), r.trajectory_id
+            path("trajectory", r.trajectory_id, strategy=nondefault(strategy), **query), r.trajectory_id
         )
         line = Html(
             tag("span", r.role, class_=f"role {r.role}")
@@ -161,33 +156,6 @@ def _rows_tree(rows: Sequence[Trajectory], strategy: str, query: dict[str, Any])
         return tag("li", Html(line + sub))
 
     return tag("ul", join(item(r) for r in children.get(None, [])), class_="tree")
-
-
-def _nondefault(strategy: str) -> str | None:
-    return None if strategy == Strategy.PREFIX_MERGE else strategy
-
-
-def strategy_switch(base: tuple[str, ...], strategy: str) -> Html:
-    return tag(
-        "p",
-        join(
-            [
-                "rows: ",
-                link(
-                    path(*base),
-                    Strategy.PREFIX_MERGE,
-                    class_="on" if strategy == Strategy.PREFIX_MERGE else None,
-                ),
-                " · ",
-                link(
-                    path(*base, strategy=Strategy.PER_REQUEST),
-                    Strategy.PER_REQUEST,
-                    class_="on" if strategy == Strategy.PER_REQUEST else None,
-                ),
-            ]
-        ),
-        class_="switch",
-    )
 
 
 def session(
@@ -254,7 +222,7 @@ def session(
 def _selection_switch(base: tuple[str, ...], strategy: str, query: dict[str, Any]) -> Html:
     """Links that add or drop side calls and aborted turns (export leaves both out by default)."""
     side, aborted = bool(query.get("side")), bool(query.get("aborted"))
-    s = _nondefault(strategy)
+    s = nondefault(strategy)
     toggle_side = path(*base, strategy=s, side=None if side else "1", aborted=query.get("aborted"))
     toggle_aborted = path(*base, strategy=s, side=query.get("side"), aborted=None if aborted else "1")
     return tag(
@@ -269,313 +237,6 @@ def _selection_switch(base: tuple[str, ...], strategy: str, query: dict[str, Any
         ),
         class_="switch muted",
     )
-
-
-# --- a trajectory -------------------------------------------------------------------------------
-
-KIND_CLASS = {"prompt": "p", "context": "c", "sampled": "s", "copy": "y"}
-
-
-def token_spans(page: TokenPage) -> Html:
-    """The page's tokens, one span each (`data-i`: its index on the page), with a mark where each
-    turn's sampled tokens begin."""
-    out: list[str] = []
-    text = page.text
-    for k, token_id in enumerate(page.ids):
-        at = page.start + k
-        if at in page.boundaries:
-            span = page.spans[page.boundaries[at]]
-            out.append(
-                f'<a class="turn-mark" href="{path("turn", span.turn_id)}" data-turn="{span.index}">'
-                f"turn {span.index + 1}</a>"
-            )
-        cls = "t " + KIND_CLASS[page.kind[k]]
-        if page.trained[k]:
-            cls += f" b{page.shade[k]}"
-        piece = text[k] if text is not None else f"{token_id} "
-        if not piece:
-            cls += " e"
-        out.append(f'<span class="{cls}" data-i="{k}">{esc(piece)}</span>')
-    return Html("".join(out))
-
-
-def _minimap(row: Trajectory, page: TokenPage, base: tuple[str, ...], query: dict[str, Any]) -> Html:
-    """One cell per page: how much of it is trained; the current page marked."""
-    size = page.size
-    mask = row.loss_mask
-    cut = len(row.prompt_ids)
-    cells = []
-    for p in range(page.pages):
-        lo, hi = p * size, min(row.num_tokens, (p + 1) * size)
-        trained = int(mask[max(0, lo - cut) : max(0, hi - cut)].sum()) if hi > cut else 0
-        level = min(4, (5 * trained) // max(1, hi - lo))
-        cells.append(
-            link(
-                path(*base, **query, page=p),
-                "",
-                class_=f"cell l{level}" + (" on" if p == page.number else ""),
-                title=f"page {p + 1}: tokens {lo:,}–{hi:,}, {trained:,} trained",
-            )
-        )
-    return tag("div", join(cells), class_="minimap")
-
-
-def trajectory(
-    row: Trajectory,
-    page: TokenPage,
-    *,
-    strategy: str,
-    related: Sequence[Trajectory],
-    tokenizer_note: str | None,
-    query: dict[str, Any],
-    break_tokens: Sequence[tuple[str, str]] = (),
-) -> Html:
-    meta = row.meta
-    base = ("trajectory", row.trajectory_id)
-    parent = (
-        link(path("trajectory", row.parent_id, strategy=_nondefault(strategy)), row.parent_id)
-        if row.parent_id
-        else "-"
-    )
-    children = [r for r in related if r.parent_id == row.trajectory_id]
-    head = facts(
-        [
-            ("session", link(path("session", row.session_id), row.session_id)),
-            ("task", row.task_id or "-"),
-            ("role", tag("span", row.role, class_=f"role {row.role}")),
-            ("parent", parent),
-            (
-                "children",
-                join(
-                    (
-                        link(
-                            path("trajectory", c.trajectory_id, strategy=_nondefault(strategy)),
-                            f"{c.role} {c.trajectory_id}",
-                        )
-                        for c in children
-                    ),
-                    ", ",
-                )
-                or "-",
-            ),
-            ("strategy", strategy),
-            ("turns", row.num_turns),
-            (
-                "tokens",
-                Html(
-                    f"{row.num_tokens:,} (prompt {len(row.prompt_ids):,}, trained "
-                    + tag("span", f"{row.num_trained}", id="trained-count", data_trained=row.num_trained)
-                    + ")"
-                ),
-            ),
-            ("finish", row.finish_reason),
-            ("reward", "-" if row.reward is None else f"{row.reward:g}"),
-            ("weight versions", ", ".join(meta.get("weight_versions") or []) or "-"),
-            ("branched from", meta.get("branched_from") or "-"),
-        ]
-        + (
-            [
-                (
-                    "rollout sample",
-                    f"{row.group_id} #{row.sample_index} · {row.status} · advantage {num(row.advantage)}",
-                )
-            ]
-            if row.group_id
-            else []
-        )
-    )
-    breaks = meta.get("breaks") or []
-    breaks_html: Html = Html("")
-    if breaks:
-        rows = []
-        for i, b in enumerate(breaks):
-            k = b.get("common_prefix", 0)
-            mine, theirs = break_tokens[i] if i < len(break_tokens) else ("?", "?")
-            rows.append(
-                Row(
-                    [
-                        tag("span", b.get("class"), class_=f"break {b.get('class')}"),
-                        b.get("at"),
-                        link(path("turn", b.get("turn_id", "")), b.get("turn_id")),
-                        link(path("turn", b.get("vs_turn", "")), b.get("vs_turn")),
-                        link(path(*base, **query, page=k // page.size) + f"#tok{k}", f"token {k:,}"),
-                        tag("code", mine),
-                        tag("code", theirs),
-                        "yes" if b.get("in_sampled") else "no",
-                    ]
-                )
-            )
-        breaks_html = Html(
-            tag("h2", "Breaks")
-            + table(
-                [
-                    "class",
-                    "at",
-                    "turn",
-                    "diverges from",
-                    "first differing token",
-                    "here",
-                    "there",
-                    "inside sampled",
-                ],
-                rows,
-                class_="grid breaks",
-            )
-        )
-    legend = tag(
-        "p",
-        Html(
-            tag("span", "prompt", class_="t p")
-            + " "
-            + tag("span", "context (tool results, user, template)", class_="t c")
-            + " "
-            + tag("span", "trained (shade: probability)", class_="t s b6")
-            + " "
-            + tag("span", "sampled, trained in another row", class_="t y")
-        ),
-        class_="legend",
-    )
-    note = tag("p", tokenizer_note, class_="warn") if tokenizer_note else ""
-    nav = []
-    if page.number > 0:
-        nav.append(link(path(*base, **query, page=page.number - 1), "← previous page", rel="prev"))
-    nav.append(
-        tag(
-            "span",
-            f"page {page.number + 1} of {page.pages} · tokens {page.start:,}–{page.start + len(page.ids):,}",
-        )
-    )
-    if page.number + 1 < page.pages:
-        nav.append(link(path(*base, **query, page=page.number + 1), "next page →", rel="next"))
-    body = Html(
-        head
-        + breaks_html
-        + strategy_switch(base, strategy)
-        + _minimap(row, page, base, query)
-        + legend
-        + note
-        + tag("p", join(nav, " "), class_="pager")
-        + tag("div", token_spans(page), id="tokens", class_="tokens", data_start=page.start)
-        + tag("div", "", id="tip", class_="tip", hidden=True)
-        + tag("p", join(nav, " "), class_="pager")
-        + json_block(_page_data(page))
-    )
-    return layout(f"Trajectory {row.trajectory_id}", body, active="sessions")
-
-
-# --- a turn -------------------------------------------------------------------------------------
-
-
-def turn(
-    facts_: TurnFacts,
-    *,
-    request: str | None,
-    response: str | None,
-    reply: tuple[str, str],
-    prompt_text: str,
-    output: TokenPage | None,
-    tokenizer_note: str | None,
-) -> Html:
-    t = facts_
-    head = facts(
-        [
-            ("session", link(path("session", t.session_id), t.session_id)),
-            ("style", t.style),
-            ("endpoint", f"{t.host or ''}{t.path or ''}" or "-"),
-            ("model", t.model or "-"),
-            ("tag", t.tag or "-"),
-            ("status", t.status),
-            ("finish", t.finish_reason or "-"),
-            ("weight version", t.weight_version or "-"),
-            ("created", when(t.created_at)),
-            ("latency", "-" if t.latency_ms is None else f"{t.latency_ms:.1f} ms"),
-            ("tokens", f"prompt {t.prompt_len:,} · sampled {t.output_len:,}"),
-            ("error", t.error or "-"),
-            ("row", link(path("trajectory", t.id), "the row holding this turn")),
-        ]
-    )
-    summary = _request_summary(request)
-    note = tag("p", tokenizer_note, class_="warn") if tokenizer_note else ""
-    body = Html(
-        head
-        + tag("h2", "Request as the harness sent it")
-        + summary
-        + tag(
-            "details", Html(tag("summary", "raw request (credentials removed)") + tag("pre", pretty(request)))
-        )
-        + tag("details", Html(tag("summary", "request headers") + tag("pre", pretty(t.request_headers))))
-        + tag("h2", "Rendered prompt")
-        + note
-        + tag(
-            "details",
-            Html(tag("summary", f"{t.prompt_len:,} tokens") + tag("pre", prompt_text, class_="prompt")),
-        )
-        + tag("h2", "What the engine sampled")
-        + (tag("div", token_spans(output), id="tokens", class_="tokens") if output else tag("p", "nothing"))
-        + tag("div", "", id="tip", class_="tip", hidden=True)
-        + (json_block(_page_data(output)) if output else "")
-        + tag("h2", "Reply the harness received")
-        + tag("p", reply[0], class_="muted", id="reply-kind")
-        + tag("pre", reply[1], id="reply")
-        + tag(
-            "details",
-            Html(tag("summary", "the completion as recorded (neutral JSON)") + tag("pre", pretty(response))),
-        )
-    )
-    return layout(f"Turn {t.id}", body, active="sessions")
-
-
-def _page_data(page: TokenPage) -> dict[str, Any]:
-    return {
-        "start": page.start,
-        "ids": page.ids,
-        "lp": page.logprobs,
-        "trained": [int(x) for x in page.trained],
-        "turn": page.turn,
-        "turns": [
-            {"id": s.turn_id, "wv": s.weight_version, "tag": s.tag, "n": s.index + 1} for s in page.spans
-        ],
-        "text": page.text is not None,
-    }
-
-
-def _request_summary(request: str | None) -> Html:
-    """Messages (role and the start of their text) and tool names of a native request."""
-    try:
-        body = json.loads(request or "")
-    except ValueError:
-        return tag("p", "no request stored" if request is None else "the request is not JSON")
-    if not isinstance(body, dict):
-        return Html("")
-    messages = body.get("messages") or body.get("input") or body.get("contents") or []
-    rows = []
-    if isinstance(body.get("system"), (str, list)):
-        rows.append(Row(["system", _short(body["system"])]))
-    if isinstance(body.get("instructions"), str):
-        rows.append(Row(["instructions", _short(body["instructions"])]))
-    if isinstance(messages, list):
-        for m in messages:
-            if isinstance(m, dict):
-                role = m.get("role") or m.get("type") or "?"
-                content = m.get("content", m.get("parts", m.get("output", "")))
-                rows.append(Row([role, _short(content)]))
-    tools = body.get("tools") or []
-    names = []
-    if isinstance(tools, list):
-        for tl in tools:
-            if isinstance(tl, dict):
-                names.append(
-                    tl.get("name") or (tl.get("function") or {}).get("name") or tl.get("type") or "?"
-                )
-    return Html(
-        table(["role", "content"], rows, class_="grid messages", empty="no messages")
-        + tag("p", f"tools ({len(names)}): " + (", ".join(str(n) for n in names) or "none"), class_="muted")
-    )
-
-
-def _short(content: Any, limit: int = 400) -> str:
-    text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
-    return text if len(text) <= limit else text[:limit] + f" … ({len(text):,} characters)"
 
 
 # --- rollouts and groups ------------------------------------------------------------------------

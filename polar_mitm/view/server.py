@@ -40,7 +40,7 @@ from polar_mitm.store import queries
 from polar_mitm.store.reader import read_turns
 from polar_mitm.store.rollouts import read_samples
 from polar_mitm.strategies import Normalize, Strategy, choices
-from polar_mitm.view import pages
+from polar_mitm.view import pages, token_pages
 from polar_mitm.view.html import Html, tag
 from polar_mitm.view.live import LiveRelay
 from polar_mitm.view.reply import native_reply
@@ -386,7 +386,7 @@ class Viewer:
 
         row, rows, page, note, break_tokens = await self._thread(read)
         return _html(
-            pages.trajectory(
+            token_pages.trajectory(
                 row,
                 page,
                 strategy=strategy,
@@ -459,7 +459,7 @@ class Viewer:
                 turn.response or "",
             )
         return _html(
-            pages.turn(
+            token_pages.turn(
                 facts,
                 request=turn.request,
                 response=turn.response,
