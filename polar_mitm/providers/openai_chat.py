@@ -515,25 +515,11 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
             yield chunk({"content": ev.text})
         elif isinstance(ev, ToolCallEvent):
             tool_index += 1
-            call = ev.call
-            if call.name in _custom(req):  # a freeform call: whole, in one chunk
-                yield chunk({"tool_calls": [{"index": tool_index, **_tool_call(call, _custom(req))}]})
-                continue
-            # As OpenAI streams them: the call's id and name first, then its arguments.
-            yield chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": tool_index,
-                            "id": call.id,
-                            "type": "function",
-                            "function": {"name": call.name, "arguments": ""},
-                        }
-                    ]
-                }
-            ) + chunk(
-                {"tool_calls": [{"index": tool_index, "function": {"arguments": call.arguments_json()}}]}
-            )
+            # Each call whole, in one chunk: id, name and arguments together. OpenAI itself sends
+            # the arguments in later chunks without the name, which Mistral's SDK (Mistral Vibe)
+            # refuses (it requires `function.name` in every tool-call chunk); every client that
+            # accumulates OpenAI's deltas reads one whole chunk too.
+            yield chunk({"tool_calls": [{"index": tool_index, **_tool_call(ev.call, _custom(req))}]})
         elif isinstance(ev, Done):
             c = ev.completion
             out = chunk({}, _FINISH.get(c.finish_reason, "stop"))
