@@ -56,8 +56,10 @@ def unknown_fields(body: Any) -> list[str]:
     unknown = base.unknown_fields(body, KNOWN_FIELDS)
     # Claude Code sends these every turn in forms the policy reads or that change nothing it sees:
     # an effort hint, a structured output format (read as the JSON schema), and clearing thinking
-    # from history (which the policy's template decides). Other forms (clearing tool results
-    # server-side) would: said.
+    # from history (which the policy's template decides); OpenClaw asks for server-side compaction
+    # past a threshold (the policy is given the whole context; past its window the harness is told
+    # the prompt is too long, and compacts). Other forms (clearing tool results server-side) would
+    # change what the policy sees: said.
     if "output_config" in unknown and _keys_within(body.get("output_config"), {"effort", "format"}):
         unknown.remove("output_config")
     if "context_management" in unknown and _only_clears_thinking(body.get("context_management")):
@@ -95,7 +97,10 @@ def _only_clears_thinking(value: Any) -> bool:
     return (
         _keys_within(value, {"edits"})
         and isinstance(edits, list)
-        and all(isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking") for e in edits)
+        and all(
+            isinstance(e, dict) and str(e.get("type", "")).startswith(("clear_thinking", "compact_"))
+            for e in edits
+        )
     )
 
 

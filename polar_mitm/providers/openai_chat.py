@@ -54,9 +54,19 @@ KNOWN_FIELDS = frozenset(
     {"model", "messages", "tools", "tool_choice", "functions", "function_call", "max_tokens"}
     | {"max_completion_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream", "stream_options"}
     | {"response_format", "reasoning_effort", "chat_template_kwargs", "enable_thinking"}
+    # Read as the thinking switch: Moonshot's `thinking` (Kimi Code) and OpenRouter's `reasoning`.
+    | {"thinking", "reasoning"}
     | {"user", "metadata", "store", "parallel_tool_calls", "seed", "frequency_penalty"}
     | {"presence_penalty", "logit_bias", "logprobs", "top_logprobs", "service_tier", "prompt_cache_key"}
     | {"safety_identifier", "verbosity"}
+    # Ignored, each for its reason:
+    # - preserve_thinking (DashScope, Qwen Code): keep earlier replies' reasoning in the prompt,
+    #   which splicing does anyway (an earlier reply is rendered as the ids sampled, reasoning and
+    #   all); under --history template the template decides, as for every other history.
+    # - session_id (OpenRouter): groups requests for the provider's accounting.
+    # - search_parameters (xAI live search, Grok CLI): the policy has no search; it answers from the
+    #   messages sent, and the stored prompt is what it saw.
+    | {"preserve_thinking", "session_id", "search_parameters"}
 )
 
 
@@ -322,17 +332,29 @@ def _json_schema(rf: Any) -> dict[str, Any] | None:
     raise _bad(f"response_format.type: unsupported value {kind!r}", "response_format.type")
 
 
+def _effort_thinks(effort: Any) -> bool | None:
+    return effort not in ("none", "minimal") if isinstance(effort, str) else None
+
+
 def _thinking(body: dict[str, Any]) -> bool | None:
-    """Qwen-style switches (`enable_thinking`, `chat_template_kwargs`) or OpenAI's reasoning_effort."""
+    """Qwen-style switches (`enable_thinking`, `chat_template_kwargs`), Moonshot's `thinking`
+    (`{"type": "enabled" | "disabled"}`; its `keep` of earlier reasoning is what splicing does),
+    OpenRouter's `reasoning` (`enabled`, or an `effort`), or OpenAI's reasoning_effort."""
     if isinstance(body.get("enable_thinking"), bool):
         return body["enable_thinking"]
     kwargs = body.get("chat_template_kwargs")
     if isinstance(kwargs, dict) and isinstance(kwargs.get("enable_thinking"), bool):
         return kwargs["enable_thinking"]
-    effort = body.get("reasoning_effort")
-    if isinstance(effort, str):
-        return effort not in ("none", "minimal")
-    return None
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        return thinking["type"] == "enabled"
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict):
+        if isinstance(reasoning.get("enabled"), bool):
+            return reasoning["enabled"]
+        if (effort := _effort_thinks(reasoning.get("effort"))) is not None:
+            return effort
+    return _effort_thinks(body.get("reasoning_effort"))
 
 
 def parse_request(

@@ -65,7 +65,19 @@ KNOWN_FIELDS = frozenset(
 
 
 def unknown_fields(body: Any) -> list[str]:
-    return base.unknown_fields(body, KNOWN_FIELDS)
+    unknown = base.unknown_fields(body, KNOWN_FIELDS)
+    # OpenClaw's server-side compaction (`[{"type": "compaction", "compact_threshold": N}]`): past
+    # N tokens OpenAI's server would compact the context itself. The policy is given the whole
+    # context (past its window the harness is told the prompt is too long, and compacts): said
+    # only in another form.
+    cm = body.get("context_management") if isinstance(body, dict) else None
+    if (
+        "context_management" in unknown
+        and isinstance(cm, list)
+        and all(isinstance(e, dict) and e.get("type") == "compaction" for e in cm)
+    ):
+        unknown.remove("context_management")
+    return unknown
 
 
 REASONING_TOKEN_PREFIX = "polar-r1:"
