@@ -69,10 +69,21 @@ def pins(install_sh: Path) -> tuple[dict[str, str], dict[str, tuple[str, str, tu
     return npm, py
 
 
+# Harnesses the generic recipe runs (no recipe of their own): their e2e tests' name, registry,
+# package.
+GENERIC = [("grok-cli", "npm", "@vibe-kit/grok-cli"), ("mistral-vibe", "pypi", "mistral-vibe")]
+
+
 def harnesses(install_sh: Path) -> list[Harness]:
     npm, py = pins(install_sh)
     out = []
-    for r in sorted(recipes.all_recipes().values(), key=lambda r: r.name):
+    for name, registry, package in GENERIC:
+        if registry == "npm":
+            out.append(Harness(name, "npm", package, npm.get(package)))
+        else:
+            version, venv, cmds, extras = py.get(package, (None, None, (), ""))
+            out.append(Harness(name, "pypi", package, version, venv, cmds, extras=extras))
+    for r in recipes.all_recipes().values():
         if r.npm:
             own_node = re.search(rf'_PINS="node@(\S+) {re.escape(r.npm)}@', install_sh.read_text())
             out.append(Harness(r.name, "npm", r.npm, npm.get(r.npm), node=own_node[1] if own_node else None))
@@ -82,7 +93,7 @@ def harnesses(install_sh: Path) -> list[Harness]:
             out.append(
                 Harness(r.name, "pypi", pkg, version, venv, cmds or tuple(r.binaries[:1]), extras=extras)
             )
-    return out
+    return sorted(out, key=lambda h: h.name)
 
 
 def newest(h: Harness) -> str | None:
