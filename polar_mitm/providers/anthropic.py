@@ -1,8 +1,8 @@
 """Anthropic Messages API: native request → ChatRequest, Completion/events → native JSON or SSE.
 
 Claude Code's volatile request noise is normalized here, where it is parsed: the per-request
-`x-anthropic-billing-header … cch=` system line is dropped and `cache_control` markers are
-never read, so the same conversation always maps to the same neutral messages.
+`x-anthropic-billing-header … cch=` system line is dropped (`base.without_billing_line`, as in
+every style) and `cache_control` markers are never read, so the same conversation always maps to the same neutral messages.
 """
 
 from __future__ import annotations
@@ -104,8 +104,6 @@ def _only_clears_thinking(value: Any) -> bool:
     )
 
 
-_BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:.*$", re.MULTILINE)
-
 ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
     "authentication": "authentication_error",
@@ -164,9 +162,7 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _system_text(system: Any) -> str:
-    text = _text_of(system, "system")
-    if "x-anthropic-billing-header:" in text:  # the regex alone scans a 100 KB prompt for ms
-        text = _BILLING_LINE.sub("", text)
+    text = base.without_billing_line(_text_of(system, "system"))
     return re.sub(r"^(\s*\n)+", "", text).strip("\n") if text.strip() else ""
 
 

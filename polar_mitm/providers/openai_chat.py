@@ -231,7 +231,7 @@ def _parse_message(i: int, m: Any) -> Message:
         return _assistant(m, where)
     content = _text_of(m.get("content"), f"{where}.content")
     if role in ("system", "developer"):
-        return Message(role="system", content=content)
+        return Message(role="system", content=base.without_billing_line(content))
     if role == "user":
         return Message(role="user", content=content)
     if role == "tool":

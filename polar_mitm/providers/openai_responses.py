@@ -356,6 +356,8 @@ class _Conversation:
                     f"{where}.role: unexpected value {role!r}; expected user, system, developer or assistant"
                 )
             self.flush()
+            if role != "user":
+                text = base.without_billing_line(text)
             self.messages.append(Message(role="user" if role == "user" else "system", content=text))
         elif kind == "reasoning":
             # Reasoning opens a reply; a second one after text or calls opens the next reply.
@@ -454,7 +456,7 @@ def parse_request(
     conv = _Conversation()
     instructions = body.get("instructions")
     if instructions is not None:
-        text = _parts_text(instructions, "instructions")
+        text = base.without_billing_line(_parts_text(instructions, "instructions"))
         if text:
             conv.messages.append(Message(role="system", content=text))
     raw_input = body.get("input")
