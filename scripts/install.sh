@@ -210,8 +210,8 @@ own_node() {
 job_pyenvs() {
 PY_ENVS=(
   "sdks|anthropic==2.15.0 openai==3.57.0 google-genai==3.6.1 litellm==1.110.2||"
-  # The Claude Agent SDK bundles its own Claude Code (2.1.332 in 0.2.189): about 15 s, 450 MB.
-  "claude-agent-sdk|claude-agent-sdk==0.2.189||"
+  # The Claude Agent SDK bundles its own Claude Code (2.1.337 in 0.2.190): about 45 s, 450 MB.
+  "claude-agent-sdk|claude-agent-sdk==0.2.190||"
   "mini-swe-agent|mini-swe-agent==2.4.6|mini|"
   "aider-chat|aider-chat==0.86.2|aider|"
   "kimi-cli-313|kimi-cli==1.51.0|kimi|3.13"
