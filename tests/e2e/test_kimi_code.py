@@ -6,6 +6,7 @@ then picked, and it must give Node our CA (it gave only Python's: "harness refus
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -35,10 +36,18 @@ def test_kimi_code_does_the_shell_task_and_every_turn_is_captured_token_exact(
     assert req1["model"] == "kimi-k2-turbo-preview" and req1["thinking"]["type"] == "enabled"
 
 
+def _kimi_code_bin() -> Path:
+    """The directory of Kimi Code's own `kimi`: install.sh's prefix, else one on PATH (the drift
+    script's scratch prefix)."""
+    dirs = [cache_dir() / "kimi-code" / "bin", *map(Path, os.environ.get("PATH", "").split(os.pathsep))]
+    for d in dirs:
+        if "@moonshot-ai/kimi-code" in str((d / "kimi").resolve()):
+            return d
+    pytest.fail("Kimi Code is not installed; scripts/install.sh installs it")
+
+
 def test_kimi_code_run_as_kimi_gets_the_kimi_recipe_with_nodes_ca(tmp_path, backend, qwen_tokenizer_dir):
-    prefix_bin = cache_dir() / "kimi-code" / "bin"
-    if not (prefix_bin / "kimi").exists():
-        pytest.fail(f"Kimi Code is not installed in {prefix_bin.parent}; scripts/install.sh installs it")
+    prefix_bin = _kimi_code_bin()
     env = harness_env(tmp_path / "home")
     env["PATH"] = os.pathsep.join([str(prefix_bin), env["PATH"]])  # its `kimi` before Kimi CLI's
     task = run_tool_task(
