@@ -13,6 +13,7 @@ tests look in first. Nothing installed for the suite is touched. The tests are t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -69,20 +70,34 @@ def pins(install_sh: Path) -> tuple[dict[str, str], dict[str, tuple[str, str, tu
     return npm, py
 
 
+# Harnesses the generic recipe runs (no recipe of their own): their e2e tests' name, registry,
+# package.
+GENERIC = [("grok-cli", "npm", "@vibe-kit/grok-cli"), ("mistral-vibe", "pypi", "mistral-vibe")]
+
+
 def harnesses(install_sh: Path) -> list[Harness]:
     npm, py = pins(install_sh)
     out = []
-    for r in sorted(recipes.all_recipes().values(), key=lambda r: r.name):
+    for name, registry, package in GENERIC:
+        if registry == "npm":
+            out.append(Harness(name, "npm", package, npm.get(package)))
+        else:
+            version, venv, cmds, extras = py.get(package, (None, None, (), ""))
+            out.append(Harness(name, "pypi", package, version, venv, cmds, extras=extras))
+    for r in recipes.all_recipes().values():
         if r.npm:
             own_node = re.search(rf'_PINS="node@(\S+) {re.escape(r.npm)}@', install_sh.read_text())
-            out.append(Harness(r.name, "npm", r.npm, npm.get(r.npm), node=own_node[1] if own_node else None))
+            node = own_node[1] if own_node else None
+            # A harness with a Node of its own is run by a launcher named as the recipe's binary.
+            cmds = tuple(r.binaries[:1]) if node else ()
+            out.append(Harness(r.name, "npm", r.npm, npm.get(r.npm), commands=cmds, node=node))
         elif r.pypi:
             pkg = re.split(r"[=<>!~ ]", r.pypi, maxsplit=1)[0]
             version, venv, cmds, extras = py.get(pkg, (None, None, (), ""))
             out.append(
                 Harness(r.name, "pypi", pkg, version, venv, cmds or tuple(r.binaries[:1]), extras=extras)
             )
-    return out
+    return sorted(out, key=lambda h: h.name)
 
 
 def newest(h: Harness) -> str | None:
@@ -134,6 +149,7 @@ def install(h: Harness, scratch: Path) -> tuple[dict[str, str] | None, str]:
             )
             if r.returncode != 0:
                 return None, f"cannot install: {_tail(r.stderr)}"
+        _launchers(h, prefix, cache / "bin")
         return path, ""
     venv = cache / "venvs" / (h.venv or h.name)
     if not (venv / "bin" / "python").exists():
@@ -151,6 +167,22 @@ def install(h: Harness, scratch: Path) -> tuple[dict[str, str] | None, str]:
         link.unlink(missing_ok=True)
         link.symlink_to(venv / "bin" / cmd)
     return {"POLAR_MITM_CACHE": str(cache)}, ""
+
+
+def _launchers(h: Harness, prefix: Path, bin_dir: Path) -> None:
+    """install.sh's launcher for a harness with a Node of its own whose command is not the
+    package's binary (Kimi Code's `kimi-code` runs `kimi`): the prefix's binary with the prefix
+    first on PATH."""
+    manifest = prefix / "lib" / "node_modules" / h.package / "package.json"
+    bins = json.loads(manifest.read_text()).get("bin") if manifest.exists() else None
+    if not isinstance(bins, dict) or len(bins) != 1:
+        return
+    binary = next(iter(bins))
+    for cmd in h.commands:
+        if cmd != binary:
+            launcher = bin_dir / cmd
+            launcher.write_text(f'#!/bin/sh\nPATH="{prefix}/bin:$PATH" exec "{prefix}/bin/{binary}" "$@"\n')
+            launcher.chmod(0o755)
 
 
 def _scratch_cache(scratch: Path, name: str) -> Path:

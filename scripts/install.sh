@@ -40,8 +40,8 @@ else
   say "  .venv: polar-mitm with its test extras (tokenizer builder, Ray, pytest, ruff, mypy, selenium, ...)"
   on "${POLAR_MITM_NO_TRAINERS:-}" && say "  .venv: torch, transformers, TRL, verl's types (~3.5 GB; off: POLAR_MITM_NO_TRAINERS=1)"
   say "  apt: tmux, chromium and chromedriver (and docker.io, debootstrap for Docker)"
-  say "  npm: ten harness CLIs (Claude Code, Codex, Gemini CLI, ...) and undici"
-  say "  \$POLAR_MITM_CACHE/venvs: the SDKs, mini-swe-agent, aider, kimi-cli, openhands"
+  say "  npm: the harness CLIs (Claude Code, Codex, Gemini CLI, Kimi Code, Grok CLI, ...) and undici"
+  say "  \$POLAR_MITM_CACHE/venvs: the SDKs, mini-swe-agent, aider, kimi-cli, openhands, hermes, Mistral Vibe, gptme"
   on "${POLAR_MITM_NO_HARBOR:-}" && say "  \$POLAR_MITM_CACHE/venvs/harbor: Harbor 0.25.0, the reference the Harbor tests compare with, and Docker Compose v2 (off: POLAR_MITM_NO_HARBOR=1)"
   on "${POLAR_MITM_NO_SGLANG:-}" && say "  real SGLang on CPU where ../shared/sglang-cpu is (off: POLAR_MITM_NO_SGLANG=1)"
   on "${POLAR_MITM_NO_APPTAINER:-}" && say "  Apptainer: the one on PATH, else built where ../shared/apptainer is (~5-8 min; off: POLAR_MITM_NO_APPTAINER=1)"
@@ -168,6 +168,8 @@ NPM_PACKAGES=(
   "@kilocode/cli@7.7.7"
   # Factory's Droid (its native binary, 295 MB; 5.5 min to install here on 2026-12-03).
   "droid@0.215.0"
+  # Grok CLI (run by the generic recipe): about 80 s and 90 MB.
+  "@vibe-kit/grok-cli@0.0.34"
 )
 npm_install "${NPM_PACKAGES[@]}"
 
@@ -176,17 +178,27 @@ npm_install "${NPM_PACKAGES[@]}"
 # and 840 MB).
 mkdir -p "$CACHE/bin"
 OPENCLAW_PINS="node@24.21.0 openclaw@2026.9.6"
-claw="$CACHE/openclaw"
-if [ "$(cat "$claw/.polar-mitm-installed" 2>/dev/null)" = "$OPENCLAW_PINS" ]; then
-  say "openclaw up to date"
-else
-  say "installing $OPENCLAW_PINS into $claw"
-  npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS%% *}"
-  PATH="$claw/bin:$PATH" npm install -g --prefix "$claw" --no-fund --no-audit "${OPENCLAW_PINS##* }"
-  echo "$OPENCLAW_PINS" > "$claw/.polar-mitm-installed"
-fi
-printf '#!/bin/sh\nPATH="%s/bin:$PATH" exec "%s/bin/openclaw" "$@"\n' "$claw" "$claw" > "$CACHE/bin/openclaw"
-chmod +x "$CACHE/bin/openclaw"
+own_node openclaw "$OPENCLAW_PINS" openclaw openclaw
+# Kimi Code needs Node >= 22.19 the same way; its binary is `kimi`, Kimi CLI's name, so its
+# launcher is $CACHE/bin/kimi-code (about 110 s and 310 MB).
+KIMI_CODE_PINS="node@24.21.0 @moonshot-ai/kimi-code@2.1.0"
+own_node kimi-code "$KIMI_CODE_PINS" kimi kimi-code
+}
+
+# own_node NAME PINS BINARY LAUNCHER: "node@V package@V" into the prefix $CACHE/NAME, and
+# $CACHE/bin/LAUNCHER running the prefix's BINARY with the prefix first on PATH.
+own_node() {
+  local name=$1 pins=$2 binary=$3 launcher=$4 prefix="$CACHE/$1"
+  if [ "$(cat "$prefix/.polar-mitm-installed" 2>/dev/null)" = "$pins" ]; then
+    say "$name up to date"
+  else
+    say "installing $pins into $prefix"
+    npm install -g --prefix "$prefix" --no-fund --no-audit "${pins%% *}"
+    PATH="$prefix/bin:$PATH" npm install -g --prefix "$prefix" --no-fund --no-audit "${pins##* }"
+    echo "$pins" > "$prefix/.polar-mitm-installed"
+  fi
+  printf '#!/bin/sh\nPATH="%s/bin:$PATH" exec "%s/bin/%s" "$@"\n' "$prefix" "$prefix" "$binary" > "$CACHE/bin/$launcher"
+  chmod +x "$CACHE/bin/$launcher"
 }
 
 # Python harnesses and SDKs, each in a virtualenv of its own under the cache directory (never the
@@ -198,8 +210,8 @@ chmod +x "$CACHE/bin/openclaw"
 job_pyenvs() {
 PY_ENVS=(
   "sdks|anthropic==2.15.0 openai==3.57.0 google-genai==3.6.1 litellm==1.110.2||"
-  # The Claude Agent SDK bundles its own Claude Code (2.1.332 in 0.2.189): about 15 s, 450 MB.
-  "claude-agent-sdk|claude-agent-sdk==0.2.189||"
+  # The Claude Agent SDK bundles its own Claude Code (2.1.337 in 0.2.190): about 45 s, 450 MB.
+  "claude-agent-sdk|claude-agent-sdk==0.2.190||"
   "mini-swe-agent|mini-swe-agent==2.4.6|mini|"
   "aider-chat|aider-chat==0.86.2|aider|"
   "kimi-cli-313|kimi-cli==1.51.0|kimi|3.13"
@@ -210,6 +222,11 @@ PY_ENVS=(
   # provider (the recipe's), which hermes otherwise pip-installs into its virtualenv on first use:
   # a container's read-only copy, with no network, cannot.
   "hermes-agent|hermes-agent[anthropic]==0.19.0|hermes|"
+  # Mistral Vibe (run by the generic recipe), about 65 s and 400 MB: 3.0.2, as 3.0.3 pins a
+  # certifi release PyPI does not have.
+  "mistral-vibe|mistral-vibe==3.0.2|vibe|"
+  # gptme, about 2 minutes and 240 MB.
+  "gptme|gptme==0.35.1|gptme|"
 )
 # Harbor itself (`harbor run -a oracle|nop -e docker`), the reference the Harbor-compatibility
 # test compares polar-mitm's verdicts with (tests/support/harbor_ref.py): about 2 minutes and

@@ -1,8 +1,8 @@
 """Anthropic Messages API: native request → ChatRequest, Completion/events → native JSON or SSE.
 
 Claude Code's volatile request noise is normalized here, where it is parsed: the per-request
-`x-anthropic-billing-header … cch=` system line is dropped and `cache_control` markers are
-never read, so the same conversation always maps to the same neutral messages.
+`x-anthropic-billing-header … cch=` system line is dropped (`base.without_billing_line`, as in
+every style) and `cache_control` markers are never read, so the same conversation always maps to the same neutral messages.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def unknown_fields(body: Any) -> list[str]:
     unknown = base.unknown_fields(body, KNOWN_FIELDS)
     # Claude Code sends these every turn in forms the policy reads or that change nothing it sees:
     # an effort hint, a structured output format (read as the JSON schema), and clearing thinking
-    # from history (which the policy's template decides). Other forms (clearing tool results
-    # server-side) would: said.
+    # from history (which the policy's template decides); OpenClaw asks for server-side compaction
+    # past a threshold (the policy is given the whole context; past its window the harness is told
+    # the prompt is too long, and compacts). Other forms (clearing tool results server-side) would
+    # change what the policy sees: said.
     if "output_config" in unknown and _keys_within(body.get("output_config"), {"effort", "format"}):
         unknown.remove("output_config")
     if "context_management" in unknown and _only_clears_thinking(body.get("context_management")):
@@ -95,11 +97,12 @@ def _only_clears_thinking(value: Any) -> bool:
     return (
         _keys_within(value, {"edits"})
         and isinstance(edits, list)
-        and all(isinstance(e, dict) and str(e.get("type", "")).startswith("clear_thinking") for e in edits)
+        and all(
+            isinstance(e, dict) and str(e.get("type", "")).startswith(("clear_thinking", "compact_"))
+            for e in edits
+        )
     )
 
-
-_BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:.*$", re.MULTILINE)
 
 ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -159,9 +162,7 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _system_text(system: Any) -> str:
-    text = _text_of(system, "system")
-    if "x-anthropic-billing-header:" in text:  # the regex alone scans a 100 KB prompt for ms
-        text = _BILLING_LINE.sub("", text)
+    text = base.without_billing_line(_text_of(system, "system"))
     return re.sub(r"^(\s*\n)+", "", text).strip("\n") if text.strip() else ""
 
 

@@ -12,6 +12,7 @@ long style's reply half (rendering JSON and SSE, errors) may sit in a module bes
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Literal, Protocol
 
@@ -30,6 +31,19 @@ from polar_mitm.neutral import (
 from polar_mitm.sse import JsonEvent
 
 Endpoint = Literal["generate", "count_tokens", "models"]
+
+# Claude Code's per-request system line (`x-anthropic-billing-header: cc_version=…; cch=…;`), whose
+# hash changes every request: kept, every turn would look like a new conversation. It reaches
+# every style: claude-code-router keeps it in the system prompt it sends on.
+_BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:.*$", re.MULTILINE)
+
+
+def without_billing_line(system: str) -> str:
+    """A system prompt without Claude Code's billing line (and the blank lines it leaves at the
+    start); a prompt without one is returned as it came."""
+    if "x-anthropic-billing-header:" not in system:  # the regex alone scans a 100 KB prompt for ms
+        return system
+    return re.sub(r"^(\s*\n)+", "", _BILLING_LINE.sub("", system))
 
 
 class Style(Protocol):

@@ -508,7 +508,7 @@ def parse_request(
     if not isinstance(contents, list):
         raise _bad("contents: field required (a list of Content objects)")
     messages: list[Message] = []
-    system = _system_text(body.get("systemInstruction"))
+    system = base.without_billing_line(_system_text(body.get("systemInstruction")))
     if system:
         messages.append(Message(role="system", content=system))
     pending: list[ToolCall] = []

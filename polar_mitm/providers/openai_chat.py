@@ -54,9 +54,19 @@ KNOWN_FIELDS = frozenset(
     {"model", "messages", "tools", "tool_choice", "functions", "function_call", "max_tokens"}
     | {"max_completion_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream", "stream_options"}
     | {"response_format", "reasoning_effort", "chat_template_kwargs", "enable_thinking"}
+    # Read as the thinking switch: Moonshot's `thinking` (Kimi Code) and OpenRouter's `reasoning`.
+    | {"thinking", "reasoning"}
     | {"user", "metadata", "store", "parallel_tool_calls", "seed", "frequency_penalty"}
     | {"presence_penalty", "logit_bias", "logprobs", "top_logprobs", "service_tier", "prompt_cache_key"}
     | {"safety_identifier", "verbosity"}
+    # Ignored, each for its reason:
+    # - preserve_thinking (DashScope, Qwen Code): keep earlier replies' reasoning in the prompt,
+    #   which splicing does anyway (an earlier reply is rendered as the ids sampled, reasoning and
+    #   all); under --history template the template decides, as for every other history.
+    # - session_id (OpenRouter): groups requests for the provider's accounting.
+    # - search_parameters (xAI live search, Grok CLI): the policy has no search; it answers from the
+    #   messages sent, and the stored prompt is what it saw.
+    | {"preserve_thinking", "session_id", "search_parameters"}
 )
 
 
@@ -221,7 +231,7 @@ def _parse_message(i: int, m: Any) -> Message:
         return _assistant(m, where)
     content = _text_of(m.get("content"), f"{where}.content")
     if role in ("system", "developer"):
-        return Message(role="system", content=content)
+        return Message(role="system", content=base.without_billing_line(content))
     if role == "user":
         return Message(role="user", content=content)
     if role == "tool":
@@ -322,17 +332,29 @@ def _json_schema(rf: Any) -> dict[str, Any] | None:
     raise _bad(f"response_format.type: unsupported value {kind!r}", "response_format.type")
 
 
+def _effort_thinks(effort: Any) -> bool | None:
+    return effort not in ("none", "minimal") if isinstance(effort, str) else None
+
+
 def _thinking(body: dict[str, Any]) -> bool | None:
-    """Qwen-style switches (`enable_thinking`, `chat_template_kwargs`) or OpenAI's reasoning_effort."""
+    """Qwen-style switches (`enable_thinking`, `chat_template_kwargs`), Moonshot's `thinking`
+    (`{"type": "enabled" | "disabled"}`; its `keep` of earlier reasoning is what splicing does),
+    OpenRouter's `reasoning` (`enabled`, or an `effort`), or OpenAI's reasoning_effort."""
     if isinstance(body.get("enable_thinking"), bool):
         return body["enable_thinking"]
     kwargs = body.get("chat_template_kwargs")
     if isinstance(kwargs, dict) and isinstance(kwargs.get("enable_thinking"), bool):
         return kwargs["enable_thinking"]
-    effort = body.get("reasoning_effort")
-    if isinstance(effort, str):
-        return effort not in ("none", "minimal")
-    return None
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        return thinking["type"] == "enabled"
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict):
+        if isinstance(reasoning.get("enabled"), bool):
+            return reasoning["enabled"]
+        if (effort := _effort_thinks(reasoning.get("effort"))) is not None:
+            return effort
+    return _effort_thinks(body.get("reasoning_effort"))
 
 
 def parse_request(
@@ -515,25 +537,11 @@ async def render_stream(events: AsyncIterator[Event], req: ChatRequest) -> Async
             yield chunk({"content": ev.text})
         elif isinstance(ev, ToolCallEvent):
             tool_index += 1
-            call = ev.call
-            if call.name in _custom(req):  # a freeform call: whole, in one chunk
-                yield chunk({"tool_calls": [{"index": tool_index, **_tool_call(call, _custom(req))}]})
-                continue
-            # As OpenAI streams them: the call's id and name first, then its arguments.
-            yield chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": tool_index,
-                            "id": call.id,
-                            "type": "function",
-                            "function": {"name": call.name, "arguments": ""},
-                        }
-                    ]
-                }
-            ) + chunk(
-                {"tool_calls": [{"index": tool_index, "function": {"arguments": call.arguments_json()}}]}
-            )
+            # Each call whole, in one chunk: id, name and arguments together. OpenAI itself sends
+            # the arguments in later chunks without the name, which Mistral's SDK (Mistral Vibe)
+            # refuses (it requires `function.name` in every tool-call chunk); every client that
+            # accumulates OpenAI's deltas reads one whole chunk too.
+            yield chunk({"tool_calls": [{"index": tool_index, **_tool_call(ev.call, _custom(req))}]})
         elif isinstance(ev, Done):
             c = ev.completion
             out = chunk({}, _FINISH.get(c.finish_reason, "stop"))

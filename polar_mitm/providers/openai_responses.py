@@ -62,7 +62,19 @@ KNOWN_FIELDS = frozenset(
 
 
 def unknown_fields(body: Any) -> list[str]:
-    return base.unknown_fields(body, KNOWN_FIELDS)
+    unknown = base.unknown_fields(body, KNOWN_FIELDS)
+    # OpenClaw's server-side compaction (`[{"type": "compaction", "compact_threshold": N}]`): past
+    # N tokens OpenAI's server would compact the context itself. The policy is given the whole
+    # context (past its window the harness is told the prompt is too long, and compacts): said
+    # only in another form.
+    cm = body.get("context_management") if isinstance(body, dict) else None
+    if (
+        "context_management" in unknown
+        and isinstance(cm, list)
+        and all(isinstance(e, dict) and e.get("type") == "compaction" for e in cm)
+    ):
+        unknown.remove("context_management")
+    return unknown
 
 
 # Codex's "responses_compaction_v2" ends its input with a `compaction_trigger` item and expects
@@ -305,6 +317,8 @@ class _Conversation:
                     f"{where}.role: unexpected value {role!r}; expected user, system, developer or assistant"
                 )
             self.flush()
+            if role != "user":
+                text = base.without_billing_line(text)
             self.messages.append(Message(role="user" if role == "user" else "system", content=text))
         elif kind == "reasoning":
             # Reasoning opens a reply; a second one after text or calls opens the next reply.
@@ -403,7 +417,7 @@ def parse_request(
     conv = _Conversation()
     instructions = body.get("instructions")
     if instructions is not None:
-        text = _parts_text(instructions, "instructions")
+        text = base.without_billing_line(_parts_text(instructions, "instructions"))
         if text:
             conv.messages.append(Message(role="system", content=text))
     raw_input = body.get("input")

@@ -13,7 +13,7 @@ from typing import Any
 
 from polar_mitm.reconstruct.report import STAGE_COLUMNS, TaskReport
 from polar_mitm.reconstruct.trajectory import Trajectory
-from polar_mitm.store.queries import SessionListing, TurnFacts
+from polar_mitm.store.queries import SessionListing, ToolParseRate, TurnFacts
 from polar_mitm.store.rollouts import SampleInfo
 from polar_mitm.view import plots
 from polar_mitm.view.html import (
@@ -51,6 +51,7 @@ def sessions(
     offset: int,
     more: bool,
     db: str,
+    tool_parse: Sequence[ToolParseRate] = (),
 ) -> Html:
     def select(name: str, options: Sequence[str]) -> Html:
         opts = [tag("option", "any", value="")] + [
@@ -121,8 +122,32 @@ def sessions(
         + tag("p", f"store {db} · {len(listings)} sessions shown", class_="muted")
         + table(headers, rows, class_="grid sessions", empty="no session matches")
         + tag("p", join(pager, " "), class_="pager")
+        + tool_parse_rates(tool_parse)
     )
     return layout("Sessions", body, active="sessions")
+
+
+def tool_parse_rates(rates: Sequence[ToolParseRate]) -> Html:
+    """How the proxy's tool parser fared, per harness and parser (what `stats` says): turns it
+    read, turns with a call that failed to parse, and the failures by kind. Nothing when no
+    turn was read by a tool parser."""
+    if not rates:
+        return Html("")
+    rows = [
+        Row(
+            [
+                r.harness or "-",
+                r.parser,
+                num(r.turns),
+                num(r.failed_turns),
+                f"{r.failed_turns / r.turns:.1%}" if r.turns else "-",
+                ", ".join(f"{k} {v}" for k, v in sorted(r.failures.items())) or "-",
+            ]
+        )
+        for r in rates
+    ]
+    headers = ["harness", "tool parser", "turns", "failed", "failure rate", "failures by kind"]
+    return Html(tag("h2", "Tool-call parse") + table(headers, rows, class_="grid tool-parse"))
 
 
 # --- one session --------------------------------------------------------------------------------

@@ -290,9 +290,23 @@ class Viewer:
                     break
             return found[:limit], queries.session_facets(db), len(found) > limit
 
+        def rates() -> list[queries.ToolParseRate]:
+            # Over the sessions the task and date filters select; the harness filter picks rows.
+            found = queries.tool_parse_rates(db, task=filters["task"] or None, since=since)
+            return [r for r in found if not filters["harness"] or r.harness == filters["harness"]]
+
         listings, facets, more = await self._thread(read)
+        tool_parse = await self._thread(rates)
         return _html(
-            pages.sessions(listings, facets=facets, filters=filters, offset=offset, more=more, db=str(db))
+            pages.sessions(
+                listings,
+                facets=facets,
+                filters=filters,
+                offset=offset,
+                more=more,
+                db=str(db),
+                tool_parse=tool_parse,
+            )
         )
 
     def _strategy(self, request: web.Request) -> str:

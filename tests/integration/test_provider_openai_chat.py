@@ -384,22 +384,22 @@ async def test_sse_chunk_sequence_with_usage():
         {"content": "o"},
         {"content": "k"},
     ]
+    # The call whole, in one chunk: Mistral's SDK requires the name in every tool-call chunk.
     assert deltas[5] == {
         "tool_calls": [
             {
                 "index": 0,
                 "id": "call_9",
                 "type": "function",
-                "function": {"name": "run_shell_command", "arguments": ""},
+                "function": {"name": "run_shell_command", "arguments": '{"command": "ls"}'},
             }
         ]
     }
-    assert deltas[6] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"command": "ls"}'}}]}
-    assert deltas[7] == {} and chunks[7]["choices"][0]["finish_reason"] == "tool_calls"
+    assert deltas[6] == {} and chunks[6]["choices"][0]["finish_reason"] == "tool_calls"
     # The usage chunk: no choices; every other chunk says usage null, as OpenAI does.
-    assert chunks[8]["choices"] == [] and chunks[8]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
-    assert all(ch["usage"] is None for ch in chunks[:8])
-    assert [ch["choices"][0]["finish_reason"] for ch in chunks[:7]] == [None] * 7
+    assert chunks[7]["choices"] == [] and chunks[7]["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert all(ch["usage"] is None for ch in chunks[:7])
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks[:6]] == [None] * 6
 
 
 async def test_stream_reassembles_to_the_json_response():

@@ -40,6 +40,9 @@ async def _fill(path: Path, tokenizer_dir: Path) -> dict[str, list[int]]:
     p3 = p2 + o2 + enc("\n<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n")
     o3 = enc("bye<|im_end|>")
     lp = lambda n, base: [round(base - 0.01 * i, 6) for i in range(n)]  # noqa: E731
+    # The tool parser read s1's first two turns (the second's call did not parse) and u1.
+    ok = {"tool_parse": json.dumps({"parser": "qwen25", "calls": 1, "failures": []})}
+    bad = {"parser": "qwen25", "calls": 0, "failures": [{"kind": "invalid_json", "span": [0, 2]}]}
     store = await Store.open(path)
     try:
         await store.ensure_session(
@@ -47,9 +50,15 @@ async def _fill(path: Path, tokenizer_dir: Path) -> dict[str, list[int]]:
         )
         await store.ensure_session("s2", task_id="task-b", harness="codex")
         turns = [
-            ("s1", "t1", p1, o1, {}),
-            ("s2", "u1", enc("<|im_start|>user\nother<|im_end|>\n"), enc("x<|im_end|>"), {}),
-            ("s1", "t2", p2, o2, {"prompt_ref": "t1", "prompt_ref_len": len(p1) + len(o1)}),
+            ("s1", "t1", p1, o1, ok),
+            ("s2", "u1", enc("<|im_start|>user\nother<|im_end|>\n"), enc("x<|im_end|>"), ok),
+            (
+                "s1",
+                "t2",
+                p2,
+                o2,
+                {"prompt_ref": "t1", "prompt_ref_len": len(p1) + len(o1), "tool_parse": json.dumps(bad)},
+            ),
             ("s1", "t3", p3, o3, {"prompt_ref": "t2", "prompt_ref_len": len(p2) + len(o2)}),
             # s2's second conversation shares u1's first tokens, then says something else: a break.
             ("s2", "u2", enc("<|im_start|>user\nanother thing<|im_end|>\n"), enc("y<|im_end|>"), {}),
@@ -163,6 +172,34 @@ async def test_sessions_list_filters_and_search(view) -> None:
     body = await (await c.get("/sessions?harness=codex")).text()
     assert 'href="/session/s2"' in body and 'href="/session/s1"' not in body
     assert (await c.get("/sessions?since=not-a-date")).status == 400
+
+
+def _tool_parse_rows(page: str) -> list[list[str]]:
+    table = page.split("Tool-call parse", 1)[1] if "Tool-call parse" in page else ""
+    rows = [re.findall(r"<td>(.*?)</td>", tr) for tr in re.findall(r"<tr>(.*?)</tr>", table, re.S)]
+    return [r for r in rows if r]  # the header row has none
+
+
+async def test_sessions_page_shows_the_tool_call_parse_rate_per_harness_and_parser_as_stats_does(
+    view, store
+) -> None:
+    from polar_mitm.store.queries import tool_parse_rates
+
+    c = await view()
+    rows = _tool_parse_rows(await (await c.get("/sessions")).text())
+    assert rows == [
+        ["claude-code", "qwen25", "2", "1", "50.0%", "invalid_json 1"],
+        ["codex", "qwen25", "1", "0", "0.0%", "-"],
+    ]
+    # The numbers are stats' own.
+    assert [(r.harness, r.turns, r.failed_turns) for r in tool_parse_rates(store)] == [
+        ("claude-code", 2, 1),
+        ("codex", 1, 0),
+    ]
+    # The filters select what it counts.
+    assert _tool_parse_rows(await (await c.get("/sessions?harness=codex")).text()) == [rows[1]]
+    assert _tool_parse_rows(await (await c.get("/sessions?task=task-a")).text()) == [rows[0]]
+    assert "Tool-call parse" not in await (await c.get("/sessions?task=task-r")).text()
 
 
 async def test_trajectory_shows_exactly_the_exported_row(view, store: Path) -> None:

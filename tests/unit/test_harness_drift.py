@@ -24,4 +24,6 @@ def test_every_recipe_harness_has_its_pin_read_from_install_sh():
     text = (SCRIPTS / "install.sh").read_text()
     by_name = {r.name: r for r in rows}
     assert f'"@anthropic-ai/claude-code@{by_name["claude-code"].pinned}"' in text
-    assert by_name["openclaw"].node  # installed with a Node of its own
+    assert by_name["openclaw"].node and by_name["kimi-code"].node  # installed with a Node of their own
+    # Harnesses the generic recipe runs are followed too.
+    assert by_name["grok-cli"].pinned and by_name["mistral-vibe"].commands == ("vibe",)

@@ -42,6 +42,20 @@ KIMI_COMPACTION = {
     ],
 }
 
+# gptme 0.35.1's title, asked after each reply of its main loop (the main loop is Chat Completions).
+GPTME_TITLE = {
+    "instructions": "Generate concise conversation titles.",
+    "input": [
+        {
+            "role": "user",
+            "content": "Your task: Create a 2-4 word title for this conversation.\n\nConversation:\n"
+            "User: Create out.txt containing hi\n",
+        }
+    ],
+    "model": "gpt-5-mini",
+    "store": False,
+}
+
 
 @pytest.mark.parametrize(
     "recipe,parse,body,path,tag",
@@ -49,15 +63,21 @@ KIMI_COMPACTION = {
         ("kilo", responses.parse_request, KILO_TITLE, "/v1/responses", "title"),
         ("aider", openai_chat.parse_request, AIDER_COMMIT, "/v1/chat/completions", "commit-message"),
         ("kimi-cli", openai_chat.parse_request, KIMI_COMPACTION, "/v1/chat/completions", "compaction"),
+        ("gptme", responses.parse_request, GPTME_TITLE, "/v1/responses", "title"),
     ],
 )
 def test_side_calls_are_tagged(recipe, parse, body, path, tag):
     r = recipes.get(recipe)
     assert r.tag(parse(body), path) == tag
     # ...and the harness's main turn is not.
-    main = (
-        dict(body, input=body["input"][1:]) if "input" in body else dict(body, messages=body["messages"][1:])
-    )
+    if "instructions" in body:  # the system prompt in its own field
+        main = {k: v for k, v in body.items() if k != "instructions"}
+    else:
+        main = (
+            dict(body, input=body["input"][1:])
+            if "input" in body
+            else dict(body, messages=body["messages"][1:])
+        )
     assert r.tag(parse(main), path) is None
 
 
