@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections import OrderedDict
 from collections.abc import Mapping
 from functools import cache
 from importlib import resources
@@ -24,7 +25,6 @@ from polar_mitm.recipes.side_calls import (  # noqa: F401 - the side-call rules,
     CallText,
     MainShape,
     SideCall,
-    Tagger,
     looks_like_side_call,
     side_call_signs,
 )
@@ -131,6 +131,74 @@ class Recipe(BaseModel):
             if sc.matches(req, path, text):
                 return sc.tag
         return None
+
+
+class Tagger:
+    """Tags a request's side calls by the rules of its session's recipe: the one the session was
+    issued with (`assign`: a rollout's sample, a node's), else the proxy's (`run`'s choice; every
+    recipe's with None). Under the generic recipe, also those of a recipe the request itself shows
+    it comes from (`Recognize`). `signs` says what makes an untagged call look like a side call."""
+
+    SESSIONS = 10_000  # sessions whose main shape is remembered
+
+    def __init__(self, recipe: str | None):
+        self.recipe = recipe
+        # An unknown name fails here, where the proxy is made.
+        self._rules: dict[str | None, list[Recipe]] = {recipe: self._load(recipe)}
+        self._by_session: dict[str, str] = {}
+        self._main: OrderedDict[str, MainShape] = OrderedDict()
+
+    @staticmethod
+    def _load(recipe: str | None) -> list[Recipe]:
+        return [get(recipe)] if recipe else list(all_recipes().values())
+
+    def assign(self, session: str, recipe: str | None) -> None:
+        """`session` is tagged by `recipe`'s rules from now on (None: the proxy's)."""
+        if recipe is None:
+            self._by_session.pop(session, None)
+            return
+        if recipe not in self._rules:
+            self._rules[recipe] = self._load(recipe)
+        self._by_session[session] = recipe
+
+    def forget(self, session: str) -> None:
+        """The session ended: its recipe and main shape are dropped."""
+        self._by_session.pop(session, None)
+        self._main.pop(session, None)
+
+    def recipe_of(self, session: str | None) -> str | None:
+        return self._by_session.get(session, self.recipe) if session is not None else self.recipe
+
+    def __call__(
+        self,
+        req: ChatRequest,
+        path: str,
+        headers: Mapping[str, str] | None = None,
+        session: str | None = None,
+    ) -> str | None:
+        text = CallText(req)
+        name = self.recipe_of(session)
+        rules = self._rules[name]
+        if name == "generic" and headers is not None:
+            lower: dict[str, str] = {}
+            for k, v in headers.items():  # a repeated header: every value (a User-Agent sent twice)
+                lower[k.lower()] = f"{lower[k.lower()]}, {v}" if k.lower() in lower else v
+            rules = [r for r in all_recipes().values() if r.recognize.matches(lower, text)] + rules
+        for r in rules:
+            if t := r.tag(req, path, text):
+                return t
+        return None
+
+    def signs(self, req: ChatRequest, session: str) -> list[str]:
+        """Of an untagged call of `session`: what makes it look like a side call (empty: it looks
+        like a main call). The session's first untagged call offering tools sets its main shape."""
+        main = self._main.get(session)
+        if main is None and req.tools:
+            self._main[session] = MainShape(model=req.model, max_tokens=req.sampling.max_tokens)
+            if len(self._main) > self.SESSIONS:
+                self._main.popitem(last=False)
+            return []
+        return side_call_signs(req, main)
 
 
 @cache

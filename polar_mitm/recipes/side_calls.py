@@ -2,9 +2,9 @@
 message) from its main loop's turns, in one place.
 
 A recipe's `side_calls` rules (`SideCall`) tag a call by its text and its shape. Which recipe's
-rules apply belongs to the session: the recipe a rollout's sample or a node's lease carries
-(`Tagger.assign`, through the pipeline's port), else the proxy's (`run`'s choice, or every
-recipe's). An untagged call shaped like a side call is flagged as it arrives (`Tagger.signs`), and,
+rules apply belongs to the session (`recipes.Tagger`): the recipe a rollout's sample or a node's
+lease carries (`Tagger.assign`, through the pipeline's port), else the proxy's (`run`'s choice, or
+every recipe's). An untagged call shaped like a side call is flagged as it arrives (`Tagger.signs`), and,
 under the generic recipe, judged again over the whole session once it ended (`session_suspects`:
 `stats` and `export` warn of them), since a session's first call may be its title.
 """
@@ -12,16 +12,12 @@ under the generic recipe, judged again over the whole session once it ended (`se
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
 from polar_mitm.neutral import ChatRequest
-
-if TYPE_CHECKING:
-    from polar_mitm.recipes import Recipe
 
 # Recent system prompts -> {rule text: whether the prompt contains it}. Shared by every proxy of
 # the process and harmless so: each entry is keyed by the whole prompt text and holds only what
@@ -139,81 +135,6 @@ def side_call_signs(req: ChatRequest, main: MainShape | None) -> list[str]:
     if main is not None and req.model and req.model != main.model:
         signs.append(f"model {req.model!r} (the session's main calls ask for {main.model!r})")
     return signs
-
-
-class Tagger:
-    """Tags a request's side calls by the rules of its session's recipe: the one the session was
-    issued with (`assign`: a rollout's sample, a node's), else the proxy's (`run`'s choice; every
-    recipe's with None). Under the generic recipe, also those of a recipe the request itself shows
-    it comes from (`Recognize`). `signs` says what makes an untagged call look like a side call."""
-
-    SESSIONS = 10_000  # sessions whose main shape is remembered
-
-    def __init__(self, recipe: str | None):
-        from polar_mitm.recipes import get
-
-        self.recipe = recipe
-        self._rules: dict[str | None, list[Recipe]] = {recipe: self._load(recipe)}
-        if recipe is not None:
-            get(recipe)  # an unknown name fails here, where the proxy is made
-        self._by_session: dict[str, str] = {}
-        self._main: OrderedDict[str, MainShape] = OrderedDict()
-
-    @staticmethod
-    def _load(recipe: str | None) -> list[Recipe]:
-        from polar_mitm.recipes import all_recipes, get
-
-        return [get(recipe)] if recipe else list(all_recipes().values())
-
-    def assign(self, session: str, recipe: str | None) -> None:
-        """`session` is tagged by `recipe`'s rules from now on (None: the proxy's)."""
-        if recipe is None:
-            self._by_session.pop(session, None)
-            return
-        if recipe not in self._rules:
-            self._rules[recipe] = self._load(recipe)
-        self._by_session[session] = recipe
-
-    def forget(self, session: str) -> None:
-        """The session ended: its recipe and main shape are dropped."""
-        self._by_session.pop(session, None)
-        self._main.pop(session, None)
-
-    def recipe_of(self, session: str | None) -> str | None:
-        return self._by_session.get(session, self.recipe) if session is not None else self.recipe
-
-    def __call__(
-        self,
-        req: ChatRequest,
-        path: str,
-        headers: Mapping[str, str] | None = None,
-        session: str | None = None,
-    ) -> str | None:
-        from polar_mitm.recipes import all_recipes
-
-        text = CallText(req)
-        name = self.recipe_of(session)
-        rules = self._rules[name]
-        if name == "generic" and headers is not None:
-            lower: dict[str, str] = {}
-            for k, v in headers.items():  # a repeated header: every value (a User-Agent sent twice)
-                lower[k.lower()] = f"{lower[k.lower()]}, {v}" if k.lower() in lower else v
-            rules = [r for r in all_recipes().values() if r.recognize.matches(lower, text)] + rules
-        for r in rules:
-            if t := r.tag(req, path, text):
-                return t
-        return None
-
-    def signs(self, req: ChatRequest, session: str) -> list[str]:
-        """Of an untagged call of `session`: what makes it look like a side call (empty: it looks
-        like a main call). The session's first untagged call offering tools sets its main shape."""
-        main = self._main.get(session)
-        if main is None and req.tools:
-            self._main[session] = MainShape(model=req.model, max_tokens=req.sampling.max_tokens)
-            if len(self._main) > self.SESSIONS:
-                self._main.popitem(last=False)
-            return []
-        return side_call_signs(req, main)
 
 
 def looks_like_side_call(signs: list[str]) -> bool:

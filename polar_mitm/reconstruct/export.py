@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -36,7 +37,14 @@ from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.groups import annotate, group_advantages
 from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
-from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids, tool_results
+from polar_mitm.reconstruct.source import (
+    Selection,
+    count_turns,
+    read_selected,
+    session_ids,
+    side_call_suspects,
+    tool_results,
+)
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import TOOL_PARSE_POLICIES, TRAJECTORY_SCHEMA, Trajectory, to_table
 from polar_mitm.store.queries import (
@@ -47,6 +55,8 @@ from polar_mitm.store.queries import (
 )
 from polar_mitm.store.rollouts import read_samples
 from polar_mitm.strategies import Normalize, Strategy, choices
+
+log = logging.getLogger("polar_mitm.export")
 
 RewardTo = Literal["all", "main"]
 REWARD_TO = ("all", "main")
@@ -327,7 +337,15 @@ def export(
         sink.abort()
         raise
     sink.close()
+    _judge_side_calls(path, stats)
     return stats
+
+
+def _judge_side_calls(path: str | Path, stats: ReconstructStats) -> None:
+    """Generic-recipe sessions' side-call suspects, judged once the rows are out, with a warning."""
+    stats.side_call_suspects = side_call_suspects(path, stats.sessions)
+    if stats.side_call_suspects:
+        log.warning("%s", stats.suspects_warning())
 
 
 def compute_stats(
@@ -346,4 +364,5 @@ def compute_stats(
     stats.tool_parse = tool_parse_rates(
         path, session=selection.session, task=selection.task, since=selection.since, rollout=selection.rollout
     )
+    stats.side_call_suspects = side_call_suspects(path, stats.sessions)
     return stats
