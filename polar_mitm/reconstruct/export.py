@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Literal, Protocol
+from typing import IO, Any, Literal, Protocol
 
 import pyarrow.parquet as pq
 from tqdm import tqdm
@@ -231,39 +231,7 @@ def iter_trajectories(
         rewards = {sid: 0.0 if sid in failed else r for sid, r in rewards.items()}
         samples = {sid: replace(s, reward=0.0) if sid in failed else s for sid, s in samples.items()}
     advantage = group_advantages(samples, normalize) if normalize else {}
-    rows: Iterator[Trajectory]
-    if strategy == Strategy.PER_REQUEST:
-        # Arrays, not lists: a per-request row repeats its whole prompt, and a Python int per
-        # token cost more than the rest of the export.
-        # Session by session: a turn's role depends on its session's other conversations.
-        rows = (
-            row
-            for session in session_ids(path, selection)
-            for row in per_request(
-                read_selected(path, selection, session=session, stats=stats, on_turn=on_turn, arrays=True),
-                rewards=rewards,
-                stats=stats,
-                tool_calls=lambda ids: tool_calls(path, ids),
-                tool_results=lambda ids: tool_results(path, ids),
-                tool_parse_failures=tool_parse_failures,
-            )
-        )
-    elif strategy == Strategy.PREFIX_MERGE:
-        rows = (
-            row
-            for session in session_ids(path, selection)
-            for row in prefix_merge(
-                read_selected(path, selection, session=session, stats=stats, on_turn=on_turn),
-                rewards=rewards,
-                text=text,
-                stats=stats,
-                tool_calls=lambda ids: tool_calls(path, ids),
-                tool_results=lambda ids: tool_results(path, ids),
-                tool_parse_failures=tool_parse_failures,
-            )
-        )
-    else:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(choices(Strategy))}")
+    rows = _session_rows(path, strategy, selection, stats, on_turn, text, rewards, tool_parse_failures)
     if retokenize is not None:
         rows = itertools.chain(
             rows,
@@ -283,6 +251,38 @@ def iter_trajectories(
             row.reward = row.advantage = None
         stats.add_row(row)
         yield row
+
+
+def _session_rows(
+    path: str | Path,
+    strategy: str,
+    selection: Selection,
+    stats: ReconstructStats,
+    on_turn: Callable[[], object] | None,
+    text: TokenText | None,
+    rewards: dict[str, float | None],
+    tool_parse_failures: str,
+) -> Iterator[Trajectory]:
+    """The selected sessions' rows under `strategy`, session by session: a turn's role depends on
+    its session's other conversations."""
+    if strategy not in (Strategy.PER_REQUEST, Strategy.PREFIX_MERGE):
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(choices(Strategy))}")
+    common: dict[str, Any] = {
+        "rewards": rewards,
+        "stats": stats,
+        "tool_calls": lambda ids: tool_calls(path, ids),
+        "tool_results": lambda ids: tool_results(path, ids),
+        "tool_parse_failures": tool_parse_failures,
+    }
+    for session in session_ids(path, selection):
+        if strategy == Strategy.PER_REQUEST:
+            # Arrays, not lists: a per-request row repeats its whole prompt, and a Python int per
+            # token cost more than the rest of the export.
+            turns = read_selected(path, selection, session=session, stats=stats, on_turn=on_turn, arrays=True)
+            yield from per_request(turns, **common)
+        else:
+            turns = read_selected(path, selection, session=session, stats=stats, on_turn=on_turn)
+            yield from prefix_merge(turns, text=text, **common)
 
 
 def progress_bar(path: str | Path, selection: Selection, *, quiet: bool, desc: str) -> tqdm:
