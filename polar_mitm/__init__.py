@@ -14,7 +14,8 @@ a Python program imports, each from here or from the module it lives in:
 - The trainer bridges (`polar_mitm/bridges/`): TRL's `PolarRollout`, `WeightSync` and
   `polar_reward` (`PolarGRPOTrainer` is `polar_mitm.bridges.trl`'s, as it imports trl), verl's
   `agent_loop_class`; slime is given `polar_mitm.bridges.slime.generate_rollout` by name.
-- `run_rollout`: a rollout from Python, as `polar-mitm rollout` runs one.
+- `run_rollout` (with its `RolloutOptions` and `RolloutResult`, `polar_mitm.rollout.run`): a
+  rollout from Python, as `polar-mitm rollout` runs one.
 
 Each name is loaded on first use (PEP 562), so `import polar_mitm` loads none of these modules
 and the command line stays light. docs/python-api.md shows each in use.
@@ -23,11 +24,10 @@ and the command line stays light. docs/python-api.md shows each in use.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 # Every public name and the module it lives in: the one table `__all__`, `__getattr__` and
-# `__dir__` read. A name is public here once its module is in the package.
+# `__dir__` read.
 PUBLIC: dict[str, str] = {
     "RolloutClient": "polar_mitm.client",
     "AsyncRolloutClient": "polar_mitm.client",
@@ -56,17 +56,12 @@ PUBLIC: dict[str, str] = {
     "polar_reward": "polar_mitm.bridges.trl",
     "agent_loop_class": "polar_mitm.bridges.verl",
     "run_rollout": "polar_mitm.rollout.run",
+    "RolloutOptions": "polar_mitm.rollout.run",
+    "RolloutResult": "polar_mitm.rollout.run",
 }
 
 
-def _present(module: str) -> bool:
-    """Whether `module` is in this package, asked of the file system (importing it is the cost
-    this door exists to avoid)."""
-    base = os.path.join(os.path.dirname(__file__), *module.split(".")[1:])
-    return os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py"))
-
-
-__all__ = [name for name, module in PUBLIC.items() if _present(module)]
+__all__ = list(PUBLIC)
 
 
 def __getattr__(name: str) -> Any:  # `from polar_mitm import RolloutClient`

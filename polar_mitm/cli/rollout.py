@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import click
@@ -148,24 +146,7 @@ limit_options = model_options(RolloutOptions, LIMIT_FLAGS, LIMIT_FIELDS)
     "'root' for tasks that need to install packages. Capabilities are dropped either way.",
 )
 def rollout(
-    tasks,
-    harness,
-    harness_cmd,
-    runtime,
-    samples,
-    db,
-    certs,
-    out,
-    strategy,
-    group_normalize,
-    early_stop,
-    agent_timeout,
-    total_timeout,
-    extra_env,
-    egress_allow,
-    keep_workdirs,
-    harness_user,
-    **policy,
+    tasks, harness, harness_cmd, runtime, samples, db, certs, out, strategy, group_normalize, **policy
 ) -> None:
     """Run each task SAMPLES times in a fresh sandbox with an unmodified harness, score every
     sample with the task's own tests, and write the groups for GRPO.
@@ -185,15 +166,65 @@ def rollout(
     parquet (one row per trajectory with group_id, sample_index, status, reward, advantage).
     Ctrl-C stops every sandbox and records the unfinished samples as cancelled.
     """
-    from polar_mitm import recipes
     from polar_mitm.harness.install import HarnessNotInstalled
-    from polar_mitm.harness.preflight import EXIT_CONFIG, PreflightError, check_policy
-    from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
+    from polar_mitm.harness.preflight import EXIT_CONFIG, PreflightError
     from polar_mitm.reconstruct.report import render_table, rollout_reports
-    from polar_mitm.rollout.pipeline import Pipeline, new_token
     from polar_mitm.rollout.progress import Progress
-    from polar_mitm.sandbox import make_runtime
+    from polar_mitm.rollout.run import run_rollout
     from polar_mitm.sandbox.base import RuntimeUnavailable, SandboxError
+
+    loaded = _load(tasks, harness)
+    opts = _options(harness_cmd, runtime, samples, policy)
+    egress_allow = policy.pop("egress_allow")
+
+    def started(pipeline, url: str) -> None:
+        click.echo(
+            f"rollout {pipeline.rollout_id}: {len(loaded)} tasks × {samples} samples · {harness} · "
+            f"{runtime} · proxy {url} · db {db}",
+            err=True,
+        )
+
+    try:
+        with Progress() as progress:
+            result = asyncio.run(
+                run_rollout(
+                    loaded,
+                    harness=harness,
+                    policy=make_policy_config(**policy),
+                    options=opts,
+                    db=db,
+                    certs_dir=certs,
+                    egress_allow=egress_allow,
+                    on_start=started,
+                    on_change=progress.update,
+                    own_process=True,  # this process is the rollout: see long_lived_heap
+                )
+            )
+    except PreflightError as e:
+        click.echo(f"polar-mitm: {e}", err=True)
+        sys.exit(EXIT_CONFIG)
+    except KeyboardInterrupt:
+        click.echo(
+            "polar-mitm: rollout interrupted; sandboxes stopped, unfinished samples recorded as cancelled",
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
+    except (RuntimeUnavailable, HarnessNotInstalled, SandboxError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    title = f"rollout {result.rollout_id} ({result.seconds:.1f} s)"
+    click.echo(render_table(rollout_reports(db, result.rollout_id), title=title), err=True)
+    if out is not None:
+        stats = result.export(out, strategy=strategy, normalize=group_normalize)
+        click.echo(f"wrote {stats.trajectories} rows ({len(stats.sessions)} samples) to {out}", err=True)
+    why = result.unusable()
+    if why is not None and not result.interrupted:
+        click.echo(f"polar-mitm: rollout {result.rollout_id}: {why}", err=True)
+        sys.exit(EXIT_NOTHING_USABLE)
+
+
+def _load(tasks, harness: str) -> list:
+    """The tasks named, and the harness known: a click error naming the option otherwise."""
+    from polar_mitm import recipes
     from polar_mitm.tasks import TaskFileError, load_tasks
 
     try:
@@ -206,102 +237,30 @@ def rollout(
         recipes.get(harness)
     except KeyError as e:
         raise click.BadParameter(str(e.args[0]), param_hint="--harness") from None
+    return loaded
+
+
+def _options(harness_cmd: str | None, runtime: str, samples: int, policy: dict) -> RolloutOptions:
+    """The rollout's options out of the command line's (taken out of `policy`, which keeps the
+    policy's own)."""
     env: dict[str, str] = {}
-    for item in extra_env:
+    for item in policy.pop("extra_env"):
         k, sep, v = item.partition("=")
         if not sep or not k:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--env")
         env[k] = v
-    opts = RolloutOptions(
-        harness=harness,
+    user = policy.pop("harness_user")
+    return RolloutOptions(
         harness_cmd=shlex.split(harness_cmd) if harness_cmd else None,
         runtime=runtime,
         samples=samples,
-        early_stop=early_stop,
-        agent_timeout=agent_timeout,
-        total_timeout=total_timeout,
+        early_stop=policy.pop("early_stop"),
+        agent_timeout=policy.pop("agent_timeout"),
+        total_timeout=policy.pop("total_timeout"),
         env=env,
-        keep_workdirs=keep_workdirs,
-        harness_user=None if harness_user in ("root", "0", "0:0") else harness_user,
+        keep_workdirs=policy.pop("keep_workdirs"),
+        harness_user=None if user in ("root", "0", "0:0") else user,
         **given(policy, WORKER_FIELDS),  # the pipeline's sizes, out of the policy's options
         **given(policy, VERDICT_FIELDS),
         **given(policy, LIMIT_FIELDS),
     )
-    rt = make_runtime(runtime)
-    if runtime == "apptainer":  # an image's one-time conversion, and how long it took, shows in the progress
-        import logging
-
-        logging.getLogger("polar_mitm.apptainer").setLevel(logging.INFO)
-    work_dir = Path(tempfile.mkdtemp(prefix="polar-rollout-"))
-    proxy = PolarProxy(
-        ProxyConfig(
-            db=db,
-            certs_dir=certs,
-            default_session="rollout-unattributed",
-            token=new_token(),
-            recipe=harness,
-            egress_allow=[h for item in egress_allow for h in item.split(",") if h.strip()],
-            policy=make_policy_config(**policy),
-            own_process=True,  # this process is the rollout: see long_lived_heap
-        )
-    )
-
-    async def go():
-        # Before anything starts: a clear error when the runtime, the backend or the tokenizer
-        # cannot work (one line, not a minute of harness retries).
-        await rt.check()
-        proxy.config.model_info = await check_policy(proxy.config.policy)  # kept: not asked again
-        await proxy.start()
-        try:
-            with Progress() as progress:
-                pipeline = Pipeline(opts, proxy, rt, work_dir=work_dir, on_change=progress.update)
-                click.echo(
-                    f"rollout {pipeline.rollout_id}: {len(loaded)} tasks × {samples} samples · {harness} · "
-                    f"{runtime} · proxy {proxy.url} · db {db}",
-                    err=True,
-                )
-                return await pipeline.run(loaded)
-        finally:
-            await proxy.stop()
-
-    try:
-        result = asyncio.run(go())
-    except PreflightError as e:
-        click.echo(f"polar-mitm: {e}", err=True)
-        sys.exit(EXIT_CONFIG)
-    except KeyboardInterrupt:
-        click.echo(
-            "polar-mitm: rollout interrupted; sandboxes stopped, unfinished samples recorded as cancelled",
-            err=True,
-        )
-        sys.exit(EXIT_INTERRUPTED)
-    except (RuntimeUnavailable, HarnessNotInstalled, SandboxError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    finally:
-        if not keep_workdirs:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    click.echo(
-        render_table(
-            rollout_reports(db, result.rollout_id),
-            title=f"rollout {result.rollout_id} ({result.seconds:.1f} s)",
-        ),
-        err=True,
-    )
-    if out is not None:
-        from polar_mitm.reconstruct.export import export
-        from polar_mitm.reconstruct.source import Selection
-
-        stats = export(
-            db,
-            out,
-            strategy=strategy,
-            fmt="parquet",
-            selection=Selection(rollout=result.rollout_id),
-            normalize=group_normalize,
-            quiet=True,
-        )
-        click.echo(f"wrote {stats.trajectories} rows ({len(stats.sessions)} samples) to {out}", err=True)
-    why = result.unusable()
-    if why is not None and not result.interrupted:
-        click.echo(f"polar-mitm: rollout {result.rollout_id}: {why}", err=True)
-        sys.exit(EXIT_NOTHING_USABLE)

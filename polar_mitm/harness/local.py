@@ -142,31 +142,12 @@ async def run_harness(
     # A command that is not there fails before the proxy starts, so no empty session is stored.
     if shutil.which(cmd[0], path=base.get("PATH", os.defpath)) is None:
         _command_not_found(cmd[0], recipe)
-        return RunResult(
-            exit_code=127,
-            session_id=session_id,
-            turns=0,
-            prompt_tokens=0,
-            sampled_tokens=0,
-            db=proxy.config.db,
-            recorded=False,
-        )
+        return _not_started(session_id, proxy.config.db, recorded=False)
     await proxy.start()
     harvest = proxy.config.mode == "harvest"
     assert proxy.store is not None and proxy.ca is not None and (harvest or proxy.gateway is not None)
-    await proxy.store.ensure_session(
-        session_id,
-        task_id=task_id,
-        harness=recipe.name,
-        command=cmd,  # stored with its credentials redacted (redact.argv)
-        secret_flags=recipe.secret_flags,
-        mode=proxy.config.mode,
-        metadata={"recipe": recipe.name, "upstreams": sorted(proxy.config.upstreams)}
-        if harvest
-        else {"backend": proxy.config.policy.backend_url, "recipe": recipe.name},
-    )
+    await _begin_session(proxy, cmd, recipe, session_id, task_id)
     child = child_env(base, recipe, proxy.url, proxy.ca, session_id, harvest=harvest)
-    untrusted = False
     # Signal handlers go in before the harness starts, so a signal can never kill us and orphan it;
     # one that arrives before the harness exists is delivered as soon as it does.
     loop = asyncio.get_running_loop()
@@ -187,32 +168,8 @@ async def run_harness(
         except FileNotFoundError:  # removed since the check above
             _command_not_found(cmd[0], recipe)
             await proxy.store.end_session(session_id, 127)
-            return RunResult(
-                exit_code=127,
-                session_id=session_id,
-                turns=0,
-                prompt_tokens=0,
-                sampled_tokens=0,
-                db=proxy.config.db,
-            )
-        verdict: dict[str, bool] = {}
-        watch = asyncio.create_task(_watchdog(proxy, proc, untrusted_timeout, verdict, own_group))
-        try:
-            code = await proc.wait()
-        finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
-            if own_group:
-                procs.kill_group(proc.pid)  # leftovers of the harness, if any
-        untrusted = verdict.get("untrusted", False)
-        if not untrusted and code != 0 and _refused(proxy):
-            # The harness gave up on its own before the watchdog's timeout (Claude Code 2.1.33x
-            # exits 1 after a few failed handshakes, where earlier releases retried for ever).
-            _say_untrusted(proxy, "before the harness exited", "")
-            untrusted = True
-        if proxy.tls.connections == 0:
-            _say_no_connection(cmd, recipe)
-        exit_code = EXIT_UNTRUSTED if untrusted else procs.exit_code(code)
+            return _not_started(session_id, proxy.config.db, recorded=True)
+        exit_code, untrusted = await _wait(proxy, proc, cmd, recipe, untrusted_timeout, own_group)
         await proxy.store.end_session(session_id, exit_code)
     finally:
         for sig in forwarded:
@@ -228,6 +185,68 @@ async def run_harness(
         db=proxy.config.db,
         untrusted=untrusted,
     )
+
+
+def _not_started(session_id: str, db: str, *, recorded: bool) -> RunResult:
+    """The command was not found (exit 127): no turn, and no session unless `recorded`."""
+    return RunResult(
+        exit_code=127,
+        session_id=session_id,
+        turns=0,
+        prompt_tokens=0,
+        sampled_tokens=0,
+        db=db,
+        recorded=recorded,
+    )
+
+
+async def _begin_session(
+    proxy: PolarProxy, cmd: list[str], recipe: Recipe, session_id: str, task_id: str | None
+) -> None:
+    """The session's row: its command (credentials redacted, `redact.argv`), recipe and backend."""
+    assert proxy.store is not None
+    harvest = proxy.config.mode == "harvest"
+    await proxy.store.ensure_session(
+        session_id,
+        task_id=task_id,
+        harness=recipe.name,
+        command=cmd,
+        secret_flags=recipe.secret_flags,
+        mode=proxy.config.mode,
+        metadata={"recipe": recipe.name, "upstreams": sorted(proxy.config.upstreams)}
+        if harvest
+        else {"backend": proxy.config.policy.backend_url, "recipe": recipe.name},
+    )
+
+
+async def _wait(
+    proxy: PolarProxy,
+    proc: asyncio.subprocess.Process,
+    cmd: list[str],
+    recipe: Recipe,
+    untrusted_timeout: float,
+    own_group: bool,
+) -> tuple[int, bool]:
+    """The harness's exit code (EXIT_UNTRUSTED when it refused our CA), once it and what it left
+    behind are gone, and whether it refused our CA; the watchdog stops one that keeps refusing."""
+    verdict: dict[str, bool] = {}
+    watch = asyncio.create_task(_watchdog(proxy, proc, untrusted_timeout, verdict, own_group))
+    try:
+        code = await proc.wait()
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        if own_group:
+            procs.kill_group(proc.pid)  # leftovers of the harness, if any
+    untrusted = verdict.get("untrusted", False)
+    if not untrusted and code != 0 and _refused(proxy):
+        # The harness gave up on its own before the watchdog's timeout (Claude Code 2.1.33x
+        # exits 1 after a few failed handshakes, where earlier releases retried for ever).
+        _say_untrusted(proxy, "before the harness exited", "")
+        untrusted = True
+    if proxy.tls.connections == 0:
+        _say_no_connection(cmd, recipe)
+    return (EXIT_UNTRUSTED if untrusted else procs.exit_code(code)), untrusted
 
 
 def _say_no_connection(cmd: list[str], recipe: Recipe) -> None:

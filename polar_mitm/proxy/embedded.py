@@ -49,7 +49,9 @@ class ProxyConfig(BaseModel):
     certs_dir: Path | None = None
     default_session: str = "default"
     token: str | None = None  # when set, clients must send it as the proxy password
-    recipe: str | None = None  # tags side calls with this recipe's rules; None: all recipes
+    # Tags side calls with this recipe's rules (`run`'s choice); None: every recipe's. A session
+    # issued with a recipe of its own (a rollout's sample) is tagged by that one's.
+    recipe: str | None = None
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     # What the preflight read from the engines (`check_policy`): the policy keeps it instead of
     # asking again, so a turn never waits on an engine that hangs after start-up to learn it.
@@ -182,6 +184,7 @@ class PolicySide:
         ]
         self.policy: Policy | None = None
         self.gateway: Gateway | None = None
+        self.tagger: recipes.Tagger | None = None  # per session: `PolarProxy.issue_session`
         self.provider_tls: ssl.SSLContext | None = None
 
     async def start(self, config: ProxyConfig, store: Store, confdir: Path | str) -> None:
@@ -189,10 +192,11 @@ class PolicySide:
         self.policy = Policy(config.policy, store, model_info=config.model_info)
         self.inflight.per_session = config.policy.max_session_bytes_in_flight
         self.bodies.max_request_bytes = config.policy.max_request_bytes
+        self.tagger = make_tagger(config.recipe)
         self.gateway = Gateway(
             self.policy,
             default_session=config.default_session,
-            tagger=make_tagger(config.recipe),
+            tagger=self.tagger,
             secret=Gateway.new_secret(),
             peers=self.handoff.peer,
             routes=self.routes,
@@ -398,14 +402,19 @@ class PolarProxy:
         assert self.sessions is not None, "start the proxy first"
         self.sessions.require_issued()
 
-    def issue_session(self, session: str) -> str:
-        """`session`'s own token (made on first use)."""
+    def issue_session(self, session: str, recipe: str | None = None) -> str:
+        """`session`'s own token (made on first use); its side calls are tagged by `recipe`'s
+        rules where one is given (the session carries what runs), else by the proxy's."""
         assert self.sessions is not None, "start the proxy first"
+        if recipe is not None and self.side is not None and self.side.tagger is not None:
+            self.side.tagger.assign(session, recipe)
         return self.sessions.issue(session)
 
     def revoke_session(self, session: str) -> None:
         if self.sessions is not None:
             self.sessions.revoke(session)
+        if self.side is not None and self.side.tagger is not None:
+            self.side.tagger.forget(session)
 
     async def adopt(
         self, sock: socket.socket, head: bytes, *, address: tuple[str, int] | None = None

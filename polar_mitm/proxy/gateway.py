@@ -337,7 +337,7 @@ class Gateway:
         logged once per session: stored as a main turn, it would train the policy on a title."""
         if self.tagger is None:
             return None
-        tag = self.tagger(req, request.path, request.headers)
+        tag = self.tagger(req, request.path, request.headers, session)
         if tag is None:
             signs = self.tagger.signs(req, session)
             if recipes.looks_like_side_call(signs):

@@ -5,7 +5,7 @@ A side call (a title, a topic check, a commit message) is known by its text and 
 tools where the harness's main loop offers them, a small max_tokens, a structured-output schema.
 Which recipe's rules apply is chosen by the command run, and, for a program the command does not
 name (a Python script driving Claude Code through its SDK), by what the request shows of its
-sender (`Recognize`). An untagged call shaped like a side call is flagged (`side_call_signs`)."""
+sender (`Recognize`). The side-call rules themselves live in `side_calls.py`."""
 
 from __future__ import annotations
 
@@ -13,103 +13,21 @@ import os
 import tomllib
 from collections import OrderedDict
 from collections.abc import Mapping
-from functools import cache, cached_property
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm.neutral import ChatRequest
-
-# Recent system prompts -> {rule text: whether the prompt contains it}. Shared by every proxy of
-# the process and harmless so: each entry is keyed by the whole prompt text and holds only what
-# `needle in prompt` answers, which no proxy, session or recipe can change.
-_system_found: OrderedDict[str, dict[str, bool]] = OrderedDict()
-
-
-class CallText:
-    """What side-call rules read of one request, taken out once for all the rules.
-
-    Whether a system prompt contains a rule's text is remembered per system prompt (a few recent
-    ones): a harness sends the same long prompt every turn, and searching 100 KB once per rule
-    and turn cost more than the rest of tagging."""
-
-    def __init__(self, req: ChatRequest):
-        self.req = req
-
-    @cached_property
-    def system(self) -> str:
-        return "\n".join(m.content for m in self.req.messages if m.role == "system")
-
-    @cached_property
-    def last_user(self) -> str | None:
-        users = [m.content for m in self.req.messages if m.role == "user"]
-        return users[-1] if users else None
-
-    @cached_property
-    def _found(self) -> dict[str, bool]:
-        """What is known of this system prompt, looked up once per request: each lookup of a new
-        request's prompt compares its whole text with the one remembered."""
-        found = _system_found.get(self.system)
-        if found is None:
-            found = _system_found[self.system] = {}
-            if len(_system_found) > 32:
-                _system_found.popitem(last=False)
-        else:
-            _system_found.move_to_end(self.system)
-        return found
-
-    def system_contains(self, needle: str) -> bool:
-        found = self._found
-        hit = found.get(needle)
-        if hit is None:
-            hit = found[needle] = needle in self.system
-        return hit
-
-
-class SideCall(BaseModel):
-    """One rule: every condition given must hold (at least one must be given)."""
-
-    tag: str
-    system_contains: str | None = None
-    user_contains: str | None = None
-    path_contains: str | None = None
-    has_schema: bool | None = None  # a structured-output schema (output_format, json_schema)
-    has_tools: bool | None = None  # whether the request offers the model any tool
-    max_tokens_at_most: int | None = None
-
-    def matches(self, req: ChatRequest, path: str, text: CallText | None = None) -> bool:
-        """Every condition given holds (the cheap ones asked first; the first that fails ends it),
-        and one at least is given."""
-        given = False
-        if self.has_tools is not None:
-            if bool(req.tools) != self.has_tools:
-                return False
-            given = True
-        if self.max_tokens_at_most is not None:
-            limit = req.sampling.max_tokens
-            if limit is None or limit > self.max_tokens_at_most:
-                return False
-            given = True
-        if self.has_schema is not None:
-            if (req.sampling.json_schema is not None) != self.has_schema:
-                return False
-            given = True
-        if self.path_contains is not None:
-            if self.path_contains not in path:
-                return False
-            given = True
-        text = text or CallText(req)
-        if self.user_contains is not None:
-            last = text.last_user
-            if last is None or self.user_contains not in last:
-                return False
-            given = True
-        if self.system_contains is not None:
-            if not text.system_contains(self.system_contains):
-                return False
-            given = True
-        return given
+from polar_mitm.recipes.side_calls import (  # noqa: F401 - the side-call rules, named here too
+    SMALL_MAX_TOKENS,
+    CallText,
+    MainShape,
+    SideCall,
+    looks_like_side_call,
+    side_call_signs,
+)
 
 
 class Recognize(BaseModel):
@@ -215,49 +133,53 @@ class Recipe(BaseModel):
         return None
 
 
-class MainShape(BaseModel):
-    """How a session's main calls look (its first untagged call that offers tools)."""
-
-    model: str
-    max_tokens: int | None
-
-
-# A max_tokens this small leaves no room for an agent's turn (a title, a yes/no answer).
-SMALL_MAX_TOKENS = 1024
-
-
-def side_call_signs(req: ChatRequest, main: MainShape | None) -> list[str]:
-    """What makes a request look like a side call rather than a turn of the main loop, compared
-    with the session's main calls (`main`, None while none was seen). Pure."""
-    signs = []
-    if req.sampling.json_schema is not None:
-        signs.append("a structured-output schema")
-    limit = req.sampling.max_tokens
-    if limit is not None and limit <= SMALL_MAX_TOKENS and (main is None or (main.max_tokens or 0) > limit):
-        signs.append(f"max_tokens {limit}")
-    if main is not None and not req.tools:
-        signs.append("no tools (the session's main calls offer them)")
-    if main is not None and req.model and req.model != main.model:
-        signs.append(f"model {req.model!r} (the session's main calls ask for {main.model!r})")
-    return signs
-
-
 class Tagger:
-    """Tags a request's side calls by the recipes' rules: the recipe named (every recipe's with
-    None); under the generic recipe, also those of a recipe the request itself shows it comes
-    from (`Recognize`). `signs` says what makes an untagged call look like a side call anyway."""
+    """Tags a request's side calls by the rules of its session's recipe: the one the session was
+    issued with (`assign`: a rollout's sample, a node's), else the proxy's (`run`'s choice; every
+    recipe's with None). Under the generic recipe, also those of a recipe the request itself shows
+    it comes from (`Recognize`). `signs` says what makes an untagged call look like a side call."""
 
     SESSIONS = 10_000  # sessions whose main shape is remembered
 
     def __init__(self, recipe: str | None):
-        self.rules = [get(recipe)] if recipe else list(all_recipes().values())
-        self.by_request = recipe == "generic"
+        self.recipe = recipe
+        # An unknown name fails here, where the proxy is made.
+        self._rules: dict[str | None, list[Recipe]] = {recipe: self._load(recipe)}
+        self._by_session: dict[str, str] = {}
         self._main: OrderedDict[str, MainShape] = OrderedDict()
 
-    def __call__(self, req: ChatRequest, path: str, headers: Mapping[str, str] | None = None) -> str | None:
+    @staticmethod
+    def _load(recipe: str | None) -> list[Recipe]:
+        return [get(recipe)] if recipe else list(all_recipes().values())
+
+    def assign(self, session: str, recipe: str | None) -> None:
+        """`session` is tagged by `recipe`'s rules from now on (None: the proxy's)."""
+        if recipe is None:
+            self._by_session.pop(session, None)
+            return
+        if recipe not in self._rules:
+            self._rules[recipe] = self._load(recipe)
+        self._by_session[session] = recipe
+
+    def forget(self, session: str) -> None:
+        """The session ended: its recipe and main shape are dropped."""
+        self._by_session.pop(session, None)
+        self._main.pop(session, None)
+
+    def recipe_of(self, session: str | None) -> str | None:
+        return self._by_session.get(session, self.recipe) if session is not None else self.recipe
+
+    def __call__(
+        self,
+        req: ChatRequest,
+        path: str,
+        headers: Mapping[str, str] | None = None,
+        session: str | None = None,
+    ) -> str | None:
         text = CallText(req)
-        rules = self.rules
-        if self.by_request and headers is not None:
+        name = self.recipe_of(session)
+        rules = self._rules[name]
+        if name == "generic" and headers is not None:
             lower: dict[str, str] = {}
             for k, v in headers.items():  # a repeated header: every value (a User-Agent sent twice)
                 lower[k.lower()] = f"{lower[k.lower()]}, {v}" if k.lower() in lower else v
@@ -277,12 +199,6 @@ class Tagger:
                 self._main.popitem(last=False)
             return []
         return side_call_signs(req, main)
-
-
-def looks_like_side_call(signs: list[str]) -> bool:
-    """Two signs at least: one alone (a main call without tools, a schema) is common enough in a
-    main loop."""
-    return len(signs) >= 2
 
 
 @cache

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Literal, Protocol
+from typing import IO, Any, Literal, Protocol
 
 import pyarrow.parquet as pq
 from tqdm import tqdm
@@ -36,7 +37,14 @@ from polar_mitm.reconstruct.breaks import TokenText
 from polar_mitm.reconstruct.groups import annotate, group_advantages
 from polar_mitm.reconstruct.per_request import per_request
 from polar_mitm.reconstruct.prefix_merge import prefix_merge
-from polar_mitm.reconstruct.source import Selection, count_turns, read_selected, session_ids, tool_results
+from polar_mitm.reconstruct.source import (
+    Selection,
+    count_turns,
+    read_selected,
+    session_ids,
+    side_call_suspects,
+    tool_results,
+)
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.reconstruct.trajectory import TOOL_PARSE_POLICIES, TRAJECTORY_SCHEMA, Trajectory, to_table
 from polar_mitm.store.queries import (
@@ -47,6 +55,8 @@ from polar_mitm.store.queries import (
 )
 from polar_mitm.store.rollouts import read_samples
 from polar_mitm.strategies import Normalize, Strategy, choices
+
+log = logging.getLogger("polar_mitm.export")
 
 RewardTo = Literal["all", "main"]
 REWARD_TO = ("all", "main")
@@ -221,39 +231,7 @@ def iter_trajectories(
         rewards = {sid: 0.0 if sid in failed else r for sid, r in rewards.items()}
         samples = {sid: replace(s, reward=0.0) if sid in failed else s for sid, s in samples.items()}
     advantage = group_advantages(samples, normalize) if normalize else {}
-    rows: Iterator[Trajectory]
-    if strategy == Strategy.PER_REQUEST:
-        # Arrays, not lists: a per-request row repeats its whole prompt, and a Python int per
-        # token cost more than the rest of the export.
-        # Session by session: a turn's role depends on its session's other conversations.
-        rows = (
-            row
-            for session in session_ids(path, selection)
-            for row in per_request(
-                read_selected(path, selection, session=session, stats=stats, on_turn=on_turn, arrays=True),
-                rewards=rewards,
-                stats=stats,
-                tool_calls=lambda ids: tool_calls(path, ids),
-                tool_results=lambda ids: tool_results(path, ids),
-                tool_parse_failures=tool_parse_failures,
-            )
-        )
-    elif strategy == Strategy.PREFIX_MERGE:
-        rows = (
-            row
-            for session in session_ids(path, selection)
-            for row in prefix_merge(
-                read_selected(path, selection, session=session, stats=stats, on_turn=on_turn),
-                rewards=rewards,
-                text=text,
-                stats=stats,
-                tool_calls=lambda ids: tool_calls(path, ids),
-                tool_results=lambda ids: tool_results(path, ids),
-                tool_parse_failures=tool_parse_failures,
-            )
-        )
-    else:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(choices(Strategy))}")
+    rows = _session_rows(path, strategy, selection, stats, on_turn, text, rewards, tool_parse_failures)
     if retokenize is not None:
         rows = itertools.chain(
             rows,
@@ -273,6 +251,38 @@ def iter_trajectories(
             row.reward = row.advantage = None
         stats.add_row(row)
         yield row
+
+
+def _session_rows(
+    path: str | Path,
+    strategy: str,
+    selection: Selection,
+    stats: ReconstructStats,
+    on_turn: Callable[[], object] | None,
+    text: TokenText | None,
+    rewards: dict[str, float | None],
+    tool_parse_failures: str,
+) -> Iterator[Trajectory]:
+    """The selected sessions' rows under `strategy`, session by session: a turn's role depends on
+    its session's other conversations."""
+    if strategy not in (Strategy.PER_REQUEST, Strategy.PREFIX_MERGE):
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(choices(Strategy))}")
+    common: dict[str, Any] = {
+        "rewards": rewards,
+        "stats": stats,
+        "tool_calls": lambda ids: tool_calls(path, ids),
+        "tool_results": lambda ids: tool_results(path, ids),
+        "tool_parse_failures": tool_parse_failures,
+    }
+    for session in session_ids(path, selection):
+        if strategy == Strategy.PER_REQUEST:
+            # Arrays, not lists: a per-request row repeats its whole prompt, and a Python int per
+            # token cost more than the rest of the export.
+            turns = read_selected(path, selection, session=session, stats=stats, on_turn=on_turn, arrays=True)
+            yield from per_request(turns, **common)
+        else:
+            turns = read_selected(path, selection, session=session, stats=stats, on_turn=on_turn)
+            yield from prefix_merge(turns, text=text, **common)
 
 
 def progress_bar(path: str | Path, selection: Selection, *, quiet: bool, desc: str) -> tqdm:
@@ -327,7 +337,15 @@ def export(
         sink.abort()
         raise
     sink.close()
+    _judge_side_calls(path, stats)
     return stats
+
+
+def _judge_side_calls(path: str | Path, stats: ReconstructStats) -> None:
+    """Generic-recipe sessions' side-call suspects, judged once the rows are out, with a warning."""
+    stats.side_call_suspects = side_call_suspects(path, stats.sessions)
+    if stats.side_call_suspects:
+        log.warning("%s", stats.suspects_warning())
 
 
 def compute_stats(
@@ -346,4 +364,5 @@ def compute_stats(
     stats.tool_parse = tool_parse_rates(
         path, session=selection.session, task=selection.task, since=selection.since, rollout=selection.rollout
     )
+    stats.side_call_suspects = side_call_suspects(path, stats.sessions)
     return stats

@@ -9,13 +9,14 @@ lives here.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from polar_mitm import providers
 from polar_mitm.neutral import ProviderError
+from polar_mitm.recipes.side_calls import session_suspects
 from polar_mitm.reconstruct.stats import ReconstructStats
 from polar_mitm.store import queries
 from polar_mitm.store.queries import set_reward
@@ -133,4 +134,27 @@ def tool_results(path: str | Path, turn_ids: list[str]) -> dict[str, set[str]]:
         ids = {m.tool_call_id for m in req.messages if m.role == "tool" and m.tool_call_id}
         if ids:
             out[turn.id] = ids
+    return out
+
+
+def side_call_suspects(path: str | Path, sessions: Iterable[str]) -> dict[str, list[str]]:
+    """Of the given sessions run under the generic recipe (whose rules know no harness), each
+    one's untagged turns that look like side calls judged over the whole session once it ended
+    (`side_calls.session_suspects`): turn id -> the signs. A session's first call may be its title,
+    which the proxy, judging calls as they arrive, could not compare with main calls yet."""
+    generic = queries.sessions_of_harness(path, "generic") & set(sessions)
+    out: dict[str, list[str]] = {}
+    for session in sorted(generic):
+        ids, reqs = [], []
+        for turn in queries.text_turns(path, session):
+            module = providers.STYLES.get(turn.style)
+            if module is None or not turn.request or turn.tag is not None:
+                continue
+            try:
+                reqs.append(module.parse_request(json.loads(turn.request), path=turn.path or ""))
+            except (ProviderError, ValueError, TypeError, KeyError):
+                continue
+            ids.append(turn.id)
+        for i, signs in session_suspects(reqs):
+            out[ids[i]] = signs
     return out

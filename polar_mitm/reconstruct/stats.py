@@ -35,6 +35,9 @@ class ReconstructStats:
     mismatches: Counter[str] = field(default_factory=Counter)  # kind → count
     # The tool parser per harness (`stats` only: the store's `tool_parse_rates`).
     tool_parse: list[ToolParseRate] = field(default_factory=list)
+    # Untagged turns of generic-recipe sessions that look like side calls, judged over the whole
+    # session (`source.side_call_suspects`): turn id -> the signs. Stored and exported as main.
+    side_call_suspects: dict[str, list[str]] = field(default_factory=dict)
 
     def add_row(self, row: Trajectory) -> None:
         self.trajectories += 1
@@ -73,6 +76,7 @@ class ReconstructStats:
             "breaks": dict(sorted(self.breaks.items())),
             "mismatches": {"total": sum(self.mismatches.values()), **dict(sorted(self.mismatches.items()))},
             "tool_parse": [r.model_dump() for r in self.tool_parse],
+            "side_call_suspects": dict(self.side_call_suspects),
         }
 
     def render(self) -> str:
@@ -110,7 +114,18 @@ class ReconstructStats:
                 f"tool parse           {r.harness or '-'} / {r.parser}: {r.failed_turns} of {r.turns} turns failed "
                 f"({r.failed_turns / r.turns:.1%})" + (f": {kinds}" if kinds else "")
             )
+        if self.side_call_suspects:
+            lines.append(f"side-call suspects   {self.suspects_warning()}")
         return "\n".join(lines)
+
+    def suspects_warning(self) -> str:
+        n = len(self.side_call_suspects)
+        signs = sorted({s for v in self.side_call_suspects.values() for s in v})
+        return (
+            f"{n} untagged turn{'s' * (n != 1)} of generic-recipe sessions look like side calls "
+            f"over the whole session ({'; '.join(signs)}) and are rows like main turns; run with "
+            "the harness's recipe (--recipe), or give it a side_calls rule"
+        )
 
 
 def _round(x: float | None) -> float | None:

@@ -9,10 +9,13 @@ queue ──▶ INIT workers: start a sandbox, run the task's setup      (init_w
 
 Sandboxes start ahead of time, so a RUN worker never waits for one while the buffer holds any.
 The stages are sized for the pipeline, whatever runs in it: each sample carries what runs for it
-(a `SampleSpec`: the harness, its command, the runtime), so one pipeline serves every harness a
-node is sent and `run_workers` bounds the harnesses running at once across all of them.
+(a `SampleSpec`: the harness, its command, the runtime, resolved where its task entered), so one
+pipeline serves every harness a node is sent and `run_workers` bounds the harnesses running at
+once across all of them. The pipeline keeps only sizes, retries and timeouts (`RolloutOptions`).
 Every sample is a session of the shared proxy with a token of its own (the proxy lets in no
-session it did not issue), so its turns are recorded token-exactly like any `run`. A container
+session it did not issue), so its turns are recorded token-exactly like any `run`; the session
+carries its recipe, whose rules tag its side calls. The pipeline sees the proxy through a small
+port (`rollout/port.py`) and the store. A container
 sample reaches the proxy only through its own channel (`sandbox/channel.py`), which names the
 session itself: nothing the sandbox sends makes it another sample.
 
@@ -24,8 +27,8 @@ Outcomes (each recorded in the store's `samples` table, never dropped):
 - `retried`: an attempt that failed and was run again as a new attempt (a new session).
 - `cancelled`: early stop (`early_stop` usable samples of its group were in) or an interrupt.
 
-The pipeline is a library: `polar-mitm rollout` drives it from the command line, and a rollout
-service can host it the same way.
+The pipeline is a library: `run_rollout` (rollout/run.py) drives it for the command line and for
+Python, and a node hosts one the same way.
 """
 
 from __future__ import annotations
@@ -34,146 +37,42 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from polar_mitm import recipes
-from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
-from polar_mitm.harness.local import child_env
 from polar_mitm.outcomes import TRAINABLE
-from polar_mitm.proxy.embedded import PolarProxy, proxy_url
-from polar_mitm.recipes import Recipe
+from polar_mitm.proxy.embedded import PolarProxy
 from polar_mitm.rollout import verify
 from polar_mitm.rollout.evaluators import EvaluatorError, HarnessOutcome, Score
+from polar_mitm.rollout.jobs import (  # noqa: F401 - named here too, where users found them
+    ROLLOUT_LABEL,
+    STAGES,
+    GroupState,
+    RolloutResult,
+    SampleJob,
+    SampleOutcome,
+    Stage,
+    harness_env,
+    sandbox_spec,
+)
 from polar_mitm.rollout.options import RolloutOptions
+from polar_mitm.rollout.port import ProxyPort, SessionPort, new_token  # noqa: F401
+from polar_mitm.rollout.spec import SampleSpec, Specs
 from polar_mitm.rollout.steps import KeptSandbox, StepRecord, below_min_reward, combine
 from polar_mitm.rollout.verify import VerifierUnavailable
-from polar_mitm.sandbox.base import (
-    HOME_DIR,
-    HarnessMount,
-    Limits,
-    Runtime,
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-    host_env,
-)
+from polar_mitm.sandbox.base import Runtime, SandboxError, SandboxSpec
 from polar_mitm.sandbox.channel import Channel, open_channel
 from polar_mitm.store.rollouts import RolloutLog
 from polar_mitm.tasks.model import Task, TaskStep
 
 log = logging.getLogger("polar_mitm.rollout")
 
-Stage = Literal["queued", "starting", "ready", "running", "scoring", "done"]
-STAGES: tuple[Stage, ...] = ("queued", "starting", "ready", "running", "scoring", "done")
-ROLLOUT_LABEL = "polar-mitm.rollout"
 FORWARDER_START_SEC = 30.0  # a sandbox's forwarder says it listens within this
-
-
-@dataclass(frozen=True, eq=False)
-class SampleSpec:
-    """What runs for a sample, resolved once where its task enters (`Pipeline.spec`): the
-    harness's recipe, its command (None: the recipe's headless one), the runtime, and the host's
-    installation of the harness that a container mounts."""
-
-    recipe: Recipe
-    harness_cmd: list[str] | None
-    runtime: Runtime
-    mount: HarnessMount | None
-
-    def command(self, instruction: str) -> list[str]:
-        return self.recipe.headless_command(instruction, self.harness_cmd)
-
-
-@dataclass(eq=False)
-class SampleJob:
-    task: Task
-    group: GroupState
-    index: int
-    spec: SampleSpec
-    attempt: int = 0
-    session_id: str = ""
-    stage: Stage = "queued"
-    sandbox: Sandbox | None = None
-    channel: Channel | None = None
-    session_dir: Path | None = None
-    outcome: HarnessOutcome | None = None
-    started: float = 0.0  # monotonic time INIT began (the total budget's start)
-    mark: float = 0.0  # when the current stage began
-    timings: dict[str, float] = field(default_factory=dict)
-    current: asyncio.Future | None = None  # the stage's work, cancelled on early stop
-    cancel_reason: str | None = None
-    final: str | None = None  # the recorded outcome, once there is one
-    reward: float | None = None
-    cause: str | None = None
-    # A multi-step task's steps scored so far (`steps.StepRecord`s), and whether a step's reward
-    # below its min_reward ended the sample before its last step.
-    steps: list[StepRecord] = field(default_factory=list)
-    stopped_early: bool = False
-
-
-@dataclass(eq=False)
-class GroupState:
-    id: str
-    task: Task
-    size: int
-    jobs: list[SampleJob] = field(default_factory=list)
-    usable: int = 0
-    finished: int = 0
-    stopped: str | None = None  # why the rest of the group was cancelled
-
-
-@dataclass
-class SampleOutcome:
-    """How one sample of a `rollout` ended, in process (what `RolloutResult` lists and the rollout
-    command prints). Its rows are in the store; the service's wire models of a sample are
-    `api.SampleView` (its status, to a trainer) and `api.SampleResult` (a node's report)."""
-
-    task_id: str
-    group_id: str
-    index: int
-    attempt: int
-    session_id: str
-    status: str
-    reward: float | None
-    cause: str | None
-    timings: dict[str, float]
-
-
-@dataclass
-class RolloutResult:
-    rollout_id: str
-    db: str
-    samples: list[SampleOutcome]
-    interrupted: bool = False
-    seconds: float = 0.0
-
-    def unusable(self) -> str | None:
-        """None when some sample can be trained on; else one line saying why none can (the most
-        common cause, and how many samples it ended)."""
-        if any(s.status in TRAINABLE for s in self.samples):
-            return None
-        if not self.samples:
-            return "no sample ran"
-        causes: dict[str, int] = {}
-        for s in self.samples:
-            key = f"{s.status}: {s.cause}" if s.cause else s.status
-            causes[key] = causes.get(key, 0) + 1
-        cause, n = max(causes.items(), key=lambda kv: kv[1])
-        return f"none of the {len(self.samples)} samples can be trained on; {n} ended {cause[:300]}"
-
-    def by_task(self) -> dict[str, list[SampleOutcome]]:
-        out: dict[str, list[SampleOutcome]] = {}
-        for s in self.samples:
-            out.setdefault(s.task_id, []).append(s)
-        return out
 
 
 class SandboxDied(SandboxError):
@@ -185,26 +84,28 @@ class _Cancelled(Exception):
 
 
 class Pipeline:
-    """Stage workers sized by `options` (their what-runs fields, with `runtime`, are the samples'
-    default: `run`, and `add` without a spec); a sample added with a `SampleSpec` runs that."""
+    """Stage workers sized by `options` (its sizes, retries, timeouts and limits); each sample is
+    added with the `SampleSpec` it runs. `proxy` is the embedded proxy (seen through `ProxyPort`)
+    or any `SessionPort`. `runtime` serves only `run(tasks)` without a spec, which resolves one
+    from the options' harness (a convenience for callers that built `RolloutOptions` with one)."""
 
     def __init__(
         self,
         options: RolloutOptions,
-        proxy: PolarProxy,
-        runtime: Runtime | None,
+        proxy: PolarProxy | SessionPort,
+        runtime: Runtime | None = None,
         *,
         work_dir: Path,
         on_change: Callable[[Pipeline], None] | None = None,
         rollout_id: str | None = None,
     ):
         self.opts = options
-        self.proxy = proxy
+        self._proxy = proxy
+        self.port: SessionPort | None = None  # made when the pipeline starts
         self.runtime = runtime
         self.work_dir = work_dir
         self.on_change = on_change
         self.rollout_id = rollout_id or f"ro_{uuid.uuid4().hex[:12]}"
-        self.recipe = recipes.get(options.harness) if options.harness is not None else None
         self.counts: Counter[str] = Counter()  # stage -> jobs in it; plus passed / failed tallies
         self.outcomes: Counter[str] = Counter()
         self.jobs: list[SampleJob] = []
@@ -218,51 +119,47 @@ class Pipeline:
         self._idle.set()
         self._groups: dict[str, GroupState] = {}
         self._workers: list[asyncio.Task] = []
-        self._specs: dict[tuple[str, tuple[str, ...], int], SampleSpec] = {}
-        self._runtimes: list[Runtime] = []  # each checked once; cleaned up at the end
+        self._runtimes: list[Runtime] = []  # the samples' runtimes, cleaned up at the end
         # Called with each sample once its outcome is recorded (a node reports it to its server).
         self.on_done: Callable[[SampleJob], Awaitable[None]] | None = None
 
     # -- public ---------------------------------------------------------------------------------
 
-    async def run(self, tasks: Sequence[Task]) -> RolloutResult:
-        """Run every task `samples` times; returns when every sample has an outcome. Cancelling
-        this coroutine (Ctrl-C) stops every sandbox and records the unfinished samples as cancelled."""
+    async def run(self, tasks: Sequence[Task], spec: SampleSpec | None = None) -> RolloutResult:
+        """Run every task `samples` times with `spec`; returns when every sample has an outcome.
+        Cancelling this coroutine (Ctrl-C) stops every sandbox and records the unfinished samples
+        as cancelled."""
         t0 = time.monotonic()
-        spec = await self._default_spec()
+        if spec is None:
+            assert self.opts.harness is not None and self.runtime is not None, "no harness or runtime given"
+            spec = await Specs().get(self.opts.harness, self.opts.harness_cmd, self.runtime)
         for t in tasks:  # every task checked and its image ready before anything is recorded
-            self._check_task(t, spec)
+            spec.check(t)
         for t in tasks:
             await spec.runtime.prepare(t)
         await self.start(tasks=[t.id for t in tasks])
         interrupted = False
         try:
             for t in tasks:
-                await self.add(t)
+                await self.add(t, spec=spec)
             await self.drain()
         except asyncio.CancelledError:
             interrupted = True
             raise
         finally:
             await asyncio.shield(self.close(interrupted))
-        assert self.proxy.store is not None
+        assert self.port is not None
+        samples = [SampleOutcome.of(j) for j in self.jobs]
         return RolloutResult(
-            self.rollout_id,
-            self.proxy.store.path,
-            self._results(),
-            interrupted=interrupted,
-            seconds=time.monotonic() - t0,
+            self.rollout_id, self.port.store.path, samples, interrupted, seconds=time.monotonic() - t0
         )
 
     async def start(self, **config: Any) -> None:
         """Start the stage workers; samples come with `add` (a long-lived pipeline, e.g. a node's)."""
-        store = self.proxy.store
-        assert store is not None, "start the proxy first"
-        self._log = RolloutLog(store)
-        if self.recipe is not None and self.runtime is not None:
-            await self._default_spec()  # its runtime checked before anything is recorded
+        proxy = self._proxy
+        self.port = ProxyPort(proxy) if isinstance(proxy, PolarProxy) else proxy
+        self._log = RolloutLog(self.port.store)
         self._ready = asyncio.Queue(maxsize=self.opts.ready_size or self.opts.run_workers)
-        self.proxy.serve_issued_only()  # a sample's token is its own; no other name gets in
         await self._log.begin_rollout(self.rollout_id, {**self.opts.model_dump(), **config})
         self._workers = (
             [asyncio.create_task(self._init_worker(), name=f"init{i}") for i in range(self.opts.init_workers)]
@@ -277,16 +174,17 @@ class Pipeline:
         self,
         task: Task,
         *,
+        spec: SampleSpec,
         indices: Sequence[int] | None = None,
         group_id: str | None = None,
         size: int | None = None,
-        spec: SampleSpec | None = None,
     ) -> list[SampleJob]:
-        """Queue samples of `task` (indices 0…samples-1 by default) in its group (made on first
-        use), running `spec` (from `spec()`; by default the pipeline's options')."""
+        """Queue samples of `task` running `spec` (indices 0…samples-1 by default) in its group
+        (made on first use)."""
         assert self._log is not None, "start the pipeline first"
-        spec = spec or await self._default_spec()
-        self._check_task(task, spec)
+        spec.check(task)
+        if all(r is not spec.runtime for r in self._runtimes):
+            self._runtimes.append(spec.runtime)
         if self.opts.reward_key is not None and task.evaluator.reward_key is None:
             # Decided here, where the task enters, and carried with it (the task's own wins).
             task = task.model_copy(
@@ -334,45 +232,23 @@ class Pipeline:
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    async def spec(self, harness: str, harness_cmd: Sequence[str] | None, runtime: Runtime) -> SampleSpec:
-        """What runs for samples of `harness` (with `harness_cmd`, else the recipe's command) in
-        `runtime`, resolved once per combination: the recipe loaded, the runtime checked, the host's
-        installation of the harness found for containers."""
-        key = (harness, tuple(harness_cmd or ()), id(runtime))  # runtimes are kept: ids stay theirs
-        got = self._specs.get(key)
-        if got is None:
-            recipe = recipes.get(harness)
-            if all(r is not runtime for r in self._runtimes):
-                await runtime.check()
-                self._runtimes.append(runtime)
-            cmd = list(harness_cmd) if harness_cmd else None
-            mount = _harness_mount(recipe, cmd) if runtime.isolated else None
-            got = self._specs[key] = SampleSpec(recipe, cmd, runtime, mount)
-        return got
-
-    async def _default_spec(self) -> SampleSpec:
-        assert self.opts.harness is not None and self.runtime is not None, "no harness or runtime given"
-        return await self.spec(self.opts.harness, self.opts.harness_cmd, self.runtime)
-
     def _check_task(self, task: Task, spec: SampleSpec | None = None) -> None:
-        if spec is None:  # the options' harness and runtime, before anything is resolved
-            assert self.recipe is not None and self.runtime is not None
-            spec = SampleSpec(self.recipe, self.opts.harness_cmd, self.runtime, None)
-        if not spec.runtime.isolated and task.evaluator.kind in ("harbor", "swebench"):
-            raise ValueError(
-                f"task {task.id}: its {task.evaluator.kind} evaluator works on absolute paths "
-                f"(/tests, /logs, {task.workdir}) and needs a container: use --runtime docker or apptainer"
-            )
-        spec.command(task.instruction)  # raises when unusable
+        """`spec.check(task)`; without a spec, the options' harness and runtime (nothing resolved)."""
+        if spec is None:
+            from polar_mitm import recipes
+
+            assert self.opts.harness is not None and self.runtime is not None
+            spec = SampleSpec(recipes.get(self.opts.harness), self.opts.harness_cmd, self.runtime, None)
+        spec.check(task)
 
     async def _new_attempt(self, job: SampleJob) -> None:
-        assert self._log is not None and self.proxy.store is not None
+        assert self._log is not None and self.port is not None
         job.session_id = f"s_{uuid.uuid4().hex[:16]}"
         job.stage, job.sandbox, job.outcome, job.timings = "queued", None, None, {}
         job.steps, job.stopped_early = [], False
         self.counts["queued"] += 1
         spec = job.spec
-        await self.proxy.store.ensure_session(
+        await self.port.store.ensure_session(
             job.session_id,
             task_id=job.task.id,
             harness=spec.recipe.name,
@@ -384,17 +260,13 @@ class Pipeline:
                 "sample_index": job.index,
                 "attempt": job.attempt,
                 "runtime": spec.runtime.name,
-                "backend": self.proxy.config.policy.backend_url,
+                "backend": self.port.backend_url,
             },
         )
         await self._log.add_sample(job.session_id, job.group.id, job.index, job.attempt, "queued")
-        self.proxy.issue_session(job.session_id)
-        if self.proxy.egress is not None:
-            if spec.runtime.isolated:
-                self.proxy.egress.contain(job.session_id)
-            if not job.task.allow_internet:
-                self.proxy.egress.deny_internet(job.session_id)
-            self.proxy.egress.allow_hosts(job.session_id, job.task.allowed_hosts)
+        self.port.issue(job.session_id, spec.recipe.name)  # its side calls tagged by its recipe
+        self.port.contain(job.session_id, job.task.allowed_hosts, isolated=spec.runtime.isolated)
+        self.port.deny(job.session_id, internet=not job.task.allow_internet)
 
     def _move(self, job: SampleJob, stage: Stage) -> None:
         now = time.monotonic()
@@ -455,14 +327,14 @@ class Pipeline:
             await self._ready.put(job)  # blocks while the READY buffer is full
 
     async def _start_sandbox(self, job: SampleJob) -> None:
-        assert self.proxy.ca is not None
+        assert self.port is not None
         job.session_dir = self.work_dir / job.session_id
         job.session_dir.mkdir(parents=True, exist_ok=True)
         (job.session_dir / "home").mkdir(exist_ok=True)
         job.spec.recipe.write_home_files(job.session_dir / "home")  # before the sandbox can touch it
         if job.spec.runtime.isolated:
-            token = self.proxy.issue_session(job.session_id)
-            job.channel = await open_channel(job.session_id, token, serve=self._adopt)
+            token = self.port.issue(job.session_id)
+            job.channel = await open_channel(job.session_id, token, serve=self.port.adopt)
         spec = self._sandbox_spec(job)
         job.sandbox = await asyncio.wait_for(job.spec.runtime.start(job.task, spec), self._budget(job))
         for up in job.task.uploads:
@@ -473,25 +345,8 @@ class Pipeline:
                 raise SandboxError(f"setup step {n} ({line[:60]!r}) exited {r.exit_code}: {r.output[-300:]}")
 
     def _sandbox_spec(self, job: SampleJob) -> SandboxSpec:
-        """The agent's sandbox of this attempt (the verifier's is made from it, rollout/verify.py)."""
-        assert self.proxy.ca is not None and job.session_dir is not None
-        mount = job.spec.mount
-        return SandboxSpec(
-            name=f"polar-{job.session_id}",
-            session_dir=job.session_dir,
-            ca=self.proxy.ca,
-            harness=mount,
-            labels={ROLLOUT_LABEL: self.rollout_id, "polar-mitm.session": job.session_id},
-            channel=job.channel.socket_path if job.channel is not None else None,
-            user=self.opts.harness_user,
-            forwarder_node=mount.node if mount is not None else None,
-            limits=Limits(
-                memory_mb=self.opts.memory or None,
-                cpus=self.opts.cpus or None,
-                pids=self.opts.pids,
-                tmp_mb=self.opts.tmp_size or None,
-            ),
-        )
+        assert self.port is not None
+        return sandbox_spec(job, self.port.ca, self.rollout_id, self.opts)
 
     async def _run_worker(self) -> None:
         assert self._ready is not None
@@ -525,56 +380,18 @@ class Pipeline:
     async def _verifier_channel(self, job: SampleJob) -> AsyncIterator[Channel]:
         """A channel for the sample's verifier, in a session of its own: contained like the agent's
         (never this machine), and with the model refused; gone once the sample is scored."""
-        session = f"{job.session_id}-verifier"
-        token = self.proxy.issue_session(session)
-        egress = self.proxy.egress
-        if egress is not None:
-            egress.contain(session)
-            egress.deny_model(session)
-            egress.allow_hosts(session, job.task.allowed_hosts)
-        channel = await open_channel(session, token, serve=self._adopt)
+        assert self.port is not None
+        port, session = self.port, f"{job.session_id}-verifier"
+        token = port.issue(session)
+        port.contain(session, job.task.allowed_hosts, isolated=True)
+        port.deny(session, model=True)
+        channel = await open_channel(session, token, serve=port.adopt)
         try:
             yield channel
         finally:
             await asyncio.shield(channel.close())
-            if egress is not None:
-                egress.release(session)
-            self.proxy.revoke_session(session)
-
-    async def _adopt(self, sock, head: bytes) -> None:
-        """A sample's channel connection, its first head rewritten, served by the proxy itself."""
-        await self.proxy.adopt(sock, head, address=("127.0.0.1", 0))
-
-    def harness_env(self, job: SampleJob) -> dict[str, str]:
-        """The harness's environment inside its sandbox: the proxy with this sample's
-        credentials (through its channel when it has one), our CA as the sandbox sees it, the
-        recipe's settings, a fresh HOME; on the host (local runtime) the few host variables a
-        process needs (`host_env`), never the host's secrets."""
-        assert job.sandbox is not None and job.session_dir is not None
-        isolated, mount = job.spec.runtime.isolated, job.spec.mount
-        home = str(job.session_dir / "home") if not isolated else HOME_DIR
-        base = {"HOME": home, "CI": "1", "TERM": "dumb", "LANG": "C.UTF-8"}
-        if not isolated:  # a host process: keep the host's PATH and the like
-            base = {**host_env(), **base}
-        elif mount is not None:  # what the mounted installation needs (PyPI: no .pyc writes)
-            base.update(mount.env)
-        address = job.sandbox.proxy_address
-        if address is not None:
-            url = proxy_url(*address, job.session_id, self.proxy.session_token(job.session_id))
-        else:
-            url = self.proxy.session_url(job.session_id)
-        env = child_env(
-            base,
-            job.spec.recipe,
-            url,
-            job.sandbox.ca,
-            job.session_id,
-            node_preload=not isolated,  # the host's preload path means nothing inside a container
-        )
-        env["PWD"] = job.sandbox.workdir
-        env.update(job.task.env)
-        env.update(self.opts.env)
-        return env
+            port.release(session)
+            port.revoke(session)
 
     async def _run_harness(self, job: SampleJob) -> None:
         if job.task.steps:
@@ -584,7 +401,7 @@ class Pipeline:
 
     async def _harness(self, job: SampleJob, task: Task, log_name: str) -> HarnessOutcome:
         """One run of the harness on `task`'s instruction in the sample's sandbox."""
-        assert job.sandbox is not None
+        assert job.sandbox is not None and self.port is not None
         cmd = job.spec.command(task.instruction)
         if job.channel is not None and job.sandbox.proxy_address is not None:
             # Set long before, as a rule (the forwarder starts with the sandbox); the harness never
@@ -596,7 +413,9 @@ class Pipeline:
                     f"the proxy forwarder in the sandbox did not start within {FORWARDER_START_SEC:.0f} s"
                 ) from None
         limit = self.opts.agent_timeout or task.agent_timeout_sec
-        r = await job.sandbox.exec_harness(cmd, env=self.harness_env(job), timeout=self._budget(job, limit))
+        r = await job.sandbox.exec_harness(
+            cmd, env=harness_env(job, self.port, self.opts.env), timeout=self._budget(job, limit)
+        )
         if job.session_dir is not None:
             write_new(job.session_dir / log_name, r.output)
         if not await job.sandbox.alive():
@@ -715,11 +534,9 @@ class Pipeline:
     def _egress_refused(self, job: SampleJob, score: Score) -> dict[str, int]:
         """The hosts the proxy refused to the sample's agent and verifier, recorded in its
         reward_detail (`egress_refused`); returns the verifier's."""
-        egress = self.proxy.egress
-        if egress is None:
-            return {}
-        agent = egress.take_refused(job.session_id)
-        verifier = egress.take_refused(f"{job.session_id}-verifier")
+        assert self.port is not None
+        agent = self.port.refused(job.session_id)
+        verifier = self.port.refused(f"{job.session_id}-verifier")
         if agent or verifier:
             score.detail["egress_refused"] = {"agent": agent, "verifier": verifier}
         return verifier
@@ -787,21 +604,15 @@ class Pipeline:
         detail: dict[str, Any] | None = None,
         final: bool = True,
     ) -> None:
+        """Record the attempt's outcome once nothing of it runs (`_teardown`); a final one counted
+        in its group (`GroupState.record`), which may stop the rest of the group."""
         assert self._log is not None
-        if job.sandbox is not None:
-            try:
-                await asyncio.shield(job.sandbox.stop())
-            except Exception as e:  # never lose the outcome over a failed removal
-                log.warning("stopping the sandbox of %s: %s", job.session_id, e)
-            job.sandbox = None
-        if job.channel is not None:
-            await asyncio.shield(job.channel.close())
-            job.channel = None
-        self.proxy.revoke_session(job.session_id)
+        await self._teardown(job)
         self._move(job, "done" if final else "queued")
         if not final:
             self.counts["queued"] -= 1  # _new_attempt counts it again
         exit_code = job.outcome.exit_code if job.outcome else None
+        timings = {k: round(v, 3) for k, v in job.timings.items()}
         await asyncio.shield(
             self._log.finish_sample(
                 job.session_id,
@@ -810,30 +621,19 @@ class Pipeline:
                 cause=cause,
                 detail=detail,
                 exit_code=exit_code,
-                timings={k: round(v, 3) for k, v in job.timings.items()},
+                timings=timings,
             )
         )
-        if self.proxy.egress is not None:
-            self.proxy.egress.release(job.session_id)
-        if job.session_dir is not None and not self.opts.keep_workdirs:
-            # A harness's HOME holds hundreds of files: removed off the event loop.
-            await asyncio.to_thread(shutil.rmtree, job.session_dir, ignore_errors=True)
+        await self._remove_workdir(job)
         if not final:
             return
-        job.final, job.reward, job.cause = status, reward, cause
+        g = job.group
+        g.record(job, status, reward, cause)
         self.outcomes[status] += 1
         if status in TRAINABLE:
             self.outcomes["passed" if (reward or 0.0) >= 1.0 else "not_passed"] += 1
-        g = job.group
-        g.finished += 1
-        g.usable += status in TRAINABLE
-        if (
-            self.opts.early_stop
-            and g.usable >= self.opts.early_stop
-            and not g.stopped
-            and g.finished < g.size
-        ):
-            self._stop_group(g, f"early stop: {g.usable} usable samples in")
+        if reason := g.early_stop(self.opts.early_stop):
+            g.stop(reason)
         if g.finished == g.size:
             await self._log.end_group(g.id, "early_stopped" if g.stopped else "done")
         if self.on_change is not None:
@@ -847,12 +647,26 @@ class Pipeline:
         if self._remaining == 0:
             self._idle.set()
 
-    def _stop_group(self, g: GroupState, reason: str) -> None:
-        g.stopped = reason
-        for j in g.jobs:
-            if j.final is None and j.current is not None and not j.current.done():
-                j.cancel_reason = reason
-                j.current.cancel()
+    async def _teardown(self, job: SampleJob) -> None:
+        """Nothing of the attempt runs any more: its sandbox stopped, its channel closed, its
+        session revoked and its egress rules released."""
+        assert self.port is not None
+        if job.sandbox is not None:
+            try:
+                await asyncio.shield(job.sandbox.stop())
+            except Exception as e:  # never lose the outcome over a failed removal
+                log.warning("stopping the sandbox of %s: %s", job.session_id, e)
+            job.sandbox = None
+        if job.channel is not None:
+            await asyncio.shield(job.channel.close())
+            job.channel = None
+        self.port.revoke(job.session_id)
+        self.port.release(job.session_id)
+
+    async def _remove_workdir(self, job: SampleJob) -> None:
+        if job.session_dir is not None and not self.opts.keep_workdirs:
+            # A harness's HOME holds hundreds of files: removed off the event loop.
+            await asyncio.to_thread(shutil.rmtree, job.session_dir, ignore_errors=True)
 
     async def _finish(self, interrupted: bool) -> None:
         """After the workers stopped: nothing unrecorded, nothing left running."""
@@ -865,41 +679,10 @@ class Pipeline:
             await runtime.cleanup({ROLLOUT_LABEL: self.rollout_id})
         await self._log.end_rollout(self.rollout_id, "interrupted" if interrupted else "done")
 
-    def _results(self) -> list[SampleOutcome]:
-        return [
-            SampleOutcome(
-                task_id=j.task.id,
-                group_id=j.group.id,
-                index=j.index,
-                attempt=j.attempt,
-                session_id=j.session_id,
-                status=j.final or "cancelled",
-                reward=j.reward,
-                cause=j.cause,
-                timings=dict(j.timings),
-            )
-            for j in self.jobs
-        ]
-
-
-def _harness_mount(recipe: Recipe, cmd: list[str] | None) -> HarnessMount | None:
-    """The host's installation of the harness, for containers. A --harness-cmd that runs
-    something else (a script in the image) needs none."""
-    if cmd and os.path.basename(cmd[0]) not in recipe.binaries:
-        try:
-            return harness_mount(recipe)
-        except HarnessNotInstalled:
-            return None
-    return harness_mount(recipe, os.path.basename(cmd[0]) if cmd else None)
-
 
 def _describe(e: BaseException) -> str:
     text = str(e) or e.__class__.__name__
     return text if len(text) < 600 else text[:600] + "…"
-
-
-def new_token() -> str:
-    return secrets.token_urlsafe(18)
 
 
 def write_new(path: Path, text: str) -> None:

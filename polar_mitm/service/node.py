@@ -53,6 +53,7 @@ from polar_mitm.reconstruct.source import Selection
 from polar_mitm.retry import Backoff
 from polar_mitm.rollout.options import WORKER_FIELDS
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, SampleSpec, new_token
+from polar_mitm.rollout.spec import Specs
 from polar_mitm.sandbox import make_runtime
 from polar_mitm.sandbox.base import Runtime
 
@@ -115,6 +116,7 @@ class GatewayNode:
         )
         self.pipeline: Pipeline | None = None  # started with the node
         self._runtimes: dict[str, Runtime] = {}  # by name, made on first use
+        self._specs = Specs()  # what a lease runs, resolved once per harness, command, runtime
         self.jobs: dict[str, Held] = {}  # by lease: a re-dispatch of a sample is another job
         self.control = m.Control()
         self.preparing: dict[str, tuple[str, int]] = {}  # lease -> (task, index): image being prepared
@@ -279,12 +281,12 @@ class GatewayNode:
     # -- work -----------------------------------------------------------------------------------
 
     async def _spec(self, a: m.Assignment) -> SampleSpec:
-        """What the assignment runs, resolved by the pipeline (once per harness, command, runtime)."""
-        assert self.pipeline is not None, "start the node first"
+        """What the assignment runs, resolved where the lease enters (once per harness, command,
+        runtime); the sample's session carries it, its recipe tagging the session's side calls."""
         runtime = self._runtimes.get(a.runtime)
         if runtime is None:
             runtime = self._runtimes[a.runtime] = make_runtime(a.runtime)
-        return await self.pipeline.spec(a.harness, a.harness_cmd, runtime)
+        return await self._specs.get(a.harness, a.harness_cmd, runtime)
 
     async def _take(self, a: m.Assignment) -> None:
         task = a.task

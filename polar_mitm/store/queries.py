@@ -59,6 +59,15 @@ def session_ids(
         db.close()
 
 
+def sessions_of_harness(path: str | Path, harness: str) -> set[str]:
+    """The sessions recorded with `harness`'s recipe."""
+    db = connect(path)
+    try:
+        return {r[0] for r in db.execute("SELECT id FROM sessions WHERE harness = ?", (harness,))}
+    finally:
+        db.close()
+
+
 def count_turns(
     path: str | Path,
     *,

@@ -1,5 +1,7 @@
-"""Real Claude Code with a subagent (its Agent tool): the export keeps the structure, a `main` row
-and a `subagent` row whose parent_id is the main row, linked through the Agent call's id."""
+"""Real Claude Code's structure in the export, both strategies: a subagent (its Agent tool) is a
+`subagent` row whose parent_id is the main row, linked through the Agent call's id; a compacted
+conversation (its own /compact, or the compaction it makes when the policy refuses a prompt past
+its context) is a `compaction` row whose parent is the summarized row, never a subagent."""
 
 import json
 import subprocess
@@ -7,6 +9,7 @@ import subprocess
 import pyarrow.parquet as pq
 import pytest
 
+from polar_mitm.store.reader import read_turns
 from tests.support.harness import (
     CLAUDE_SUBAGENT_SCRIPT,
     POLAR,
@@ -136,3 +139,62 @@ def test_a_compacted_session_exports_a_compaction_row_linked_to_the_summarized_r
     assert parent["role"] == "main" and parent["num_turns"] == 3  # the conversation that was summarized
     meta = json.loads(compaction["metadata"])
     assert meta["summary_turn_id"] in rows and meta["summary_turn_id"] != parent["trajectory_id"]
+
+
+REACTIVE_SCRIPT = [
+    {"match": "SUMMARY-MARKER", "in": "prompt", "text": "Carrying on after the compaction."},
+    {
+        "match": "[Ss]ummar",
+        "text": "<summary>SUMMARY-MARKER The user asked to begin the check. The assistant ran a command "
+        "that printed a long list of words, one after another, and read all of it; the check is under "
+        "way and nothing else is pending. The next step is to report that the check passed.</summary>",
+    },
+    {"match": "[Bb]egin", "shell": "python3 -c \"print('word ' * 1500)\""},
+]
+
+
+def test_a_session_past_the_policys_context_compacts_into_a_compaction_row_not_a_subagent(
+    tmp_path, qwen_tokenizer_dir
+):
+    """A small-context policy: turn 1 (Claude Code's system prompt and tools, ~11.7k tokens) fits,
+    turn 2 (with ~1.5k tokens of tool output) is past it,
+    the gateway answers 'prompt is too long' and Claude Code compacts on its own. The refused
+    request is never stored, so the Bash call looks open: the conversation that carries the
+    summary is still a `compaction` row whose parent is the summarized row, no `subagent` (before
+    the structure pass it was a subagent "spawned by Bash"), in both strategies."""
+    require_binary("claude")
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(REACTIVE_SCRIPT))
+    backend = FakeBackend(qwen_tokenizer_dir, "--script", str(script))
+    work, db = tmp_path / "work", tmp_path / "runs.sqlite"
+    work.mkdir()
+    try:
+        r = polar_run(
+            ["--backend", backend.url, "--tokenizer", str(qwen_tokenizer_dir), "--db", str(db),
+             "--context-length", "12800"],
+            ["claude", "-p", "Begin the check", "--allowedTools", "Bash"],
+            cwd=work,
+            env=harness_env(tmp_path / "home"),
+        )  # fmt: skip
+        assert r.returncode == 0 and "Carrying on after the compaction." in r.stdout, r.stdout + r.stderr
+        assert_turns_match_backend(backend, db)
+    finally:
+        backend.stop()
+    first = next(read_turns(db)).id
+    for strategy in ("prefix-merge", "per-request"):
+        out = tmp_path / f"{strategy}.parquet"
+        e = subprocess.run(
+            [*POLAR, "export", "--db", str(db), "--strategy", strategy, "--out", str(out), "-q"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert e.returncode == 0, e.stderr
+        rows = {r["trajectory_id"]: r for r in pq.read_table(out).to_pylist()}
+        assert "subagent" not in {r["role"] for r in rows.values()}, strategy
+        [compaction] = [r for r in rows.values() if r["role"] == "compaction"]
+        parent = rows[compaction["parent_id"]]
+        # The summarized conversation: the one whose Bash call the refused request answered.
+        assert parent["role"] == "main" and parent["turn_ids"][0] == first, strategy
+        meta = json.loads(compaction["metadata"])
+        assert meta["summary_turn_id"] not in compaction["turn_ids"] + parent["turn_ids"], strategy

@@ -484,3 +484,30 @@ def test_the_example_tasks_load_as_harbor_tasks():
     tasks = load_tasks([Path(__file__).resolve().parents[2] / "examples" / "tasks"])
     assert [t.id for t in tasks] == ["answer-right", "answer-wrong"]
     assert all(t.evaluator.kind == "harbor" and not t.allow_internet and t.workdir == "/app" for t in tasks)
+
+
+async def test_a_samples_side_calls_are_tagged_by_its_own_harness_s_rules(make_stack, tmp_path):
+    """The proxy has no recipe (a node's has none); each sample's session carries its spec's. A
+    call whose system prompt is another harness's side call (aider's commit message) is a main turn
+    of a Claude Code sample, and a side call of an aider one, in the same pipeline. Before, every
+    recipe's rules tagged every session of such a proxy."""
+    from polar_mitm.rollout.spec import Specs
+
+    stack = await make_stack()
+    system = "'system': 'You write one-line Git commit messages based on the provided diffs.', "
+    call = MODEL_CALL.replace("'max_tokens': 8, ", "'max_tokens': 8, " + system)
+    assert call != MODEL_CALL
+    p = Pipeline(RolloutOptions(), stack.proxy, work_dir=tmp_path / "work")
+    await p.start()
+    specs, runtime = Specs(), TempdirRuntime()
+    task = shell_task("t", "x", "true")
+    for harness in ("claude-code", "aider"):
+        await p.add(task, spec=await specs.get(harness, sh(call), runtime), group_id=harness, size=1)
+    await p.drain()
+    await p.close()
+    assert [(j.final, j.cause) for j in p.jobs] == [("completed", None)] * 2
+    con = sqlite3.connect(stack.db)
+    tags = con.execute(
+        "SELECT s.harness, t.tag FROM turns t JOIN sessions s ON s.id = t.session_id"
+    ).fetchall()
+    assert sorted(tags, key=str) == [("aider", "commit-message"), ("claude-code", None)]

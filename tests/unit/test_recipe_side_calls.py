@@ -245,3 +245,20 @@ def test_a_rule_matches_when_every_condition_it_gives_holds(
     if "has_schema" in rule:
         conds.append(schema == rule["has_schema"])
     assert recipes.SideCall(tag="t", **rule).matches(req, path) == (bool(conds) and all(conds))
+
+
+def test_a_session_judged_whole_finds_the_title_call_that_came_first():
+    """The proxy judges a call as it arrives, against the main calls seen so far: a title call that
+    comes first has none to compare with. Judged over the whole session, it stands out (no tools,
+    another model than the main loop's), while the main calls do not."""
+    from polar_mitm.recipes.side_calls import session_suspects
+
+    title = anthropic.parse_request(
+        {"model": "small", "max_tokens": 4096, "messages": [{"role": "user", "content": "title this"}]}
+    )
+    main = anthropic.parse_request(CC_MAIN)
+    tagger = recipes.Tagger("generic")
+    assert not recipes.looks_like_side_call(tagger.signs(title, "s"))  # as it arrived: nothing to say
+    [(index, signs)] = session_suspects([title, main, main])
+    assert index == 0 and any("no tools" in s for s in signs) and any("'small'" in s for s in signs)
+    assert session_suspects([main, main]) == []
