@@ -28,6 +28,7 @@ from aiohttp import web
 from polar_mitm import providers, recipes, redact
 from polar_mitm.backends import large_inputs
 from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
+from polar_mitm.once import Flights
 from polar_mitm.policy import Policy, TurnContext
 from polar_mitm.providers import Style, fields, side_endpoints
 from polar_mitm.providers.base import ItemMemo
@@ -123,7 +124,7 @@ class Gateway:
         self._memo_bytes = 0
         # (session, style, field) of the unknown request fields already said (see _say_unknown).
         self._unknown_said: set[tuple[str, str, str]] = set()
-        self._bounds: asyncio.Future[tuple[int, bool]] | None = None  # see _read_bounds
+        self._bounds: Flights[None, tuple[int, bool]] = Flights()  # see _read_bounds
         # Untagged calls shaped like side calls (see _side_signs), and the sessions told of one.
         self.side_call_suspects = 0
         self._suspects_said: set[str] = set()
@@ -344,9 +345,9 @@ class Gateway:
         # Each message counted takes ~30 bytes of JSON for at most ~2 tokens of the bound, so a
         # body with fewer bytes than the context cannot be refused here.
         if not context or len(raw) < context:
-            self._bounds_read()  # now, rather than when a huge body comes
+            self._bounds.start(None, self._read_bounds)  # now, rather than when a huge body comes
             return
-        longest, delimited = await asyncio.shield(self._bounds_read())
+        longest, delimited = await self._bounds.get(None, self._read_bounds)
         tokens, count, size = large_inputs.body_tokens_at_least(raw, longest, delimited)
         if tokens >= context:
             each = "at least one token each and " if delimited else ""
@@ -358,17 +359,9 @@ class Gateway:
                 400,
             )
 
-    def _bounds_read(self) -> asyncio.Future[tuple[int, bool]]:
-        """The future of `_read_bounds`, started once (again after it failed)."""
-        f = self._bounds
-        if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):
-            f = self._bounds = asyncio.ensure_future(self._read_bounds())
-            f.add_done_callback(lambda f: f.cancelled() or f.exception())  # said where awaited
-        return f
-
     async def _read_bounds(self) -> tuple[int, bool]:
         """(the longest token's bytes, whether user messages are delimited) of the policy's tokenizer
-        (~1 s of work, once)."""
+        (~1 s of work, in a thread, once: single-flight, again after a failure)."""
         tok = await self.policy.tokenizer()
         longest = await asyncio.to_thread(large_inputs.longest_token_bytes, tok)
         return longest, await asyncio.to_thread(large_inputs.users_delimited, tok)

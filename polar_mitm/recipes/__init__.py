@@ -13,13 +13,14 @@ import os
 import tomllib
 from collections import OrderedDict
 from collections.abc import Mapping
-from functools import cache, cached_property
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm.neutral import ChatRequest
+from polar_mitm.once import once
 
 # Recent system prompts -> {rule text: whether the prompt contains it}. Shared by every proxy of
 # the process and harmless so: each entry is keyed by the whole prompt text and holds only what
@@ -285,8 +286,9 @@ def looks_like_side_call(signs: list[str]) -> bool:
     return len(signs) >= 2
 
 
-@cache
+@once
 def all_recipes() -> dict[str, Recipe]:
+    """Every recipe shipped, read once per process (single-flight: `polar_mitm.once`)."""
     out: dict[str, Recipe] = {}
     for f in sorted(resources.files("polar_mitm.recipes").iterdir(), key=lambda p: p.name):
         if f.name.endswith(".toml"):

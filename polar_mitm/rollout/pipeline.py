@@ -47,6 +47,7 @@ from typing import Any, Literal
 from polar_mitm import recipes
 from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
 from polar_mitm.harness.local import child_env
+from polar_mitm.once import Flights
 from polar_mitm.outcomes import TRAINABLE
 from polar_mitm.proxy.embedded import PolarProxy, proxy_url
 from polar_mitm.recipes import Recipe
@@ -219,6 +220,7 @@ class Pipeline:
         self._groups: dict[str, GroupState] = {}
         self._workers: list[asyncio.Task] = []
         self._specs: dict[tuple[str, tuple[str, ...], int], SampleSpec] = {}
+        self._resolving = Flights(self._specs)
         self._runtimes: list[Runtime] = []  # each checked once; cleaned up at the end
         # Called with each sample once its outcome is recorded (a node reports it to its server).
         self.on_done: Callable[[SampleJob], Awaitable[None]] | None = None
@@ -336,19 +338,21 @@ class Pipeline:
 
     async def spec(self, harness: str, harness_cmd: Sequence[str] | None, runtime: Runtime) -> SampleSpec:
         """What runs for samples of `harness` (with `harness_cmd`, else the recipe's command) in
-        `runtime`, resolved once per combination: the recipe loaded, the runtime checked, the host's
-        installation of the harness found for containers."""
+        `runtime`, resolved once per combination (single-flight: samples that arrive together wait
+        for the one resolution): the recipe loaded, the runtime checked, the host's installation
+        of the harness found for containers."""
         key = (harness, tuple(harness_cmd or ()), id(runtime))  # runtimes are kept: ids stay theirs
-        got = self._specs.get(key)
-        if got is None:
-            recipe = recipes.get(harness)
-            if all(r is not runtime for r in self._runtimes):
-                await runtime.check()
+        return await self._resolving.get(key, lambda: self._resolve(harness, harness_cmd, runtime))
+
+    async def _resolve(self, harness: str, harness_cmd: Sequence[str] | None, runtime: Runtime) -> SampleSpec:
+        recipe = await asyncio.to_thread(recipes.get, harness)  # the recipes read once, off the loop
+        if all(r is not runtime for r in self._runtimes):
+            await runtime.check()
+            if all(r is not runtime for r in self._runtimes):  # another harness's resolution meanwhile
                 self._runtimes.append(runtime)
-            cmd = list(harness_cmd) if harness_cmd else None
-            mount = _harness_mount(recipe, cmd) if runtime.isolated else None
-            got = self._specs[key] = SampleSpec(recipe, cmd, runtime, mount)
-        return got
+        cmd = list(harness_cmd) if harness_cmd else None
+        mount = await asyncio.to_thread(_harness_mount, recipe, cmd) if runtime.isolated else None
+        return SampleSpec(recipe, cmd, runtime, mount)
 
     async def _default_spec(self) -> SampleSpec:
         assert self.opts.harness is not None and self.runtime is not None, "no harness or runtime given"

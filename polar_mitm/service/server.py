@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from polar_mitm import api as m
 from polar_mitm import auth
+from polar_mitm.recipes import all_recipes
 from polar_mitm.service import http
 from polar_mitm.service.callbacks import Callbacks
 from polar_mitm.service.events import Events
@@ -168,6 +169,9 @@ class RolloutServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self.host = host
+        # Read before serving, in a thread: the first submit would read them on the loop that
+        # answers the nodes' heartbeats.
+        await asyncio.to_thread(all_recipes)
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
