@@ -24,6 +24,7 @@ import pytest
 from polar_mitm.client import AsyncRolloutClient, RolloutClient, RolloutError
 from polar_mitm.policy import PolicyConfig
 from polar_mitm.procs import kill_group
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.store.reader import read_turns
 from polar_mitm.tasks.model import EvaluatorSpec, Task
@@ -495,7 +496,7 @@ def test_ray_places_nodes_as_actors_and_completes_a_task(
     from polar_mitm.service.ray_nodes import start_ray_nodes, stop_ray_nodes
 
     async def main():
-        server = RolloutServer(tmp_path / "s.sqlite", allow_local_runtime=True)
+        server = RolloutServer(ServerConfig(db=tmp_path / "s.sqlite", allow_local_runtime=True))
         await server.start()
         ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
         actors = []
