@@ -664,3 +664,21 @@ async def test_priorities_order_the_queue_and_leases_are_checked(service):
         assert r.status_code == 200
         r = await h.post("/v1/nodes/manual/results", json={**report, "lease": first["lease"]})
         assert r.status_code == 409  # recorded once
+
+
+async def test_serve_rollouts_starts_and_stops_the_server_a_python_user_configures(tmp_path):
+    """`serve`'s assembly as a library: the server answers under its ServerConfig, a taken address
+    is CannotListen (its store closed), and leaving stops it."""
+    from polar_mitm.service.run import CannotListen, serve_rollouts
+
+    config = ServerConfig(db=tmp_path / "s.sqlite", token="t0k", callback_allow=["A.example,b.example"])
+    async with serve_rollouts(config) as service:
+        async with httpx.AsyncClient(base_url=service.url) as h:
+            assert (await h.get("/v1/tasks")).status_code == 401
+            assert (await h.get("/v1/tasks", headers={"authorization": "Bearer t0k"})).json() == []
+        assert service.server.config.callback_allow == ("a.example", "b.example")
+        with pytest.raises(CannotListen, match=f"cannot listen on 127.0.0.1:{service.server.port}"):
+            async with serve_rollouts(ServerConfig(db=tmp_path / "o.sqlite"), port=service.server.port):
+                pass
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(service.url + "/health")
