@@ -68,6 +68,10 @@ class Discovery:
     def _info(self) -> ModelInfo | None:
         return self._loads.kept("info")
 
+    @_info.setter
+    def _info(self, info: ModelInfo) -> None:
+        self._loads.keep("info", info)
+
     @property
     def _tok(self) -> Tokenizer | None:
         return self._loads.kept("tokenizer")
