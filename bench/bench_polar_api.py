@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.service.server import RolloutServer
 
 TOKEN = "bench-token"
@@ -71,7 +72,7 @@ async def main() -> None:
     ap.add_argument("--response", type=int, default=6_000)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        server = RolloutServer(Path(d) / "s.sqlite", token=TOKEN, polar_api=True)
+        server = RolloutServer(ServerConfig(db=Path(d) / "s.sqlite", token=TOKEN, polar_api=True))
         await server.start()
         try:
             async with httpx.AsyncClient(

@@ -348,6 +348,11 @@ def main() -> None:
     ensure_ca(work)
     started: list[Any] = []  # the fake backend, the server
     nodes: list[subprocess.Popen] = []
+    if a.ray is not None:
+        # One authentication mode for the cluster and every client of it: Ray 2.60's head turns
+        # token authentication on where ~/.ray/auth_token exists, and a client that connects by
+        # address (the bench's count of alive nodes, serve) does not, and is refused.
+        os.environ["RAY_AUTH_MODE"] = "disabled"
     cluster = RayCluster(work, a.ray, math.ceil(a.nodes / (a.ray + 1))) if a.ray is not None else None
     try:
         if cluster:

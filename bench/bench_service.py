@@ -25,6 +25,7 @@ from polar_mitm.policy import PolicyConfig
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
 from polar_mitm.sandbox.tempdir import TempdirRuntime
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.service.node import NodeConfig, spawn_node, stop_node
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.tasks.model import EvaluatorSpec, Task
@@ -98,7 +99,7 @@ async def main() -> None:
     workers = {"init_workers": 4, "run_workers": 2, "postrun_workers": 4}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        server = RolloutServer(work / "service.sqlite", allow_local_runtime=True)
+        server = RolloutServer(ServerConfig(db=work / "service.sqlite", allow_local_runtime=True))
         await server.start()
         node = spawn_node(
             NodeConfig(server=server.url, node_token=server.node_token, node_id="bench", db=str(work / "node.sqlite"), certs_dir=work / "certs",

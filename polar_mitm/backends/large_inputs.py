@@ -43,6 +43,7 @@ import orjson
 from polar_mitm import procs
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import Message, ProviderError
+from polar_mitm.once import once
 
 log = logging.getLogger("polar_mitm.large_inputs")
 
@@ -54,27 +55,23 @@ MAX_WORKERS = 4  # long texts encoded at once; more wait for a worker
 # precedes a reasoning block's end, and reasoning may be dropped from earlier turns).
 _RENDERED_ROLES = ("system", "user", "tool")
 
-_LONGEST: dict[str, int] = {}
-_LONGEST_LOCK = threading.Lock()
+
+def _by_directory(tok: Tokenizer) -> str:
+    return tok.path
 
 
+@once(key=_by_directory)
 def longest_token_bytes(tok: Tokenizer) -> int:
     """The most bytes of text one token of `tok` can stand for: the longest UTF-8 text a single id
     decodes to, or its vocabulary entry's length in characters where that is longer (an entry
     whose decoding drops a leading space, or a byte-level entry: one character per byte). Read
-    once per tokenizer directory (~0.5 s for 150k ids on 2 cores; it was 0.9 s an id at a time)."""
-    with _LONGEST_LOCK:
-        known = _LONGEST.get(tok.path)
-    if known is not None:
-        return known
-    longest = max(
+    once per tokenizer directory (~0.5 s for 150k ids on 2 cores; it was 0.9 s an id at a time),
+    single-flight (`polar_mitm.once`): the callers meanwhile wait for that one reading."""
+    return max(
         1,
         max((len(t.encode("utf-8", "replace")) for t in tok.decode_each(range(tok.vocab_size))), default=1),
         max(map(len, tok.entries()), default=1),
     )
-    with _LONGEST_LOCK:
-        _LONGEST[tok.path] = longest
-    return longest
 
 
 def _utf8_len(text: str) -> int:
@@ -82,20 +79,16 @@ def _utf8_len(text: str) -> int:
 
 
 _PROBE_USERS = ("polar probe one", "polar probe two", "polar probe three")
-_DELIMITED: dict[str, bool] = {}
 
 
+@once(key=_by_directory)
 def users_delimited(tok: Tokenizer) -> bool:
     """Whether `tok`'s chat template renders each user message's text between added tokens of its
     own, at least one of them before it: checked on a probe conversation (a system prompt, two
     user messages in a row, a reply, a third user message), whose user texts must each lie in a
     different stretch between added tokens, each after at least one. Where it holds, a prompt has
     at least one token per user message plus its text's bytes over the longest token. Once per
-    tokenizer directory; False when the template cannot render the probe."""
-    with _LONGEST_LOCK:
-        known = _DELIMITED.get(tok.path)
-    if known is not None:
-        return known
+    tokenizer directory (single-flight); False when the template cannot render the probe."""
     one, two, three = _PROBE_USERS
     probe = [
         {"role": "system", "content": "polar probe system"},
@@ -117,10 +110,7 @@ def users_delimited(tok: Tokenizer) -> bool:
     texts = [tok.decode(s) for s in stretches]
     holders = [[k for k, t in enumerate(texts) if u in t] for u in _PROBE_USERS]
     found = [h[0] for h in holders if len(h) == 1]
-    delimited = len(found) == len(_PROBE_USERS) and len(set(found)) == len(found) and min(found) > 0
-    with _LONGEST_LOCK:
-        _DELIMITED[tok.path] = delimited
-    return delimited
+    return len(found) == len(_PROBE_USERS) and len(set(found)) == len(found) and min(found) > 0
 
 
 def user_text_bytes(body: Any) -> list[int]:
@@ -344,13 +334,9 @@ class _Pool:
             return sum(w.alive() for w in self._idle)
 
 
-_POOLS: dict[str, _Pool] = {}
-_POOLS_LOCK = threading.Lock()
-
-
+@once
 def _pool_for(path: str) -> _Pool:
-    with _POOLS_LOCK:
-        return _POOLS.setdefault(path, _Pool(path))
+    return _Pool(path)
 
 
 class PooledTokenizer:

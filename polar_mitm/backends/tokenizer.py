@@ -9,8 +9,8 @@ gives exactly what transformers' decode gives.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -23,6 +23,8 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
+
+from polar_mitm.once import once
 
 # Names a message's reasoning arrives under; templates read the first. transformers aliases them too.
 _REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
@@ -59,34 +61,29 @@ class Tokenizer:
         self._config: dict[str, Any] = _read_json(path / "tokenizer_config.json")
         self._generation_config: dict[str, Any] = _read_json(path / "generation_config.json")
         self._chat_template = _find_chat_template(path, self._config)
-        self._template_lock = threading.Lock()
-        self._compiled: jinja2.Template | None = None
 
         self.vocab_size = self._rust.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = frozenset(self._eos_ids())
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer in directory `path`, loaded once per resolved path and shared afterwards."""
+        """The tokenizer in directory `path`, loaded once per resolved path and shared afterwards.
+        Single-flight (`polar_mitm.once`): loading a 150k vocabulary takes a second of a core, and
+        the callers that come meanwhile wait for that one load instead of each starting their own
+        (other directories load meanwhile)."""
         resolved = Path(path).expanduser().resolve()
         if resolved.name == "tokenizer.json" and resolved.is_file():
             resolved = resolved.parent
-        with _CACHE_LOCK:
-            cached = _CACHE.get(resolved)
-            loading = _LOADING.setdefault(resolved, threading.Lock())
-        if cached is not None:
-            return cached
-        # Single-flight per directory: loading a 150k vocabulary takes a second of a core, and
-        # callers that come meanwhile wait for that one load instead of each starting their own.
-        # (Other directories load meanwhile: the lock is this path's only.)
-        with loading:
-            with _CACHE_LOCK:
-                cached = _CACHE.get(resolved)
-            if cached is not None:
-                return cached
-            tokenizer = cls(resolved)
-            with _CACHE_LOCK:
-                return _CACHE.setdefault(resolved, tokenizer)
+        return _load(resolved)
+
+    def ready(self) -> Tokenizer:
+        """Compile the chat template now (once per template text in the process), so that the
+        first render does not: call it where the load runs, off an event loop. A template that
+        does not compile says so at its first render."""
+        if self._chat_template is not None:
+            with contextlib.suppress(jinja2.TemplateError):
+                _compile(self._chat_template)
+        return self
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -179,16 +176,12 @@ class Tokenizer:
         )
 
     def _template(self) -> jinja2.Template:
-        if self._compiled is None:
-            if self._chat_template is None:
-                raise ValueError(
-                    f"Tokenizer directory {self.path!r} has no chat template: expected chat_template.jinja or "
-                    "a `chat_template` entry in tokenizer_config.json."
-                )
-            with self._template_lock:
-                if self._compiled is None:
-                    self._compiled = _jinja_environment().from_string(self._chat_template)
-        return self._compiled
+        if self._chat_template is None:
+            raise ValueError(
+                f"Tokenizer directory {self.path!r} has no chat template: expected chat_template.jinja or "
+                "a `chat_template` entry in tokenizer_config.json."
+            )
+        return _compile(self._chat_template)
 
     @cached_property
     def _special_tokens_map(self) -> dict[str, Any]:
@@ -227,9 +220,15 @@ class Tokenizer:
         return ids
 
 
-_CACHE: dict[Path, Tokenizer] = {}
-_CACHE_LOCK = threading.Lock()
-_LOADING: dict[Path, threading.Lock] = {}  # a lock per directory, held while it loads
+@once
+def _load(directory: Path) -> Tokenizer:
+    return Tokenizer(directory)
+
+
+@once
+def _compile(template: str) -> jinja2.Template:
+    """A chat template compiled (~50 ms for Qwen's, more on a loaded machine), once per text."""
+    return _jinja_environment().from_string(template)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

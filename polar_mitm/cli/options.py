@@ -5,7 +5,8 @@ Options that configure a model are made from the model's fields (`model_options`
 an option (named after the field unless its `Flag` names it otherwise), typed, bounded and
 defaulted by the field, and only the options given are passed on (the field's own default holds
 otherwise). The policy's are `PolicyConfig`'s (`policy_options`, `make_policy_config`); the
-pipeline's sizes are `RolloutOptions`' (`cli/rollout.py`'s `worker_options`). A new field is
+pipeline's sizes are `RolloutOptions`' (`cli/rollout.py`'s `worker_options`), the server's are
+`ServerConfig`'s (`cli/service.py`'s `server_options`). A new field is
 a new option; a `Flag` only adds what the field cannot say (help, an environment variable, a check).
 """
 
@@ -56,7 +57,10 @@ class Flag:
     envvar: str | None = None
     default: str | None = None  # how the default reads in --help, when not the field's value
     callback: Callable[..., Any] | None = None
-    multiple: bool = False  # given several times (the callback joins the values into the field)
+    multiple: bool = False  # given several times (the callback, or the model, joins the values)
+    switch: bool = False  # a bool field given bare (--polar-api), not with a value
+    type: click.ParamType | None = None  # when the annotation cannot say it (a directory that exists)
+    metavar: str | None = None
 
 
 def _join_urls(ctx, param, value):
@@ -170,6 +174,8 @@ def _click_type(field: str, annotation: Any, metadata: Iterable[Any] = ()) -> cl
     an int with a lower bound (`Field(ge=1)`) is a click.IntRange, refused on the command line."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     origin = typing.get_origin(annotation)
+    if origin in (list, tuple) and args:  # an option given several times: each value's type
+        return _click_type(field, args[0], metadata)
     if origin is typing.Literal:
         return click.Choice([str(a) for a in typing.get_args(annotation)])
     if origin in (typing.Union, types.UnionType) and len(args) == 1:
@@ -187,16 +193,22 @@ def _option(field: str, info: FieldInfo, flags: dict[str, Flag]) -> Callable[[An
     flag = flags.get(field, Flag(field.replace("_", " ").capitalize() + "."))
     default = flag.default if flag.default is not None else info.default
     env = f"env {flag.envvar}; " if flag.envvar else ""
-    kind = _click_type(field, info.annotation, info.metadata)
+    if flag.switch:  # a bare flag: given means True, and its help needs no default
+        kind, said = None, flag.help + (f" [env {flag.envvar}]" if flag.envvar else "")
+    else:
+        kind = flag.type or _click_type(field, info.annotation, info.metadata)
+        said = f"{flag.help} [{env}default: {default}]"
     return click.option(
         flag.name or "--" + field.replace("_", "-"),
         field,
         type=kind,
+        is_flag=flag.switch,
         default=None,  # not given: the field's own default
         envvar=flag.envvar,
         callback=flag.callback,
         multiple=flag.multiple,
-        help=f"{flag.help} [{env}default: {default}]",
+        metavar=flag.metavar,
+        help=said,
     )
 
 

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from polar_mitm.cli.options import given, make_policy_config, policy_options, split_listen
+from polar_mitm.cli.options import (
+    Flag,
+    given,
+    make_policy_config,
+    model_options,
+    policy_options,
+    split_listen,
+)
 from polar_mitm.cli.rollout import task_options, worker_options
 from polar_mitm.netaddr import is_loopback
 from polar_mitm.rollout.options import WORKER_FIELDS
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.strategies import Strategy, choices
+
+if TYPE_CHECKING:
+    from polar_mitm.client import RolloutClient
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
 TOKEN_HELP = (
@@ -66,6 +77,66 @@ def node_options(f):
     return worker_options(f)
 
 
+# The server's options: ServerConfig's fields (the rest, retries and dispatches, keep their defaults).
+SERVER_FIELDS = ("allow_local_runtime", "task_root", "callback_allow", "polar_api", "max_body_mb",
+                 "max_result_mb", "node_timeout", "deadline_grace")  # fmt: skip
+SERVER_FLAGS = {
+    "allow_local_runtime": Flag(
+        "Accept tasks with runtime 'local': their harness (and harness_cmd) runs on the nodes' "
+        "hosts as the node's user, unsandboxed.",
+        switch=True,
+    ),
+    "task_root": Flag(
+        "Accept task_path requests for paths under DIR (resolved); inline tasks' Dockerfiles and "
+        "tests must lie under it too. Without it the server reads no path a client names.",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        metavar="DIR",
+        default="none",
+    ),
+    "callback_allow": Flag(
+        "Accept callback_url on this host (repeatable, or comma-separated); none without it.",
+        multiple=True,
+        metavar="HOST",
+        default="none",
+    ),
+    "polar_api": Flag(
+        "Serve Polar's rollout API too (POST /rollout/task/submit, GET /nodes, /admin/inference/*, …) "
+        "for trainers built on Polar, under a secret path derived from the control token: it prints "
+        "the base URL (http://HOST:PORT/SECRET) to give them. See docs/polar.md.",
+        switch=True,
+    ),
+    "max_body_mb": Flag(
+        "Largest request body; larger ones are refused (413) before they are read.",
+        type=click.FloatRange(min=0.01),
+    ),
+    "max_result_mb": Flag(
+        "Largest sample report from a registered node (its trajectories' rows).",
+        type=click.FloatRange(min=0.01),
+    ),
+    "node_timeout": Flag("Seconds without a heartbeat before a node is lost."),
+    "deadline_grace": Flag(
+        "Seconds past a sample's timeout before the server gives it up on its node (queued again,"
+        " or failed at the dispatch limit)."
+    ),
+}
+server_options = model_options(ServerConfig, SERVER_FLAGS, SERVER_FIELDS)
+
+
+def server_token(token: str | None, token_file: Path | None) -> tuple[str, str]:
+    """`serve`'s control token (given, else its token file's, written when missing), and a note
+    saying which."""
+    from polar_mitm import auth
+
+    if token:
+        return token, "control token given"
+    path = auth.token_file(token_file)
+    try:
+        found, created = auth.ensure_token_file(path)
+    except auth.TokenFileError as e:
+        raise click.ClickException(str(e)) from None
+    return found, f"control token {'written to' if created else 'read from'} {path}"
+
+
 @click.command()
 @click.option("--listen", default="127.0.0.1:8700", show_default=True, help="HOST:PORT of the HTTP API.")
 @click.option(
@@ -90,47 +161,7 @@ def node_options(f):
     "given) [env POLAR_MITM_SERVICE_TOKEN_FILE; default ~/.config/polar-mitm/service-token, where "
     "submit, node and the client read it].",
 )
-@click.option(
-    "--allow-local-runtime",
-    is_flag=True,
-    help="Accept tasks with runtime 'local': their harness (and harness_cmd) runs on the nodes' "
-    "hosts as the node's user, unsandboxed.",
-)
-@click.option(
-    "--task-root",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=None,
-    help="Accept task_path requests for paths under DIR (resolved); inline tasks' Dockerfiles and "
-    "tests must lie under it too. Without it the server reads no path a client names.",
-)
-@click.option(
-    "--callback-allow",
-    "callback_allow",
-    multiple=True,
-    metavar="HOST",
-    help="Accept callback_url on this host (repeatable, or comma-separated); none without it.",
-)
-@click.option(
-    "--polar-api",
-    is_flag=True,
-    help="Serve Polar's rollout API too (POST /rollout/task/submit, GET /nodes, /admin/inference/*, …) "
-    "for trainers built on Polar, under a secret path derived from the control token: it prints the "
-    "base URL (http://HOST:PORT/SECRET) to give them. See docs/polar.md.",
-)
-@click.option(
-    "--max-body-mb",
-    type=click.FloatRange(min=0.01),
-    default=4.0,
-    show_default=True,
-    help="Largest request body; larger ones are refused (413) before they are read.",
-)
-@click.option(
-    "--max-result-mb",
-    type=click.FloatRange(min=0.01),
-    default=256.0,
-    show_default=True,
-    help="Largest sample report from a registered node (its trajectories' rows).",
-)
+@server_options
 @click.option(
     "--nodes",
     type=click.IntRange(min=0),
@@ -146,42 +177,10 @@ def node_options(f):
     help="Place the nodes as Ray actors on this cluster (auto: the one running here; local: a Ray of"
     " this server's own, on 127.0.0.1 only).",
 )
-@click.option(
-    "--node-timeout",
-    type=float,
-    default=15.0,
-    show_default=True,
-    help="Seconds without a heartbeat before a node is lost.",
-)
-@click.option(
-    "--deadline-grace",
-    type=float,
-    default=60.0,
-    show_default=True,
-    help="Seconds past a sample's timeout before the server gives it up on its node (queued again,"
-    " or failed at the dispatch limit).",
-)
 @node_options
 @policy_options
 def serve(
-    listen,
-    insecure_listen,
-    token,
-    token_file,
-    allow_local_runtime,
-    task_root,
-    callback_allow,
-    polar_api,
-    max_body_mb,
-    max_result_mb,
-    nodes,
-    ray_address,
-    node_timeout,
-    deadline_grace,
-    capacity,
-    db,
-    certs,
-    **policy,
+    listen, insecure_listen, token, token_file, nodes, ray_address, capacity, db, certs, **options
 ) -> None:
     """The rollout server and its gateway nodes.
 
@@ -199,9 +198,9 @@ def serve(
     read from --token-file, or generated there (0600) on first use; `submit`, `node` and
     polar_mitm.client read the same file. Nodes get a narrower credential derived from it.
     """
-    from polar_mitm import auth
-    from polar_mitm.service.node import NodeConfig, node_db, spawn_node, stop_node
-    from polar_mitm.service.server import RolloutServer
+    from polar_mitm.service.node import NodeConfig
+    from polar_mitm.service.ray_nodes import RayUnavailable
+    from polar_mitm.service.run import CannotListen, serve_rollouts
 
     host, port = split_listen(listen, "127.0.0.1:8700")
     if not is_loopback(host) and not insecure_listen:
@@ -209,72 +208,27 @@ def serve(
             f"--listen {listen} is reachable from other machines and the API has no TLS (its token would "
             "cross the network in clear): listen on 127.0.0.1 and tunnel, or pass --insecure-listen"
         )
-    if token:
-        token_note = "control token given"
-    else:
-        path = auth.token_file(token_file)
-        try:
-            token, created = auth.ensure_token_file(path)
-        except auth.TokenFileError as e:
-            raise click.ClickException(str(e)) from None
-        token_note = f"control token {'written to' if created else 'read from'} {path}"
-    allow = [h.strip() for item in callback_allow for h in item.split(",") if h.strip()]
-    workers = given(policy, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
-    policy_cfg = make_policy_config(**policy)
+    token, token_note = server_token(token, token_file)
+    config = ServerConfig(db=db, token=token, **given(options, SERVER_FIELDS))
+    workers = given(options, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
+    node = NodeConfig(server="", db=str(db), certs_dir=certs, policy=make_policy_config(**options),
+                      capacity=capacity, **workers)  # fmt: skip
 
     async def main() -> None:
-        server = RolloutServer(
-            db, token=token, node_timeout=node_timeout, deadline_grace=deadline_grace,
-            allow_local_runtime=allow_local_runtime,
-            task_root=task_root, callback_allow=allow, max_body_mb=max_body_mb, max_result_mb=max_result_mb,
-            polar_api=polar_api,
-        )  # fmt: skip
         try:
-            await server.start(host, port)
-        except OSError as e:
-            raise click.ClickException(f"cannot listen on {listen}: {e.strerror or e}") from None
-        url = f"http://{host}:{server.port}"
-        click.echo(
-            f"polar-mitm rollout server on {url} · db {db} · {nodes} {'Ray ' if ray_address else ''}nodes"
-            f" · {token_note}",
-            err=True,
-        )
-        if server.polar is not None:
-            # The capability itself: whoever reads it drives the Polar API (docs/threat-model.md).
-            click.echo(f"polar API on {server.polar.url(url)}", err=True)
-        cfg = dict(
-            server=url, node_token=server.node_token, db=str(db), certs_dir=certs, policy=policy_cfg, capacity=capacity,
-            **workers,
-        )  # fmt: skip
-        local: list[subprocess.Popen] = []
-        actors = []
-        try:
-            if ray_address:
-                from polar_mitm.service.ray_nodes import RayUnavailable, start_ray_nodes
-
-                try:
-                    actors = start_ray_nodes(ray_address, nodes, cfg)
-                except RayUnavailable as e:
-                    raise click.ClickException(str(e)) from None
-            else:
-                for i in range(nodes):
-                    # A process per node: each proxy has a core to itself, and each node writes its
-                    # turns to a file of its own beside --db (one writer per file).
-                    config = NodeConfig(**{**cfg, "node_id": f"local-{i}", "db": node_db(db, f"node{i}")})
-                    local.append(spawn_node(config, log=Path(node_db(db, f"node{i}")).with_suffix(".log")))
-            await asyncio.Event().wait()
-        finally:
-            for i, proc in enumerate(local):
-                stop_node(proc)
-                # It reported what it ran and is gone: its id is free for the next `serve`.
-                node = server.store.node(f"local-{i}")
-                if node is not None and node.state != "lost":
-                    server.lose_node(node.id)
-            if actors:
-                from polar_mitm.service.ray_nodes import stop_ray_nodes
-
-                stop_ray_nodes(actors)
-            await server.stop()
+            async with serve_rollouts(
+                config, host=host, port=port, nodes=nodes, ray_address=ray_address, node=node
+            ) as service:
+                where = f"{nodes} {'Ray ' if ray_address else ''}nodes"
+                click.echo(
+                    f"polar-mitm rollout server on {service.url} · db {db} · {where} · {token_note}", err=True
+                )
+                if service.server.polar is not None:
+                    # The capability itself: whoever reads it drives the Polar API (docs/threat-model.md).
+                    click.echo(f"polar API on {service.server.polar_url}", err=True)
+                await asyncio.Event().wait()
+        except (CannotListen, RayUnavailable) as e:
+            raise click.ClickException(str(e)) from None
 
     _run_until_signal(main())
 
@@ -442,7 +396,6 @@ def submit(
     import httpx
 
     from polar_mitm.client import RolloutClient, RolloutError
-    from polar_mitm.outcomes import trainable
     from polar_mitm.tasks import TaskFileError, load_tasks
 
     if out is not None and not wait:
@@ -463,36 +416,40 @@ def submit(
             given = {k: v for k, v in opts.items() if v is not None}
             ids.append(client.submit(t, samples=samples, harness=harness, task_id=id_prefix + t.id, **given))
             click.echo(ids[-1])
-        if not wait:
-            return
-        groups = []
-        t0 = time.monotonic()
-        for g in client.wait(ids):
-            groups.append(g)
-            usable = [o.reward or 0.0 for o in g.outcomes if trainable(o.status)]
-            mean = f"{sum(usable) / len(usable):.2f}" if usable else "-"
-            failed = len(g.outcomes) - len(usable)
-            click.echo(
-                f"[{len(groups)}/{len(ids)}] {g.task_id}: {g.state} · {len(usable)}/{len(g.outcomes)} usable"
-                f" · mean reward {mean} · {failed} failed or cancelled · {len(g.samples)} rows"
-                f" · {time.monotonic() - t0:.0f} s",
-                err=True,
-            )
-        if out is not None:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            tables = [pq.read_table(pa.BufferReader(client.parquet(i))) for i in ids]
-            pq.write_table(pa.concat_tables(tables), str(out), compression="zstd")
-            click.echo(
-                f"wrote {sum(t.num_rows for t in tables)} rows of {len(ids)} groups to {out}", err=True
-            )
+        if wait:
+            _collect(client, ids, out)
     except RolloutError as e:
         raise click.ClickException(f"{server}: {e}") from None
     except (httpx.HTTPError, OSError) as e:
         raise click.ClickException(f"cannot reach {server}: {e}") from None
     finally:
         client.close()
+
+
+def _collect(client: RolloutClient, ids: list[str], out: Path | None) -> None:
+    """`submit --wait`: a line per group as it comes in, then the groups' rows to `out`."""
+    from polar_mitm.outcomes import trainable
+
+    groups = []
+    t0 = time.monotonic()
+    for g in client.wait(ids):
+        groups.append(g)
+        usable = [o.reward or 0.0 for o in g.outcomes if trainable(o.status)]
+        mean = f"{sum(usable) / len(usable):.2f}" if usable else "-"
+        failed = len(g.outcomes) - len(usable)
+        click.echo(
+            f"[{len(groups)}/{len(ids)}] {g.task_id}: {g.state} · {len(usable)}/{len(g.outcomes)} usable"
+            f" · mean reward {mean} · {failed} failed or cancelled · {len(g.samples)} rows"
+            f" · {time.monotonic() - t0:.0f} s",
+            err=True,
+        )
+    if out is not None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        tables = [pq.read_table(pa.BufferReader(client.parquet(i))) for i in ids]
+        pq.write_table(pa.concat_tables(tables), str(out), compression="zstd")
+        click.echo(f"wrote {sum(t.num_rows for t in tables)} rows of {len(ids)} groups to {out}", err=True)
 
 
 COMMANDS = [serve, node, submit]

@@ -11,14 +11,15 @@ from __future__ import annotations
 import shlex
 import shutil
 from collections.abc import Mapping
-from functools import cache
 from pathlib import Path
+
+from polar_mitm.once import once
 
 PRELOAD = Path(__file__).with_name("node_proxy.cjs")
 UNDICI_VERSION = "6.29.1"  # the newest undici that still runs on Node 18 (installed by scripts/install.sh)
 
 
-@cache
+@once
 def undici_dir() -> Path | None:
     """The globally installed undici package (`npm install -g undici`), found beside node."""
     node = shutil.which("node")

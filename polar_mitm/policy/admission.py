@@ -16,6 +16,7 @@ import asyncio
 
 from polar_mitm.backends import large_inputs
 from polar_mitm.neutral import ChatRequest, ProviderError
+from polar_mitm.once import Flights
 from polar_mitm.policy.config import PolicyConfig
 from polar_mitm.policy.discovery import Discovery
 
@@ -43,7 +44,7 @@ class Admission:
     def __init__(self, config: PolicyConfig, discovery: Discovery):
         self.config = config
         self.discovery = discovery
-        self._bounds: asyncio.Future[tuple[int, bool]] | None = None  # see _read_bounds
+        self._bounds: Flights[None, tuple[int, bool]] = Flights()  # see _read_bounds
 
     def max_tokens(
         self, req: ChatRequest, prompt_tokens: int | None = None, context: int | None = None
@@ -74,7 +75,7 @@ class Admission:
         context = await self.discovery.context_length()
         if not context or large_inputs.rendered_text_bytes(req.messages) < context:
             return  # cheap: fewer bytes than the context cannot be more tokens
-        longest, _ = await asyncio.shield(self._bounds_read())
+        longest, _ = await self._bounds.get(None, self._read_bounds)
         tokens, size = large_inputs.prompt_tokens_at_least(req.messages, longest)
         if tokens >= context:
             raise too_long(
@@ -92,9 +93,9 @@ class Admission:
         # Each message counted takes ~30 bytes of JSON for at most ~2 tokens of the bound, so a
         # body with fewer bytes than the context cannot be refused here.
         if not context or len(raw) < context:
-            self._bounds_read()  # now, rather than when a huge body comes
+            self._bounds.start(None, self._read_bounds)  # now, rather than when a huge body comes
             return
-        longest, delimited = await asyncio.shield(self._bounds_read())
+        longest, delimited = await self._bounds.get(None, self._read_bounds)
         tokens, count, size = large_inputs.body_tokens_at_least(raw, longest, delimited)
         if tokens >= context:
             each = "at least one token each and " if delimited else ""
@@ -105,17 +106,9 @@ class Admission:
                 f"stands for more than {longest} bytes",
             )
 
-    def _bounds_read(self) -> asyncio.Future[tuple[int, bool]]:
-        """The future of `_read_bounds`, started once (again after it failed)."""
-        f = self._bounds
-        if f is None or (f.done() and (f.cancelled() or f.exception() is not None)):
-            f = self._bounds = asyncio.ensure_future(self._read_bounds())
-            f.add_done_callback(lambda f: f.cancelled() or f.exception())  # said where awaited
-        return f
-
     async def _read_bounds(self) -> tuple[int, bool]:
         """(the longest token's bytes, whether user messages are delimited) of the policy's
-        tokenizer (~1 s of work, once)."""
+        tokenizer (~1 s of work, in a thread, once: single-flight, again after a failure)."""
         tok = await self.discovery.tokenizer()
         longest = await asyncio.to_thread(large_inputs.longest_token_bytes, tok)
         return longest, await asyncio.to_thread(large_inputs.users_delimited, tok)

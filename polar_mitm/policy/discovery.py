@@ -2,9 +2,10 @@
 parsers, context length, how it streams), the tokenizer itself, and which engine API it speaks.
 
 Each is asked once and kept; with several engines the first that answers is asked. Every lazy
-load is single-flight: the first caller starts it, the callers meanwhile wait for that one (the
-tokenizer is loaded once, in a worker thread, however many turns arrive at once), and a failed
-load is tried again by the next caller. The info the
+load is single-flight (`polar_mitm.once.Flights`): the first caller starts it, the callers
+meanwhile wait for that one (the tokenizer is loaded once, in a worker thread with its chat
+template compiled, however many turns arrive at once), and a failed load is tried again by the
+next caller. The info the
 preflight read is handed in and never asked again. Asking is bounded by the liveness budget
 (`engine_dead_after`): a hung engine costs a turn that long, not one `idle_timeout` per info
 call. A failed ask is kept for a pause that grows (`retry.delays`, Backoff's schedule), so the
@@ -19,6 +20,7 @@ import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from polar_mitm import retry
 from polar_mitm.backends.engine_api import EngineAPI, EngineTimeout, EngineUnreachable, ModelInfo, NoWorkers
@@ -28,6 +30,7 @@ from polar_mitm.backends.large_inputs import pooled
 from polar_mitm.backends.parsers import check_reasoning_parser, check_tool_parser
 from polar_mitm.backends.tokenizer import Tokenizer
 from polar_mitm.neutral import ProviderError
+from polar_mitm.once import Flights
 from polar_mitm.policy.config import PolicyConfig
 
 # After a failed ask: no other for 1 s, then 2, 4 … at most 15 s (the pauses reset once one answers).
@@ -48,10 +51,8 @@ class Discovery:
         self.config = config
         self.client = client
         self.engines = engines
-        self._tok: Tokenizer | None = None
-        self._loading: asyncio.Future[Tokenizer] | None = None  # the one tokenizer load under way
-        self._info: ModelInfo | None = None
-        self._asking: asyncio.Future[ModelInfo] | None = None  # the one ask under way, shared
+        # Under the keys "tokenizer" and "info": each load once, shared by the callers meanwhile.
+        self._loads: Flights[str, Any] = Flights()
         self._failed: ProviderError | None = None
         self._retry_at = float("-inf")  # loop time before which `_failed` is raised unasked
         self._pauses: Iterator[float] = retry.delays(RETRY_FIRST, cap=RETRY_CAP)
@@ -63,27 +64,29 @@ class Discovery:
         """Seconds one ask for the model info may take: the liveness budget (else the idle limit)."""
         return self.config.engine_dead_after or self.config.idle_timeout or None
 
+    @property
+    def _info(self) -> ModelInfo | None:
+        return self._loads.kept("info")
+
+    @_info.setter
+    def _info(self, info: ModelInfo) -> None:
+        self._loads.keep("info", info)
+
+    @property
+    def _tok(self) -> Tokenizer | None:
+        return self._loads.kept("tokenizer")
+
     def _keep(self, info: ModelInfo) -> None:
         self._info = info
         self.engines.health_path = self.known_api().HEALTH_PATH
 
     async def model_info(self) -> ModelInfo:
-        if self._info is not None:
-            return self._info
-        loop = asyncio.get_running_loop()
-        if self._asking is None:
-            if self._failed is not None and loop.time() < self._retry_at:
-                raise self._failed
-            self._asking = asyncio.ensure_future(self._ask())
-            self._asking.add_done_callback(self._asked)
-        # Shielded: one turn that goes away does not cancel the ask the others wait on.
-        return await asyncio.shield(self._asking)
-
-    def _asked(self, asking: asyncio.Future[ModelInfo]) -> None:
-        if self._asking is asking:
-            self._asking = None
-        if not asking.cancelled():
-            asking.exception()  # kept in `_failed`; retrieved here even when no turn waits any more
+        info = self._info
+        if info is not None:
+            return info
+        if self._failed is not None and asyncio.get_running_loop().time() < self._retry_at:
+            raise self._failed
+        return await self._loads.get("info", self._ask)
 
     async def _ask(self) -> ModelInfo:
         """Ask the engines (the live first) until one answers, within `budget` seconds in all."""
@@ -167,19 +170,8 @@ class Discovery:
 
     async def tokenizer(self) -> Tokenizer:
         """The policy's tokenizer, loaded once (single-flight: see the module)."""
-        if self._tok is not None:
-            return self._tok
-        if self._loading is None:
-            self._loading = asyncio.ensure_future(self._load_tokenizer())
-            self._loading.add_done_callback(self._loaded)
-        # Shielded: one turn that goes away does not cancel the load the others wait on.
-        return await asyncio.shield(self._loading)
-
-    def _loaded(self, loading: asyncio.Future[Tokenizer]) -> None:
-        if self._loading is loading:
-            self._loading = None  # kept in `_tok`; after a failure, the next caller loads again
-        if not loading.cancelled():
-            loading.exception()  # raised where awaited; retrieved here even when none waits any more
+        tok = self._tok
+        return tok if tok is not None else await self._loads.get("tokenizer", self._load_tokenizer)
 
     async def _load_tokenizer(self) -> Tokenizer:
         path = self.config.tokenizer
@@ -192,10 +184,11 @@ class Discovery:
                     "directory; pass --tokenizer DIR (or POLAR_MITM_TOKENIZER)",
                     500,
                 )
-        # Off the event loop (a second of a core), and long texts are tokenized in worker
-        # processes, so neither stalls other sessions nor the node's heartbeats.
-        self._tok = pooled(await asyncio.to_thread(Tokenizer.load, os.path.expanduser(path)))
-        return self._tok
+        # Off the event loop (a second of a core; its chat template compiled there too), and long
+        # texts are tokenized in worker processes, so neither stalls other sessions' streams.
+        where = os.path.expanduser(path)
+        loaded = await asyncio.to_thread(lambda: Tokenizer.load(where).ready())
+        return pooled(loaded)
 
     async def parsers(self) -> tuple[str | None, str | None]:
         """(tool parser, reasoning parser): the configured ones, else the server's, else qwen's."""

@@ -13,13 +13,13 @@ import os
 import tomllib
 from collections import OrderedDict
 from collections.abc import Mapping
-from functools import cache
 from importlib import resources
 from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm.neutral import ChatRequest
+from polar_mitm.once import once
 from polar_mitm.recipes.side_calls import (  # noqa: F401 - the side-call rules, named here too
     SMALL_MAX_TOKENS,
     CallText,
@@ -201,8 +201,9 @@ class Tagger:
         return side_call_signs(req, main)
 
 
-@cache
+@once
 def all_recipes() -> dict[str, Recipe]:
+    """Every recipe shipped, read once per process (single-flight: `polar_mitm.once`)."""
     out: dict[str, Recipe] = {}
     for f in sorted(resources.files("polar_mitm.recipes").iterdir(), key=lambda p: p.name):
         if f.name.endswith(".toml"):

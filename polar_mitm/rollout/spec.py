@@ -4,12 +4,14 @@ never resolves a harness itself."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from polar_mitm import recipes
 from polar_mitm.harness.install import HarnessNotInstalled, harness_mount
+from polar_mitm.once import Flights
 from polar_mitm.recipes import Recipe
 from polar_mitm.sandbox.base import HarnessMount, Runtime
 from polar_mitm.tasks.model import Task
@@ -42,24 +44,27 @@ class SampleSpec:
 class Specs:
     """Resolves specs once per (harness, command, runtime): the recipe loaded (KeyError when
     unknown), the runtime checked once (`Runtime.check`), the host's installation of the harness
-    found for containers."""
+    found for containers. Single-flight: samples that arrive together wait for the one resolution,
+    and the file reads happen off the event loop."""
 
     def __init__(self) -> None:
         self._specs: dict[tuple[str, tuple[str, ...], int], SampleSpec] = {}
+        self._resolving = Flights(self._specs)
         self._checked: list[Runtime] = []  # kept, so their ids stay theirs
 
     async def get(self, harness: str, harness_cmd: Sequence[str] | None, runtime: Runtime) -> SampleSpec:
         key = (harness, tuple(harness_cmd or ()), id(runtime))
-        got = self._specs.get(key)
-        if got is None:
-            recipe = recipes.get(harness)
-            if all(r is not runtime for r in self._checked):
-                await runtime.check()
+        return await self._resolving.get(key, lambda: self._resolve(harness, harness_cmd, runtime))
+
+    async def _resolve(self, harness: str, harness_cmd: Sequence[str] | None, runtime: Runtime) -> SampleSpec:
+        recipe = await asyncio.to_thread(recipes.get, harness)
+        if all(r is not runtime for r in self._checked):
+            await runtime.check()
+            if all(r is not runtime for r in self._checked):  # another harness's resolution meanwhile
                 self._checked.append(runtime)
-            cmd = list(harness_cmd) if harness_cmd else None
-            mount = _harness_mount(recipe, cmd) if runtime.isolated else None
-            got = self._specs[key] = SampleSpec(recipe, cmd, runtime, mount)
-        return got
+        cmd = list(harness_cmd) if harness_cmd else None
+        mount = await asyncio.to_thread(_harness_mount, recipe, cmd) if runtime.isolated else None
+        return SampleSpec(recipe, cmd, runtime, mount)
 
 
 def _harness_mount(recipe: Recipe, cmd: list[str] | None) -> HarnessMount | None:

@@ -64,6 +64,7 @@ from typing import Any, BinaryIO, Literal
 from pydantic import BaseModel, Field
 
 from polar_mitm.cache import cache_dir
+from polar_mitm.once import Flights
 from polar_mitm.procs import kill_group
 from polar_mitm.sandbox.base import (
     CHANNEL_SOCKET,
@@ -941,6 +942,7 @@ class ApptainerRuntime:
         self.host_root = os.geteuid() == 0 if host_root is None else host_root
         self._sifs: SifCache | None = sifs
         self._images: dict[str, str] = {}
+        self._preparing: Flights[str, str] = Flights(self._images)  # single-flight per task
 
     async def _binary(self) -> str:
         if self.binary is None:
@@ -963,7 +965,7 @@ class ApptainerRuntime:
         """The task's image as Apptainer starts it (converted once per image; see sandbox/sif.py)."""
         if task.id not in self._images:
             await self._binary()
-            self._images[task.id] = await self.sifs.resolve(task)
+            await self._preparing.get(task.id, lambda: self.sifs.resolve(task))
 
     async def _start_instance(
         self, binary: str, image: str, name: str, spec: SandboxSpec, task: Task, overlay: Path | None

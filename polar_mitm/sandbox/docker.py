@@ -44,6 +44,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
+from polar_mitm.once import Flights
 from polar_mitm.proxy.certs import CA
 from polar_mitm.sandbox.base import (
     CHANGES_LISTED,
@@ -580,6 +581,7 @@ class DockerRuntime:
         self._calls: DaemonCalls | SdkCalls | None = None
         self.network = network
         self._images: dict[str, str] = {}  # task id -> image to start from
+        self._preparing: Flights[str, str] = Flights(self._images)
         self._paths: dict[str, str] = {}  # image -> its PATH
         self._build_lock = asyncio.Lock()
 
@@ -610,17 +612,17 @@ class DockerRuntime:
             ) from None
 
     async def prepare(self, task: Task) -> None:
-        if task.id in self._images:
-            return
+        """The task's image, found (pulled) or built once: the samples of a group that start
+        together wait for that one (single-flight)."""
+        await self._preparing.get(task.id, lambda: self._image(task))
+
+    async def _image(self, task: Task) -> str:
         if task.image:
-            self._images[task.id] = await self._ensure_image(task.image)
-        elif task.dockerfile is not None:
+            return await self._ensure_image(task.image)
+        if task.dockerfile is not None:
             async with self._build_lock:
-                self._images[task.id] = await self._build(task)
-        else:
-            raise ImageUnavailable(
-                f"task {task.id}: no image and no Dockerfile; the docker runtime needs one"
-            )
+                return await self._build(task)
+        raise ImageUnavailable(f"task {task.id}: no image and no Dockerfile; the docker runtime needs one")
 
     def image_of(self, task: Task) -> str:
         """The image `prepare(task)` made available (a tag or a name)."""

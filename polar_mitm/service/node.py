@@ -44,7 +44,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from polar_mitm import api as m
-from polar_mitm import auth, procs
+from polar_mitm import auth, procs, recipes
 from polar_mitm.outcomes import trainable
 from polar_mitm.policy import PolicyConfig
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
@@ -190,10 +190,12 @@ class GatewayNode:
         log.info("node %s registered with %s (proxy %s)", self.node_id, self.config.server, self.proxy.url)
 
     async def _preload(self) -> None:
-        """Load what the first model call would (the tokenizer: a second or more of a core, in
-        which the library holds the GIL) before registering, so no sample waits on it and the
+        """Load what the first sample and its first model call would (the recipes; the tokenizer
+        and its chat template: a second or more of a core, in which the library holds the GIL)
+        before registering, so no sample waits on it and the
         server sees no silence for it. An engine not up yet is no reason not to serve: the first
         model call loads it then."""
+        await asyncio.to_thread(recipes.all_recipes)  # what each sample's harness is, read once
         policy = self.proxy.policy
         if policy is None or policy.config.backend_mode == "chat":
             return

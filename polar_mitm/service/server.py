@@ -21,7 +21,6 @@ turns it on, and a body is bounded before it is read whole (size) and parsed (de
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -29,8 +28,10 @@ from pydantic import BaseModel
 
 from polar_mitm import api as m
 from polar_mitm import auth
+from polar_mitm.recipes import all_recipes
 from polar_mitm.service import http
 from polar_mitm.service.callbacks import Callbacks
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.service.events import Events
 from polar_mitm.service.http import MB, Handler, Who
 from polar_mitm.service.metrics import Metrics
@@ -43,38 +44,23 @@ from polar_mitm.store.service import ServiceStore
 
 
 class RolloutServer:
-    def __init__(
-        self,
-        db: str | Path,
-        *,
-        token: str | None = None,
-        node_timeout: float = 15.0,
-        max_dispatches: int = 2,
-        callback_attempts: int = 8,
-        callback_backoff: float = 1.0,
-        allow_local_runtime: bool = False,
-        task_root: str | Path | None = None,
-        callback_allow: list[str] | tuple[str, ...] = (),
-        max_body_mb: float = 4.0,
-        max_result_mb: float = 256.0,
-        polar_api: bool = False,
-        deadline_grace: float = 60.0,
-    ):
-        """`token`: the operator's control token (a random one when None: the server is never
-        open; `serve` gives it one from its token file). `allow_local_runtime`, `task_root` and
-        `callback_allow` turn on what reaches the host: tasks run unsandboxed, task paths read
-        under that directory, callbacks to those hosts. `polar_api`: Polar's rollout API too, under a
-        secret prefix (`polar.py`). `deadline_grace`: seconds past a sample's budget before the
+    def __init__(self, config: ServerConfig):
+        """`config.token`: the operator's control token (a random one when None: the server is
+        never open; `serve` gives it one from its token file). `allow_local_runtime`, `task_root`
+        and `callback_allow` turn on what reaches the host: tasks run unsandboxed, task paths read
+        under that directory, callbacks to those hosts. `polar_api`: Polar's rollout API too, under
+        a secret prefix (`polar.py`). `deadline_grace`: seconds past a sample's budget before the
         server gives it up on its node."""
-        self.store = ServiceStore(db)
-        self.token = token or auth.new_token()
+        self.config = config
+        self.store = ServiceStore(config.db)
+        self.token = config.token or auth.new_token()
         self.node_token = auth.node_token(self.token)
-        max_body = int(max_body_mb * MB)
-        max_result = int(max(max_result_mb, max_body_mb) * MB)
+        max_body = int(config.max_body_mb * MB)
+        max_result = int(max(config.max_result_mb, config.max_body_mb) * MB)
         self.events = Events()
         self.metrics = Metrics(self)
         self.callbacks = Callbacks(
-            self.store, self._group, attempts=callback_attempts, backoff=callback_backoff
+            self.store, self._group, attempts=config.callback_attempts, backoff=config.callback_backoff
         )
         self.tasks = Tasks(
             self.store,
@@ -83,20 +69,20 @@ class RolloutServer:
             self.callbacks,
             auth.Sealer(self.token),
             max_body=max_body,
-            allow_local_runtime=allow_local_runtime,
-            task_root=Path(task_root).resolve() if task_root else None,
-            callback_allow={h.lower() for h in callback_allow},
+            allow_local_runtime=config.allow_local_runtime,
+            task_root=config.task_root.resolve() if config.task_root else None,
+            callback_allow=set(config.callback_allow),
         )
         self.nodes = Nodes(
             self.store,
             self.events,
             self.metrics,
             self.tasks,
-            node_timeout=node_timeout,
-            max_dispatches=max_dispatches,
+            node_timeout=config.node_timeout,
+            max_dispatches=config.max_dispatches,
             max_body=max_body,
             max_result=max_result,
-            deadline_grace=deadline_grace,
+            deadline_grace=config.deadline_grace,
         )
         self.weights = Weights(self.store, self.events, self.nodes, max_body=max_body)
         self.guard = http.Guard(self.token, self.node_token, self.store.node_for_key)
@@ -106,7 +92,9 @@ class RolloutServer:
         self.host = "127.0.0.1"
         self._loops: list[asyncio.Task] = []
         self.polar = (
-            PolarApi(self.token, self.tasks, self.nodes, self.weights, self.events) if polar_api else None
+            PolarApi(self.token, self.tasks, self.nodes, self.weights, self.events)
+            if config.polar_api
+            else None
         )
 
     def _group(self, task_id: str) -> dict[str, Any]:
@@ -168,6 +156,9 @@ class RolloutServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self.host = host
+        # Read before serving, in a thread: the first submit would read them on the loop that
+        # answers the nodes' heartbeats.
+        await asyncio.to_thread(all_recipes)
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)

@@ -400,11 +400,12 @@ async def test_live_page_relays_the_service_events_over_one_connection(view, tmp
     """Several browser tabs, one subscription to the service; an event the service publishes
     reaches every tab; without --server the page says how to get one."""
     from polar_mitm import api as m
+    from polar_mitm.service.config import ServerConfig
     from polar_mitm.service.server import RolloutServer
 
     c = await view()
     assert "--server URL" in await (await c.get("/live")).text()
-    server = RolloutServer(tmp_path / "svc.sqlite", token="tok")
+    server = RolloutServer(ServerConfig(db=tmp_path / "svc.sqlite", token="tok"))
     await server.start("127.0.0.1", 0)
     tabs = []
     try:

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.service.node import stop_node
 from polar_mitm.service.server import RolloutServer
 from tests.support.helpers import wait_until_async
@@ -35,7 +36,9 @@ async def service(tmp_path, certs_dir, qwen_tokenizer_dir, monkeypatch):
             "task_root": tmp_path,
             **server_kw,
         }
-        server = RolloutServer(tmp_path / "service.sqlite", token=token or TOKEN, **server_kw)
+        server = RolloutServer(
+            ServerConfig(db=tmp_path / "service.sqlite", token=token or TOKEN, **server_kw)
+        )
         await server.start()
         svc = Service(server, url)
         started.append((svc, runner))

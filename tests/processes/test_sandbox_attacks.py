@@ -203,12 +203,13 @@ def probe_runtime(request, docker_client, tmp_path):
 
 @pytest.mark.docker
 async def test_a_sandbox_reaches_its_model_and_nothing_else(make_stack, tmp_path, probe_runtime):
+    from polar_mitm.service.config import ServerConfig
     from polar_mitm.service.server import RolloutServer
 
     stack = await make_stack(token="rollout-token")
     await stack.proxy.store.ensure_session(VICTIM)
     server, port = await listener()
-    service = RolloutServer(tmp_path / "service.sqlite")
+    service = RolloutServer(ServerConfig(db=tmp_path / "service.sqlite"))
     service_port = await service.start()
     backend_port = int(stack.backend_url.rsplit(":", 1)[1])
     try:

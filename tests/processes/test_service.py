@@ -24,6 +24,7 @@ import pytest
 from polar_mitm.client import AsyncRolloutClient, RolloutClient, RolloutError
 from polar_mitm.policy import PolicyConfig
 from polar_mitm.procs import kill_group
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.store.reader import read_turns
 from polar_mitm.tasks.model import EvaluatorSpec, Task
@@ -495,7 +496,7 @@ def test_ray_places_nodes_as_actors_and_completes_a_task(
     from polar_mitm.service.ray_nodes import start_ray_nodes, stop_ray_nodes
 
     async def main():
-        server = RolloutServer(tmp_path / "s.sqlite", allow_local_runtime=True)
+        server = RolloutServer(ServerConfig(db=tmp_path / "s.sqlite", allow_local_runtime=True))
         await server.start()
         ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
         actors = []
@@ -663,3 +664,21 @@ async def test_priorities_order_the_queue_and_leases_are_checked(service):
         assert r.status_code == 200
         r = await h.post("/v1/nodes/manual/results", json={**report, "lease": first["lease"]})
         assert r.status_code == 409  # recorded once
+
+
+async def test_serve_rollouts_starts_and_stops_the_server_a_python_user_configures(tmp_path):
+    """`serve`'s assembly as a library: the server answers under its ServerConfig, a taken address
+    is CannotListen (its store closed), and leaving stops it."""
+    from polar_mitm.service.run import CannotListen, serve_rollouts
+
+    config = ServerConfig(db=tmp_path / "s.sqlite", token="t0k", callback_allow=["A.example,b.example"])
+    async with serve_rollouts(config) as service:
+        async with httpx.AsyncClient(base_url=service.url) as h:
+            assert (await h.get("/v1/tasks")).status_code == 401
+            assert (await h.get("/v1/tasks", headers={"authorization": "Bearer t0k"})).json() == []
+        assert service.server.config.callback_allow == ("a.example", "b.example")
+        with pytest.raises(CannotListen, match=f"cannot listen on 127.0.0.1:{service.server.port}"):
+            async with serve_rollouts(ServerConfig(db=tmp_path / "o.sqlite"), port=service.server.port):
+                pass
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(service.url + "/health")

@@ -6,7 +6,6 @@ bounded. `serve` itself (token file, --listen) runs as a real process.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import socket
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from polar_mitm.client import RolloutClient
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 from tests.support.harness import POLAR, port_of
@@ -45,8 +45,8 @@ async def make_server(tmp_path):
     started: list[RolloutServer] = []
 
     async def make(db: str = "s.sqlite", **kw) -> RolloutServer:
-        known = inspect.signature(RolloutServer).parameters
-        server = RolloutServer(tmp_path / db, **{k: v for k, v in kw.items() if k in known})
+        known = ServerConfig.model_fields
+        server = RolloutServer(ServerConfig(db=tmp_path / db, **{k: v for k, v in kw.items() if k in known}))
         await server.start()
         started.append(server)
         return server

@@ -1,11 +1,16 @@
-"""The policy's command-line options come from PolicyConfig's fields: none can go missing."""
+"""The command-line options of a model come from its fields (PolicyConfig's, RolloutOptions',
+ServerConfig's): none can go missing."""
 
 import click
+import pytest
 from click.testing import CliRunner
+from pydantic import ValidationError
 
 from polar_mitm.cli import main
-from polar_mitm.cli.options import make_policy_config, policy_options
+from polar_mitm.cli.options import given, make_policy_config, policy_options
+from polar_mitm.cli.service import SERVER_FIELDS, server_options
 from polar_mitm.policy import PolicyConfig
+from polar_mitm.service.config import ServerConfig
 
 
 @click.command()
@@ -113,3 +118,36 @@ def test_the_pipeline_sizes_are_options_of_rollout_serve_and_node_made_from_roll
     assert (got.run_workers, got.retries, got.ready_size) == (3, 2, None)
     bad = CliRunner().invoke(sizes, ["--init-workers", "0"])
     assert bad.exit_code == 2 and "--init-workers" in bad.output
+
+
+@click.command()
+@server_options
+def show_server(**options):
+    click.echo(ServerConfig(db="s.sqlite", **given(options, SERVER_FIELDS)).model_dump_json())
+
+
+def server(*args: str):
+    result = CliRunner().invoke(show_server, list(args))
+    assert result.exit_code == 0, result.output
+    return ServerConfig.model_validate_json(result.output)
+
+
+def test_the_servers_options_come_from_server_config_and_set_its_fields():
+    assert server() == ServerConfig(db="s.sqlite")
+    got = server("--callback-allow", "A.example,b.example", "--callback-allow", "c.example", "--polar-api",
+                 "--max-body-mb", "1", "--node-timeout", "3", "--allow-local-runtime")  # fmt: skip
+    assert got.callback_allow == ("a.example", "b.example", "c.example")
+    assert (got.polar_api, got.allow_local_runtime, got.max_body_mb, got.node_timeout) == (
+        True,
+        True,
+        1.0,
+        3.0,
+    )
+    assert (got.deadline_grace, got.task_root) == (60.0, None)  # not given: the field's default
+    bad = CliRunner().invoke(show_server, ["--max-result-mb", "0"])
+    assert bad.exit_code == 2 and "0.01" in bad.output
+    helptext = CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output
+    for field in SERVER_FIELDS:
+        assert "--" + field.replace("_", "-") in helptext, field
+    with pytest.raises(ValidationError):  # frozen
+        got.polar_api = False  # type: ignore[misc]

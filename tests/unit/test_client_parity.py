@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from polar_mitm.client import AsyncRolloutClient, Group, RolloutClient, RolloutError
+from polar_mitm.service.config import ServerConfig
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 
@@ -67,7 +68,7 @@ def a_task(task_id: str) -> Task:
 async def test_both_clients_get_the_same_answers_from_one_server(tmp_path):
     """No node runs anything: tasks queue, are cancelled, and come back as empty groups; pause
     with no node is drained at once. What differs between the two answers is only the id."""
-    server = RolloutServer(tmp_path / "s.sqlite", token="parity-token")
+    server = RolloutServer(ServerConfig(db=tmp_path / "s.sqlite", token="parity-token"))
     await server.start("127.0.0.1", 0)
     try:
         sync = RolloutClient(server.url, token=server.token)

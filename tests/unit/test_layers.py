@@ -27,6 +27,7 @@ FLOORS: list[set[str]] = [
         "netaddr",
         "cache",
         "jsontext",
+        "once",
     },
     {"recipes", "store", "providers"},
     {"backends", "api"},

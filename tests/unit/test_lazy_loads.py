@@ -95,3 +95,113 @@ async def test_a_failed_load_is_tried_again_by_the_next_caller(tmp_path, fresh_d
         await discovery.tokenizer()
     shutil.copytree(fresh_dir, missing)
     assert (await discovery.tokenizer()).vocab_size > 0
+
+
+# -- every lazy load, through the one helper (polar_mitm/once.py) ------------------------------
+
+
+def test_once_runs_one_call_per_key_for_threads_that_ask_together_and_keeps_no_failure():
+    from polar_mitm.once import once
+
+    calls: list[str] = []
+    fail = {"b"}
+
+    @once
+    def load(key: str) -> str:
+        calls.append(key)
+        time.sleep(0.2)
+        if key in fail:
+            raise OSError(key)
+        return key.upper()
+
+    got: list[object] = []
+
+    def ask(key: str) -> None:
+        try:
+            got.append(load(key))
+        except OSError as e:
+            got.append(e)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=ask, args=(k,)) for k in "aaaabb"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(calls) == ["a", "b"]  # the waiters shared the call (and the failure)
+    assert got.count("A") == 4 and sum(isinstance(g, OSError) for g in got) == 2
+    assert time.monotonic() - t0 < 0.35  # the keys loaded side by side
+    fail.clear()
+    assert load("b") == "B" and calls.count("b") == 2  # the failure was not kept
+
+
+def test_threads_reading_the_longest_token_of_one_tokenizer_share_one_reading(fresh_dir):
+    """The bound the gateway reads before tokenizing (~0.5 s for a real vocabulary): each thread
+    that asked before the first had finished read the whole vocabulary again."""
+    from polar_mitm.backends import large_inputs
+
+    tok = Tokenizer.load(fresh_dir)
+    reads: list[int] = []
+    real = tok.decode_each
+
+    def slow(ids):
+        reads.append(1)
+        time.sleep(0.3)
+        return real(ids)
+
+    tok.decode_each = slow  # type: ignore[method-assign]
+    got: list[int] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(large_inputs.longest_token_bytes(tok))) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(reads) == 1 and len(set(got)) == 1 and len(got) == 4
+
+
+async def test_the_chat_template_is_compiled_with_the_tokenizer_load_not_by_the_first_render(
+    fresh_dir, monkeypatch
+):
+    """Compiling Qwen's template takes ~50 ms of a core (more on a loaded machine): the first
+    render, on the proxy's event loop for a short conversation, did it there."""
+    from polar_mitm.backends import tokenizer as tokenizer_module
+
+    template = fresh_dir / "chat_template.jinja"  # a text no other test compiled
+    template.write_text(template.read_text() + "{# " + str(fresh_dir) + " #}")
+    discovery = Discovery(PolicyConfig(tokenizer=str(fresh_dir)), client=None, engines=None)  # type: ignore[arg-type]
+    tok = await discovery.tokenizer()
+
+    def no_compiling() -> None:
+        raise AssertionError("the chat template compiled by a render")
+
+    monkeypatch.setattr(tokenizer_module, "_jinja_environment", no_compiling)
+    assert "<|im_start|>user" in tok.render([{"role": "user", "content": "u"}])
+
+
+class _Images:
+    """The image half of a Docker client: each lookup counted, and slow (a pull)."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+
+    def get(self, name: str) -> object:
+        self.lookups += 1
+        time.sleep(0.2)
+        return object()
+
+
+async def test_the_samples_of_a_group_starting_together_look_their_image_up_once():
+    """A group's 8 samples prepare its task at once: each looked the image up (and pulled it, when
+    missing) on its own."""
+    from types import SimpleNamespace
+
+    from polar_mitm.sandbox.docker import DockerRuntime
+    from polar_mitm.tasks.model import Task
+
+    images = _Images()
+    rt = DockerRuntime(client=SimpleNamespace(images=images))
+    task = Task(id="t", instruction="x", image="polar-mitm/some-image:1")
+    await asyncio.gather(*(rt.prepare(task) for _ in range(8)))
+    assert images.lookups == 1 and rt.image_of(task) == "polar-mitm/some-image:1"
