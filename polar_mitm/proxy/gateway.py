@@ -29,7 +29,6 @@ from aiohttp import web
 from polar_mitm import providers, recipes, redact
 from polar_mitm.backends import large_inputs
 from polar_mitm.neutral import ChatRequest, Done, Event, ProviderError, Started
-from polar_mitm.once import Flights
 from polar_mitm.policy import Policy, TurnContext
 from polar_mitm.providers import Style, fields, side_endpoints
 from polar_mitm.providers.base import ItemMemo

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
+from polar_mitm.rollout.spec import Specs
 from polar_mitm.sandbox.docker import DockerRuntime
 from polar_mitm.tasks import load_tasks
 from tests.support.docker_rollout import TEST_IMAGE
@@ -298,11 +299,12 @@ async def _polar(root: Path, tmp: Path, docker_client, make_stack) -> dict[str, 
         init_workers=4, run_workers=4, postrun_workers=4,
     )  # fmt: skip
     p = Pipeline(options, stack.proxy, runtime, work_dir=tmp / "work")
+    resolve = Specs()
     specs = {
-        "oracle": await p.spec(
+        "oracle": await resolve.get(
             "claude-code", ["sh", "-c", oracle_harness(root), "harness", "{instruction}"], runtime
         ),
-        "nop": await p.spec("claude-code", ["sh", "-c", "exit 0", "nop", "{instruction}"], runtime),
+        "nop": await resolve.get("claude-code", ["sh", "-c", "exit 0", "nop", "{instruction}"], runtime),
     }
     tasks = load_tasks([root])
     await p.start()
