@@ -15,11 +15,14 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import click
 
 from polar_mitm.cli.options import listen_option, make_policy_config, policy_options
+
+if TYPE_CHECKING:
+    from polar_mitm.proxy.embedded import ProxyConfig
 
 
 class Lazy(NamedTuple):
@@ -358,9 +361,7 @@ def proxy(
     to one of N proxy processes, chosen by the session in its credentials, so every session
     stays in one process; all of them write the same --db.
     """
-    from polar_mitm.harness.local import shell_setup
-    from polar_mitm.proxy.embedded import ListenError, PolarProxy, ProxyConfig, ProxyStartError
-    from polar_mitm.proxy.workers import WorkerPool
+    from polar_mitm.proxy.embedded import ListenError, ProxyConfig, ProxyStartError
 
     if token_file is not None:
         from polar_mitm.auth import TokenFileError, read_token_file
@@ -386,34 +387,8 @@ def proxy(
 
     workers = workers or os.cpu_count() or 1
 
-    async def serve() -> None:
-        p = WorkerPool(cfg, workers) if workers > 1 else PolarProxy(cfg)
-        try:
-            await p.start()
-            assert p.ca is not None
-            if isinstance(p, PolarProxy):
-                assert p.store is not None
-                await p.store.ensure_session(session, harness="shared-proxy", mode=cfg.mode)
-            mode = " · harvest" if harvest else ""
-            procs = f" · {workers} workers" if workers > 1 else ""
-            click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {db}{mode}{procs}", err=True)
-            click.echo(
-                "Point a harness at it: paste its lines into a shell and start it there (SESSION names "
-                "the session its turns are stored under; use one per run).",
-                err=True,
-            )
-            for line in shell_setup(p.session_url("SESSION"), p.ca, harvest=harvest):
-                click.echo(line, err=True)
-            import signal
-
-            stop = asyncio.Event()  # SIGTERM stops as Ctrl-C does: the turns under way are stored
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-            await stop.wait()
-        finally:
-            await p.stop()
-
     try:
-        asyncio.run(serve())
+        asyncio.run(_serve_shared_proxy(cfg, session, workers))
     except ListenError as e:
         click.echo(f"polar-mitm: {e} (pass another --listen HOST:PORT)", err=True)
         sys.exit(1)
@@ -422,6 +397,40 @@ def proxy(
         sys.exit(1)
     except KeyboardInterrupt:
         pass
+
+
+async def _serve_shared_proxy(cfg: ProxyConfig, session: str, workers: int) -> None:
+    """`proxy`'s life: start the proxy (or a pool of `workers` proxy processes), print how to point
+    a harness at it, and serve until SIGTERM or Ctrl-C (the turns under way are stored)."""
+    import signal
+
+    from polar_mitm.harness.local import shell_setup
+    from polar_mitm.proxy.embedded import PolarProxy
+    from polar_mitm.proxy.workers import WorkerPool
+
+    harvest = cfg.mode == "harvest"
+    p = WorkerPool(cfg, workers) if workers > 1 else PolarProxy(cfg)
+    try:
+        await p.start()
+        assert p.ca is not None
+        if isinstance(p, PolarProxy):
+            assert p.store is not None
+            await p.store.ensure_session(session, harness="shared-proxy", mode=cfg.mode)
+        mode = " · harvest" if harvest else ""
+        procs = f" · {workers} workers" if workers > 1 else ""
+        click.echo(f"polar-mitm proxy on {p.url} · CA {p.ca.cert} · db {cfg.db}{mode}{procs}", err=True)
+        click.echo(
+            "Point a harness at it: paste its lines into a shell and start it there (SESSION names "
+            "the session its turns are stored under; use one per run).",
+            err=True,
+        )
+        for line in shell_setup(p.session_url("SESSION"), p.ca, harvest=harvest):
+            click.echo(line, err=True)
+        stop = asyncio.Event()  # SIGTERM stops as Ctrl-C does: the turns under way are stored
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+    finally:
+        await p.stop()
 
 
 @main.command()

@@ -53,45 +53,6 @@ def sessions(
     db: str,
     tool_parse: Sequence[ToolParseRate] = (),
 ) -> Html:
-    def select(name: str, options: Sequence[str]) -> Html:
-        opts = [tag("option", "any", value="")] + [
-            tag("option", o, value=o, selected=filters.get(name) == o) for o in options
-        ]
-        return tag("label", Html(esc(name) + tag("select", join(opts), name=name)))
-
-    form = tag(
-        "form",
-        join(
-            [
-                tag(
-                    "label",
-                    Html(
-                        "id " + tag("input", "", name="q", value=filters.get("q", ""), placeholder="search")
-                    ),
-                ),
-                select("task", facets["task"]),
-                select("harness", facets["harness"]),
-                select("status", STATUSES),
-                tag(
-                    "label",
-                    Html(
-                        "since "
-                        + tag(
-                            "input",
-                            "",
-                            name="since",
-                            value=filters.get("since", ""),
-                            placeholder="2025-06-01",
-                        )
-                    ),
-                ),
-                tag("button", "filter", type="submit"),
-            ]
-        ),
-        method="get",
-        action="/sessions",
-        class_="filters",
-    )
     rows = [
         Row(
             [
@@ -118,13 +79,44 @@ def sessions(
     if more:
         pager.append(link(path("sessions", **q, offset=offset + len(listings)), "older →"))
     body = Html(
-        form
+        _session_filters(facets, filters)
         + tag("p", f"store {db} · {len(listings)} sessions shown", class_="muted")
         + table(headers, rows, class_="grid sessions", empty="no session matches")
         + tag("p", join(pager, " "), class_="pager")
         + tool_parse_rates(tool_parse)
     )
     return layout("Sessions", body, active="sessions")
+
+
+def _session_filters(facets: dict[str, list[str]], filters: dict[str, str]) -> Html:
+    """The sessions page's filter form (id search, task, harness, status, since)."""
+
+    def select(name: str, options: Sequence[str]) -> Html:
+        opts = [tag("option", "any", value="")] + [
+            tag("option", o, value=o, selected=filters.get(name) == o) for o in options
+        ]
+        return tag("label", Html(esc(name) + tag("select", join(opts), name=name)))
+
+    def text(label: str, name: str, placeholder: str) -> Html:
+        field = tag("input", "", name=name, value=filters.get(name, ""), placeholder=placeholder)
+        return tag("label", Html(label + " " + field))
+
+    return tag(
+        "form",
+        join(
+            [
+                text("id", "q", "search"),
+                select("task", facets["task"]),
+                select("harness", facets["harness"]),
+                select("status", STATUSES),
+                text("since", "since", "2025-06-01"),
+                tag("button", "filter", type="submit"),
+            ]
+        ),
+        method="get",
+        action="/sessions",
+        class_="filters",
+    )
 
 
 def tool_parse_rates(rates: Sequence[ToolParseRate]) -> Html:
