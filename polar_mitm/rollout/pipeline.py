@@ -60,6 +60,7 @@ from polar_mitm.sandbox.base import (
     HarnessMount,
     Limits,
     Runtime,
+    RuntimeUnavailable,
     Sandbox,
     SandboxError,
     SandboxSpec,
@@ -184,6 +185,22 @@ class _Cancelled(Exception):
     """The job was cancelled (early stop); not an error."""
 
 
+def unenforced_limits(opts: RolloutOptions, runtime: Runtime, tasks: Sequence[Task]) -> str | None:
+    """Why a rollout must not start, where a memory limit is asked for (the rollout's or a
+    task's) and `runtime`, prepared, found it cannot enforce one (its `limits` False: Apptainer
+    without cgroups) and the options do not allow that (`--allow-unenforced-limits`); else None."""
+    wanted = opts.memory or any(t.memory_mb for t in tasks)
+    if not wanted or getattr(runtime, "limits", True) is not False or opts.allow_unenforced_limits:
+        return None
+    return (
+        f"{runtime.name}: cannot enforce the sandboxes' memory, CPU and pids limits on this host "
+        "(Apptainer needs cgroups: cgroup v2, and as root `systemd cgroups = no` where systemd does "
+        "not run): one sample could take the memory every sample shares. Run where it can, or pass "
+        "--allow-unenforced-limits where something else bounds the job (its scheduler's cgroup), or "
+        "--memory 0 for no memory limit at all"
+    )
+
+
 class Pipeline:
     """Stage workers sized by `options` (their what-runs fields, with `runtime`, are the samples'
     default: `run`, and `add` without a spec); a sample added with a `SampleSpec` runs that."""
@@ -234,6 +251,9 @@ class Pipeline:
             self._check_task(t, spec)
         for t in tasks:
             await spec.runtime.prepare(t)
+        refused = unenforced_limits(self.opts, spec.runtime, tasks)
+        if refused is not None:
+            raise RuntimeUnavailable(refused)
         await self.start(tasks=[t.id for t in tasks])
         interrupted = False
         try:
@@ -490,6 +510,7 @@ class Pipeline:
                 cpus=self.opts.cpus or None,
                 pids=self.opts.pids,
                 tmp_mb=self.opts.tmp_size or None,
+                home_mb=self.opts.home_size or None,
             ),
         )
 

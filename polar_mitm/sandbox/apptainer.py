@@ -11,7 +11,8 @@ image as a SIF (`sandbox/sif.py`: converted once per image content and cached), 
 - **no privilege**: as root on the host, the harness runs as HARNESS_USER with no capability
   (the image's `setpriv`, inside an exec with no-new-privileges), and root's own steps (setup,
   scoring) keep only ROOT_CAPS (`--no-privs --add-caps`); run by an unprivileged user, every
-  process is that user's, with no capability (Apptainer's user namespace);
+  process is that user's, with no capability (Apptainer's user namespace); every process under
+  the one seccomp profile of `sandbox/seccomp.py` (no new namespace, mount, ptrace, ...);
 - the task's memory, CPU and a pids limit (`--memory`, `--cpus`, `--pids-limit`) where Apptainer
   can apply cgroups (cgroup v2, or cgroupfs with `systemd cgroups = no` as root); where it
   cannot, the instance starts without them, once logged and recorded in `describe()`;
@@ -48,6 +49,7 @@ import hashlib
 import json
 import logging
 import os
+import pwd
 import re
 import secrets
 import shlex
@@ -92,6 +94,7 @@ from polar_mitm.sandbox.base import (
     tree_size,
 )
 from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
+from polar_mitm.sandbox.seccomp import apptainer_profile
 from polar_mitm.sandbox.sif import TRANSPORTS, SifCache, is_path
 from polar_mitm.tasks.model import Task
 
@@ -181,13 +184,21 @@ def own_dir(spec: SandboxSpec) -> Path:
     return spec.session_dir / f"apptainer-{spec.purpose}"
 
 
-def binds(spec: SandboxSpec) -> list[str]:
+def image_bind(image: Path, dst: str) -> str:
+    """A `--bind` of a file system image (`make_disk_images`) as the directory `dst`, read-write."""
+    return f"{bind_option(image.resolve(), dst)}:image-src=/"
+
+
+def binds(spec: SandboxSpec, images: Mapping[str, Path] | None = None) -> list[str]:
     """An agent: its HOME (the sample's `home`, read-write), our CA's public files, the harness
     installation and the channel's socket and forwarder (read-only). A verifier: the supervisor
     and, where it may reach the internet, its channel, the forwarder and the node it runs on.
-    Both: the transfer directory. The CA files are bound one by one: the directory also holds the
-    private key."""
+    Both: the transfer directory, and `images` ({sandbox path: image file}: /tmp, an agent's
+    HOME) in place of a directory. The CA files are bound one by one: the directory also holds
+    the private key."""
+    images = images or {}
     out = [bind_option((own_dir(spec) / "xfer").resolve(), XFER_DIR)]
+    out += [image_bind(image, inside) for inside, image in images.items() if inside != HOME_DIR]
     if spec.purpose == "verifier":
         out.append(bind_option(REAPER_HOST.resolve(), REAPER, read_only=True))
         out += [bind_option(host.resolve(), inside, read_only=True) for host, inside in spec.inputs]
@@ -197,7 +208,10 @@ def binds(spec: SandboxSpec) -> list[str]:
             if spec.forwarder_node is not None:
                 out.append(bind_option(spec.forwarder_node.resolve(), f"{NODE_BIN}/node", read_only=True))
         return out
-    out.append(bind_option((spec.session_dir / "home").resolve(), HOME_DIR))
+    home = images.get(HOME_DIR)
+    out.append(
+        image_bind(home, HOME_DIR) if home else bind_option((spec.session_dir / "home").resolve(), HOME_DIR)
+    )
     for host, inside in ca_mounts(spec.ca):
         out.append(bind_option(host.resolve(), inside, read_only=True))
     if spec.channel is not None:
@@ -232,14 +246,62 @@ def limit_options(limits: Limits) -> list[str]:
     return out
 
 
-def kernel_options(spec: SandboxSpec, *, host_root: bool, knobs: tuple[str, ...] = KERNEL_RO) -> list[str]:
+def disk_argv(mke2fs: str, image: Path, size_mb: int, owner: str, seed: Path | None = None) -> list[str]:
+    """`mke2fs` making an ext3 file system (what Apptainer binds) in the sparse file `image` of
+    `size_mb`, its root owned by `owner` ("UID:GID") and holding a copy of the directory `seed`'s
+    files: no reserved blocks, a small journal (4 MiB from 64 MiB up, else mke2fs's own), and
+    nothing written that the file system does not use (a 1 GiB image holds about 5 MB)."""
+    seeded = ["-d", str(seed)] if seed is not None else []
+    journal = ["-J", "size=4"] if size_mb >= 64 else []
+    lazy = f"root_owner={owner},lazy_itable_init=1,lazy_journal_init=1"
+    return [mke2fs, "-q", "-F", "-t", "ext3", "-m", "0", *journal, "-E", lazy, *seeded, str(image)]
+
+
+def disk_images(spec: SandboxSpec, limits: Limits) -> dict[str, Path]:
+    """{sandbox path: the image file to make for it}: /tmp of `tmp_mb` in every instance, an
+    agent's HOME of `home_mb`, each in the instance's own directory (removed with it)."""
+    sizes = {"/tmp": limits.tmp_mb, HOME_DIR: limits.home_mb if spec.purpose == "agent" else None}
+    return {inside: own_dir(spec) / f"{inside.rsplit('/', 1)[-1]}.img" for inside, mb in sizes.items() if mb}
+
+
+async def make_disk_images(spec: SandboxSpec, limits: Limits, mke2fs: str) -> dict[str, Path]:
+    """The file system images `disk_images` names, made: what the sandbox writes there is refused
+    past the size (ENOSPC) and takes at most that of the host's disk. HOME's holds a copy of the
+    sample's `home` (the recipe's files); each root is owned by the session directory's owner
+    and that user's group (who runs Apptainer, rootless: a group it does not have would be no
+    one's in its user namespace; root hands HOME over to the harness's user, as the workdir)."""
+    images = disk_images(spec, limits)
+    uid = spec.session_dir.stat().st_uid
+    try:
+        owner = f"{uid}:{pwd.getpwuid(uid).pw_gid}"
+    except KeyError:
+        owner = f"{uid}:{spec.session_dir.stat().st_gid}"
+    sizes = {"/tmp": limits.tmp_mb, HOME_DIR: limits.home_mb}
+    for inside, image in images.items():
+        size = int(sizes[inside] or 0)
+        with open(image, "wb") as f:
+            f.truncate(size << 20)
+        seed = spec.session_dir / "home" if inside == HOME_DIR else None
+        r = await run_process(disk_argv(mke2fs, image, size, owner, seed), timeout=120)
+        if r.exit_code != 0:
+            raise SandboxError(f"apptainer: cannot make {image.name} for {inside}: {r.output[-500:]}")
+    return images
+
+
+def kernel_options(
+    spec: SandboxSpec, *, host_root: bool, knobs: tuple[str, ...] = KERNEL_RO, seccomp: Path | None = None
+) -> list[str]:
     """What keeps an instance off the host's kernel, as Docker keeps a container: the kernel's
     knobs under /proc read-only (KERNEL_RO) and no /sys; as root, a verifier in a user namespace
     of its own (`--userns`), so that its root (the tests run the agent's code as root) holds no
-    capability of the host's namespace. Run by an unprivileged user, Apptainer's own user
-    namespace does what the last does. (No seccomp profile: Apptainer 1.4.5 cannot load one in
-    an exec whose capabilities `privilege_options` dropped: threat-model.md.)"""
+    capability of the host's namespace (run by an unprivileged user, Apptainer's own user
+    namespace does that); and the `seccomp` profile file (`seccomp.apptainer_profile`: no new
+    namespace, mount, module, keyring, ptrace, ...), which every exec joining the instance loads.
+    An exec without capabilities may load it only with no-new-privileges, and as root a joining
+    exec takes that bit from the instance's start, so the start has `--no-privs` too."""
     out = [arg for path in knobs for arg in ("--bind", f"{path}:{path}:ro")]
+    if seccomp is not None:
+        out += [*(["--no-privs"] if host_root else []), "--security", f"seccomp:{seccomp}"]
     return [*out, "--userns"] if host_root and spec.purpose == "verifier" else out
 
 
@@ -251,15 +313,17 @@ def start_argv(
     overlay: Path | None,
     limits: list[str] | None = None,
     kernel: list[str] | None = None,
+    images: Mapping[str, Path] | None = None,
 ) -> list[str]:
     """`instance start`: no network but loopback, a minimal /dev, no host home/cwd/tmp/sys, the
     environment left out (variables come with each exec), writes going to `overlay` (a directory
-    on the host) or, without one, to a tmpfs, the cgroup limits asked for and `kernel_options`."""
+    on the host) or, without one, to a tmpfs, the cgroup limits asked for, `kernel_options` and
+    the file system `images` bound (`binds`)."""
     argv = [binary, "instance", "start", "--cleanenv", CONTAIN, "--no-mount", NO_MOUNT, *NO_NETWORK]
     argv += ["--overlay", str(overlay)] if overlay is not None else ["--writable-tmpfs"]
     argv += limits or []
     argv += kernel or []
-    for bind in binds(spec):
+    for bind in binds(spec, images):
         argv += ["--bind", bind]
     return [*argv, image, name]
 
@@ -936,6 +1000,9 @@ class ApptainerRuntime:
         self.overlay = overlay
         self.sif_dir = sif_dir
         self.limits = True  # cleared when Apptainer cannot apply cgroups here
+        self._probed = False  # whether `probe_limits` ran
+        # What makes the /tmp and HOME images (cleared where it is missing or they cannot be bound).
+        self.mke2fs = shutil.which("mke2fs", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
         # Whether Apptainer runs as root (else rootless: every process is its user's); by default
         # this process's user. A binary that is a wrapper running Apptainer as another user says.
         self.host_root = os.geteuid() == 0 if host_root is None else host_root
@@ -960,27 +1027,73 @@ class ApptainerRuntime:
         return self._sifs
 
     async def prepare(self, task: Task) -> None:
-        """The task's image as Apptainer starts it (converted once per image; see sandbox/sif.py)."""
+        """The task's image as Apptainer starts it (converted once per image; see sandbox/sif.py);
+        with the first, whether Apptainer can apply cgroups here (`probe_limits`)."""
         if task.id not in self._images:
-            await self._binary()
+            binary = await self._binary()
             self._images[task.id] = await self.sifs.resolve(task)
+            if not self._probed:
+                self._probed = True
+                await self.probe_limits(binary, self._images[task.id])
+
+    async def probe_limits(self, binary: str, image: str) -> None:
+        """Start (and stop) an instance with a memory limit: where Apptainer cannot apply cgroups,
+        `limits` is False from here on, said once, before any sample starts (a rollout then
+        refuses to start unless allowed: `Pipeline._refuse_unenforced_limits`)."""
+        name = instance_name(f"polar-probe-{uuid.uuid4().hex[:8]}")
+        argv = [binary, "instance", "start", CONTAIN, "--no-mount", NO_MOUNT, "--memory", str(64 << 20)]
+        r = await run_argv([*argv, image, name], timeout=120)
+        if r.exit_code == 0:
+            await run_argv(stop_argv(binary, name), timeout=60)
+        elif "cgroups" in r.output:
+            self._no_cgroups(r.output)
+
+    def _no_cgroups(self, output: str) -> None:
+        self.limits = False
+        log.warning(
+            "apptainer cannot apply cgroups here (%s): instances start without the memory, CPU and "
+            "pids limits (as root without systemd: `systemd cgroups = no` in apptainer.conf)",
+            output.strip().splitlines()[-1][-200:] if output.strip() else "",
+        )
 
     async def _start_instance(
-        self, binary: str, image: str, name: str, spec: SandboxSpec, task: Task, overlay: Path | None
+        self,
+        binary: str,
+        image: str,
+        name: str,
+        spec: SandboxSpec,
+        task: Task,
+        overlay: Path | None,
+        images: dict[str, Path] | None = None,
     ) -> ExecResult:
         limits = limit_options(spec.limits.for_task(task)) if self.limits else []
         knobs = tuple(p for p in KERNEL_RO if os.path.exists(p))  # (a kernel may lack sysrq)
-        kernel = kernel_options(spec, host_root=self.host_root, knobs=knobs)
-        r = await run_argv(start_argv(binary, image, name, spec, overlay, limits, kernel))
+        profile = own_dir(spec) / "seccomp.json"  # read by Apptainer at the start, as its user
+        profile.write_text(json.dumps(apptainer_profile()))
+        kernel = kernel_options(spec, host_root=self.host_root, knobs=knobs, seccomp=profile)
+        r = await run_argv(start_argv(binary, image, name, spec, overlay, limits, kernel, images))
         if r.exit_code != 0 and limits and "cgroups" in r.output:
-            self.limits = False
-            log.warning(
-                "apptainer cannot apply cgroups here (%s): instances start without the memory, CPU and "
-                "pids limits (as root without systemd: `systemd cgroups = no` in apptainer.conf)",
-                r.output.strip().splitlines()[-1][-200:],
-            )
-            r = await run_argv(start_argv(binary, image, name, spec, overlay, [], kernel))
+            self._no_cgroups(r.output)
+            r = await run_argv(start_argv(binary, image, name, spec, overlay, [], kernel, images))
         return r
+
+    async def _disk_images(self, spec: SandboxSpec, task: Task) -> dict[str, Path]:
+        """The instance's /tmp and HOME as file system images of their caps (`make_disk_images`),
+        or none where this host cannot make or bind them (said once)."""
+        if self.mke2fs is None:
+            return {}
+        try:
+            return await make_disk_images(spec, spec.limits.for_task(task), self.mke2fs)
+        except SandboxError as e:
+            self._unbounded_disk(str(e))
+            return {}
+
+    def _unbounded_disk(self, why: str) -> None:
+        self.mke2fs = None
+        log.warning(
+            "apptainer: the sandboxes' /tmp and HOME are not bounded here (%s): they take the host's disk",
+            why[-300:],
+        )
 
     async def start(self, task: Task, spec: SandboxSpec) -> ApptainerSandbox:
         binary = await self._binary()
@@ -1006,12 +1119,18 @@ class ApptainerRuntime:
         overlay = mine / "overlay" if self.overlay else None
         if overlay is not None:
             overlay.mkdir(parents=True, exist_ok=True)
-        result = await self._start_instance(binary, image, name, spec, task, overlay)
+        images = await self._disk_images(spec, task)
+        result = await self._start_instance(binary, image, name, spec, task, overlay, images)
+        if result.exit_code != 0 and images:  # (rootless without fuse2fs, say)
+            retry = await self._start_instance(binary, image, name, spec, task, overlay)
+            if retry.exit_code == 0:
+                self._unbounded_disk(result.output.strip().splitlines()[-1] if result.output.strip() else "")
+                images, result = {}, retry
         if result.exit_code != 0 and overlay is not None and "overlay" in result.output.lower():
             self.overlay = False
             shutil.rmtree(overlay, ignore_errors=True)
             overlay = None
-            result = await self._start_instance(binary, image, name, spec, task, None)
+            result = await self._start_instance(binary, image, name, spec, task, None, images)
         if result.exit_code != 0:
             record_path.unlink(missing_ok=True)
             raise SandboxError(
@@ -1031,7 +1150,9 @@ class ApptainerRuntime:
             host_root=self.host_root,
         )
         try:
-            made = await sandbox.exec(["sh", "-c", 'mkdir -p -- "$1"', "sh", task.workdir], workdir="/")
+            # (a /tmp image's root is its owner's: /tmp is everyone's, sticky)
+            script = 'mkdir -p -- "$1"' + (" && chmod 1777 /tmp" if "/tmp" in images else "")
+            made = await sandbox.exec(["sh", "-c", script, "sh", task.workdir], workdir="/")
             if made.exit_code != 0:
                 raise SandboxError(
                     f"apptainer: cannot create the workdir {task.workdir} in {name}: {made.output}"

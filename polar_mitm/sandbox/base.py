@@ -47,14 +47,16 @@ ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"]
 @dataclass(frozen=True)
 class Limits:
     """What one sample's sandbox may take of the host, by default: memory (MiB), CPUs, processes,
-    and the size of its /tmp (MiB, a tmpfs where the runtime makes one). A task's own memory and
-    CPUs win (`for_task`); None: no limit of that kind. The rollout's options set them
-    (`--memory`, `--cpus`, `--pids`, `--tmp-size`)."""
+    and the sizes of its /tmp and its harness's HOME (MiB: a tmpfs in Docker, a file system image
+    of that size in Apptainer). A task's own memory and CPUs win (`for_task`); None: no limit of
+    that kind. The rollout's options set them (`--memory`, `--cpus`, `--pids`, `--tmp-size`,
+    `--home-size`)."""
 
     memory_mb: int | None = 4096
     cpus: float | None = 2.0
     pids: int = PIDS_LIMIT
     tmp_mb: int | None = 1024
+    home_mb: int | None = 1024
 
     def for_task(self, task: Task) -> Limits:
         """These limits with the task's own memory and CPUs in place of the defaults."""
@@ -63,6 +65,7 @@ class Limits:
             cpus=task.cpus or self.cpus,
             pids=self.pids,
             tmp_mb=self.tmp_mb,
+            home_mb=self.home_mb,
         )
 
 

@@ -50,6 +50,7 @@ from polar_mitm.sandbox.base import (
     CHANNEL_SOCKET,
     FORWARDER_ROOT,
     HARNESS_BIN,
+    HARNESS_ROOT,
     HOME_DIR,
     NODE_BIN,
     NPM_MODULES,
@@ -108,21 +109,79 @@ HOST_KEYS = frozenset(
 VERIFIER_READONLY_PATHS = ["/proc", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 LABEL = "polar-mitm"
 SNAPSHOT_REPO = "polar-mitm/snapshot"  # agent containers kept for their verifiers (shared mode)
+HOME_SEED = f"{HARNESS_ROOT}/home-seed"  # the sample's `home`, read-only, copied into a HOME tmpfs
 SNAPSHOT_LIMIT = 8 << 30  # bytes an agent's changes may claim (file sizes) to be kept for scoring
 
 
-def limit_options(limits: Limits) -> dict[str, Any]:
+def limit_options(limits: Limits, *, home: bool = False) -> dict[str, Any]:
     """A container's limits as the SDK's options: processes, CPUs, memory (swap none beyond it),
-    and /tmp a tmpfs of its size (its pages count against the memory limit too), so what a sample
-    writes there is refused past the cap instead of filling the host's disk."""
+    and /tmp (and, for an agent, `home`: HOME) a tmpfs of its size (its pages count against the
+    memory limit too), so what a sample writes there is refused past the cap instead of filling
+    the host's disk."""
     out: dict[str, Any] = {"pids_limit": limits.pids}
     if limits.cpus:
         out["nano_cpus"] = int(limits.cpus * 1e9)
     if limits.memory_mb:
         out["mem_limit"] = out["memswap_limit"] = f"{limits.memory_mb}m"
-    if limits.tmp_mb:
-        out["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"}
+    tmpfs = {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"} if limits.tmp_mb else {}
+    if home and limits.home_mb:
+        tmpfs[HOME_DIR] = f"rw,nosuid,nodev,size={limits.home_mb}m,mode=0755"
+    if tmpfs:
+        out["tmpfs"] = tmpfs
     return out
+
+
+def mount_options(
+    spec: SandboxSpec, *, channel: bool, home_mb: int | None
+) -> tuple[dict[str, dict[str, str]], list[Any], list[str]]:
+    """(volumes, mounts, PATH prefix) of a container. An agent: its HOME (the sample's `home`
+    read-write, or where HOME is a tmpfs of `home_mb`, read-only at HOME_SEED for `seed_home`),
+    our CA's public files, the harness installation; a verifier: its inputs and, where it may
+    reach the internet, the node it runs on. Both: the channel and its forwarder, where it has
+    one."""
+    agent = spec.purpose == "agent"
+    volumes: dict[str, dict[str, str]] = {}
+    if agent:
+        (spec.session_dir / "home").mkdir(parents=True, exist_ok=True)
+        home = {"bind": HOME_SEED, "mode": "ro"} if home_mb else {"bind": HOME_DIR, "mode": "rw"}
+        volumes[str(spec.session_dir / "home")] = home
+        for host, inside in ca_mounts(spec.ca):
+            volumes[str(host)] = {"bind": inside, "mode": "ro"}
+    else:  # a verifier: nothing of ours but, where it may reach the internet, its channel
+        volumes = {str(host): {"bind": inside, "mode": "ro"} for host, inside in spec.inputs}
+        if channel and spec.forwarder_node is not None:
+            volumes[str(spec.forwarder_node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
+    if channel:
+        volumes[str(spec.channel)] = {"bind": CHANNEL_SOCKET, "mode": "ro"}
+        volumes[str(FORWARDER_DIR)] = {"bind": FORWARDER_ROOT, "mode": "ro"}
+    prefix: list[str] = []
+    mounts: list[Any] = []
+    if agent and spec.harness is not None:
+        if spec.harness.modules is not None:
+            volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
+        # A PyPI harness's trees, at the host's own paths (one host directory may be shown at
+        # two: `volumes` holds one bind per host path, `mounts` any number).
+        import docker.types
+
+        mounts = [
+            docker.types.Mount(inside, str(host), type="bind", read_only=True)
+            for host, inside in spec.harness.trees
+        ]
+        volumes[str(spec.harness.bin)] = {"bind": HARNESS_BIN, "mode": "ro"}
+        prefix.append(HARNESS_BIN)
+        if spec.harness.node is not None:
+            volumes[str(spec.harness.node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
+            prefix.append(NODE_BIN)
+    return volumes, mounts, prefix
+
+
+async def seed_home(sb: DockerSandbox) -> None:
+    """The sample's `home` (the recipe's files, at HOME_SEED) copied into the HOME tmpfs, as root
+    before the hand-over (the daemon's archive calls write beneath a tmpfs, not into it)."""
+    r = await sb.exec(["cp", "-a", f"{HOME_SEED}/.", f"{HOME_DIR}/"], workdir="/")
+    if r.exit_code != 0:
+        await sb.stop()
+        raise SandboxError(f"container {sb.name}: cannot copy the harness's HOME files in: {r.output[-500:]}")
 
 
 class ImageUnavailable(RuntimeUnavailable):
@@ -715,41 +774,10 @@ class DockerRuntime:
         await self.prepare(task)
         image = spec.image or self._images[task.id]
         agent = spec.purpose == "agent"
-        volumes: dict[str, dict[str, str]] = {}
-        home: str | None = None
-        if agent:
-            (spec.session_dir / "home").mkdir(parents=True, exist_ok=True)
-            volumes[str(spec.session_dir / "home")] = {"bind": HOME_DIR, "mode": "rw"}
-            home = HOME_DIR
-        for host, inside in ca_mounts(spec.ca):
-            volumes[str(host)] = {"bind": inside, "mode": "ro"}
+        limits = spec.limits.for_task(task)
         channel = spec.channel is not None and self.network == "none"
         node = spec.harness.node if agent and spec.harness is not None else spec.forwarder_node
-        if not agent:  # a verifier: nothing of ours but, where it may reach the internet, its channel
-            volumes = {str(host): {"bind": inside, "mode": "ro"} for host, inside in spec.inputs}
-            if channel and node is not None:
-                volumes[str(node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
-        if channel:
-            volumes[str(spec.channel)] = {"bind": CHANNEL_SOCKET, "mode": "ro"}
-            volumes[str(FORWARDER_DIR)] = {"bind": FORWARDER_ROOT, "mode": "ro"}
-        prefix: list[str] = []
-        mounts: list[Any] = []
-        if agent and spec.harness is not None:
-            if spec.harness.modules is not None:
-                volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
-            # A PyPI harness's trees, at the host's own paths (one host directory may be shown at
-            # two: `volumes` holds one bind per host path, `mounts` any number).
-            import docker.types
-
-            mounts = [
-                docker.types.Mount(inside, str(host), type="bind", read_only=True)
-                for host, inside in spec.harness.trees
-            ]
-            volumes[str(spec.harness.bin)] = {"bind": HARNESS_BIN, "mode": "ro"}
-            prefix.append(HARNESS_BIN)
-            if spec.harness.node is not None:
-                volumes[str(spec.harness.node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
-                prefix.append(NODE_BIN)
+        volumes, mounts, prefix = mount_options(spec, channel=channel, home_mb=limits.home_mb)
         kwargs: dict[str, Any] = dict(
             entrypoint=forwarder_argv(
                 node=node is not None,
@@ -770,19 +798,38 @@ class DockerRuntime:
             cap_add=ROOT_CAPS,
             security_opt=["no-new-privileges:true"],
         )
-        kwargs.update(limit_options(spec.limits.for_task(task)))
+        kwargs.update(limit_options(limits, home=agent))
         # The daemon makes the workdir (root's, as `mkdir -p` would) when it starts the container.
         kwargs["working_dir"] = task.workdir
         if spec.purpose == "verifier":
             kwargs.update(self._verifier_options(volumes))
             prefix = []
+        container = await self._create(task, image, kwargs)
+        sb = DockerSandbox(
+            self,
+            container,
+            task.workdir,
+            sandbox_ca(spec.ca),
+            prefix,
+            await self._base_path(image),
+            user=spec.user if agent else None,
+            proxy_address=("127.0.0.1", FORWARD_PORT) if channel else None,
+            home=HOME_DIR if agent else None,
+            traversed=spec.harness.traversed() if agent and spec.harness is not None else None,
+            quiet=not agent and not channel,
+        )
+        # No exec to check the start: the daemon made the workdir and would have refused a start
+        # that failed; a forwarder that dies later is the pipeline's wait for the channel to say.
+        await self._check_forwarder(sb, container, task, image, channel)
+        if agent and limits.home_mb and any((spec.session_dir / "home").iterdir()):
+            await seed_home(sb)
+        return sb
 
-        def run() -> Any:
-            return self._run_container(image, kwargs)
-
-        starting = asyncio.ensure_future(asyncio.to_thread(run))
+    async def _create(self, task: Task, image: str, kwargs: dict[str, Any]) -> Any:
+        """The container made and started (`_run_container`, in a thread)."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self._run_container, image, kwargs))
         try:
-            container = await asyncio.shield(starting)
+            return await asyncio.shield(starting)
         except asyncio.CancelledError:
             # Cancelled (Ctrl-C, early stop) while the daemon creates it: the container still comes
             # into being in its thread; wait for it and remove it, so nothing is left running.
@@ -791,20 +838,10 @@ class DockerRuntime:
             raise
         except Exception as e:
             raise SandboxError(f"task {task.id}: starting a container from {image} failed: {e}") from e
-        base_path = await self._base_path(image)
-        sb = DockerSandbox(
-            self,
-            container,
-            task.workdir,
-            sandbox_ca(spec.ca),
-            prefix,
-            base_path,
-            user=spec.user if agent else None,
-            proxy_address=("127.0.0.1", FORWARD_PORT) if channel else None,
-            home=home,
-            traversed=spec.harness.traversed() if agent and spec.harness is not None else None,
-            quiet=not agent and not channel,
-        )
+
+    async def _check_forwarder(
+        self, sb: DockerSandbox, container: Any, task: Task, image: str, channel: bool
+    ) -> None:
         state = (container.attrs or {}).get("State") or {}
         if channel and not state.get("Running"):
             # The forwarder, the entrypoint, died as it started (no python3 in the image, say).
@@ -814,9 +851,6 @@ class DockerRuntime:
                 f"task {task.id}: the proxy forwarder did not start in {image} (it runs on the node "
                 f"we mount for JavaScript harnesses, else on the image's python3): {logs[-500:]}"
             )
-        # No exec to check the start: the daemon made the workdir and would have refused a start
-        # that failed; a forwarder that dies later is the pipeline's wait for the channel to say.
-        return sb
 
     def _run_container(self, image: str, kw: dict[str, Any]) -> Any:
         """`containers.run(image, **kw)` (detached) with the SDK's own builders for the container's

@@ -181,6 +181,7 @@ async def run_probe(
         env=env or {},
         keep_workdirs=True,
         retries=0,
+        allow_unenforced_limits=True,  # (Apptainer without cgroups here: what is probed is the network)
     )
     work = tmp_path / "work"
     p = Pipeline(opts, stack.proxy, runtime, work_dir=work, on_change=watch)
@@ -311,10 +312,10 @@ if sys.argv[1] == "memory":
     for i in range(64):  # 640 MB, every page touched
         held.append(bytearray(os.urandom(1)) * (10 << 20))
     open("survived", "w").write("all of it")
-elif sys.argv[1] == "tmp":
+elif sys.argv[1] in ("tmp", "home"):
     written = 0
     try:
-        with open("/tmp/fill", "wb") as f:
+        with open("/tmp/fill" if sys.argv[1] == "tmp" else os.path.expanduser("~/fill"), "wb") as f:
             for i in range(96):
                 f.write(b"x" * (1 << 20))
                 f.flush()
@@ -331,10 +332,11 @@ else:
 @pytest.mark.docker
 async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack, tmp_path, docker_client):
     """Tasks that name no memory, CPUs or disk: one allocates 640 MB, one writes 96 MiB to /tmp,
-    one is a neighbour that does its work. With the rollout's defaults (here --memory 256,
-    --tmp-size 32) the first is OOM-killed inside its own limit, the second's writes are refused
-    past 32 MiB, and the rollout goes on: the neighbour completes with its reward. Before, a task
-    without limits ran with none (Memory=0): all 640 MB were taken and all 96 MiB written."""
+    one 96 MiB to $HOME, one is a neighbour that does its work. With the rollout's defaults (here
+    --memory 256, --tmp-size 32, --home-size 32) the first is OOM-killed inside its own limit, the
+    writes are refused past 32 MiB, and the rollout goes on: the neighbour completes with its
+    reward. Before, a task without limits ran with none (Memory=0): all 640 MB were taken and all
+    96 MiB written (to $HOME, a host directory: the host's disk)."""
     from polar_mitm.sandbox.docker import DockerRuntime
 
     stack = await make_stack()
@@ -342,7 +344,7 @@ async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack,
         Task(id=mode, instruction=mode, image=IMAGE, workdir="/app",
              evaluator=EvaluatorSpec(kind="command", command=check))
         for mode, check in (("memory", "[ -f survived ]"), ("tmp", "grep -q '^refused after 3[0-2] MiB' tmp.txt"),
-                            ("neighbour", "[ -f survived ]"))
+                            ("home", "grep -q '^refused after 3[0-2] MiB' tmp.txt"), ("neighbour", "[ -f survived ]"))
     ]  # fmt: skip
     opts = RolloutOptions(
         harness="claude-code",
@@ -351,6 +353,7 @@ async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack,
         retries=0,
         memory=256,
         tmp_size=32,
+        home_size=32,
         keep_workdirs=True,
     )
     p = Pipeline(opts, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
@@ -359,6 +362,7 @@ async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack,
     assert got == {
         "memory": ("completed", 0.0),
         "tmp": ("completed", 1.0),
+        "home": ("completed", 1.0),
         "neighbour": ("completed", 1.0),
     }, got
 

@@ -175,6 +175,25 @@ def test_kernel_options_keep_every_instance_off_the_kernel_and_the_verifier_off_
     assert argv[argv.index("--userns") + 1 :][-2:] == ["i.sif", "v"]
 
 
+def test_every_instance_loads_the_one_seccomp_profile_with_no_new_privileges(tmp_path):
+    from polar_mitm.sandbox.seccomp import DENIED, apptainer_profile, verifier_profile
+
+    agent, verifier = make_spec(tmp_path), dataclasses.replace(make_spec(tmp_path), purpose="verifier")
+    f = tmp_path / "seccomp.json"
+    assert ap.kernel_options(agent, host_root=True, knobs=(), seccomp=f) == [
+        "--no-privs",
+        "--security",
+        f"seccomp:{f}",
+    ]
+    assert ap.kernel_options(verifier, host_root=True, knobs=(), seccomp=f)[-1] == "--userns"
+    assert ap.kernel_options(agent, host_root=False, knobs=(), seccomp=f) == ["--security", f"seccomp:{f}"]
+    # The same refusals as Docker's verifier, but clone3: ENOSYS by a trace nobody attaches.
+    apptainer, docker = apptainer_profile()["syscalls"], verifier_profile()["syscalls"]
+    assert apptainer[:-1] == docker[:-1] and set(DENIED) <= set(apptainer[0]["names"])
+    assert {"ptrace", "unshare", "setns", "mount"} <= set(apptainer[0]["names"])
+    assert apptainer[-1] == {"names": ["clone3"], "action": "SCMP_ACT_TRACE"}
+
+
 def test_start_argv_with_harness_and_tmpfs(tmp_path):
     spec = make_spec(tmp_path, harness=True)
     argv = ap.start_argv("/usr/bin/apptainer", "/images/t.sif", "sample-1", spec, None)
