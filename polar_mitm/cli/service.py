@@ -11,9 +11,9 @@ from pathlib import Path
 import click
 
 from polar_mitm.cli.options import given, make_policy_config, policy_options, split_listen
-from polar_mitm.cli.rollout import task_options, worker_options
+from polar_mitm.cli.rollout import limit_options, task_options, worker_options
 from polar_mitm.netaddr import is_loopback
-from polar_mitm.rollout.options import WORKER_FIELDS
+from polar_mitm.rollout.options import LIMIT_FIELDS, WORKER_FIELDS
 from polar_mitm.strategies import Strategy, choices
 
 SERVER_HELP = "The rollout server [env POLAR_MITM_SERVER; default http://127.0.0.1:8700]"
@@ -56,7 +56,9 @@ def client_token(token: str | None, token_file: Path | None) -> str:
 
 
 def node_options(f):
-    """A node's sizes: the pipeline's (`rollout`'s options), and how many samples it holds."""
+    """A node's sizes: the pipeline's and its sandboxes' limits (`rollout`'s options), and how many
+    samples it holds."""
+    f = limit_options(f)
     f = click.option(
         "--capacity",
         type=click.IntRange(min=1),
@@ -220,6 +222,7 @@ def serve(
         token_note = f"control token {'written to' if created else 'read from'} {path}"
     allow = [h.strip() for item in callback_allow for h in item.split(",") if h.strip()]
     workers = given(policy, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
+    limits = given(policy, LIMIT_FIELDS)  # the sandboxes' limits given, RolloutOptions' for the rest
     policy_cfg = make_policy_config(**policy)
 
     async def main() -> None:
@@ -244,7 +247,7 @@ def serve(
             click.echo(f"polar API on {server.polar.url(url)}", err=True)
         cfg = dict(
             server=url, node_token=server.node_token, db=str(db), certs_dir=certs, policy=policy_cfg, capacity=capacity,
-            **workers,
+            limits=limits, **workers,
         )  # fmt: skip
         local: list[subprocess.Popen] = []
         actors = []
@@ -348,9 +351,10 @@ def node(
         click.echo(credential)
         return
     workers = given(policy, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
+    limits = given(policy, LIMIT_FIELDS)  # the sandboxes' limits given, RolloutOptions' for the rest
     fields = dict(
         server=server, node_token=credential, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
-        capacity=capacity, own_process=True, **workers,
+        capacity=capacity, own_process=True, limits=limits, **workers,
     )  # fmt: skip
     if node_id:
         fields["node_id"] = node_id
