@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from polar_mitm.sandbox.apptainer import default_registry_dir
+from polar_mitm.sandbox.apptainer.registry import default_registry_dir
 from tests.support.docker_rollout import solve_answer_task
 from tests.support.harness import assert_turns_match_backend, require_binary
 

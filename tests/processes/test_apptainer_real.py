@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.proxy.certs import CA, ensure_ca
-from polar_mitm.sandbox import apptainer as ap
-from polar_mitm.sandbox.apptainer import ApptainerRuntime, list_instances, namespace_pids
+from polar_mitm.sandbox.apptainer import ApptainerRuntime
+from polar_mitm.sandbox.apptainer import argv as ap
+from polar_mitm.sandbox.apptainer.host import list_instances, namespace_pids
 from polar_mitm.sandbox.base import HOME_DIR, Limits, SandboxSpec
 from polar_mitm.tasks.model import Task
 from tests.support.docker_rollout import TEST_IMAGE

@@ -141,7 +141,7 @@ async def rollout(
     left = docker_client.containers.list(all=True, filters={"label": f"{LABEL}={p.rollout_id}"})
     assert [c.name for c in left] == []  # neither the agents' containers nor the verifiers'
     if runtime.name == "apptainer":
-        from polar_mitm.sandbox.apptainer import list_instances
+        from polar_mitm.sandbox.apptainer.host import list_instances
 
         assert list(runtime.registry_dir.glob("*.json")) == []
         assert not [n for n in await list_instances(runtime.binary) if n.startswith("polar-")]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.proxy.certs import CA
-from polar_mitm.sandbox import apptainer as ap
 from polar_mitm.sandbox.apptainer import ApptainerRuntime
+from polar_mitm.sandbox.apptainer import argv as ap
 from polar_mitm.sandbox.base import (
     CA_DIR,
     HARNESS_BIN,
@@ -23,6 +23,7 @@ from polar_mitm.sandbox.base import (
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
+    sandbox_ca,
 )
 from polar_mitm.tasks.model import Task
 
@@ -112,7 +113,7 @@ async def test_prepare_resolves_paths_and_refuses_a_missing_sif(tmp_path, monkey
 
 
 def test_sandbox_ca_points_into_ca_dir_without_the_key(tmp_path):
-    ca = ap.sandbox_ca(make_ca(tmp_path / "ca"))
+    ca = sandbox_ca(make_ca(tmp_path / "ca"))
     assert ca.dir == Path(CA_DIR)
     assert ca.cert == Path(CA_DIR) / "mitmproxy-ca-cert.pem"
     assert ca.bundle == Path(CA_DIR) / "polar-mitm-bundle.pem"
