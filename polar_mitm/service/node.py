@@ -95,7 +95,7 @@ class NodeConfig(BaseModel):
     poll_interval: float = 0.5
     heartbeat_interval: float = 2.0
     work_dir: Path | None = None
-    keep_workdirs: bool = False  # keep each sample's host directory (harness.log, HOME)
+    keep_workdirs: bool = False  # keep each sample's host directory (harness.log; HOME with --home-size 0)
     # Set for nodes `serve` starts: the node stops when that process is gone (even SIGKILLed).
     parent_pid: int | None = None
     # The node is what its process is for (`polar-mitm node`, a Ray actor): see ProxyConfig.

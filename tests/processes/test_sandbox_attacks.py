@@ -792,8 +792,8 @@ async def test_the_forwarder_inside_relays_to_the_channel(tmp_path, docker_clien
 @pytest.mark.parametrize("purpose", ["agent", "verifier", "verifier-internet"])
 async def test_containers_run_with_least_privilege(tmp_path, docker_client, certs_dir, purpose):
     """What the daemon was asked for: no network, every capability dropped but root's five,
-    no-new-privileges, a pids limit, the task's memory and CPUs; every mount of ours read-only but
-    the harness's HOME. A verifier's sandbox: no harness, no channel, no HOME; one whose task lets
+    no-new-privileges, a pids limit, the task's memory and CPUs; every mount of ours read-only (the
+    harness's HOME a tmpfs). A verifier's sandbox: no harness, no channel, no HOME; one whose task lets
     it reach the internet: its channel's socket and the forwarder, read-only, and nothing else."""
     internet = purpose == "verifier-internet"
     purpose = "verifier" if internet else purpose
@@ -830,7 +830,9 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
     assert host["Memory"] == 512 * 2**20 and host["NanoCpus"] == 1_500_000_000
     writable = [m["Destination"] for m in attrs["Mounts"] if m["RW"]]
     if purpose == "agent":
-        assert writable == [HOME_DIR] and sb.proxy_address == ("127.0.0.1", 3128)
+        # HOME a tmpfs of --home-size (its files copied in from the sample's `home`, read-only)
+        assert writable == [] and sb.proxy_address == ("127.0.0.1", 3128)
+        assert host["Tmpfs"][HOME_DIR] == "rw,nosuid,nodev,size=1024m,mode=0755"
         assert any(m["Destination"].endswith("proxy.sock") for m in attrs["Mounts"])
     elif internet:
         assert writable == [] and sb.proxy_address == ("127.0.0.1", 3128) and sb.user is None
