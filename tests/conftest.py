@@ -82,7 +82,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 @pytest.fixture(scope="session")
 def apptainer_binary() -> str:
     """The real Apptainer (on PATH, POLAR_MITM_APPTAINER, or the one scripts/install.sh built)."""
-    from polar_mitm.sandbox.apptainer import find_binary
+    from polar_mitm.sandbox.apptainer.host import find_binary
 
     found = find_binary()
     if found is None:

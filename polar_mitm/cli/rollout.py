@@ -94,7 +94,19 @@ LIMIT_FLAGS = {
     "memory": Flag("MiB of memory per sample's sandbox when its task names none; 0: no limit."),
     "cpus": Flag("CPUs per sample's sandbox when its task names none; 0: no limit."),
     "pids": Flag("Processes a sample's sandbox may hold at once."),
-    "tmp_size": Flag("MiB of /tmp per sample's sandbox (a tmpfs, in Docker); 0: the image's /tmp."),
+    "tmp_size": Flag(
+        "MiB of /tmp per sample's sandbox (a tmpfs in Docker, a file system image in Apptainer); 0: the "
+        "image's /tmp."
+    ),
+    "allow_unenforced_limits": Flag(
+        "Run even where the runtime cannot enforce the memory, CPU and pids limits (Apptainer without "
+        "cgroups): say so and go on, instead of refusing to start (where something else bounds the "
+        "whole job: a batch scheduler's cgroup, say)."
+    ),
+    "home_size": Flag(
+        "MiB of the harness's HOME per sample (a tmpfs in Docker, a file system image in Apptainer); 0: "
+        "a host directory, unbounded."
+    ),
 }
 limit_options = model_options(RolloutOptions, LIMIT_FLAGS, LIMIT_FIELDS)
 

@@ -18,9 +18,9 @@ from polar_mitm.cli.options import (
     policy_options,
     split_listen,
 )
-from polar_mitm.cli.rollout import task_options, worker_options
+from polar_mitm.cli.rollout import limit_options, task_options, worker_options
 from polar_mitm.netaddr import is_loopback
-from polar_mitm.rollout.options import WORKER_FIELDS
+from polar_mitm.rollout.options import LIMIT_FIELDS, WORKER_FIELDS
 from polar_mitm.service.config import ServerConfig
 from polar_mitm.strategies import Strategy, choices
 
@@ -67,7 +67,9 @@ def client_token(token: str | None, token_file: Path | None) -> str:
 
 
 def node_options(f):
-    """A node's sizes: the pipeline's (`rollout`'s options), and how many samples it holds."""
+    """A node's sizes: the pipeline's and its sandboxes' limits (`rollout`'s options), and how many
+    samples it holds."""
+    f = limit_options(f)
     f = click.option(
         "--capacity",
         type=click.IntRange(min=1),
@@ -211,8 +213,9 @@ def serve(
     token, token_note = server_token(token, token_file)
     config = ServerConfig(db=db, token=token, **given(options, SERVER_FIELDS))
     workers = given(options, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
+    limits = given(options, LIMIT_FIELDS)  # the sandboxes' limits given, RolloutOptions' for the rest
     node = NodeConfig(server="", db=str(db), certs_dir=certs, policy=make_policy_config(**options),
-                      capacity=capacity, **workers)  # fmt: skip
+                      capacity=capacity, limits=limits, **workers)  # fmt: skip
 
     async def main() -> None:
         try:
@@ -302,9 +305,10 @@ def node(
         click.echo(credential)
         return
     workers = given(policy, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
+    limits = given(policy, LIMIT_FIELDS)  # the sandboxes' limits given, RolloutOptions' for the rest
     fields = dict(
         server=server, node_token=credential, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
-        capacity=capacity, own_process=True, **workers,
+        capacity=capacity, own_process=True, limits=limits, **workers,
     )  # fmt: skip
     if node_id:
         fields["node_id"] = node_id

@@ -6,6 +6,7 @@ given (its sandbox's `SandboxSpec`, its harness's environment), and what a rollo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -19,7 +20,7 @@ from polar_mitm.rollout.options import RolloutOptions
 from polar_mitm.rollout.port import SessionPort
 from polar_mitm.rollout.spec import SampleSpec
 from polar_mitm.rollout.steps import StepRecord
-from polar_mitm.sandbox.base import HOME_DIR, Limits, Sandbox, SandboxSpec, host_env
+from polar_mitm.sandbox.base import HOME_DIR, Limits, Runtime, Sandbox, SandboxSpec, host_env
 from polar_mitm.sandbox.channel import Channel
 from polar_mitm.tasks.model import Task
 
@@ -108,6 +109,7 @@ def sandbox_spec(job: SampleJob, ca: CA, rollout_id: str, opts: RolloutOptions) 
             cpus=opts.cpus or None,
             pids=opts.pids,
             tmp_mb=opts.tmp_size or None,
+            home_mb=opts.home_size or None,
         ),
     )
 
@@ -222,3 +224,19 @@ class RolloutResult:
         for s in self.samples:
             out.setdefault(s.task_id, []).append(s)
         return out
+
+
+def unenforced_limits(opts: RolloutOptions, runtime: Runtime, tasks: Sequence[Task]) -> str | None:
+    """Why a rollout must not start, where a memory limit is asked for (the rollout's or a
+    task's) and `runtime`, prepared, found it cannot enforce one (its `limits` False: Apptainer
+    without cgroups) and the options do not allow that (`--allow-unenforced-limits`); else None."""
+    wanted = opts.memory or any(t.memory_mb for t in tasks)
+    if not wanted or getattr(runtime, "limits", True) is not False or opts.allow_unenforced_limits:
+        return None
+    return (
+        f"{runtime.name}: cannot enforce the sandboxes' memory, CPU and pids limits on this host "
+        "(Apptainer needs cgroups: cgroup v2, and as root `systemd cgroups = no` where systemd does "
+        "not run): one sample could take the memory every sample shares. Run where it can, or pass "
+        "--allow-unenforced-limits where something else bounds the job (its scheduler's cgroup), or "
+        "--memory 0 for no memory limit at all"
+    )

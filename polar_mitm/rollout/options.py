@@ -20,7 +20,7 @@ def default_workers() -> tuple[int, int, int]:
 # The pipeline's sizes: options of `rollout` and of every node (`serve`, `node`; NodeConfig's).
 WORKER_FIELDS = ("retries", "init_workers", "run_workers", "postrun_workers", "ready_size")
 # What each sample's sandbox may take when its task names no limit: options of `rollout`.
-LIMIT_FIELDS = ("memory", "cpus", "pids", "tmp_size")
+LIMIT_FIELDS = ("memory", "cpus", "pids", "tmp_size", "home_size", "allow_unenforced_limits")
 
 
 class RolloutOptions(BaseModel):
@@ -60,8 +60,13 @@ class RolloutOptions(BaseModel):
     # Who the harness runs as in a container ("UID:GID"); None: the image's user (root).
     harness_user: str | None = "1000:1000"
     # Each sample's sandbox (the agent's and its verifier's) when its task names none: memory in
-    # MiB, CPUs, processes, its /tmp in MiB (`sandbox.base.Limits`); 0: no limit of that kind.
+    # MiB, CPUs, processes, its /tmp and HOME in MiB (`sandbox.base.Limits`); 0: no limit of that kind.
     memory: int = Field(4096, ge=0)
     cpus: float = Field(2.0, ge=0)
     pids: int = Field(4096, ge=1)
     tmp_size: int = Field(1024, ge=0)
+    home_size: int = Field(1024, ge=0)
+    # A rollout whose runtime cannot enforce the memory, CPU and pids limits (Apptainer without
+    # cgroups) refuses to start unless this is set: one sample could take the memory that every
+    # sample, the proxy and the store share (docs/rollout.md).
+    allow_unenforced_limits: bool = False

@@ -15,9 +15,9 @@ once across all of them. The pipeline keeps only sizes, retries and timeouts (`R
 Every sample is a session of the shared proxy with a token of its own (the proxy lets in no
 session it did not issue), so its turns are recorded token-exactly like any `run`; the session
 carries its recipe, whose rules tag its side calls. The pipeline sees the proxy through a small
-port (`rollout/port.py`) and the store. A container
-sample reaches the proxy only through its own channel (`sandbox/channel.py`), which names the
-session itself: nothing the sandbox sends makes it another sample.
+port (`rollout/port.py`) and the store. A container sample reaches the proxy only through its own
+channel (`sandbox/channel.py`), which names the session itself: nothing the sandbox sends makes it
+another sample.
 
 Outcomes (each recorded in the store's `samples` table, never dropped):
 - `completed`: the harness ended and the evaluator scored it.
@@ -28,8 +28,7 @@ Outcomes (each recorded in the store's `samples` table, never dropped):
 - `cancelled`: early stop (`early_stop` usable samples of its group were in) or an interrupt.
 
 The pipeline is a library: `run_rollout` (rollout/run.py) drives it for the command line and for
-Python, and a node hosts one the same way.
-"""
+Python, and a node hosts one the same way."""
 
 from __future__ import annotations
 
@@ -59,13 +58,14 @@ from polar_mitm.rollout.jobs import (  # noqa: F401 - named here too, where user
     Stage,
     harness_env,
     sandbox_spec,
+    unenforced_limits,
 )
 from polar_mitm.rollout.options import RolloutOptions
 from polar_mitm.rollout.port import ProxyPort, SessionPort, new_token  # noqa: F401
 from polar_mitm.rollout.spec import SampleSpec, Specs
 from polar_mitm.rollout.steps import KeptSandbox, StepRecord, below_min_reward, combine
 from polar_mitm.rollout.verify import VerifierUnavailable
-from polar_mitm.sandbox.base import Runtime, SandboxError, SandboxSpec
+from polar_mitm.sandbox.base import Runtime, RuntimeUnavailable, SandboxError, SandboxSpec
 from polar_mitm.sandbox.channel import Channel, open_channel
 from polar_mitm.store.rollouts import RolloutLog
 from polar_mitm.tasks.model import Task, TaskStep
@@ -137,6 +137,9 @@ class Pipeline:
             spec.check(t)
         for t in tasks:
             await spec.runtime.prepare(t)
+        refused = unenforced_limits(self.opts, spec.runtime, tasks)
+        if refused is not None:
+            raise RuntimeUnavailable(refused)
         await self.start(tasks=[t.id for t in tasks])
         interrupted = False
         try:

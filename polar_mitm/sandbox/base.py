@@ -3,20 +3,18 @@ an environment and a timeout, run the harness (as an unprivileged user where the
 and with every process it left killed at its end), copy files in and out, stop it.
 
 Runtimes: `local` (a temporary directory on the host, `sandbox/tempdir.py`), `docker`
-(`sandbox/docker.py`) and `apptainer` (`sandbox/apptainer.py`). The rollout pipeline talks only
-to this interface.
+(`sandbox/docker.py`) and `apptainer` (`sandbox/apptainer/`). The rollout pipeline talks only
+to this interface; what a sandbox's files say is read as untrusted (`sandbox/untrusted.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import os
-import tarfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Literal, Protocol
@@ -47,14 +45,16 @@ ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"]
 @dataclass(frozen=True)
 class Limits:
     """What one sample's sandbox may take of the host, by default: memory (MiB), CPUs, processes,
-    and the size of its /tmp (MiB, a tmpfs where the runtime makes one). A task's own memory and
-    CPUs win (`for_task`); None: no limit of that kind. The rollout's options set them
-    (`--memory`, `--cpus`, `--pids`, `--tmp-size`)."""
+    and the sizes of its /tmp and its harness's HOME (MiB: a tmpfs in Docker, a file system image
+    of that size in Apptainer). A task's own memory and CPUs win (`for_task`); None: no limit of
+    that kind. The rollout's options set them (`--memory`, `--cpus`, `--pids`, `--tmp-size`,
+    `--home-size`)."""
 
     memory_mb: int | None = 4096
     cpus: float | None = 2.0
     pids: int = PIDS_LIMIT
     tmp_mb: int | None = 1024
+    home_mb: int | None = 1024
 
     def for_task(self, task: Task) -> Limits:
         """These limits with the task's own memory and CPUs in place of the defaults."""
@@ -63,6 +63,7 @@ class Limits:
             cpus=task.cpus or self.cpus,
             pids=self.pids,
             tmp_mb=self.tmp_mb,
+            home_mb=self.home_mb,
         )
 
 
@@ -181,76 +182,6 @@ class ExecResult:
     output: str  # stdout and stderr together, the tail only (see OUTPUT_TAIL)
     timed_out: bool = False
     seconds: float = 0.0
-
-
-def tree_size(root: str | Path, limit: int) -> int:
-    """The bytes the files under `root` claim (their sizes, links not followed: a sparse file
-    counts in full, nothing is read), counted until past `limit`."""
-    total, stack = 0, [str(root)]
-    while stack and total <= limit:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for e in it:
-                    try:
-                        if e.is_dir(follow_symlinks=False):
-                            stack.append(e.path)
-                        else:
-                            total += e.stat(follow_symlinks=False).st_size + 512  # a tar header each
-                    except OSError:
-                        continue
-        except OSError:
-            continue
-    return total
-
-
-class _Chunks(io.RawIOBase):
-    """A readable file over an iterator of byte chunks (a daemon's streamed tar)."""
-
-    def __init__(self, chunks: Iterator[bytes]):
-        self._chunks = chunks
-        self._left = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf: Any) -> int:
-        while not self._left:
-            try:
-                self._left = next(self._chunks)
-            except StopIteration:
-                return 0
-        n = min(len(buf), len(self._left))
-        buf[:n] = self._left[:n]
-        self._left = self._left[n:]
-        return n
-
-
-def _kind(m: tarfile.TarInfo) -> str:
-    if m.isdir():
-        return "a directory"
-    if m.issym() or m.islnk():
-        return f"a link to {m.linkname[:100]!r}"
-    return "a FIFO or a device" if m.isfifo() or m.isdev() else "not a regular file"
-
-
-def tar_file(chunks: Iterator[bytes], path: str, limit: int) -> bytes:
-    """The bytes of the one regular file `path` from a tar of it streamed in chunks (what a
-    container daemon's archive of a path gives): its first member must be that file, by name,
-    a regular file (no link, no directory member), of at most `limit` bytes by its header; no more
-    of the stream is read than the file. `Unreadable` otherwise."""
-    name = PurePosixPath(path).name
-    with tarfile.open(fileobj=io.BufferedReader(_Chunks(chunks), 1 << 16), mode="r|") as tar:
-        m = tar.next()
-        if m is None:
-            raise Unreadable(f"{path}: an empty archive")
-        if PurePosixPath(m.name.rstrip("/")).name != name:
-            raise Unreadable(f"{path}: the archive holds {m.name[:100]!r}")
-        if not m.isreg():
-            raise Unreadable(f"{path} is {_kind(m)}, not a regular file")
-        if m.size > limit:
-            raise Unreadable(f"{path} holds {m.size} bytes, more than the {limit} read")
-        f = tar.extractfile(m)
-        return f.read(limit) if f is not None else b""
 
 
 OUTPUT_TAIL = 16_000  # characters of a command's output kept

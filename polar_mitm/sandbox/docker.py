@@ -27,7 +27,8 @@ the agent's container was halted (`rollout/verify.py`).
 The daemon is asked through the `docker` SDK for images and a container's config, and through
 `sandbox/daemon.py` (`DaemonCalls` on its Unix socket; `SdkCalls` for a daemon elsewhere) for a
 sample's calls once its container exists: most of polar-mitm's own CPU in a rollout was requests'
-per-call work in the SDK. Both are blocking; every call runs in a worker thread.
+per-call work in the SDK. Both are blocking; every call runs in a worker thread. The container
+once started is `sandbox/docker_sandbox.py`'s `DockerSandbox`.
 """
 
 from __future__ import annotations
@@ -35,17 +36,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import logging
-import os
 import re
-import tarfile
-import time
-from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from pathlib import Path
+from typing import Any
 
 from polar_mitm.once import Flights
-from polar_mitm.proxy.certs import CA
 from polar_mitm.sandbox.base import (
     CHANGES_LISTED,
     CHANNEL_SOCKET,
@@ -54,36 +50,25 @@ from polar_mitm.sandbox.base import (
     HOME_DIR,
     NODE_BIN,
     NPM_MODULES,
-    READ_LIMIT,
     ROOT_CAPS,
-    ExecResult,
     ExportTooLarge,
-    Leftover,
     Limits,
     RuntimeUnavailable,
     Sandbox,
     SandboxError,
     SandboxSpec,
     Snapshot,
-    Unreadable,
     ca_mounts,
-    chown,
-    exec_then_seal,
-    hand_over,
-    host_process,
     sandbox_ca,
-    tail,
-    tar_file,
-    tree_size,
 )
 from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
-from polar_mitm.sandbox.daemon import CHUNK, DaemonCalls, DaemonRefused, SdkCalls
+from polar_mitm.sandbox.daemon import DaemonCalls, DaemonRefused, SdkCalls
+from polar_mitm.sandbox.docker_sandbox import DEFAULT_PATH, HOME_SEED, DockerSandbox, seed_home
 from polar_mitm.sandbox.seccomp import verifier_security_opt
 from polar_mitm.tasks.model import Task
 
 log = logging.getLogger("polar_mitm.docker")
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The options `DockerRuntime.start` gives a container, by where the SDK's builders take them.
 CONTAINER_KEYS = frozenset({"entrypoint", "command", "labels", "environment", "working_dir"})
 HOST_KEYS = frozenset(
@@ -112,18 +97,66 @@ SNAPSHOT_REPO = "polar-mitm/snapshot"  # agent containers kept for their verifie
 SNAPSHOT_LIMIT = 8 << 30  # bytes an agent's changes may claim (file sizes) to be kept for scoring
 
 
-def limit_options(limits: Limits) -> dict[str, Any]:
+def limit_options(limits: Limits, *, home: bool = False) -> dict[str, Any]:
     """A container's limits as the SDK's options: processes, CPUs, memory (swap none beyond it),
-    and /tmp a tmpfs of its size (its pages count against the memory limit too), so what a sample
-    writes there is refused past the cap instead of filling the host's disk."""
+    and /tmp (and, for an agent, `home`: HOME) a tmpfs of its size (its pages count against the
+    memory limit too), so what a sample writes there is refused past the cap instead of filling
+    the host's disk."""
     out: dict[str, Any] = {"pids_limit": limits.pids}
     if limits.cpus:
         out["nano_cpus"] = int(limits.cpus * 1e9)
     if limits.memory_mb:
         out["mem_limit"] = out["memswap_limit"] = f"{limits.memory_mb}m"
-    if limits.tmp_mb:
-        out["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"}
+    tmpfs = {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"} if limits.tmp_mb else {}
+    if home and limits.home_mb:
+        tmpfs[HOME_DIR] = f"rw,nosuid,nodev,size={limits.home_mb}m,mode=0755"
+    if tmpfs:
+        out["tmpfs"] = tmpfs
     return out
+
+
+def mount_options(
+    spec: SandboxSpec, *, channel: bool, home_mb: int | None
+) -> tuple[dict[str, dict[str, str]], list[Any], list[str]]:
+    """(volumes, mounts, PATH prefix) of a container. An agent: its HOME (the sample's `home`
+    read-write, or where HOME is a tmpfs of `home_mb`, read-only at HOME_SEED for `seed_home`),
+    our CA's public files, the harness installation; a verifier: its inputs and, where it may
+    reach the internet, the node it runs on. Both: the channel and its forwarder, where it has
+    one."""
+    agent = spec.purpose == "agent"
+    volumes: dict[str, dict[str, str]] = {}
+    if agent:
+        (spec.session_dir / "home").mkdir(parents=True, exist_ok=True)
+        home = {"bind": HOME_SEED, "mode": "ro"} if home_mb else {"bind": HOME_DIR, "mode": "rw"}
+        volumes[str(spec.session_dir / "home")] = home
+        for host, inside in ca_mounts(spec.ca):
+            volumes[str(host)] = {"bind": inside, "mode": "ro"}
+    else:  # a verifier: nothing of ours but, where it may reach the internet, its channel
+        volumes = {str(host): {"bind": inside, "mode": "ro"} for host, inside in spec.inputs}
+        if channel and spec.forwarder_node is not None:
+            volumes[str(spec.forwarder_node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
+    if channel:
+        volumes[str(spec.channel)] = {"bind": CHANNEL_SOCKET, "mode": "ro"}
+        volumes[str(FORWARDER_DIR)] = {"bind": FORWARDER_ROOT, "mode": "ro"}
+    prefix: list[str] = []
+    mounts: list[Any] = []
+    if agent and spec.harness is not None:
+        if spec.harness.modules is not None:
+            volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
+        # A PyPI harness's trees, at the host's own paths (one host directory may be shown at
+        # two: `volumes` holds one bind per host path, `mounts` any number).
+        import docker.types
+
+        mounts = [
+            docker.types.Mount(inside, str(host), type="bind", read_only=True)
+            for host, inside in spec.harness.trees
+        ]
+        volumes[str(spec.harness.bin)] = {"bind": HARNESS_BIN, "mode": "ro"}
+        prefix.append(HARNESS_BIN)
+        if spec.harness.node is not None:
+            volumes[str(spec.harness.node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
+            prefix.append(NODE_BIN)
+    return volumes, mounts, prefix
 
 
 class ImageUnavailable(RuntimeUnavailable):
@@ -145,13 +178,6 @@ def context_digest(context: Path, dockerfile: Path) -> str:
 def image_tag(task: Task, digest: str) -> str:
     name = re.sub(r"[^a-z0-9_.-]+", "-", task.id.lower()).strip("-.") or "task"
     return f"polar-mitm/task-{name[:100]}:{digest}"
-
-
-def _tar_of(src: Path, arcname: str) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(str(src), arcname=arcname)
-    return buf.getvalue()
 
 
 def forwarder_argv(*, node: bool, python: str | None = None, reap: bool = True) -> list[str]:
@@ -202,367 +228,6 @@ def _one_pool(adapter: Any) -> Any:
     return OnePool(
         "http+unix://" + adapter.socket_path, timeout=adapter.timeout, max_pool_size=adapter.max_pool_size
     )
-
-
-class DockerSandbox:
-    def __init__(
-        self,
-        runtime: DockerRuntime,
-        container: Any,
-        workdir: str,
-        ca: CA,
-        path_prefix: list[str],
-        base_path: str,
-        *,
-        user: str | None = None,
-        proxy_address: tuple[str, int] | None = None,
-        home: str | None = None,
-        traversed: list[str] | None = None,
-        quiet: bool = False,
-    ):
-        self.runtime = runtime
-        self.container = container
-        self.name = container.name
-        self.workdir = workdir
-        self.ca = ca
-        self.path_prefix = path_prefix
-        self.base_path = base_path
-        self.user = user  # the harness's user, when it is not root
-        self.proxy_address = proxy_address
-        self.home = home
-        self.traversed = traversed or []  # directories above the harness's trees (HarnessMount)
-        self.quiet = quiet  # nothing of its own runs but its init (a verifier without a channel)
-        self._stopped = False
-        self._halted = False
-        # While a verifier's tests run (exec_sealed): what a seal on their timeout found.
-        self._sealing: list[Leftover] | None = None
-
-    @property
-    def calls(self) -> DaemonCalls | SdkCalls:
-        return self.runtime.calls
-
-    def _env(self, env: dict[str, str] | None) -> dict[str, str]:
-        out = dict(env or {})
-        path = out.get("PATH") or self.base_path
-        out["PATH"] = ":".join([*self.path_prefix, path]) if self.path_prefix else path
-        return out
-
-    def _run(self, cmd: list[str], env: dict[str, str], workdir: str, user: str = "") -> tuple[int, bytes]:
-        return self.calls.run(self.container.id, cmd, env, workdir, user)
-
-    async def exec(
-        self,
-        cmd: list[str],
-        *,
-        env: dict[str, str] | None = None,
-        timeout: float | None = None,
-        workdir: str | None = None,
-        user: str = "",
-    ) -> ExecResult:
-        if self._stopped or self._halted:
-            raise SandboxError(f"container {self.name} is {'stopped' if self._stopped else 'halted'}")
-        t0 = time.monotonic()
-        fut = asyncio.ensure_future(
-            asyncio.to_thread(self._run, cmd, self._env(env), workdir or self.workdir, user)
-        )
-        timed_out = False
-        try:
-            code, out = await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            timed_out = True
-            if self._sealing is not None:  # the tests overran: sealed as they stand, not restarted
-                self._sealing.extend(await self.seal())
-            else:
-                await self._kill_all()
-            code, out = await self._settle(fut)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._kill_all(restart=False))  # it is being stopped
-            raise
-        except Exception as e:  # the daemon refused: the container is gone or broken
-            raise SandboxError(f"container {self.name}: exec {cmd[0]} failed: {e}") from e
-        return ExecResult(
-            124 if timed_out else code, tail(out), timed_out=timed_out, seconds=time.monotonic() - t0
-        )
-
-    async def _settle(self, fut: asyncio.Future) -> tuple[int, bytes]:
-        try:
-            return await asyncio.wait_for(fut, 15)
-        except Exception:
-            return 124, b""
-
-    async def _kill_all(self, restart: bool = True) -> None:
-        try:
-            await self.kill_all(restart=restart)
-        except Exception as e:
-            log.debug("kill in %s: %s", self.name, e)
-
-    async def kill_all(self, *, restart: bool = True) -> None:
-        """Kill the container (SIGKILL: every process in it, at once, whatever binaries the image
-        has or the harness replaced) and start it again, the same filesystem, for scoring; the exec
-        that overran returns. Its entrypoint (the forwarder, or `sleep infinity`) starts again."""
-
-        def kill() -> None:
-            try:
-                self.calls.kill(self.container.id)
-            except DaemonRefused as e:
-                if "is not running" in str(e):
-                    return  # it died by itself: it stays dead, and whoever runs it says so
-                raise
-            if restart:
-                self.calls.wait(self.container.id, 30)
-                self.calls.start(self.container.id)
-
-        try:
-            await asyncio.to_thread(kill)
-        except Exception as e:  # the daemon refused or timed out
-            raise SandboxError(f"container {self.name}: killing its processes failed: {e}") from e
-
-    async def exec_harness(
-        self, cmd: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
-    ) -> ExecResult:
-        owner = await self._hand_over()
-        r = await self.exec(cmd, env=env, timeout=timeout, user=self.user or "")
-        if await self._still_alive(r):  # a container that died stays dead: the pipeline says so
-            if not r.timed_out:  # an overrun was killed already
-                await self.kill_all()
-            if owner is not None:
-                await self._chown(owner, [self.workdir])
-        return r
-
-    async def _still_alive(self, r: ExecResult) -> bool:
-        """Whether the container outlived the command. A command killed with it (exit 137, or no
-        exit code) can return before the daemon has seen the container die: give it a moment."""
-        if r.exit_code not in (137, -1) or r.timed_out:
-            return await self.alive()
-        for _ in range(10):
-            if not await self.alive():
-                return False
-            await asyncio.sleep(0.2)
-        return True
-
-    async def _hand_over(self) -> str | None:
-        """Make the workdir (and HOME) the harness user's (`sandbox.base.hand_over`); returns the
-        workdir's owner before. An image where that fails runs the harness as root."""
-        if self.user is None:
-            return None
-        owner = await hand_over(self, self.user, self.workdir, self.home, self.traversed)
-        if owner is None:
-            self.user = None
-        return owner
-
-    async def _chown(self, owner: str, paths: list[str]) -> bool:
-        return await chown(self, owner, paths)
-
-    async def put(self, src: Path, dest: str) -> None:
-        d = PurePosixPath(dest)
-        if d.parent != d.parent.parent:  # "/" is there: no exec (three daemon calls) to make it
-            code, out = await asyncio.to_thread(
-                self._run, ["mkdir", "-p", str(d.parent)], self._env(None), "/"
-            )
-            if code != 0:
-                raise SandboxError(f"container {self.name}: mkdir {d.parent}: {tail(out, 500)}")
-        data = await asyncio.to_thread(_tar_of, src, d.name)
-        try:
-            await asyncio.to_thread(self.calls.put_archive, self.container.id, str(d.parent), data)
-        except Exception as e:
-            raise SandboxError(f"container {self.name}: copy {src} to {dest}: {e}") from e
-
-    async def read(self, path: str, limit: int = READ_LIMIT) -> bytes | None:
-        def get() -> bytes | None:
-            try:
-                stream = self.calls.get_archive(self.container.id, path, CHUNK)
-            except DaemonRefused as e:
-                if e.status == 404:
-                    return None
-                raise
-            try:
-                return tar_file(iter(stream), path, limit)
-            except tarfile.TarError as e:
-                raise Unreadable(f"{path}: the daemon's archive of it is unreadable: {e}") from None
-            finally:
-                close = getattr(stream, "close", None)
-                if close is not None:
-                    close()  # stop the daemon's tar rather than draining it
-
-        try:
-            return await asyncio.to_thread(get)
-        except Unreadable:
-            raise
-        except Exception as e:
-            raise SandboxError(f"container {self.name}: read {path}: {e}") from e
-
-    async def alive(self) -> bool:
-        try:
-            state = (await asyncio.to_thread(self.calls.inspect, self.container.id)).get("State") or {}
-        except Exception:
-            return False
-        return state.get("Status") == "running"
-
-    async def halt(self) -> None:
-        """SIGKILL to the container's PID 1: the kernel ends every process in its PID namespace
-        (setsid'd or not); the stopped container's files stay readable (`get_archive`)."""
-        self._halted = True
-
-        def kill() -> None:
-            try:
-                self.calls.kill(self.container.id)
-            except DaemonRefused as e:  # 409: not running (it died, or halted already)
-                if e.status not in (404, 409):
-                    raise
-            self.calls.wait(self.container.id, 30)
-
-        try:
-            await asyncio.to_thread(kill)
-        except Exception as e:
-            raise SandboxError(f"container {self.name}: halting it failed: {e}") from e
-
-    async def export(self, path: str, limit: int, into: BinaryIO) -> int:
-        def get() -> int:
-            claimed = self._changed_size(path, limit)
-            if claimed is not None and claimed > limit:
-                raise ExportTooLarge(
-                    f"container {self.name}: {path} holds more than {limit} bytes (by its files' sizes)"
-                )
-            try:
-                stream = self.calls.get_archive(self.container.id, path, CHUNK)
-            except DaemonRefused as e:
-                if e.status != 404:
-                    raise
-                raise FileNotFoundError(f"container {self.name}: {path} does not exist") from None
-            n = 0
-            try:
-                for chunk in stream:
-                    n += len(chunk)
-                    if n > limit:
-                        raise ExportTooLarge(f"container {self.name}: {path} holds more than {limit} bytes")
-                    into.write(chunk)
-            finally:
-                close = getattr(stream, "close", None)
-                if close is not None:
-                    close()  # stop the daemon's tar rather than draining it
-            return n
-
-        try:
-            return await asyncio.to_thread(get)
-        except (SandboxError, FileNotFoundError):
-            raise
-        except Exception as e:
-            raise SandboxError(f"container {self.name}: export {path}: {e}") from e
-
-    def _changed_size(self, path: str, limit: int) -> int | None:
-        """What the container's own layer holds under `path` by file sizes (the overlay's upper
-        directory, read on this host without opening a file), or None where it cannot be seen
-        (another storage driver, a remote daemon). The image's files are not counted: they are
-        the task's, not the agent's."""
-        try:
-            attrs = self.calls.inspect(self.container.id)
-            upper = ((attrs.get("GraphDriver") or {}).get("Data") or {}).get("UpperDir")
-        except Exception:
-            return None
-        if not upper or not os.path.isdir(upper):
-            return None
-        return tree_size(os.path.join(upper, path.lstrip("/")), limit)
-
-    async def put_tar(self, dest: str, data: BinaryIO) -> None:
-        data.seek(0)
-        try:
-            await asyncio.to_thread(self.calls.put_archive, self.container.id, dest, data)
-        except Exception as e:
-            raise SandboxError(f"container {self.name}: unpacking into {dest}: {e}") from e
-
-    supervises = True
-
-    async def exec_sealed(
-        self,
-        cmd: list[str],
-        *,
-        env: dict[str, str] | None = None,
-        timeout: float | None = None,
-        workdir: str | None = None,
-    ) -> tuple[ExecResult, list[Leftover]]:
-        # A verifier without a channel runs nothing but its init (`sleep infinity`, never listed)
-        # and our own commands, each ended before the tests: whatever is there after them is
-        # theirs, so nothing is listed before.
-        before: set[int] | None = set() if self.quiet else None
-        if before is None:
-            before = {p.pid for p in await self.processes()}
-        self._sealing = []
-        try:
-            r, left = await exec_then_seal(
-                self, cmd, env=env, timeout=timeout, workdir=workdir, before=before
-            )
-        finally:
-            sealed, self._sealing = self._sealing, None
-        return r, [*(p for p in sealed if p.pid not in before), *left]
-
-    def _host_processes(self) -> list[Leftover]:
-        """The container's processes but its init, read from this host's /proc: the children of
-        its init (those the init never reaps stay there as zombies) and everything the daemon's
-        `top` lists. Where /proc is not this host's (a remote daemon), `top` alone."""
-        state = self.calls.inspect(self.container.id).get("State") or {}
-        init = int(state.get("Pid") or 0)
-        found: dict[int, Leftover] = {}
-        if init > 0:
-            try:
-                kids = Path(f"/proc/{init}/task/{init}/children").read_text().split()
-            except OSError:
-                kids = []
-            for pid in map(int, kids):
-                found[pid] = host_process(pid)
-        if init <= 0 and state.get("Status") != "paused":
-            return []
-        try:
-            top = self.calls.top(self.container.id, "-o pid,stat,args")
-        except Exception:
-            top = {}
-        for row in top.get("Processes") or []:
-            pid = int(row[0])
-            if pid != init and pid not in found:
-                found[pid] = Leftover(pid, (row[1] or "?")[:1], row[2] if len(row) > 2 else "")
-        return sorted(found.values(), key=lambda p: p.pid)
-
-    async def processes(self) -> list[Leftover]:
-        try:
-            return await asyncio.to_thread(self._host_processes)
-        except Exception as e:
-            raise SandboxError(f"container {self.name}: listing its processes failed: {e}") from e
-
-    async def seal(self) -> list[Leftover]:
-        """`docker pause` (the cgroup freezer: every process stops where it is, at once), the
-        processes listed while frozen, then SIGKILL to all; `read` and `export` still work.
-
-        The freezer can fail on a busy cgroup ("unable to freeze": a fork loop); then the listing
-        happens unfrozen, which loses nothing: whatever writes after the command ended is a
-        process the init never reaps, listed running or as a zombie."""
-
-        def freeze() -> None:
-            self.calls.pause(self.container.id)
-
-        try:
-            await asyncio.to_thread(freeze)
-        except Exception as e:
-            log.info("container %s: not frozen (%s); listing its processes as they run", self.name, e)
-        left = await self.processes()
-        await self.halt()
-        return left
-
-    def describe(self) -> dict[str, Any]:
-        attrs = self.container.attrs or {}
-        config, host = attrs.get("Config") or {}, attrs.get("HostConfig") or {}
-        return {
-            "runtime": "docker",
-            "container": self.name,
-            "container_id": (self.container.id or "")[:12],
-            "image": config.get("Image"),
-            "user": config.get("User") or "root",
-            "network": host.get("NetworkMode"),
-        }
-
-    async def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        await self.runtime.remove(self.container)
 
 
 class DockerRuntime:
@@ -717,41 +382,10 @@ class DockerRuntime:
         await self.prepare(task)
         image = spec.image or self._images[task.id]
         agent = spec.purpose == "agent"
-        volumes: dict[str, dict[str, str]] = {}
-        home: str | None = None
-        if agent:
-            (spec.session_dir / "home").mkdir(parents=True, exist_ok=True)
-            volumes[str(spec.session_dir / "home")] = {"bind": HOME_DIR, "mode": "rw"}
-            home = HOME_DIR
-        for host, inside in ca_mounts(spec.ca):
-            volumes[str(host)] = {"bind": inside, "mode": "ro"}
+        limits = spec.limits.for_task(task)
         channel = spec.channel is not None and self.network == "none"
         node = spec.harness.node if agent and spec.harness is not None else spec.forwarder_node
-        if not agent:  # a verifier: nothing of ours but, where it may reach the internet, its channel
-            volumes = {str(host): {"bind": inside, "mode": "ro"} for host, inside in spec.inputs}
-            if channel and node is not None:
-                volumes[str(node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
-        if channel:
-            volumes[str(spec.channel)] = {"bind": CHANNEL_SOCKET, "mode": "ro"}
-            volumes[str(FORWARDER_DIR)] = {"bind": FORWARDER_ROOT, "mode": "ro"}
-        prefix: list[str] = []
-        mounts: list[Any] = []
-        if agent and spec.harness is not None:
-            if spec.harness.modules is not None:
-                volumes[str(spec.harness.modules)] = {"bind": NPM_MODULES, "mode": "ro"}
-            # A PyPI harness's trees, at the host's own paths (one host directory may be shown at
-            # two: `volumes` holds one bind per host path, `mounts` any number).
-            import docker.types
-
-            mounts = [
-                docker.types.Mount(inside, str(host), type="bind", read_only=True)
-                for host, inside in spec.harness.trees
-            ]
-            volumes[str(spec.harness.bin)] = {"bind": HARNESS_BIN, "mode": "ro"}
-            prefix.append(HARNESS_BIN)
-            if spec.harness.node is not None:
-                volumes[str(spec.harness.node)] = {"bind": f"{NODE_BIN}/node", "mode": "ro"}
-                prefix.append(NODE_BIN)
+        volumes, mounts, prefix = mount_options(spec, channel=channel, home_mb=limits.home_mb)
         kwargs: dict[str, Any] = dict(
             entrypoint=forwarder_argv(
                 node=node is not None,
@@ -772,19 +406,38 @@ class DockerRuntime:
             cap_add=ROOT_CAPS,
             security_opt=["no-new-privileges:true"],
         )
-        kwargs.update(limit_options(spec.limits.for_task(task)))
+        kwargs.update(limit_options(limits, home=agent))
         # The daemon makes the workdir (root's, as `mkdir -p` would) when it starts the container.
         kwargs["working_dir"] = task.workdir
         if spec.purpose == "verifier":
             kwargs.update(self._verifier_options(volumes))
             prefix = []
+        container = await self._create(task, image, kwargs)
+        sb = DockerSandbox(
+            self,
+            container,
+            task.workdir,
+            sandbox_ca(spec.ca),
+            prefix,
+            await self._base_path(image),
+            user=spec.user if agent else None,
+            proxy_address=("127.0.0.1", FORWARD_PORT) if channel else None,
+            home=HOME_DIR if agent else None,
+            traversed=spec.harness.traversed() if agent and spec.harness is not None else None,
+            quiet=not agent and not channel,
+        )
+        # No exec to check the start: the daemon made the workdir and would have refused a start
+        # that failed; a forwarder that dies later is the pipeline's wait for the channel to say.
+        await self._check_forwarder(sb, container, task, image, channel)
+        if agent and limits.home_mb and any((spec.session_dir / "home").iterdir()):
+            await seed_home(sb)
+        return sb
 
-        def run() -> Any:
-            return self._run_container(image, kwargs)
-
-        starting = asyncio.ensure_future(asyncio.to_thread(run))
+    async def _create(self, task: Task, image: str, kwargs: dict[str, Any]) -> Any:
+        """The container made and started (`_run_container`, in a thread)."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self._run_container, image, kwargs))
         try:
-            container = await asyncio.shield(starting)
+            return await asyncio.shield(starting)
         except asyncio.CancelledError:
             # Cancelled (Ctrl-C, early stop) while the daemon creates it: the container still comes
             # into being in its thread; wait for it and remove it, so nothing is left running.
@@ -793,20 +446,10 @@ class DockerRuntime:
             raise
         except Exception as e:
             raise SandboxError(f"task {task.id}: starting a container from {image} failed: {e}") from e
-        base_path = await self._base_path(image)
-        sb = DockerSandbox(
-            self,
-            container,
-            task.workdir,
-            sandbox_ca(spec.ca),
-            prefix,
-            base_path,
-            user=spec.user if agent else None,
-            proxy_address=("127.0.0.1", FORWARD_PORT) if channel else None,
-            home=home,
-            traversed=spec.harness.traversed() if agent and spec.harness is not None else None,
-            quiet=not agent and not channel,
-        )
+
+    async def _check_forwarder(
+        self, sb: DockerSandbox, container: Any, task: Task, image: str, channel: bool
+    ) -> None:
         state = (container.attrs or {}).get("State") or {}
         if channel and not state.get("Running"):
             # The forwarder, the entrypoint, died as it started (no python3 in the image, say).
@@ -816,9 +459,6 @@ class DockerRuntime:
                 f"task {task.id}: the proxy forwarder did not start in {image} (it runs on the node "
                 f"we mount for JavaScript harnesses, else on the image's python3): {logs[-500:]}"
             )
-        # No exec to check the start: the daemon made the workdir and would have refused a start
-        # that failed; a forwarder that dies later is the pipeline's wait for the channel to say.
-        return sb
 
     def _run_container(self, image: str, kw: dict[str, Any]) -> Any:
         """`containers.run(image, **kw)` (detached) with the SDK's own builders for the container's

@@ -16,6 +16,9 @@ Written as a deny list (`SCMP_ACT_ALLOW` by default) because it replaces Docker'
 in the verifier's container only: every call an honest test makes, whatever the image, stays
 allowed. /proc is read-only there too (`docker.VERIFIER_READONLY_PATHS`), so /proc/PID/mem is not
 a way around it.
+
+Apptainer loads the same list for every instance, its harness's too (`apptainer_profile`: one
+difference, forced by what Apptainer can load, said there).
 """
 
 from __future__ import annotations
@@ -66,6 +69,22 @@ ARCHES = {
 
 def verifier_profile() -> dict:
     """The profile, in the JSON Docker takes as `--security-opt seccomp=...`."""
+    return _profile({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS})
+
+
+def apptainer_profile() -> dict:
+    """The same refusals as Apptainer (1.4.5) loads them (`--security seccomp:FILE`), for every
+    instance, the harness's as well as the verifier's. Apptainer answers EPERM to every
+    `SCMP_ACT_ERRNO` rule whatever its `errnoRet`, and an EPERM from `clone3` stops the C
+    library's threads (it falls back to `clone` on ENOSYS only), so `clone3` is `SCMP_ACT_TRACE`:
+    the kernel answers ENOSYS to it when no tracer is attached. A tracer could let it through (the
+    kernel passes a call that asks for a trace twice), so `ptrace` stays refused in the harness
+    too: stricter than Docker's default profile (no strace or gdb in an Apptainer harness)."""
+    return _profile({"names": ["clone3"], "action": "SCMP_ACT_TRACE"})
+
+
+def _profile(clone3: dict) -> dict:
+    """DENIED and NAMESPACE_FLAGS as a profile, with `clone3`'s rule as given."""
     rules: list[dict] = [{"names": list(DENIED), "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM}]
     rules += [
         {
@@ -76,7 +95,7 @@ def verifier_profile() -> dict:
         }
         for flag in NAMESPACE_FLAGS
     ]
-    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS})
+    rules.append(clone3)
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ARCHES.get(platform.machine(), []),

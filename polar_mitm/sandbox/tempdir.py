@@ -30,8 +30,8 @@ from polar_mitm.sandbox.base import (
     exec_then_seal,
     host_env,
     run_process,
-    tree_size,
 )
+from polar_mitm.sandbox.untrusted import tree_size
 from polar_mitm.tasks.model import Task
 
 

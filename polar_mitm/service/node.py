@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm import api as m
 from polar_mitm import auth, procs, recipes
@@ -51,7 +51,7 @@ from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.retry import Backoff
-from polar_mitm.rollout.options import WORKER_FIELDS
+from polar_mitm.rollout.options import LIMIT_FIELDS, WORKER_FIELDS
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, SampleSpec, new_token
 from polar_mitm.rollout.spec import Specs
 from polar_mitm.sandbox import make_runtime
@@ -80,11 +80,23 @@ class NodeConfig(BaseModel):
     postrun_workers: int | None = None
     ready_size: int | None = None
     retries: int = 2
+    # The sandboxes' limits (rollout.options.LIMIT_FIELDS) given to the node: RolloutOptions'
+    # defaults for the rest, where its fields are checked.
+    limits: dict[str, float | int | bool] = Field(default_factory=dict)
+
+    @field_validator("limits")
+    @classmethod
+    def _limit_fields(cls, v: dict[str, float | int | bool]) -> dict[str, float | int | bool]:
+        unknown = set(v) - set(LIMIT_FIELDS)
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} is not a sandbox limit (one of {', '.join(LIMIT_FIELDS)})")
+        return v
+
     capacity: int | None = None  # samples in flight at most [default: init + run workers]
     poll_interval: float = 0.5
     heartbeat_interval: float = 2.0
     work_dir: Path | None = None
-    keep_workdirs: bool = False  # keep each sample's host directory (harness.log, HOME)
+    keep_workdirs: bool = False  # keep each sample's host directory (harness.log; HOME with --home-size 0)
     # Set for nodes `serve` starts: the node stops when that process is gone (even SIGKILLed).
     parent_pid: int | None = None
     # The node is what its process is for (`polar-mitm node`, a Ray actor): see ProxyConfig.
@@ -161,7 +173,7 @@ class GatewayNode:
         await self.proxy.start()
         sizes = {f: v for f in WORKER_FIELDS if (v := getattr(self.config, f)) is not None}
         self.pipeline = Pipeline(
-            RolloutOptions(keep_workdirs=self.config.keep_workdirs, **sizes),
+            RolloutOptions(keep_workdirs=self.config.keep_workdirs, **sizes, **self.config.limits),
             self.proxy,
             None,  # each sample brings its runtime
             work_dir=self._work_dir / "samples",

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from polar_mitm.sandbox.apptainer import default_registry_dir
+from polar_mitm.sandbox.apptainer.registry import default_registry_dir
 from tests.support.docker_rollout import solve_answer_task
 from tests.support.harness import assert_turns_match_backend, require_binary
 
@@ -37,7 +37,14 @@ def test_a_harbor_task_two_samples_under_apptainer(
     tmp_path, backend, qwen_tokenizer_dir, apptainer_binary, harness, binary
 ):
     require_binary(binary)
-    db, rows = solve_answer_task(tmp_path, harness, backend, qwen_tokenizer_dir, runtime="apptainer")
+    db, rows = solve_answer_task(
+        tmp_path,
+        harness,
+        backend,
+        qwen_tokenizer_dir,
+        runtime="apptainer",
+        extra=["--allow-unenforced-limits"],
+    )
     assert_turns_match_backend(backend, db)  # token-exact: every stored turn is what was sampled
     for row in rows:
         v = json.loads(row["reward_detail"])["verifier"]

@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.proxy.certs import CA, ensure_ca
-from polar_mitm.sandbox import apptainer as ap
-from polar_mitm.sandbox.apptainer import ApptainerRuntime, list_instances, namespace_pids
-from polar_mitm.sandbox.base import HOME_DIR, SandboxSpec
+from polar_mitm.sandbox.apptainer import ApptainerRuntime
+from polar_mitm.sandbox.apptainer import argv as ap
+from polar_mitm.sandbox.apptainer.host import list_instances, namespace_pids
+from polar_mitm.sandbox.base import HOME_DIR, Limits, SandboxSpec
 from polar_mitm.tasks.model import Task
 from tests.support.docker_rollout import TEST_IMAGE
 
@@ -209,7 +210,7 @@ async def test_the_harness_holds_nothing_of_the_host_and_leaves_nothing(where, h
         assert (out["workdir"], out["home"]) == ("ok", "ok"), r.output
         # The daemon it left is gone with the harness's end, as the host sees it.
         assert namespace_pids(sb.init_pid) == []
-        assert (tmp_path / "s" / "home" / "settings").exists()
+        assert await sb.read(f"{HOME_DIR}/settings") == b""  # (HOME: an image of --home-size)
         assert await sb.read("/app/answer.txt") == b"41\n"
         assert sb.describe()["user"] == ("1000:1000" if not where.rootless else ap.ROOTLESS)
         assert sb.describe()["network"] == "none"
@@ -290,6 +291,19 @@ for f in {HOST_KNOBS}; do  # opened for writing, nothing written
   python3 -c "open('$f', 'r+b')" 2>/dev/null && echo "writable=$f"
 done
 unshare -U -r true 2>/dev/null && echo unshare=yes || echo unshare=no
+python3 - <<'EOF'
+import ctypes, os, threading
+# clone3 with CLONE_NEWUSER (its flags sit in memory, where no filter reads them): struct
+# clone_args, `flags` first and `exit_signal` (SIGCHLD) fifth.
+args = (ctypes.c_uint64 * 11)(0x10000000, 0, 0, 0, 17)
+r = ctypes.CDLL(None, use_errno=True).syscall(435, args, ctypes.sizeof(args))
+if r == 0:
+    os._exit(0)
+print("clone3=yes" if r > 0 else "clone3=no errno=%d" % ctypes.get_errno())
+t = threading.Thread(target=print, args=("threads=ok",))  # (the C library falls back to clone)
+t.start()
+t.join()
+EOF
 """
 
 
@@ -301,16 +315,21 @@ def host_capabilities(output: str) -> bool:
     return int(cap, 16) != 0 and uidmap.startswith("0 0 4294967295")
 
 
+def no_namespaces(output: str) -> bool:
+    """Whether KERNEL_ATTACK's process was refused a user namespace both ways, with its threads
+    still starting (`clone3` refused as ENOSYS, so the C library falls back to `clone`)."""
+    return {"unshare=no", "clone3=no errno=38", "threads=ok"} <= set(output.splitlines())
+
+
 async def test_the_verifier_is_never_host_root_and_no_instance_reaches_the_kernel(where):
     """The verifier's tests (which run the agent's code) and the harness, attacked as issue 41
     found them: before, as root the tests held CHOWN, DAC_OVERRIDE, FOWNER, SETUID and SETGID in
     the host's user namespace and opened core_pattern (a write there runs a program of theirs
     as host root at the next core dump), the hostname and /sys knobs for writing; the harness
-    could make a user namespace (`unshare -U`). Now the tests hold no capability of the host's
-    namespace (a user namespace of their own), and every such file is read-only (or absent) in
-    every instance. The harness's `unshare -U` stays open (threat-model.md: Apptainer 1.4.5 cannot
-    load a seccomp profile in the exec of a process without capabilities); it is printed, not
-    asserted."""
+    could make a user namespace (`unshare -U`, or `clone3`, whose flags no filter can read). Now
+    the tests hold no capability of the host's namespace (a user namespace of their own), every
+    such file is read-only (or absent) in every instance, and neither the tests nor the harness
+    can make a namespace (the seccomp profile of sandbox/seccomp.py), while threads still start."""
     runtime = where.runtime
     ca = ca_for(where)
     v = await runtime.start(where.task, SandboxSpec("apt-kv", session(where, "v"), ca, purpose="verifier"))
@@ -318,6 +337,7 @@ async def test_the_verifier_is_never_host_root_and_no_instance_reaches_the_kerne
         r, _ = await v.exec_sealed(["sh", "-c", KERNEL_ATTACK], workdir="/", timeout=60)
         assert "writable=" not in r.output, r.output
         assert not host_capabilities(r.output), r.output
+        assert no_namespaces(r.output), r.output
     finally:
         await v.stop()
     agent = await runtime.start(where.task, SandboxSpec("apt-ka", session(where, "a"), ca))
@@ -325,8 +345,40 @@ async def test_the_verifier_is_never_host_root_and_no_instance_reaches_the_kerne
         r = await agent.exec_harness(["sh", "-c", KERNEL_ATTACK], timeout=60)
         assert "writable=" not in r.output, r.output
         assert not host_capabilities(r.output), r.output
+        assert no_namespaces(r.output), r.output
     finally:
         await agent.stop()
+
+
+FILL = r"""
+for d in "$HOME" /tmp; do
+  dd if=/dev/zero of="$d/fill" bs=1M count=64 2>/dev/null
+  echo "wrote $d $(( $(stat -c %s "$d/fill") >> 20 ))"
+done
+"""
+
+
+def disk_used(root: Path) -> int:
+    """Bytes of the host's disk the files under `root` hold (their blocks, as du counts them)."""
+    return sum(p.lstat().st_blocks * 512 for p in root.rglob("*"))
+
+
+async def test_home_and_tmp_are_refused_past_their_caps_and_the_host_disk_holds(where):
+    """The harness writes 64 MiB to $HOME and to /tmp with caps of 16 MiB each: past the cap the
+    writes are refused, and the host's disk holds at most the caps. Before, $HOME was a host
+    directory and /tmp the instance's overlay on the host: all 128 MiB landed on the host's disk."""
+    runtime = where.runtime
+    ca = ca_for(where)
+    spec = SandboxSpec("apt-disk", session(where, "s"), ca, limits=Limits(home_mb=16, tmp_mb=16))
+    sb = await runtime.start(where.task, spec)
+    try:
+        before = disk_used(where.base / "s")
+        r = await sb.exec_harness(["sh", "-c", FILL], env={"HOME": HOME_DIR}, timeout=120)
+        wrote = {w[1]: int(w[2]) for w in (x.split() for x in r.output.splitlines()) if w[:1] == ["wrote"]}
+        assert wrote.keys() == {HOME_DIR, "/tmp"} and max(wrote.values()) <= 16, r.output
+        assert disk_used(where.base / "s") - before <= 32 << 20
+    finally:
+        await sb.stop()
 
 
 async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(where):
@@ -363,6 +415,30 @@ async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(where):
     finally:
         await v.stop()
     assert os.listdir(tmp_path / "s") == ["home"]  # neither instance's own directory is left
+
+
+async def test_limits_it_cannot_enforce_are_said_once_and_stop_a_rollout_unless_allowed(where, caplog):
+    """Where Apptainer cannot apply cgroups (here: rootless, without systemd), the runtime finds it
+    as it prepares the first image, says so once, and a rollout that asks for a memory limit
+    refuses to start, unless allowed (or it asks for none). Before, the instances started without
+    the limits, a warning in the log at the first sample's start."""
+    from polar_mitm.rollout.jobs import unenforced_limits
+    from polar_mitm.rollout.options import RolloutOptions
+
+    rt, TASK = where.runtime, where.task
+    await rt.prepare(TASK)
+    await rt.prepare(TASK.model_copy(update={"id": "t2"}))
+    if rt.limits:
+        assert not [r for r in caplog.records if "cannot apply cgroups" in r.getMessage()]
+        assert unenforced_limits(RolloutOptions(), rt, [TASK]) is None
+        pytest.skip("Apptainer applies cgroups here: nothing to refuse")
+    said = [r for r in caplog.records if "cannot apply cgroups" in r.getMessage()]
+    assert len(said) == 1
+    refusal = unenforced_limits(RolloutOptions(), rt, [TASK])
+    assert refusal is not None and "--allow-unenforced-limits" in refusal
+    assert unenforced_limits(RolloutOptions(allow_unenforced_limits=True), rt, [TASK]) is None
+    assert unenforced_limits(RolloutOptions(memory=0), rt, [TASK]) is None
+    assert unenforced_limits(RolloutOptions(memory=0), rt, [TASK.model_copy(update={"memory_mb": 512})])
 
 
 async def test_a_dockerfile_builds_without_docker_from_a_generated_definition(

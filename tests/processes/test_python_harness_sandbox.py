@@ -126,7 +126,7 @@ def test_a_missing_virtualenv_is_named_with_its_install_command(tmp_path, monkey
 def test_apptainer_binds_the_trees_read_only_at_their_own_paths(tmp_path, monkeypatch, certs_dir):
     from polar_mitm.harness.install import harness_mount
     from polar_mitm.proxy.certs import ensure_ca
-    from polar_mitm.sandbox import apptainer
+    from polar_mitm.sandbox.apptainer import argv as apptainer
     from polar_mitm.sandbox.base import NPM_MODULES, SandboxSpec
 
     venv, base, _ = make_harness(tmp_path)

@@ -181,6 +181,7 @@ async def run_probe(
         env=env or {},
         keep_workdirs=True,
         retries=0,
+        allow_unenforced_limits=True,  # (Apptainer without cgroups here: what is probed is the network)
     )
     work = tmp_path / "work"
     p = Pipeline(opts, stack.proxy, runtime, work_dir=work, on_change=watch)
@@ -312,10 +313,10 @@ if sys.argv[1] == "memory":
     for i in range(64):  # 640 MB, every page touched
         held.append(bytearray(os.urandom(1)) * (10 << 20))
     open("survived", "w").write("all of it")
-elif sys.argv[1] == "tmp":
+elif sys.argv[1] in ("tmp", "home"):
     written = 0
     try:
-        with open("/tmp/fill", "wb") as f:
+        with open("/tmp/fill" if sys.argv[1] == "tmp" else os.path.expanduser("~/fill"), "wb") as f:
             for i in range(96):
                 f.write(b"x" * (1 << 20))
                 f.flush()
@@ -332,10 +333,11 @@ else:
 @pytest.mark.docker
 async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack, tmp_path, docker_client):
     """Tasks that name no memory, CPUs or disk: one allocates 640 MB, one writes 96 MiB to /tmp,
-    one is a neighbour that does its work. With the rollout's defaults (here --memory 256,
-    --tmp-size 32) the first is OOM-killed inside its own limit, the second's writes are refused
-    past 32 MiB, and the rollout goes on: the neighbour completes with its reward. Before, a task
-    without limits ran with none (Memory=0): all 640 MB were taken and all 96 MiB written."""
+    one 96 MiB to $HOME, one is a neighbour that does its work. With the rollout's defaults (here
+    --memory 256, --tmp-size 32, --home-size 32) the first is OOM-killed inside its own limit, the
+    writes are refused past 32 MiB, and the rollout goes on: the neighbour completes with its
+    reward. Before, a task without limits ran with none (Memory=0): all 640 MB were taken and all
+    96 MiB written (to $HOME, a host directory: the host's disk)."""
     from polar_mitm.sandbox.docker import DockerRuntime
 
     stack = await make_stack()
@@ -343,7 +345,7 @@ async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack,
         Task(id=mode, instruction=mode, image=IMAGE, workdir="/app",
              evaluator=EvaluatorSpec(kind="command", command=check))
         for mode, check in (("memory", "[ -f survived ]"), ("tmp", "grep -q '^refused after 3[0-2] MiB' tmp.txt"),
-                            ("neighbour", "[ -f survived ]"))
+                            ("home", "grep -q '^refused after 3[0-2] MiB' tmp.txt"), ("neighbour", "[ -f survived ]"))
     ]  # fmt: skip
     opts = RolloutOptions(
         harness="claude-code",
@@ -352,6 +354,7 @@ async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack,
         retries=0,
         memory=256,
         tmp_size=32,
+        home_size=32,
         keep_workdirs=True,
     )
     p = Pipeline(opts, stack.proxy, DockerRuntime(), work_dir=tmp_path / "work")
@@ -360,6 +363,7 @@ async def test_a_task_without_limits_takes_no_more_than_the_defaults(make_stack,
     assert got == {
         "memory": ("completed", 0.0),
         "tmp": ("completed", 1.0),
+        "home": ("completed", 1.0),
         "neighbour": ("completed", 1.0),
     }, got
 
@@ -789,8 +793,8 @@ async def test_the_forwarder_inside_relays_to_the_channel(tmp_path, docker_clien
 @pytest.mark.parametrize("purpose", ["agent", "verifier", "verifier-internet"])
 async def test_containers_run_with_least_privilege(tmp_path, docker_client, certs_dir, purpose):
     """What the daemon was asked for: no network, every capability dropped but root's five,
-    no-new-privileges, a pids limit, the task's memory and CPUs; every mount of ours read-only but
-    the harness's HOME. A verifier's sandbox: no harness, no channel, no HOME; one whose task lets
+    no-new-privileges, a pids limit, the task's memory and CPUs; every mount of ours read-only (the
+    harness's HOME a tmpfs). A verifier's sandbox: no harness, no channel, no HOME; one whose task lets
     it reach the internet: its channel's socket and the forwarder, read-only, and nothing else."""
     internet = purpose == "verifier-internet"
     purpose = "verifier" if internet else purpose
@@ -827,7 +831,9 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
     assert host["Memory"] == 512 * 2**20 and host["NanoCpus"] == 1_500_000_000
     writable = [m["Destination"] for m in attrs["Mounts"] if m["RW"]]
     if purpose == "agent":
-        assert writable == [HOME_DIR] and sb.proxy_address == ("127.0.0.1", 3128)
+        # HOME a tmpfs of --home-size (its files copied in from the sample's `home`, read-only)
+        assert writable == [] and sb.proxy_address == ("127.0.0.1", 3128)
+        assert host["Tmpfs"][HOME_DIR] == "rw,nosuid,nodev,size=1024m,mode=0755"
         assert any(m["Destination"].endswith("proxy.sock") for m in attrs["Mounts"])
     elif internet:
         assert writable == [] and sb.proxy_address == ("127.0.0.1", 3128) and sb.user is None

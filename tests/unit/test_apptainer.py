@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from polar_mitm.proxy.certs import CA
-from polar_mitm.sandbox import apptainer as ap
 from polar_mitm.sandbox.apptainer import ApptainerRuntime
+from polar_mitm.sandbox.apptainer import argv as ap
 from polar_mitm.sandbox.base import (
     CA_DIR,
     HARNESS_BIN,
@@ -23,6 +23,7 @@ from polar_mitm.sandbox.base import (
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
+    sandbox_ca,
 )
 from polar_mitm.tasks.model import Task
 
@@ -112,7 +113,7 @@ async def test_prepare_resolves_paths_and_refuses_a_missing_sif(tmp_path, monkey
 
 
 def test_sandbox_ca_points_into_ca_dir_without_the_key(tmp_path):
-    ca = ap.sandbox_ca(make_ca(tmp_path / "ca"))
+    ca = sandbox_ca(make_ca(tmp_path / "ca"))
     assert ca.dir == Path(CA_DIR)
     assert ca.cert == Path(CA_DIR) / "mitmproxy-ca-cert.pem"
     assert ca.bundle == Path(CA_DIR) / "polar-mitm-bundle.pem"
@@ -173,6 +174,25 @@ def test_kernel_options_keep_every_instance_off_the_kernel_and_the_verifier_off_
     ]
     argv = ap.start_argv("apptainer", "i.sif", "v", verifier, None, [], ["--userns"])
     assert argv[argv.index("--userns") + 1 :][-2:] == ["i.sif", "v"]
+
+
+def test_every_instance_loads_the_one_seccomp_profile_with_no_new_privileges(tmp_path):
+    from polar_mitm.sandbox.seccomp import DENIED, apptainer_profile, verifier_profile
+
+    agent, verifier = make_spec(tmp_path), dataclasses.replace(make_spec(tmp_path), purpose="verifier")
+    f = tmp_path / "seccomp.json"
+    assert ap.kernel_options(agent, host_root=True, knobs=(), seccomp=f) == [
+        "--no-privs",
+        "--security",
+        f"seccomp:{f}",
+    ]
+    assert ap.kernel_options(verifier, host_root=True, knobs=(), seccomp=f)[-1] == "--userns"
+    assert ap.kernel_options(agent, host_root=False, knobs=(), seccomp=f) == ["--security", f"seccomp:{f}"]
+    # The same refusals as Docker's verifier, but clone3: ENOSYS by a trace nobody attaches.
+    apptainer, docker = apptainer_profile()["syscalls"], verifier_profile()["syscalls"]
+    assert apptainer[:-1] == docker[:-1] and set(DENIED) <= set(apptainer[0]["names"])
+    assert {"ptrace", "unshare", "setns", "mount"} <= set(apptainer[0]["names"])
+    assert apptainer[-1] == {"names": ["clone3"], "action": "SCMP_ACT_TRACE"}
 
 
 def test_start_argv_with_harness_and_tmpfs(tmp_path):

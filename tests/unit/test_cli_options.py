@@ -151,3 +151,22 @@ def test_the_servers_options_come_from_server_config_and_set_its_fields():
         assert "--" + field.replace("_", "-") in helptext, field
     with pytest.raises(ValidationError):  # frozen
         got.polar_api = False  # type: ignore[misc]
+
+
+def test_the_sandbox_limits_are_options_of_rollout_serve_and_node_and_reach_a_nodes_pipeline():
+    """--memory, --home-size, --allow-unenforced-limits, … (RolloutOptions' LIMIT_FIELDS): the same
+    generated options on every command that runs samples, and a node's pipeline takes those given
+    (before, `serve` and `node` had none: their sandboxes always took the defaults)."""
+    from polar_mitm.rollout.options import LIMIT_FIELDS, RolloutOptions
+    from polar_mitm.service.node import NodeConfig
+
+    for command in ("rollout", "serve", "node"):
+        params = {p.name: p for p in main.get_command(click.Context(main), command).params}
+        assert set(LIMIT_FIELDS) <= set(params), command
+    node = main.get_command(click.Context(main), "node")
+    assert "--home-size" in CliRunner().invoke(node, ["--help"]).output
+    config = NodeConfig(server="http://x", limits={"memory": 512, "home_size": 64})
+    opts = RolloutOptions(**config.limits)
+    assert (opts.memory, opts.home_size, opts.tmp_size) == (512, 64, 1024)
+    with pytest.raises(ValueError, match="not a sandbox limit"):
+        NodeConfig(server="http://x", limits={"memry": 512})

@@ -24,8 +24,8 @@ from polar_mitm.rollout.evaluators import (
     reward_of,
 )
 from polar_mitm.rollout.verdict import junit_cases, junit_name, record_reasons, summary_counts
-from polar_mitm.sandbox.apptainer import read_beneath
-from polar_mitm.sandbox.base import Unreadable, tar_file
+from polar_mitm.sandbox.base import Unreadable
+from polar_mitm.sandbox.untrusted import read_beneath, tar_file
 
 
 def test_reward_files_are_read_as_harbor_reads_them():
