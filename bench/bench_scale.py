@@ -124,6 +124,12 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_s(pid: int) -> float:
+    """The process's CPU seconds and its reaped children's (a node's harnesses and evaluators)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def store_mb(db: Path) -> float:
     return sum(p.stat().st_size for p in db.parent.glob(db.name + "*")) / 2**20
 
@@ -463,6 +469,7 @@ def main() -> None:
         monitor = Monitor(server.pid, db, a.every)
         client = RolloutClient(url, token=token, timeout=300)
         cpu0 = cpu_s(server.pid)
+        bench0, nodes0 = time.process_time(), sum(tree_cpu_s(n.pid) for n in nodes)
         profile = Profile(server.pid, work / "server.pyspy.txt", rate=100) if a.profile else None
         if profile:
             profile.__enter__()
@@ -490,6 +497,8 @@ def main() -> None:
         monitor.join()
         monitor.point()
         cpu = cpu_s(server.pid) - cpu0
+        bench_cpu = time.process_time() - bench0  # the trainer's side: submit, wait, subscribers
+        nodes_cpu = sum(tree_cpu_s(n.pid) for n in nodes) - nodes0
         metrics_text = http.get("/metrics").text
         times = route_times(metrics_text)
         repaired = repairs(metrics_text)
@@ -548,6 +557,13 @@ def main() -> None:
     print(
         f"| server CPU per sample | {1000 * cpu / total:.1f} ms ({cpu:.0f} s in all; one core of it:"
         f" {total / max(cpu, 1e-9):.0f} samples/s) |"
+    )
+    print(
+        "| the nodes' CPU per sample (theirs and their harnesses', evaluators') | "
+        + (f"{1000 * nodes_cpu / total:.1f} ms ({nodes_cpu:.0f} s in all) |" if nodes else "not read (Ray) |")
+    )
+    print(
+        f"| the bench's own CPU per sample (submit, wait, subscribers) | {1000 * bench_cpu / total:.1f} ms |"
     )
     for route, label in (
         ("POST /v1/nodes/{node_id}/lease", "lease"),
