@@ -174,10 +174,11 @@ def submit_all(
     """Submit every task, `submitters` at a time, as a trainer hands over a step's tasks: task ids
     in the tasks' order, each submit's round trip (s) and the CPU this thread spent.
 
-    On a loaded machine one submit costs the client ~5 ms of CPU but waits 70-160 ms for the
-    scheduler to run the server and then the client again; one after another, 1,250 such waits
-    were most of the run. With several in flight over one connection pool the waits overlap.
-    `submitters=1` is the sync client's one-after-another loop, as the bench did before."""
+    On a loaded machine (load average 13-25) a submit costs the client 1.5-3 ms of CPU but its
+    round trip is 27-60 ms at the median and up to 260 ms at p99 (the scheduler runs the server,
+    then the client); one after another, 1,250 such waits take 60-95 s. With several in flight
+    over one connection pool the waits overlap (26-29 s, 32 at a time). `submitters=1` is the
+    sync client's one-after-another loop, as the bench did before."""
     lat: list[float] = []
     c0 = time.thread_time()
     if submitters <= 1:
@@ -537,8 +538,8 @@ def main() -> None:
         f" average at the end {load[0]:.1f}), nice {nice}; work dir {work}"
     )
     print(
-        "no warm-up: the clock starts once the nodes register, so every node's first lease,"
-        " harness and model call are measured"
+        "no warm-up: the clock starts once the nodes register, so every node's first lease and"
+        " harness (with --rows session its first model call too) are measured"
     )
     print(
         f"completed {completed:,}/{total:,}, reward 1 (the harness's call answered) {passed:,};"
