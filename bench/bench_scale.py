@@ -1,7 +1,11 @@
 """The rollout service's control plane at scale: the real `polar-mitm serve` and N real
 `polar-mitm node` processes on this machine, S samples in groups of 8, a trainer that submits
-them all at once and collects every group with the client (`RolloutClient.wait`), and two
-subscribers to the event stream, one of them slow.
+them all at once (`--submitters` at a time over `AsyncRolloutClient`) and collects every group with
+the client (`RolloutClient.wait`), and two subscribers to the event stream, one of them slow.
+
+First calls are measured: there is no warm-up. The nodes register and the clock starts; each
+node's first lease, first harness and (with `--rows session`) its first model call through its
+proxy fall inside the measured time.
 
 A sample is instant but its report is not small: with `--rows session` (the default) the
 harness (the `local` runtime, a shell line) posts the first request of the captured Claude Code
@@ -10,12 +14,14 @@ proxy once, and the fake backend answers at once with ~15k tokens, so the node b
 a row of that session's shape (11.6k prompt + 14.8k response tokens with mask and logprobs);
 `--rows none` writes the instruction and makes no model call (no rows: the control plane alone).
 
-Printed: samples/s; the server's CPU per sample (and the rate one core of it would carry); the
+Printed: samples/s; the submit phase (wall time, each submit's round trip as the client saw it,
+the client's own CPU); the server's CPU per sample (and the rate one core of it would carry); the
 p50/p99 of the lease and result calls as the server timed them (`/metrics`); the server's RSS,
 CPU and the store's size over time; the parquet export of every group; what each subscriber of
-`/v1/events` received.
+`/v1/events` received; the samples dispatched more than once and the server's repairs.
 
     nice .venv/bin/python bench/bench_scale.py [--samples 10000] [--nodes 16] [--rows session|none]
+        [--submitters 32]  # submits in flight at once; 1: one after another (the sync client)
         [--profile]   # py-spy on the server (pip install py-spy), its busiest frames at the end
         [--ray 3]     # the nodes as Ray actors (`serve --ray`) on a local cluster: `ray start
                       # --head` and 3 `ray start --address` workers, every one on 127.0.0.1
@@ -32,6 +38,7 @@ own: every process left in it is killed).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -56,7 +63,7 @@ from bench_request_storage import load_session  # noqa: E402
 
 from polar_mitm import procs  # noqa: E402
 from polar_mitm.backends.tokenizer_build import ensure_tokenizer  # noqa: E402
-from polar_mitm.client import RolloutClient  # noqa: E402
+from polar_mitm.client import AsyncRolloutClient, RolloutClient  # noqa: E402
 from polar_mitm.service.ray_nodes import SINGLE_NODE_ENV  # noqa: E402
 from polar_mitm.tasks.model import EvaluatorSpec, Task  # noqa: E402
 
@@ -117,6 +124,12 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_s(pid: int) -> float:
+    """The process's CPU seconds and its reaped children's (a node's harnesses and evaluators)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def store_mb(db: Path) -> float:
     return sum(p.stat().st_size for p in db.parent.glob(db.name + "*")) / 2**20
 
@@ -153,6 +166,62 @@ def route_times(metrics: str) -> dict[str, tuple[int, float, float, float]]:
         n = int(b[-1][1])
         out[route] = (n, sums.get(route, 0.0) / max(n, 1), quantile(b, 0.5), quantile(b, 0.99))
     return out
+
+
+def submit_all(
+    url: str, token: str, tasks: list[Task], submitters: int, **kw: Any
+) -> tuple[list[str], list[float], float]:
+    """Submit every task, `submitters` at a time, as a trainer hands over a step's tasks: task ids
+    in the tasks' order, each submit's round trip (s) and the CPU this thread spent.
+
+    On a loaded machine (load average 13-25) a submit costs the client 1.5-3 ms of CPU but its
+    round trip is 27-60 ms at the median and up to 260 ms at p99 (the scheduler runs the server,
+    then the client); one after another, 1,250 such waits take 60-95 s. With several in flight
+    over one connection pool the waits overlap (26-29 s, 32 at a time). `submitters=1` is the
+    sync client's one-after-another loop, as the bench did before."""
+    lat: list[float] = []
+    c0 = time.thread_time()
+    if submitters <= 1:
+        ids = []
+        with RolloutClient(url, token=token, timeout=300) as client:
+            for t in tasks:
+                s0 = time.monotonic()
+                ids.append(client.submit(t, **kw))
+                lat.append(time.monotonic() - s0)
+        return ids, lat, time.thread_time() - c0
+
+    async def submit(client: AsyncRolloutClient, gate: asyncio.Semaphore, task: Task) -> str:
+        async with gate:
+            s0 = time.monotonic()
+            task_id = await client.submit(task, **kw)
+            lat.append(time.monotonic() - s0)
+            return task_id
+
+    async def run() -> list[str]:
+        gate = asyncio.Semaphore(submitters)
+        async with AsyncRolloutClient(url, token=token, timeout=300) as client:
+            return list(await asyncio.gather(*(submit(client, gate, t) for t in tasks)))
+
+    ids = asyncio.run(run())
+    return ids, lat, time.thread_time() - c0
+
+
+def twice_dispatched(db: Path) -> int:
+    """Samples the server dispatched more than once (a node lost or a lease repaired)."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return con.execute("SELECT COUNT(*) FROM service_samples WHERE dispatches > 1").fetchone()[0]
+    finally:
+        con.close()
+
+
+def repairs(metrics: str) -> int:
+    """`polar_service_repairs_total`, every reason and action together."""
+    return int(
+        sum(float(m[1]) for m in re.finditer(r"^polar_service_repairs_total\{[^}]*\} (\S+)", metrics, re.M))
+    )
 
 
 class Subscriber(threading.Thread):
@@ -329,6 +398,9 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=4, help="samples each node holds at most")
     ap.add_argument("--slow-rate", type=float, default=2048, help="the slow subscriber's bytes/s")
     ap.add_argument("--every", type=float, default=10.0, help="seconds between points of the curve")
+    ap.add_argument(
+        "--submitters", type=int, default=32, help="submits in flight at once (1: one after another)"
+    )
     ap.add_argument("--profile", action="store_true", help="py-spy the server while the samples run")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument(
@@ -398,6 +470,7 @@ def main() -> None:
         monitor = Monitor(server.pid, db, a.every)
         client = RolloutClient(url, token=token, timeout=300)
         cpu0 = cpu_s(server.pid)
+        bench0, nodes0 = time.process_time(), sum(tree_cpu_s(n.pid) for n in nodes)
         profile = Profile(server.pid, work / "server.pyspy.txt", rate=100) if a.profile else None
         if profile:
             profile.__enter__()
@@ -405,16 +478,11 @@ def main() -> None:
         monitor.t0 = t0
         monitor.start()
         evaluator = EvaluatorSpec(kind="command", command="grep -q pass out.txt")
-        ids = [
-            client.submit(
-                Task(id=f"g{i:05d}", instruction="pass", evaluator=evaluator),
-                samples=a.group,
-                harness="claude-code",
-                runtime="local",
-                harness_cmd=cmd,
-            )
-            for i in range(groups)
-        ]
+        tasks = [Task(id=f"g{i:05d}", instruction="pass", evaluator=evaluator) for i in range(groups)]
+        ids, submit_lat, submit_cpu = submit_all(
+            url, token, tasks, a.submitters, samples=a.group, harness="claude-code", runtime="local",
+            harness_cmd=cmd,
+        )  # fmt: skip
         submitted = time.monotonic() - t0
         rows = completed = passed = 0
         tokens = 0
@@ -430,7 +498,12 @@ def main() -> None:
         monitor.join()
         monitor.point()
         cpu = cpu_s(server.pid) - cpu0
-        times = route_times(http.get("/metrics").text)
+        bench_cpu = time.process_time() - bench0  # the trainer's side: submit, wait, subscribers
+        nodes_cpu = sum(tree_cpu_s(n.pid) for n in nodes) - nodes0
+        metrics_text = http.get("/metrics").text
+        times = route_times(metrics_text)
+        repaired = repairs(metrics_text)
+        twice = twice_dispatched(db)
         # The export: every group's parquet, one after another (what a trainer fetches).
         e0 = time.monotonic()
         parquet_bytes = sum(
@@ -465,15 +538,33 @@ def main() -> None:
         f" average at the end {load[0]:.1f}), nice {nice}; work dir {work}"
     )
     print(
+        "no warm-up: the clock starts once the nodes register, so every node's first lease and"
+        " harness (with --rows session its first model call too) are measured"
+    )
+    print(
         f"completed {completed:,}/{total:,}, reward 1 (the harness's call answered) {passed:,};"
         f" {rows:,} rows, {tokens:,} tokens"
     )
     print("\n| measure | value |\n|---|---|")
     print(f"| samples/s (submit to the last group collected) | {total / elapsed:.1f} ({elapsed:.0f} s) |")
-    print(f"| submitting {groups:,} tasks | {submitted:.1f} s ({groups / submitted:.0f} tasks/s) |")
+    submit_lat.sort()
+    how = "one after another" if a.submitters <= 1 else f"{a.submitters} at a time"
+    print(
+        f"| submitting {groups:,} tasks ({how}) | {submitted:.1f} s ({groups / submitted:.0f} tasks/s);"
+        f" a submit's round trip p50 / p99 {1000 * submit_lat[len(submit_lat) // 2]:.1f} /"
+        f" {1000 * submit_lat[int(len(submit_lat) * 0.99)]:.1f} ms; the client's CPU"
+        f" {1000 * submit_cpu / groups:.1f} ms a submit |"
+    )
     print(
         f"| server CPU per sample | {1000 * cpu / total:.1f} ms ({cpu:.0f} s in all; one core of it:"
         f" {total / max(cpu, 1e-9):.0f} samples/s) |"
+    )
+    print(
+        "| the nodes' CPU per sample (theirs and their harnesses', evaluators') | "
+        + (f"{1000 * nodes_cpu / total:.1f} ms ({nodes_cpu:.0f} s in all) |" if nodes else "not read (Ray) |")
+    )
+    print(
+        f"| the bench's own CPU per sample (submit, wait, subscribers) | {1000 * bench_cpu / total:.1f} ms |"
     )
     for route, label in (
         ("POST /v1/nodes/{node_id}/lease", "lease"),
@@ -498,6 +589,7 @@ def main() -> None:
         f" ({1000 * export / groups:.1f} ms a group, {parquet_bytes / 2**20:.0f} MB) |"
     )
     print(f"| `GET /v1/tasks` (every task) at the end | {listing:.2f} s |")
+    print(f"| samples dispatched more than once / the server's repairs | {twice:,} / {repaired:,} |")
     expected = total * per_sample_events
     print(
         f"| events: a fast subscriber / a slow one ({a.slow_rate:.0f} B/s) | {fast.events:,} /"
