@@ -10,7 +10,13 @@ from pathlib import Path
 import click
 
 from polar_mitm.cli.options import Flag, given, make_policy_config, model_options, policy_options
-from polar_mitm.rollout.options import LIMIT_FIELDS, WORKER_FIELDS, RolloutOptions, default_workers
+from polar_mitm.rollout.options import (
+    LIMIT_FIELDS,
+    VERDICT_FIELDS,
+    WORKER_FIELDS,
+    RolloutOptions,
+    default_workers,
+)
 from polar_mitm.sandbox import RUNTIMES
 from polar_mitm.strategies import Normalize, Strategy, choices
 
@@ -77,7 +83,6 @@ WORKER_FLAGS = {
 }
 worker_options = model_options(RolloutOptions, WORKER_FLAGS, WORKER_FIELDS)
 # How a verdict becomes the trainer's number: RolloutOptions' fields too.
-VERDICT_FIELDS = ("reward_key", "mask_egress_refused")
 VERDICT_FLAGS = {
     "reward_key": Flag(
         "The number a trainer gets from a multi-key reward.json: one of its keys, or mean, min or "
@@ -109,6 +114,15 @@ LIMIT_FLAGS = {
     ),
 }
 limit_options = model_options(RolloutOptions, LIMIT_FLAGS, LIMIT_FIELDS)
+egress_allow_option = click.option(
+    "--egress-allow",
+    "egress_allow",
+    multiple=True,
+    metavar="HOST[,HOST...]",
+    help="Hosts (names, or *.suffix) every sandbox, agent and verifier, may reach even where they "
+    "resolve to a private or reserved address: a package mirror on your network. Nothing else is "
+    "widened; loopback stays refused. Repeatable.",
+)
 
 
 @click.command()
@@ -137,15 +151,7 @@ limit_options = model_options(RolloutOptions, LIMIT_FLAGS, LIMIT_FIELDS)
     metavar="KEY=VALUE",
     help="Extra environment for every harness (repeatable).",
 )
-@click.option(
-    "--egress-allow",
-    "egress_allow",
-    multiple=True,
-    metavar="HOST[,HOST...]",
-    help="Hosts (names, or *.suffix) every sandbox, agent and verifier, may reach even where they "
-    "resolve to a private or reserved address: a package mirror on your network. Nothing else is "
-    "widened; loopback stays refused. Repeatable.",
-)
+@egress_allow_option
 @click.option(
     "--keep-workdirs", is_flag=True, help="Keep each sample's host directory (logs, HOME) after it ends."
 )

@@ -18,9 +18,15 @@ from polar_mitm.cli.options import (
     policy_options,
     split_listen,
 )
-from polar_mitm.cli.rollout import limit_options, task_options, worker_options
+from polar_mitm.cli.rollout import (
+    egress_allow_option,
+    limit_options,
+    task_options,
+    verdict_options,
+    worker_options,
+)
 from polar_mitm.netaddr import is_loopback
-from polar_mitm.rollout.options import LIMIT_FIELDS, WORKER_FIELDS
+from polar_mitm.rollout.options import LIMIT_FIELDS, VERDICT_FIELDS, WORKER_FIELDS
 from polar_mitm.service.config import ServerConfig
 from polar_mitm.strategies import Strategy, choices
 
@@ -67,8 +73,10 @@ def client_token(token: str | None, token_file: Path | None) -> str:
 
 
 def node_options(f):
-    """A node's sizes: the pipeline's and its sandboxes' limits (`rollout`'s options), and how many
-    samples it holds."""
+    """A node's sizes: the pipeline's and its sandboxes' limits, its verdict options and the hosts
+    its sandboxes may reach (`rollout`'s options), and how many samples it holds."""
+    f = egress_allow_option(f)
+    f = verdict_options(f)
     f = limit_options(f)
     f = click.option(
         "--capacity",
@@ -214,8 +222,10 @@ def serve(
     config = ServerConfig(db=db, token=token, **given(options, SERVER_FIELDS))
     workers = given(options, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
     limits = given(options, LIMIT_FIELDS)  # the sandboxes' limits given, RolloutOptions' for the rest
+    verdict, egress_allow = given(options, VERDICT_FIELDS), options.pop("egress_allow")
     node = NodeConfig(server="", db=str(db), certs_dir=certs, policy=make_policy_config(**options),
-                      capacity=capacity, limits=limits, **workers)  # fmt: skip
+                      capacity=capacity, limits=limits, verdict=verdict, egress_allow=egress_allow,
+                      **workers)  # fmt: skip
 
     async def main() -> None:
         try:
@@ -306,9 +316,11 @@ def node(
         return
     workers = given(policy, WORKER_FIELDS)  # the pipeline's sizes, out of the policy's options
     limits = given(policy, LIMIT_FIELDS)  # the sandboxes' limits given, RolloutOptions' for the rest
+    verdict, egress_allow = given(policy, VERDICT_FIELDS), policy.pop("egress_allow")
     fields = dict(
         server=server, node_token=credential, db=str(db), certs_dir=certs, policy=make_policy_config(**policy),
-        capacity=capacity, own_process=True, limits=limits, **workers,
+        capacity=capacity, own_process=True, limits=limits, verdict=verdict, egress_allow=egress_allow,
+        **workers,
     )  # fmt: skip
     if node_id:
         fields["node_id"] = node_id

@@ -19,7 +19,7 @@ from typing import Literal
 from mitmproxy import options
 from mitmproxy.addons import block, core, disable_h2c, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from polar_mitm import providers, recipes
 from polar_mitm.backends.engine_api import ModelInfo
@@ -69,6 +69,14 @@ class ProxyConfig(BaseModel):
     # Hosts a sandbox may reach even where they resolve to a private or reserved address (an
     # operator's package mirror), by name or `*.suffix` (--egress-allow); never loopback.
     egress_allow: list[str] = Field(default_factory=list)
+
+    @field_validator("egress_allow", mode="before")
+    @classmethod
+    def _split_hosts(cls, v: object) -> object:
+        """`--egress-allow a,b --egress-allow c` as the hosts a, b, c (blanks dropped)."""
+        if isinstance(v, (list, tuple)):
+            return [h.strip() for item in v for h in str(item).split(",") if h.strip()]
+        return v
 
 
 # Allocations between two collections of the youngest generation (Python's default: 700).

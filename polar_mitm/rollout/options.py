@@ -21,6 +21,9 @@ def default_workers() -> tuple[int, int, int]:
 WORKER_FIELDS = ("retries", "init_workers", "run_workers", "postrun_workers", "ready_size")
 # What each sample's sandbox may take when its task names no limit: options of `rollout`.
 LIMIT_FIELDS = ("memory", "cpus", "pids", "tmp_size", "home_size", "allow_unenforced_limits")
+# How a verdict becomes the trainer's number where the task says nothing: options of `rollout`
+# and of every node.
+VERDICT_FIELDS = ("reward_key", "mask_egress_refused")
 
 
 class RolloutOptions(BaseModel):

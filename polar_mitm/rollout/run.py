@@ -115,7 +115,7 @@ async def _start_proxy(
         certs_dir=certs_dir,
         default_session="rollout-unattributed",
         token=new_token(),
-        egress_allow=[h for item in egress_allow for h in item.split(",") if h.strip()],
+        egress_allow=list(egress_allow),
         policy=policy or PolicyConfig(),
         own_process=own_process,  # this process is the rollout: see long_lived_heap
     )

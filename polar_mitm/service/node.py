@@ -51,7 +51,7 @@ from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.retry import Backoff
-from polar_mitm.rollout.options import LIMIT_FIELDS, WORKER_FIELDS
+from polar_mitm.rollout.options import LIMIT_FIELDS, VERDICT_FIELDS, WORKER_FIELDS
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, SampleSpec, new_token
 from polar_mitm.rollout.spec import Specs
 from polar_mitm.sandbox import make_runtime
@@ -84,6 +84,13 @@ class NodeConfig(BaseModel):
     # defaults for the rest, where its fields are checked.
     limits: dict[str, float | int | bool] = Field(default_factory=dict)
 
+    # How a verdict becomes the trainer's number where a task says nothing
+    # (rollout.options.VERDICT_FIELDS), as `rollout --reward-key / --mask-egress-refused`.
+    verdict: dict[str, str | bool | None] = Field(default_factory=dict)
+    # Hosts every sandbox of the node may reach though they resolve to a private address (an
+    # operator's package mirror), as `rollout --egress-allow`.
+    egress_allow: list[str] = Field(default_factory=list)
+
     @field_validator("limits")
     @classmethod
     def _limit_fields(cls, v: dict[str, float | int | bool]) -> dict[str, float | int | bool]:
@@ -91,6 +98,22 @@ class NodeConfig(BaseModel):
         if unknown:
             raise ValueError(f"{sorted(unknown)} is not a sandbox limit (one of {', '.join(LIMIT_FIELDS)})")
         return v
+
+    @field_validator("verdict")
+    @classmethod
+    def _verdict_fields(cls, v: dict[str, str | bool | None]) -> dict[str, str | bool | None]:
+        unknown = set(v) - set(VERDICT_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"{sorted(unknown)} is not a verdict option (one of {', '.join(VERDICT_FIELDS)})"
+            )
+        return v
+
+    def pipeline_options(self) -> RolloutOptions:
+        """The node's pipeline: its sizes, its sandboxes' limits and its verdict options (the
+        rest RolloutOptions' defaults; what runs comes with each lease)."""
+        sizes = {f: v for f in WORKER_FIELDS if (v := getattr(self, f)) is not None}
+        return RolloutOptions(keep_workdirs=self.keep_workdirs, **sizes, **self.limits, **self.verdict)
 
     capacity: int | None = None  # samples in flight at most [default: init + run workers]
     poll_interval: float = 0.5
@@ -122,6 +145,7 @@ class GatewayNode:
                 certs_dir=config.certs_dir,
                 default_session=f"{config.node_id}-unattributed",
                 token=new_token(),
+                egress_allow=config.egress_allow,
                 policy=config.policy,
                 own_process=config.own_process,
             )
@@ -171,9 +195,8 @@ class GatewayNode:
 
     async def start(self) -> None:
         await self.proxy.start()
-        sizes = {f: v for f in WORKER_FIELDS if (v := getattr(self.config, f)) is not None}
         self.pipeline = Pipeline(
-            RolloutOptions(keep_workdirs=self.config.keep_workdirs, **sizes, **self.config.limits),
+            self.config.pipeline_options(),
             self.proxy,
             None,  # each sample brings its runtime
             work_dir=self._work_dir / "samples",

@@ -170,3 +170,27 @@ def test_the_sandbox_limits_are_options_of_rollout_serve_and_node_and_reach_a_no
     assert (opts.memory, opts.home_size, opts.tmp_size) == (512, 64, 1024)
     with pytest.raises(ValueError, match="not a sandbox limit"):
         NodeConfig(server="http://x", limits={"memry": 512})
+
+
+def test_a_nodes_sandboxes_reach_the_operators_mirror_and_take_its_verdict_options(tmp_path):
+    """--egress-allow, --reward-key and --mask-egress-refused on every command that runs samples,
+    carried by a node's configuration into its proxy and its pipeline (before, `serve` and `node`
+    had none: a service's samples could not reach an operator's package mirror at all)."""
+    from polar_mitm.service.node import GatewayNode, NodeConfig
+
+    for command in ("rollout", "serve", "node"):
+        params = {p.name for p in main.get_command(click.Context(main), command).params}
+        assert {"egress_allow", "reward_key", "mask_egress_refused"} <= params, command
+    config = NodeConfig(
+        server="http://x",
+        token="t",
+        work_dir=tmp_path,
+        egress_allow=["mirror.internal,pypi.internal", "*.corp.example"],
+        verdict={"reward_key": "mean", "mask_egress_refused": True},
+    )
+    node = GatewayNode(NodeConfig.model_validate_json(config.model_dump_json()))  # as `serve` hands it over
+    assert node.proxy.config.egress_allow == ["mirror.internal", "pypi.internal", "*.corp.example"]
+    opts = node.config.pipeline_options()
+    assert (opts.reward_key, opts.mask_egress_refused) == ("mean", True)
+    with pytest.raises(ValueError, match="not a verdict option"):
+        NodeConfig(server="http://x", verdict={"reward": "mean"})
