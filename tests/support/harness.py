@@ -156,6 +156,14 @@ class Lines:
         self.seen.append(line)
         return line
 
+    def wait_for_first(self, timeout: float) -> None:
+        """Wait until at least one line came, leaving it to be read."""
+        deadline = time.monotonic() + timeout
+        while not self.seen and not self._queue.qsize():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no line within {timeout}s")
+            time.sleep(0.05)
+
     def until(self, startswith: str, timeout: float = 30) -> str:
         """The first line (from here on) that starts with `startswith`."""
         deadline = time.monotonic() + timeout
@@ -302,6 +310,9 @@ def shared_proxy(backend: FakeBackend, tokenizer: Path, db: Path, certs: Path, *
     """`polar-mitm proxy` (README's shared proxy) in its own process, with `args`; yields the lines
     it prints."""
     with _proxy(backend.url, tokenizer, db, certs, *args, listen=f"127.0.0.1:{free_port()}") as (_, lines):
+        # Its first line once it listens, as proxy_process waits for it: a start (its preflight,
+        # N worker processes) takes seconds, many more on a loaded machine.
+        lines.wait_for_first(timeout=90)
         yield lines
 
 
