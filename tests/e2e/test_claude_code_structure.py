@@ -198,3 +198,55 @@ def test_a_session_past_the_policys_context_compacts_into_a_compaction_row_not_a
         assert parent["role"] == "main" and parent["turn_ids"][0] == first, strategy
         meta = json.loads(compaction["metadata"])
         assert meta["summary_turn_id"] not in compaction["turn_ids"] + parent["turn_ids"], strategy
+
+
+TOOL_SEARCH_SCRIPT = [
+    {"match": "hi-written", "text": "Done: out.txt is written."},
+    {
+        "match": "Create out.txt",
+        "tool_call": {"name": "ToolSearch", "arguments": {"query": "select:NotebookEdit"}},
+    },
+    {"match": "", "shell": "echo hi > out.txt && echo hi-written"},
+]
+
+
+def test_a_deferred_tool_loaded_with_toolsearch_then_bash_exports_only_main_rows(
+    tmp_path, qwen_tokenizer_dir
+):
+    """ToolSearch loads a deferred tool (NotebookEdit): Claude Code's `tools` grows, so turn 2's
+    prompt does not extend turn 1's, but turn 2 carries ToolSearch's call and result; then Bash runs.
+    Every row of both strategies is `main` (before, the rest was a subagent "spawned by ToolSearch")."""
+    require_binary("claude")
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(TOOL_SEARCH_SCRIPT))
+    backend = FakeBackend(qwen_tokenizer_dir, "--script", str(script))
+    try:
+        work, db = tmp_path / "work", tmp_path / "runs.sqlite"
+        work.mkdir()
+        r = polar_run(
+            ["--backend", backend.url, "--tokenizer", str(qwen_tokenizer_dir), "--db", str(db)],
+            ["claude", "-p", "Create out.txt containing hi", "--allowedTools", "Bash,ToolSearch"],
+            cwd=work,
+            env=harness_env(tmp_path / "home"),
+        )
+        assert r.returncode == 0, r.stderr
+        assert (work / "out.txt").read_text() == "hi\n" and "Done" in r.stdout, r.stdout
+        assert_turns_match_backend(backend, db)
+    finally:
+        backend.stop()
+    turns = [t for t in read_turns(db, with_raw=True) if t.tag is None]
+    tools = [[x["name"] for x in json.loads(t.request).get("tools", [])] for t in turns]
+    calls = [[c["name"] for c in json.loads(t.response).get("tool_calls") or []] for t in turns]
+    assert calls[:2] == [["ToolSearch"], ["Bash"]], calls
+    assert "NotebookEdit" not in tools[0] and "NotebookEdit" in tools[1]  # the prompt really changed
+    for strategy in ("prefix-merge", "per-request"):
+        out = tmp_path / f"{strategy}.parquet"
+        e = subprocess.run(
+            [*POLAR, "export", "--db", str(db), "--strategy", strategy, "--out", str(out), "-q"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert e.returncode == 0, e.stderr
+        rows = pq.read_table(out).to_pylist()
+        assert rows and {row["role"] for row in rows} == {"main"}, (strategy, [row["role"] for row in rows])
