@@ -106,7 +106,8 @@ LIMIT_FLAGS = {
     "allow_unenforced_limits": Flag(
         "Run even where the runtime cannot enforce the memory, CPU and pids limits (Apptainer without "
         "cgroups): say so and go on, instead of refusing to start (where something else bounds the "
-        "whole job: a batch scheduler's cgroup, say)."
+        "whole job: a batch scheduler's cgroup, say).",
+        switch=True,
     ),
     "home_size": Flag(
         "MiB of the harness's HOME per sample (a tmpfs in Docker, a file system image in Apptainer); 0: "
