@@ -12,6 +12,7 @@ import asyncio
 import importlib
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -122,6 +123,11 @@ def main(verbose: int) -> None:
     logging.basicConfig(
         level=max(level, logging.DEBUG), format="polar-mitm %(levelname)s %(name)s: %(message)s"
     )
+    # A command a shell started in the background inherits SIGINT ignored, and Python then never
+    # raises KeyboardInterrupt: a supervisor's Ctrl-C (SIGINT) would leave a proxy, a rollout or a
+    # server running. Every command stops on it as in a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _parse_upstreams(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
