@@ -107,9 +107,9 @@ def limit_options(limits: Limits, *, home: bool = False) -> dict[str, Any]:
         out["nano_cpus"] = int(limits.cpus * 1e9)
     if limits.memory_mb:
         out["mem_limit"] = out["memswap_limit"] = f"{limits.memory_mb}m"
-    tmpfs = {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"} if limits.tmp_mb else {}
+    tmpfs = {"/tmp": f"rw,exec,nosuid,nodev,size={limits.tmp_mb}m,mode=1777"} if limits.tmp_mb else {}
     if home and limits.home_mb:
-        tmpfs[HOME_DIR] = f"rw,nosuid,nodev,size={limits.home_mb}m,mode=0755"
+        tmpfs[HOME_DIR] = f"rw,exec,nosuid,nodev,size={limits.home_mb}m,mode=0755"
     if tmpfs:
         out["tmpfs"] = tmpfs
     return out

@@ -833,7 +833,7 @@ async def test_containers_run_with_least_privilege(tmp_path, docker_client, cert
     if purpose == "agent":
         # HOME a tmpfs of --home-size (its files copied in from the sample's `home`, read-only)
         assert writable == [] and sb.proxy_address == ("127.0.0.1", 3128)
-        assert host["Tmpfs"][HOME_DIR] == "rw,nosuid,nodev,size=1024m,mode=0755"
+        assert host["Tmpfs"][HOME_DIR] == "rw,exec,nosuid,nodev,size=1024m,mode=0755"
         assert any(m["Destination"].endswith("proxy.sock") for m in attrs["Mounts"])
     elif internet:
         assert writable == [] and sb.proxy_address == ("127.0.0.1", 3128) and sb.user is None
