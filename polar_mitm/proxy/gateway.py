@@ -312,7 +312,7 @@ class Gateway:
                 if isinstance(ev, Started):
                     call.turn_id = ev.turn_id
                 elif isinstance(ev, Done):
-                    self._count(ev.completion.usage.completion_tokens)
+                    self._count()
                     return web.json_response(style.render_response(ev.completion, req))
         raise ProviderError("api_error", "generation ended without a result", 500)
 
@@ -397,7 +397,7 @@ class Gateway:
         except ProviderError:
             return ["polar-policy"]
 
-    def _count(self, tokens: int) -> None:
+    def _count(self) -> None:
         self.turns_served += 1
 
     def _error(self, style: Style, e: ProviderError) -> web.Response:
@@ -418,7 +418,7 @@ class Gateway:
             yield first
             async for ev in events:
                 if isinstance(ev, Done):
-                    self._count(ev.completion.usage.completion_tokens)
+                    self._count()
                 yield ev
 
         if isinstance(first, Started):
