@@ -26,7 +26,7 @@ from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
 from polar_mitm.sandbox.tempdir import TempdirRuntime
 from polar_mitm.service.config import ServerConfig
-from polar_mitm.service.node import NodeConfig, spawn_node, stop_node
+from polar_mitm.service.node_config import NodeConfig, spawn_node, stop_node
 from polar_mitm.service.server import RolloutServer
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 

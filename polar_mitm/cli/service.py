@@ -208,7 +208,7 @@ def serve(
     read from --token-file, or generated there (0600) on first use; `submit`, `node` and
     polar_mitm.client read the same file. Nodes get a narrower credential derived from it.
     """
-    from polar_mitm.service.node import NodeConfig
+    from polar_mitm.service.node_config import NodeConfig
     from polar_mitm.service.ray_nodes import RayUnavailable
     from polar_mitm.service.run import CannotListen, serve_rollouts
 

@@ -29,33 +29,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel
 
 from polar_mitm import api as m
-from polar_mitm import auth, procs, recipes
+from polar_mitm import auth, recipes
 from polar_mitm.outcomes import trainable
-from polar_mitm.policy import PolicyConfig
 from polar_mitm.proxy.embedded import PolarProxy, ProxyConfig
 from polar_mitm.reconstruct.export import iter_trajectories
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.retry import Backoff
-from polar_mitm.rollout.options import LIMIT_FIELDS, VERDICT_FIELDS, WORKER_FIELDS
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions, SampleJob, SampleSpec, new_token
 from polar_mitm.rollout.spec import Specs
 from polar_mitm.sandbox import make_runtime
 from polar_mitm.sandbox.base import Runtime
+from polar_mitm.service.node_config import NodeConfig
 
 log = logging.getLogger("polar_mitm.node")
 # A finished sample's report to an unreachable server is tried again for about 10 minutes (pauses
@@ -63,67 +58,6 @@ log = logging.getLogger("polar_mitm.node")
 # is not run twice. The sample stays listed in the node's heartbeats meanwhile.
 REPORT_ATTEMPTS = 125
 REPORT_PAUSE_CAP = 5.0
-
-
-class NodeConfig(BaseModel):
-    server: str
-    # The node credential (it registers, nothing more), or the service token to derive it from.
-    node_token: str | None = None
-    token: str | None = None
-    node_id: str = Field(default_factory=lambda: f"node-{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
-    db: str = "polar-mitm-node.sqlite"
-    certs_dir: Path | None = None
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    # The pipeline's sizes (rollout.options.WORKER_FIELDS): None keeps RolloutOptions' default.
-    init_workers: int | None = None
-    run_workers: int | None = None
-    postrun_workers: int | None = None
-    ready_size: int | None = None
-    retries: int = 2
-    # The sandboxes' limits (rollout.options.LIMIT_FIELDS) given to the node: RolloutOptions'
-    # defaults for the rest, where its fields are checked.
-    limits: dict[str, float | int | bool] = Field(default_factory=dict)
-
-    # How a verdict becomes the trainer's number where a task says nothing
-    # (rollout.options.VERDICT_FIELDS), as `rollout --reward-key / --mask-egress-refused`.
-    verdict: dict[str, str | bool | None] = Field(default_factory=dict)
-    # Hosts every sandbox of the node may reach though they resolve to a private address (an
-    # operator's package mirror), as `rollout --egress-allow`.
-    egress_allow: list[str] = Field(default_factory=list)
-
-    @field_validator("limits")
-    @classmethod
-    def _limit_fields(cls, v: dict[str, float | int | bool]) -> dict[str, float | int | bool]:
-        unknown = set(v) - set(LIMIT_FIELDS)
-        if unknown:
-            raise ValueError(f"{sorted(unknown)} is not a sandbox limit (one of {', '.join(LIMIT_FIELDS)})")
-        return v
-
-    @field_validator("verdict")
-    @classmethod
-    def _verdict_fields(cls, v: dict[str, str | bool | None]) -> dict[str, str | bool | None]:
-        unknown = set(v) - set(VERDICT_FIELDS)
-        if unknown:
-            raise ValueError(
-                f"{sorted(unknown)} is not a verdict option (one of {', '.join(VERDICT_FIELDS)})"
-            )
-        return v
-
-    def pipeline_options(self) -> RolloutOptions:
-        """The node's pipeline: its sizes, its sandboxes' limits and its verdict options (the
-        rest RolloutOptions' defaults; what runs comes with each lease)."""
-        sizes = {f: v for f in WORKER_FIELDS if (v := getattr(self, f)) is not None}
-        return RolloutOptions(keep_workdirs=self.keep_workdirs, **sizes, **self.limits, **self.verdict)
-
-    capacity: int | None = None  # samples in flight at most [default: init + run workers]
-    poll_interval: float = 0.5
-    heartbeat_interval: float = 2.0
-    work_dir: Path | None = None
-    keep_workdirs: bool = False  # keep each sample's host directory (harness.log; HOME with --home-size 0)
-    # Set for nodes `serve` starts: the node stops when that process is gone (even SIGKILLed).
-    parent_pid: int | None = None
-    # The node is what its process is for (`polar-mitm node`, a Ray actor): see ProxyConfig.
-    own_process: bool = False
 
 
 @dataclass(eq=False)
@@ -518,29 +452,3 @@ class NodeRefused(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
-
-
-def spawn_node(config: NodeConfig, *, log: Path | None = None) -> subprocess.Popen:
-    """`polar-mitm node --config FILE` in a process of its own (mitmproxy keeps per-process global
-    state, so one proxy per process; a node per process also gets a core of its own)."""
-    fd, path = tempfile.mkstemp(prefix=f"polar-{config.node_id}-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(config.model_copy(update={"parent_pid": os.getpid()}).model_dump_json())
-    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(
-        [sys.executable, "-m", "polar_mitm", "node", "--config", path],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def stop_node(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGTERM (the node cancels what runs and reports it), then SIGKILL."""
-    procs.stop(proc, timeout, group=True)
-
-
-def node_db(db: str | Path, name: str) -> str:
-    """`rollouts.sqlite` → `rollouts.node0.sqlite`: a node's own store beside the server's."""
-    p = Path(db)
-    return str(p.with_name(f"{p.stem}.{name}{p.suffix or '.sqlite'}"))

@@ -56,7 +56,7 @@ def _actor_class():
         """One gateway node; `run` serves until the actor is killed."""
 
         def __init__(self, config: dict[str, Any]):
-            from polar_mitm.service.node import NodeConfig
+            from polar_mitm.service.node_config import NodeConfig
 
             # The actor's process is the node's alone: see ProxyConfig.own_process.
             self.config = NodeConfig.model_validate({**config, "own_process": True})
@@ -119,7 +119,7 @@ def start_ray_nodes(
     connect(address)
     cls = _actor_class()
     actors = []
-    from polar_mitm.service.node import node_db
+    from polar_mitm.service.node_config import node_db
 
     db = str(config.get("db") or "polar-mitm-node.sqlite")
     for i in range(n):

@@ -4,7 +4,7 @@ together. The command parses its options, prints and waits; a Python user calls 
 
     from polar_mitm.policy import PolicyConfig
     from polar_mitm.service.config import ServerConfig
-    from polar_mitm.service.node import NodeConfig
+    from polar_mitm.service.node_config import NodeConfig
     from polar_mitm.service.run import serve_rollouts
 
     node = NodeConfig(server="", policy=PolicyConfig(backend_url="http://127.0.0.1:30000"))
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_mitm.service.config import ServerConfig
-from polar_mitm.service.node import NodeConfig, node_db, spawn_node, stop_node
+from polar_mitm.service.node_config import NodeConfig, node_db, spawn_node, stop_node
 from polar_mitm.service.server import RolloutServer
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from polar_mitm.service.config import ServerConfig
-from polar_mitm.service.node import stop_node
+from polar_mitm.service.node_config import stop_node
 from polar_mitm.service.server import RolloutServer
 from tests.support.helpers import wait_until_async
 from tests.support.service import TOKEN, Service

@@ -249,7 +249,7 @@ def test_a_busy_service_loses_no_node_runs_no_harness_twice_and_completes_every_
     queued): no node is declared lost, no harness runs twice, every task completes. Prints the
     longest heartbeat silence the server saw (the margin below the 15 s node timeout)."""
     from polar_mitm.client import RolloutClient
-    from polar_mitm.service.node import stop_node
+    from polar_mitm.service.node_config import stop_node
     from tests.support.harness import FakeBackend
     from tests.support.helpers import MODEL_CALL
     from tests.support.service import node_args, served_url

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 
 from polar_mitm.policy import PolicyConfig
-from polar_mitm.service.node import GatewayNode, NodeConfig, spawn_node
+from polar_mitm.service.node import GatewayNode
+from polar_mitm.service.node_config import NodeConfig, spawn_node
 from polar_mitm.service.server import RolloutServer
 from tests.support.harness import POLAR, printed_url
 from tests.support.helpers import MODEL_CALL, wait_until
