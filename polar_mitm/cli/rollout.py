@@ -104,9 +104,9 @@ LIMIT_FLAGS = {
         "image's /tmp."
     ),
     "allow_unenforced_limits": Flag(
-        "Run even where the runtime cannot enforce the memory, CPU and pids limits (Apptainer without "
-        "cgroups): say so and go on, instead of refusing to start (where something else bounds the "
-        "whole job: a batch scheduler's cgroup, say).",
+        "Run even where the runtime cannot enforce the sandboxes' limits (Apptainer without cgroups "
+        "or mke2fs, a Docker daemon without a cgroup): say so and go on, instead of refusing to "
+        "start (where something else bounds the whole job: a batch scheduler's cgroup, say).",
         switch=True,
     ),
     "home_size": Flag(

@@ -20,7 +20,16 @@ from polar_mitm.rollout.options import RolloutOptions
 from polar_mitm.rollout.port import SessionPort
 from polar_mitm.rollout.spec import SampleSpec
 from polar_mitm.rollout.steps import StepRecord
-from polar_mitm.sandbox.base import HOME_DIR, Limits, Runtime, Sandbox, SandboxSpec, host_env
+from polar_mitm.sandbox.base import (
+    HOME_DIR,
+    Limits,
+    Runtime,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+    host_env,
+    refuse_unenforced,
+)
 from polar_mitm.sandbox.channel import Channel
 from polar_mitm.tasks.model import Task
 
@@ -104,13 +113,7 @@ def sandbox_spec(job: SampleJob, ca: CA, rollout_id: str, opts: RolloutOptions) 
         channel=job.channel.socket_path if job.channel is not None else None,
         user=opts.harness_user,
         forwarder_node=mount.node if mount is not None else None,
-        limits=Limits(
-            memory_mb=opts.memory or None,
-            cpus=opts.cpus or None,
-            pids=opts.pids,
-            tmp_mb=opts.tmp_size or None,
-            home_mb=opts.home_size or None,
-        ),
+        limits=sandbox_limits(opts),
     )
 
 
@@ -226,17 +229,26 @@ class RolloutResult:
         return out
 
 
-def unenforced_limits(opts: RolloutOptions, runtime: Runtime, tasks: Sequence[Task]) -> str | None:
-    """Why a rollout must not start, where a memory limit is asked for (the rollout's or a
-    task's) and `runtime`, prepared, found it cannot enforce one (its `limits` False: Apptainer
-    without cgroups) and the options do not allow that (`--allow-unenforced-limits`); else None."""
-    wanted = opts.memory or any(t.memory_mb for t in tasks)
-    if not wanted or getattr(runtime, "limits", True) is not False or opts.allow_unenforced_limits:
-        return None
-    return (
-        f"{runtime.name}: cannot enforce the sandboxes' memory, CPU and pids limits on this host "
-        "(Apptainer needs cgroups: cgroup v2, and as root `systemd cgroups = no` where systemd does "
-        "not run): one sample could take the memory every sample shares. Run where it can, or pass "
-        "--allow-unenforced-limits where something else bounds the job (its scheduler's cgroup), or "
-        "--memory 0 for no memory limit at all"
+def sandbox_limits(opts: RolloutOptions) -> Limits:
+    """Each sample's sandbox limits by the options (a task's own memory and CPUs win: `for_task`)."""
+    return Limits(
+        memory_mb=opts.memory or None,
+        cpus=opts.cpus or None,
+        pids=opts.pids,
+        tmp_mb=opts.tmp_size or None,
+        home_mb=opts.home_size or None,
+        allow_unenforced=opts.allow_unenforced_limits,
     )
+
+
+def unenforced_limits(opts: RolloutOptions, runtime: Runtime, tasks: Sequence[Task]) -> str | None:
+    """Why these tasks' samples must not start on `runtime` (prepared for them): it cannot enforce
+    their limits here (Apptainer without cgroups, or without `mke2fs` for /tmp and HOME) and the
+    options do not allow that (`--allow-unenforced-limits`); else None. Said before anything runs;
+    each sandbox's start refuses the same (`sandbox.base.refuse_unenforced`)."""
+    for t in tasks:
+        try:
+            refuse_unenforced(runtime, sandbox_limits(opts).for_task(t))
+        except SandboxError as e:
+            return str(e)
+    return None

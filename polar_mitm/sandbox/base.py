@@ -48,13 +48,15 @@ class Limits:
     and the sizes of its /tmp and its harness's HOME (MiB: a tmpfs in Docker, a file system image
     of that size in Apptainer). A task's own memory and CPUs win (`for_task`); None: no limit of
     that kind. The rollout's options set them (`--memory`, `--cpus`, `--pids`, `--tmp-size`,
-    `--home-size`)."""
+    `--home-size`). `allow_unenforced`: a runtime that cannot enforce them here starts the sandbox
+    anyway (`--allow-unenforced-limits`); else it refuses (`Runtime.unenforced`)."""
 
     memory_mb: int | None = 4096
     cpus: float | None = 2.0
     pids: int = PIDS_LIMIT
     tmp_mb: int | None = 1024
     home_mb: int | None = 1024
+    allow_unenforced: bool = False
 
     def for_task(self, task: Task) -> Limits:
         """These limits with the task's own memory and CPUs in place of the defaults."""
@@ -64,6 +66,7 @@ class Limits:
             pids=self.pids,
             tmp_mb=self.tmp_mb,
             home_mb=self.home_mb,
+            allow_unenforced=self.allow_unenforced,
         )
 
 
@@ -110,6 +113,20 @@ class RuntimeUnavailable(RuntimeError):
 
 class SandboxError(RuntimeError):
     """The sandbox failed (could not start, died, a copy failed): an infrastructure failure."""
+
+
+def refuse_unenforced(runtime: Runtime, limits: Limits) -> None:
+    """Raise SandboxError where `runtime` cannot enforce `limits` here and they do not allow that:
+    one sample could take the memory or the disk that every sample shares. What a rollout checks
+    before it starts (`rollout.jobs.unenforced_limits`) and every sandbox start checks again."""
+    if limits.allow_unenforced or (why := runtime.unenforced(limits)) is None:
+        return
+    raise SandboxError(
+        f"{runtime.name}: cannot enforce {why} on this host: one sample could take what every "
+        "sample shares. Run where it can, or pass --allow-unenforced-limits where something else "
+        "bounds the job (its scheduler's cgroup), or 0 for no limit of that kind (--memory 0; "
+        "--tmp-size 0 --home-size 0)"
+    )
 
 
 class ExportTooLarge(SandboxError):
@@ -528,6 +545,12 @@ class Runtime(Protocol):
 
     async def drop_snapshot(self, snapshot: Snapshot) -> None:
         """Remove a snapshot; safe to call twice."""
+        ...
+
+    def unenforced(self, limits: Limits) -> str | None:
+        """What of `limits` this runtime cannot enforce on this host, as far as it knows (after
+        `prepare`), for a person to read; None: all of it. A sandbox whose limits do not allow
+        that (`Limits.allow_unenforced`) is refused at its start."""
         ...
 
     async def start(self, task: Task, spec: SandboxSpec) -> Sandbox: ...

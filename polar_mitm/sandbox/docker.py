@@ -239,6 +239,16 @@ class DockerRuntime:
     mounts_inputs = True
     snapshots = True
 
+    def unenforced(self, limits: Limits) -> str | None:
+        """The kinds of limit the daemon says its kernel cannot apply (`docker info`, read by
+        `prepare`): Docker then starts the container with a warning and without that limit. The
+        tmpfs sizes of /tmp and HOME are the kernel's own and always hold."""
+        kinds = {"memory": limits.memory_mb, "CPU": limits.cpus, "pids": limits.pids}
+        missing = [k for k, wanted in kinds.items() if wanted and self._daemon_limits.get(k) is False]
+        if not missing:
+            return None
+        return f"the {', '.join(missing)} limits (the daemon's kernel has no cgroup for them: `docker info`)"
+
     def __init__(self, client: Any | None = None, *, network: str = "none"):
         """`network`: "none" (isolated; the harness reaches the proxy through its channel) or
         "host" (the host's network, as before isolation: for comparison only)."""
@@ -249,6 +259,9 @@ class DockerRuntime:
         self._preparing: Flights[str, str] = Flights(self._images)
         self._paths: dict[str, str] = {}  # image -> its PATH
         self._build_lock = asyncio.Lock()
+        # Which kinds of limit the daemon can apply (`docker info`), read once by `prepare`.
+        self._daemon_limits: dict[str, bool] = {}
+        self._reading_info: Flights[str, dict[str, bool]] = Flights()
 
     @property
     def client(self) -> Any:
@@ -278,8 +291,15 @@ class DockerRuntime:
 
     async def prepare(self, task: Task) -> None:
         """The task's image, found (pulled) or built once: the samples of a group that start
-        together wait for that one (single-flight)."""
+        together wait for that one (single-flight); with the first, which limits the daemon can
+        apply (`unenforced`)."""
+        self._daemon_limits = await self._reading_info.get("info", self._read_daemon_limits)
         await self._preparing.get(task.id, lambda: self._image(task))
+
+    async def _read_daemon_limits(self) -> dict[str, bool]:
+        info = await asyncio.to_thread(lambda: self.client.info())
+        keys = {"memory": "MemoryLimit", "CPU": "CpuCfsQuota", "pids": "PidsLimit"}
+        return {kind: bool(info[key]) for kind, key in keys.items() if key in info}
 
     async def _image(self, task: Task) -> str:
         if task.image:

@@ -24,6 +24,7 @@ from polar_mitm.sandbox.base import (
     ExecResult,
     ExportTooLarge,
     Leftover,
+    Limits,
     SandboxError,
     SandboxSpec,
     Unreadable,
@@ -171,6 +172,9 @@ class TempdirRuntime:
     fresh_verifier = False  # a host directory: scored in place, as the detail records
     mounts_inputs = False
     snapshots = False
+
+    def unenforced(self, limits: Limits) -> str | None:
+        return None  # the host itself, trusted (`--runtime local`): no sandbox, nothing to bound
 
     async def snapshot(self, sandbox: Any, name: str) -> Any:
         raise SandboxError(f"the {self.name} runtime keeps no snapshots; its verifier runs separate")

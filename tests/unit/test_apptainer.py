@@ -359,3 +359,47 @@ async def test_check_without_binary_says_what_to_do(tmp_path, monkeypatch):
     assert str(e.value) == ap.UNAVAILABLE
     assert "install Apptainer (https://apptainer.org) or use --runtime docker / local" in str(e.value)
     assert "scripts/install.sh builds one" in str(e.value)
+
+
+# --- limits it cannot enforce -------------------------------------------------------------------
+
+
+def _recording_binary(tmp_path: Path) -> tuple[str, Path]:
+    """A fake `apptainer` that records each call and starts nothing."""
+    calls = tmp_path / "calls"
+    binary = tmp_path / "apptainer"
+    binary.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho \'{{"instances": []}}\'\n')
+    binary.chmod(0o755)
+    return str(binary), calls
+
+
+async def test_a_sandbox_whose_limits_cannot_be_enforced_is_refused_at_its_start(tmp_path):
+    """Where the probe found no cgroups, or there is no `mke2fs` for the /tmp and HOME images, an
+    instance would run without that bound: every start refuses, whoever starts it (a rollout, a
+    service's node, a verifier), before Apptainer is called, and leaves no record. Before, only
+    `rollout`'s own check refused; a node's samples started unbounded with a warning in its log."""
+    binary, calls = _recording_binary(tmp_path)
+    rt = ApptainerRuntime(binary=binary, registry_dir=tmp_path / "reg", sif_dir=tmp_path / "sif")
+    task = Task(id="t", instruction="x", image=str(tmp_path / "t.sif"))
+    rt._images[task.id], rt._probed = str(tmp_path / "t.sif"), True
+    rt.limits = False  # what probe_limits concludes without cgroups
+
+    spec = make_spec(tmp_path)
+    spec.session_dir.mkdir(parents=True)
+    with pytest.raises(SandboxError, match="memory, CPU and pids limits.*--allow-unenforced-limits"):
+        await rt.start(task, spec)
+    assert not calls.exists() and not list((tmp_path / "reg").glob("*.json"))
+
+    rt.limits, rt.mke2fs = True, None
+    with pytest.raises(SandboxError, match="sizes of /tmp and HOME"):
+        await rt.start(task, dataclasses.replace(spec, limits=Limits(memory_mb=None)))
+    assert not calls.exists()
+
+    # What is asked for is what is checked: no size asked, or leave given, and it starts.
+    assert rt.unenforced(Limits(tmp_mb=None, home_mb=None)) is None
+    rt.limits = False
+    assert rt.unenforced(Limits(memory_mb=None, tmp_mb=None, home_mb=None)) is None
+    allowed = dataclasses.replace(spec, limits=Limits(allow_unenforced=True))
+    sandbox = await rt.start(task, allowed)  # (the fake says it started)
+    assert "instance start" in calls.read_text()
+    await sandbox.stop()

@@ -194,14 +194,23 @@ class _Images:
 
 async def test_the_samples_of_a_group_starting_together_look_their_image_up_once():
     """A group's 8 samples prepare its task at once: each looked the image up (and pulled it, when
-    missing) on its own."""
+    missing) on its own. The daemon's limits (`docker info`) are read once too."""
     from types import SimpleNamespace
 
+    from polar_mitm.sandbox.base import Limits
     from polar_mitm.sandbox.docker import DockerRuntime
     from polar_mitm.tasks.model import Task
 
-    images = _Images()
-    rt = DockerRuntime(client=SimpleNamespace(images=images))
+    images, infos = _Images(), []
+
+    def info() -> dict:
+        infos.append(1)
+        time.sleep(0.2)
+        return {"MemoryLimit": False, "CpuCfsQuota": True, "PidsLimit": True}
+
+    rt = DockerRuntime(client=SimpleNamespace(images=images, info=info))
     task = Task(id="t", instruction="x", image="polar-mitm/some-image:1")
     await asyncio.gather(*(rt.prepare(task) for _ in range(8)))
     assert images.lookups == 1 and rt.image_of(task) == "polar-mitm/some-image:1"
+    assert len(infos) == 1
+    assert "memory" in (rt.unenforced(Limits()) or "") and rt.unenforced(Limits(memory_mb=None)) is None

@@ -31,7 +31,14 @@ from polar_mitm.sandbox.apptainer.argv import (
 from polar_mitm.sandbox.apptainer.host import find_binary, list_instances, make_disk_images, run_argv
 from polar_mitm.sandbox.apptainer.registry import InstanceRecord, default_registry_dir, stop_recorded
 from polar_mitm.sandbox.apptainer.sandbox import ApptainerSandbox
-from polar_mitm.sandbox.base import ExecResult, RuntimeUnavailable, SandboxError, SandboxSpec
+from polar_mitm.sandbox.base import (
+    ExecResult,
+    Limits,
+    RuntimeUnavailable,
+    SandboxError,
+    SandboxSpec,
+    refuse_unenforced,
+)
 from polar_mitm.sandbox.seccomp import apptainer_profile
 from polar_mitm.sandbox.sif import SifCache
 from polar_mitm.tasks.model import Task
@@ -84,9 +91,29 @@ class ApptainerRuntime:
         # Whether Apptainer runs as root (else rootless: every process is its user's); by default
         # this process's user. A binary that is a wrapper running Apptainer as another user says.
         self.host_root = os.geteuid() == 0 if host_root is None else host_root
+        if (
+            not self.host_root
+            and shutil.which("fuse2fs", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") is None
+        ):
+            self.mke2fs = None  # rootless, Apptainer binds the images with fuse2fs
         self._sifs: SifCache | None = sifs
         self._images: dict[str, str] = {}
         self._preparing: Flights[str, str] = Flights(self._images)  # single-flight per task
+
+    def unenforced(self, limits: Limits) -> str | None:
+        """What the probe (`probe_limits`) and the disk images found this host cannot bound."""
+        missing = []
+        if not self.limits and limits.memory_mb:
+            missing.append(
+                "the memory, CPU and pids limits (Apptainer needs cgroups: cgroup v2, and as root "
+                "`systemd cgroups = no` where systemd does not run)"
+            )
+        if self.mke2fs is None and (limits.tmp_mb or limits.home_mb):
+            missing.append(
+                "the sizes of /tmp and HOME (file system images: `mke2fs` from e2fsprogs, and "
+                "rootless `fuse2fs` to bind them)"
+            )
+        return " and ".join(missing) or None
 
     async def _binary(self) -> str:
         if self.binary is None:
@@ -153,6 +180,7 @@ class ApptainerRuntime:
         r = await run_argv(start_argv(binary, image, name, spec, overlay, limits, kernel, images))
         if r.exit_code != 0 and limits and "cgroups" in r.output:
             self._no_cgroups(r.output)
+            refuse_unenforced(self, spec.limits.for_task(task))
             r = await run_argv(start_argv(binary, image, name, spec, overlay, [], kernel, images))
         return r
 
@@ -165,6 +193,7 @@ class ApptainerRuntime:
             return await make_disk_images(spec, spec.limits.for_task(task), self.mke2fs)
         except SandboxError as e:
             self._unbounded_disk(str(e))
+            refuse_unenforced(self, spec.limits.for_task(task))
             return {}
 
     def _unbounded_disk(self, why: str) -> None:
@@ -177,6 +206,7 @@ class ApptainerRuntime:
     async def start(self, task: Task, spec: SandboxSpec) -> ApptainerSandbox:
         binary = await self._binary()
         await self.prepare(task)
+        refuse_unenforced(self, spec.limits.for_task(task))
         image = self._images[task.id]
         name = instance_name(spec.name)
         mine = own_dir(spec)
@@ -198,22 +228,35 @@ class ApptainerRuntime:
         overlay = mine / "overlay" if self.overlay else None
         if overlay is not None:
             overlay.mkdir(parents=True, exist_ok=True)
-        images = await self._disk_images(spec, task)
-        result = await self._start_instance(binary, image, name, spec, task, overlay, images)
-        if result.exit_code != 0 and images:  # (rootless without fuse2fs, say)
-            retry = await self._start_instance(binary, image, name, spec, task, overlay)
-            if retry.exit_code == 0:
-                self._unbounded_disk(result.output.strip().splitlines()[-1] if result.output.strip() else "")
-                images, result = {}, retry
-        if result.exit_code != 0 and overlay is not None and "overlay" in result.output.lower():
-            self.overlay = False
-            shutil.rmtree(overlay, ignore_errors=True)
-            overlay = None
-            result = await self._start_instance(binary, image, name, spec, task, None, images)
+        try:
+            images = await self._disk_images(spec, task)
+            result = await self._start_instance(binary, image, name, spec, task, overlay, images)
+            if (
+                result.exit_code != 0 and images and spec.limits.allow_unenforced
+            ):  # (rootless without fuse2fs)
+                retry = await self._start_instance(binary, image, name, spec, task, overlay)
+                if retry.exit_code == 0:
+                    self._unbounded_disk(
+                        result.output.strip().splitlines()[-1] if result.output.strip() else ""
+                    )
+                    images, result = {}, retry
+            if result.exit_code != 0 and overlay is not None and "overlay" in result.output.lower():
+                self.overlay = False
+                shutil.rmtree(overlay, ignore_errors=True)
+                overlay = None
+                result = await self._start_instance(binary, image, name, spec, task, None, images)
+        except BaseException:
+            record_path.unlink(missing_ok=True)
+            raise
         if result.exit_code != 0:
             record_path.unlink(missing_ok=True)
+            hint = (
+                " (if binding the /tmp and HOME images is what failed: --allow-unenforced-limits runs without them)"
+                if images and not spec.limits.allow_unenforced
+                else ""
+            )
             raise SandboxError(
-                f"apptainer: instance start for {task.id!r} ({image}) failed: {result.output[-2000:]}"
+                f"apptainer: instance start for {task.id!r} ({image}) failed{hint}: {result.output[-2000:]}"
             )
         pid = (await list_instances(binary, name)).get(name, 0)
         sandbox = ApptainerSandbox(
