@@ -92,7 +92,8 @@ def _find(recipe: Recipe, name: str) -> str | None:
         bins = [_own_prefix(recipe) / "bin"]
         if found is not None:
             bins.append(Path(found).parent.parent / recipe.npm_prefix / "bin")
-        found = shutil.which(name, path=os.pathsep.join(map(str, bins))) or found
+        own = recipe.npm_prefix_bin or name
+        found = shutil.which(own, path=os.pathsep.join(map(str, bins))) or found
     return found
 
 

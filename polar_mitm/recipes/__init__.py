@@ -62,6 +62,9 @@ class Recipe(BaseModel):
     # the system's, with that Node (OpenClaw: `openclaw`). PATH has a launcher for it, which no
     # container can run: a container gets this prefix's installation and its Node instead.
     npm_prefix: str | None = None
+    # The package's own command in that prefix where its launcher has another name (Kimi Code's
+    # launcher `kimi-code` runs the prefix's `kimi`, a name Kimi CLI's has too); None: the same.
+    npm_prefix_bin: str | None = None
     # The PyPI requirement of a Python harness (each lives in a virtualenv of its own; see
     # harness/install.py for how a container runs it); named in "not installed" messages.
     pypi: str | None = None

@@ -31,6 +31,7 @@ def running_instances(binary: str) -> list[str]:
         ("claude-code", "claude"),
         ("codex", "codex"),
         ("openclaw", "openclaw"),  # its own npm prefix and Node 24 bound in; stateful Responses
+        ("kimi-code", "kimi-code"),  # its own npm prefix and Node 24 too, its launcher named otherwise
     ],
 )
 def test_a_harbor_task_two_samples_under_apptainer(

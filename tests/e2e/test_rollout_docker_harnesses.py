@@ -1,7 +1,8 @@
 """Rollouts in real Docker containers of the npm harnesses beyond Claude Code, Codex and Gemini CLI
 (tests/e2e/test_rollout_docker.py): Cline, Continue, Copilot CLI, Kilo Code, Qwen Code, Pi,
-OpenCode, Factory's Droid and OpenClaw (the npm ones: the host's installation is mounted
-read-only, as for Claude Code; OpenClaw's is its own prefix with npm's Node 24, and that Node),
+OpenCode, Factory's Droid, OpenClaw and Kimi Code (the npm ones: the host's installation is mounted
+read-only, as for Claude Code; OpenClaw's and Kimi Code's are their own prefixes with npm's Node
+24, and that Node),
 through `polar-mitm rollout` with each recipe's headless command, the files its recipe writes into
 the sample's fresh HOME, and a Harbor task scored by its own test. The PyPI harnesses
 (mini-swe-agent, aider, Kimi CLI, OpenHands, hermes-agent) are in
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.docker]
         ("opencode", "opencode"),
         ("droid", "droid"),  # its BYOK settings file written into the sample's HOME
         ("openclaw", "openclaw"),  # its own prefix and Node 24; stateful Responses (below)
+        ("kimi-code", "kimi-code"),  # its own prefix and Node 24, as OpenClaw
     ],
 )
 def test_harness_solves_a_task_in_docker(

@@ -1,5 +1,5 @@
 """Rollouts in real Docker containers of the PyPI harnesses: mini-swe-agent, aider, Kimi CLI,
-OpenHands and hermes-agent, through `polar-mitm rollout` with each recipe's headless command and a Harbor task
+OpenHands, hermes-agent and gptme, through `polar-mitm rollout` with each recipe's headless command and a Harbor task
 scored by its own test.
 
 Each harness's virtualenv and the pyenv interpreter it was built on are mounted read-only at the
@@ -39,6 +39,8 @@ AIDER = [
     },
 ]
 SHELL_TASK = "run: echo 42 > answer.txt"
+# gptme ends only when the model calls its `complete` tool.
+GPTME = [{"match": "<tool_response>", "tool_call": {"name": "complete", "arguments": {}}}, RUN]
 
 CASES = {
     # harness: (binary, the fake's script (None: its default), instruction, the main turns' tool)
@@ -47,6 +49,7 @@ CASES = {
     "kimi-cli": ("kimi", None, SHELL_TASK, "Shell"),
     "openhands": ("openhands", None, SHELL_TASK, "terminal"),
     "hermes-agent": ("hermes", None, SHELL_TASK, "terminal"),  # its Anthropic provider (the recipe's)
+    "gptme": ("gptme", GPTME, SHELL_TASK, "shell"),  # its titles are side calls
 }
 
 
@@ -69,9 +72,12 @@ def test_pypi_harness_solves_a_task_in_docker(tmp_path, qwen_tokenizer_dir, dock
         hosts = {h for (h,) in con.execute("SELECT DISTINCT host FROM turns")}
         assert hosts and hosts <= set(recipes.get(harness).hosts)  # the harness's own provider host
         if tool is not None:  # each sample's first turn called the harness's shell tool
-            firsts = [t for t in turns if t.tag is None and t.finish_reason == "tool_calls"]
-            assert len({t.session_id for t in firsts}) == 2
-            assert {json.loads(t.response)["tool_calls"][0]["name"] for t in firsts} == {tool}
+            firsts: dict = {}
+            for t in turns:  # (in the order they were stored)
+                if t.tag is None:
+                    firsts.setdefault(t.session_id, t)
+            assert len(firsts) == 2 and {t.finish_reason for t in firsts.values()} == {"tool_calls"}
+            assert {json.loads(t.response)["tool_calls"][0]["name"] for t in firsts.values()} == {tool}
         else:  # aider: one main turn per sample, and its commit message tagged as a side call
             assert sorted(t.tag or "main" for t in turns) == ["commit-message"] * 2 + ["main"] * 2
         assert leftovers(docker_client) == []

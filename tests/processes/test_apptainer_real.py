@@ -141,6 +141,9 @@ def host_listener():
 
 
 TASK = Task(id="t", instruction="x", image=TEST_IMAGE, workdir="/app")
+# What these tests attack is not the limits: where this host cannot apply them (rootless without
+# systemd), the instances start without them; the refusal itself is tested on its own.
+LIMITS = Limits(allow_unenforced=True)
 
 ATTACK = r"""
 echo "uid=$(id -u)"
@@ -168,7 +171,7 @@ async def test_the_harness_holds_nothing_of_the_host_and_leaves_nothing(where, h
     runtime, tmp_path = where.runtime, where.base
     port, accepted = host_listener
     ca = ca_for(where)
-    sb = await runtime.start(where.task, SandboxSpec("apt-attack", session(where, "s"), ca))
+    sb = await runtime.start(where.task, SandboxSpec("apt-attack", session(where, "s"), ca, limits=LIMITS))
     try:
         assert sb.init_pid > 0 and sb.supervises
         r = await sb.exec_harness(["sh", "-c", ATTACK, "sh", str(port)], env={"HOME": HOME_DIR}, timeout=60)
@@ -224,7 +227,7 @@ async def test_the_harness_holds_nothing_of_the_host_and_leaves_nothing(where, h
 async def test_a_fork_bomb_stops_at_the_pids_limit_and_the_host_kills_it_all(where):
     runtime = where.runtime
     ca = ca_for(where)
-    sb = await runtime.start(where.task, SandboxSpec("apt-forks", session(where, "s"), ca))
+    sb = await runtime.start(where.task, SandboxSpec("apt-forks", session(where, "s"), ca, limits=LIMITS))
     try:
         if not runtime.limits:
             assert sb.describe()["limits"].startswith("not applied")  # said, where it cannot
@@ -263,7 +266,7 @@ VERDICT_CHEATS = {
 async def test_the_verifiers_tests_cannot_rewrite_the_verdict_unseen(where, cheat):
     runtime = where.runtime
     ca = ca_for(where)
-    v = await runtime.start(where.task, SandboxSpec("apt-v", session(where, "s"), ca, purpose="verifier"))
+    v = await runtime.start(where.task, SandboxSpec("apt-v", session(where, "s"), ca, purpose="verifier", limits=LIMITS))
     try:
         assert v.supervisor and v.supervises
         assert (await v.exec(["mkdir", "-p", "/logs/verifier"], workdir="/")).exit_code == 0
@@ -332,7 +335,7 @@ async def test_the_verifier_is_never_host_root_and_no_instance_reaches_the_kerne
     can make a namespace (the seccomp profile of sandbox/seccomp.py), while threads still start."""
     runtime = where.runtime
     ca = ca_for(where)
-    v = await runtime.start(where.task, SandboxSpec("apt-kv", session(where, "v"), ca, purpose="verifier"))
+    v = await runtime.start(where.task, SandboxSpec("apt-kv", session(where, "v"), ca, purpose="verifier", limits=LIMITS))
     try:
         r, _ = await v.exec_sealed(["sh", "-c", KERNEL_ATTACK], workdir="/", timeout=60)
         assert "writable=" not in r.output, r.output
@@ -340,7 +343,7 @@ async def test_the_verifier_is_never_host_root_and_no_instance_reaches_the_kerne
         assert no_namespaces(r.output), r.output
     finally:
         await v.stop()
-    agent = await runtime.start(where.task, SandboxSpec("apt-ka", session(where, "a"), ca))
+    agent = await runtime.start(where.task, SandboxSpec("apt-ka", session(where, "a"), ca, limits=LIMITS))
     try:
         r = await agent.exec_harness(["sh", "-c", KERNEL_ATTACK], timeout=60)
         assert "writable=" not in r.output, r.output
@@ -369,7 +372,7 @@ async def test_home_and_tmp_are_refused_past_their_caps_and_the_host_disk_holds(
     directory and /tmp the instance's overlay on the host: all 128 MiB landed on the host's disk."""
     runtime = where.runtime
     ca = ca_for(where)
-    spec = SandboxSpec("apt-disk", session(where, "s"), ca, limits=Limits(home_mb=16, tmp_mb=16))
+    spec = SandboxSpec("apt-disk", session(where, "s"), ca, limits=Limits(home_mb=16, tmp_mb=16, allow_unenforced=True))
     sb = await runtime.start(where.task, spec)
     try:
         before = disk_used(where.base / "s")
@@ -384,7 +387,7 @@ async def test_home_and_tmp_are_refused_past_their_caps_and_the_host_disk_holds(
 async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(where):
     runtime, tmp_path, TASK = where.runtime, where.base, where.task
     ca = ca_for(where)
-    agent = await runtime.start(TASK, SandboxSpec("apt-art", session(where, "s"), ca))
+    agent = await runtime.start(TASK, SandboxSpec("apt-art", session(where, "s"), ca, limits=LIMITS))
     try:
         script = (
             "echo 42 > /app/answer.txt; ln -s /etc /app/etc; mkdir -p /app/d; echo x > /app/d/f;"
@@ -405,7 +408,7 @@ async def test_artefacts_cross_as_a_bounded_tar_into_a_fresh_instance(where):
     finally:
         await agent.stop()
     v = await runtime.start(
-        TASK, SandboxSpec("apt-art-verifier", session(where, "s"), ca, purpose="verifier")
+        TASK, SandboxSpec("apt-art-verifier", session(where, "s"), ca, purpose="verifier", limits=LIMITS)
     )
     try:
         await v.exec(["rm", "-rf", "/app"], workdir="/")
@@ -462,7 +465,7 @@ async def test_a_dockerfile_builds_without_docker_from_a_generated_definition(
     task = Task(id="df", instruction="x", dockerfile=ctx / "Dockerfile", workdir="/app")
     await rt.prepare(task)
     assert Path(rt._images["df"]).name.startswith("dockerfile-") and len(sifs.conversions) == 1
-    sb = await rt.start(task, SandboxSpec("apt-df", tmp_path / "s", ensure_ca(tmp_path / "ca")))
+    sb = await rt.start(task, SandboxSpec("apt-df", tmp_path / "s", ensure_ca(tmp_path / "ca"), limits=LIMITS))
     try:
         r = await sb.exec(
             [
