@@ -266,7 +266,9 @@ VERDICT_CHEATS = {
 async def test_the_verifiers_tests_cannot_rewrite_the_verdict_unseen(where, cheat):
     runtime = where.runtime
     ca = ca_for(where)
-    v = await runtime.start(where.task, SandboxSpec("apt-v", session(where, "s"), ca, purpose="verifier", limits=LIMITS))
+    v = await runtime.start(
+        where.task, SandboxSpec("apt-v", session(where, "s"), ca, purpose="verifier", limits=LIMITS)
+    )
     try:
         assert v.supervisor and v.supervises
         assert (await v.exec(["mkdir", "-p", "/logs/verifier"], workdir="/")).exit_code == 0
@@ -335,7 +337,9 @@ async def test_the_verifier_is_never_host_root_and_no_instance_reaches_the_kerne
     can make a namespace (the seccomp profile of sandbox/seccomp.py), while threads still start."""
     runtime = where.runtime
     ca = ca_for(where)
-    v = await runtime.start(where.task, SandboxSpec("apt-kv", session(where, "v"), ca, purpose="verifier", limits=LIMITS))
+    v = await runtime.start(
+        where.task, SandboxSpec("apt-kv", session(where, "v"), ca, purpose="verifier", limits=LIMITS)
+    )
     try:
         r, _ = await v.exec_sealed(["sh", "-c", KERNEL_ATTACK], workdir="/", timeout=60)
         assert "writable=" not in r.output, r.output
@@ -372,7 +376,9 @@ async def test_home_and_tmp_are_refused_past_their_caps_and_the_host_disk_holds(
     directory and /tmp the instance's overlay on the host: all 128 MiB landed on the host's disk."""
     runtime = where.runtime
     ca = ca_for(where)
-    spec = SandboxSpec("apt-disk", session(where, "s"), ca, limits=Limits(home_mb=16, tmp_mb=16, allow_unenforced=True))
+    spec = SandboxSpec(
+        "apt-disk", session(where, "s"), ca, limits=Limits(home_mb=16, tmp_mb=16, allow_unenforced=True)
+    )
     sb = await runtime.start(where.task, spec)
     try:
         before = disk_used(where.base / "s")
@@ -465,7 +471,9 @@ async def test_a_dockerfile_builds_without_docker_from_a_generated_definition(
     task = Task(id="df", instruction="x", dockerfile=ctx / "Dockerfile", workdir="/app")
     await rt.prepare(task)
     assert Path(rt._images["df"]).name.startswith("dockerfile-") and len(sifs.conversions) == 1
-    sb = await rt.start(task, SandboxSpec("apt-df", tmp_path / "s", ensure_ca(tmp_path / "ca"), limits=LIMITS))
+    sb = await rt.start(
+        task, SandboxSpec("apt-df", tmp_path / "s", ensure_ca(tmp_path / "ca"), limits=LIMITS)
+    )
     try:
         r = await sb.exec(
             [
