@@ -59,6 +59,7 @@ from polar_mitm.sandbox.base import (
     SandboxSpec,
     Snapshot,
     ca_mounts,
+    refuse_unenforced,
     sandbox_ca,
 )
 from polar_mitm.sandbox.channel import FORWARD_PORT, FORWARDER_DIR
@@ -403,6 +404,7 @@ class DockerRuntime:
         image = spec.image or self._images[task.id]
         agent = spec.purpose == "agent"
         limits = spec.limits.for_task(task)
+        refuse_unenforced(self, limits)
         channel = spec.channel is not None and self.network == "none"
         node = spec.harness.node if agent and spec.harness is not None else spec.forwarder_node
         volumes, mounts, prefix = mount_options(spec, channel=channel, home_mb=limits.home_mb)

@@ -214,3 +214,29 @@ async def test_the_samples_of_a_group_starting_together_look_their_image_up_once
     assert images.lookups == 1 and rt.image_of(task) == "polar-mitm/some-image:1"
     assert len(infos) == 1
     assert "memory" in (rt.unenforced(Limits()) or "") and rt.unenforced(Limits(memory_mb=None)) is None
+
+
+async def test_a_docker_daemon_that_cannot_apply_a_limit_starts_no_container_unless_allowed(tmp_path):
+    """Docker starts a container without a limit its kernel lacks (a warning, nothing more): the
+    runtime refuses the start instead, before any container exists, unless the limits allow it."""
+    from types import SimpleNamespace
+
+    from polar_mitm.proxy.certs import ensure_ca
+    from polar_mitm.sandbox.base import Limits, SandboxError, SandboxSpec
+    from polar_mitm.sandbox.docker import DockerRuntime
+    from polar_mitm.tasks.model import Task
+
+    created: list = []
+    client = SimpleNamespace(
+        images=_Images(),
+        info=lambda: {"MemoryLimit": False, "CpuCfsQuota": True, "PidsLimit": True},
+        containers=SimpleNamespace(create=lambda *a, **k: created.append(k)),
+    )
+    rt = DockerRuntime(client=client)
+    task = Task(id="t", instruction="x", image="polar-mitm/some-image:1")
+    spec = SandboxSpec("s", tmp_path / "s", ensure_ca(tmp_path / "ca"))
+    with pytest.raises(SandboxError, match="memory limits.*--allow-unenforced-limits"):
+        await rt.start(task, spec)
+    with pytest.raises(SandboxError, match="memory limits"):  # a task's own memory is a limit too
+        await rt.start(task.model_copy(update={"memory_mb": 512}), spec)
+    assert created == []
