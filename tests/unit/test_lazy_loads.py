@@ -222,7 +222,7 @@ async def test_a_docker_daemon_that_cannot_apply_a_limit_starts_no_container_unl
     from types import SimpleNamespace
 
     from polar_mitm.proxy.certs import ensure_ca
-    from polar_mitm.sandbox.base import Limits, SandboxError, SandboxSpec
+    from polar_mitm.sandbox.base import SandboxError, SandboxSpec
     from polar_mitm.sandbox.docker import DockerRuntime
     from polar_mitm.tasks.model import Task
 
