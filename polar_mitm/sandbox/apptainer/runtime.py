@@ -245,7 +245,7 @@ class ApptainerRuntime:
                 shutil.rmtree(overlay, ignore_errors=True)
                 overlay = None
                 result = await self._start_instance(binary, image, name, spec, task, None, images)
-        except BaseException:
+        except SandboxError:  # refused (`refuse_unenforced`) where no instance started
             record_path.unlink(missing_ok=True)
             raise
         if result.exit_code != 0:
