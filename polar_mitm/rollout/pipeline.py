@@ -65,7 +65,7 @@ from polar_mitm.rollout.port import ProxyPort, SessionPort, new_token  # noqa: F
 from polar_mitm.rollout.spec import SampleSpec, Specs
 from polar_mitm.rollout.steps import KeptSandbox, StepRecord, below_min_reward, combine
 from polar_mitm.rollout.verify import VerifierUnavailable
-from polar_mitm.sandbox.base import Runtime, RuntimeUnavailable, SandboxError, SandboxSpec
+from polar_mitm.sandbox.base import LimitsUnenforced, Runtime, RuntimeUnavailable, SandboxError, SandboxSpec
 from polar_mitm.sandbox.channel import Channel, open_channel
 from polar_mitm.store.rollouts import RolloutLog
 from polar_mitm.tasks.model import Task, TaskStep
@@ -127,8 +127,7 @@ class Pipeline:
 
     async def run(self, tasks: Sequence[Task], spec: SampleSpec | None = None) -> RolloutResult:
         """Run every task `samples` times with `spec`; returns when every sample has an outcome.
-        Cancelling this coroutine (Ctrl-C) stops every sandbox and records the unfinished samples
-        as cancelled."""
+        Cancelling this coroutine (Ctrl-C) stops every sandbox; the unfinished samples: cancelled."""
         t0 = time.monotonic()
         if spec is None:
             assert self.opts.harness is not None and self.runtime is not None, "no harness or runtime given"
@@ -320,7 +319,7 @@ class Pipeline:
                 await self._cancel(job, str(e))
                 continue
             except (SandboxError, EvaluatorError, OSError, TimeoutError, RuntimeError) as e:
-                await self._infra_failure(job, f"sandbox start: {_describe(e)}")
+                await self._infra_failure(job, f"sandbox start: {_describe(e)}", e)
                 continue
             except Exception as e:
                 await self._internal_error(job, "sandbox start", e)
@@ -577,9 +576,10 @@ class Pipeline:
 
     # -- outcomes -------------------------------------------------------------------------------
 
-    async def _infra_failure(self, job: SampleJob, cause: str) -> None:
+    async def _infra_failure(self, job: SampleJob, cause: str, error: Exception | None = None) -> None:
         log.warning("task %s sample %d attempt %d: %s", job.task.id, job.index, job.attempt, cause)
-        if job.attempt < self.opts.retries and not (job.group.stopped or job.cancel_reason):
+        retry = not isinstance(error, LimitsUnenforced)  # (the same on every attempt)
+        if retry and job.attempt < self.opts.retries and not (job.group.stopped or job.cancel_reason):
             await self._finish_job(job, "retried", reward=None, cause=cause, final=False)
             job.attempt += 1
             await self._new_attempt(job)

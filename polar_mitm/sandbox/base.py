@@ -115,13 +115,18 @@ class SandboxError(RuntimeError):
     """The sandbox failed (could not start, died, a copy failed): an infrastructure failure."""
 
 
+class LimitsUnenforced(SandboxError):
+    """The runtime cannot enforce a sandbox's limits here, and they do not allow that: the same on
+    every attempt, so a sample fails with it at once (not retried)."""
+
+
 def refuse_unenforced(runtime: Runtime, limits: Limits) -> None:
-    """Raise SandboxError where `runtime` cannot enforce `limits` here and they do not allow that:
+    """Raise LimitsUnenforced where `runtime` cannot enforce `limits` here and they do not allow that:
     one sample could take the memory or the disk that every sample shares. What a rollout checks
     before it starts (`rollout.jobs.unenforced_limits`) and every sandbox start checks again."""
     if limits.allow_unenforced or (why := runtime.unenforced(limits)) is None:
         return
-    raise SandboxError(
+    raise LimitsUnenforced(
         f"{runtime.name}: cannot enforce {why} on this host: one sample could take what every "
         "sample shares. Run where it can, or pass --allow-unenforced-limits where something else "
         "bounds the job (its scheduler's cgroup), or 0 for no limit of that kind (--memory 0; "

@@ -24,7 +24,7 @@ from polar_mitm.reconstruct.groups import advantages
 from polar_mitm.reconstruct.report import rollout_reports
 from polar_mitm.reconstruct.source import Selection
 from polar_mitm.rollout.pipeline import Pipeline, RolloutOptions
-from polar_mitm.sandbox.base import SandboxError
+from polar_mitm.sandbox.base import SandboxError, refuse_unenforced
 from polar_mitm.sandbox.tempdir import TempdirRuntime
 from polar_mitm.tasks.model import EvaluatorSpec, Task
 from tests.support.helpers import MODEL_CALL, process_gone, wait_until_async
@@ -141,6 +141,39 @@ async def test_sandbox_failures_are_retried_then_recorded_as_failed_never_droppe
     assert [r[2:5] for r in rows] == [(0, "retried", None), (1, "failed", 0.0)]
     assert "sandbox start: the daemon refused" in rows[-1][5]
     assert result.samples[0].status == "failed"
+
+
+class UnboundedRuntime(TempdirRuntime):
+    """A runtime that finds at its first start that it cannot enforce the memory limit (as
+    Apptainer finds no cgroups when a start fails on them), after `rollout`'s check passed."""
+
+    found = False
+
+    def unenforced(self, limits):
+        return "the memory limits (found at the first start)" if self.found and limits.memory_mb else None
+
+    async def start(self, task, spec):
+        self.found = True
+        refuse_unenforced(self, spec.limits.for_task(task))
+        return await super().start(task, spec)
+
+
+async def test_a_start_refused_for_its_limits_fails_the_sample_at_once_and_allowed_it_runs(
+    make_stack, tmp_path
+):
+    """The refusal is the same on every attempt: the sample fails with it, not retried."""
+    stack = await make_stack()
+    tasks = [shell_task("t", "x", "true")]
+    await run_pipeline(stack, tasks, tmp_path, runtime=UnboundedRuntime(), retries=2, harness_cmd=sh("true"))
+    [row] = samples_of(stack.db)
+    assert row[2:5] == (0, "failed", 0.0) and "--allow-unenforced-limits" in row[5], row
+
+    stack2 = await make_stack()
+    await run_pipeline(
+        stack2, tasks, tmp_path / "b", runtime=UnboundedRuntime(), retries=2, harness_cmd=sh("true"),
+        allow_unenforced_limits=True,
+    )  # fmt: skip
+    assert [r[2:4] for r in samples_of(stack2.db)] == [(0, "completed")]
 
 
 class BuggyRuntime(TempdirRuntime):
