@@ -25,10 +25,9 @@ from polar_mitm.sandbox.base import (
     Limits,
     Runtime,
     Sandbox,
-    SandboxError,
     SandboxSpec,
     host_env,
-    refuse_unenforced,
+    unenforced_refusal,
 )
 from polar_mitm.sandbox.channel import Channel
 from polar_mitm.tasks.model import Task
@@ -246,9 +245,5 @@ def unenforced_limits(opts: RolloutOptions, runtime: Runtime, tasks: Sequence[Ta
     their limits here (Apptainer without cgroups, or without `mke2fs` for /tmp and HOME) and the
     options do not allow that (`--allow-unenforced-limits`); else None. Said before anything runs;
     each sandbox's start refuses the same (`sandbox.base.refuse_unenforced`)."""
-    for t in tasks:
-        try:
-            refuse_unenforced(runtime, sandbox_limits(opts).for_task(t))
-        except SandboxError as e:
-            return str(e)
-    return None
+    limits = sandbox_limits(opts)
+    return next(filter(None, (unenforced_refusal(runtime, limits.for_task(t)) for t in tasks)), None)

@@ -120,18 +120,25 @@ class LimitsUnenforced(SandboxError):
     every attempt, so a sample fails with it at once (not retried)."""
 
 
-def refuse_unenforced(runtime: Runtime, limits: Limits) -> None:
-    """Raise LimitsUnenforced where `runtime` cannot enforce `limits` here and they do not allow that:
-    one sample could take the memory or the disk that every sample shares. What a rollout checks
-    before it starts (`rollout.jobs.unenforced_limits`) and every sandbox start checks again."""
+def unenforced_refusal(runtime: Runtime, limits: Limits) -> str | None:
+    """Why a sandbox with `limits` must not start on `runtime`: it cannot enforce them here and
+    they do not allow that (one sample could take the memory or the disk that every sample
+    shares); else None. What a rollout checks before it starts (`rollout.jobs.unenforced_limits`)
+    and every sandbox start checks again (`refuse_unenforced`)."""
     if limits.allow_unenforced or (why := runtime.unenforced(limits)) is None:
-        return
-    raise LimitsUnenforced(
+        return None
+    return (
         f"{runtime.name}: cannot enforce {why} on this host: one sample could take what every "
         "sample shares. Run where it can, or pass --allow-unenforced-limits where something else "
         "bounds the job (its scheduler's cgroup), or 0 for no limit of that kind (--memory 0; "
         "--tmp-size 0 --home-size 0)"
     )
+
+
+def refuse_unenforced(runtime: Runtime, limits: Limits) -> None:
+    """Raise LimitsUnenforced where `unenforced_refusal` says why."""
+    if (why := unenforced_refusal(runtime, limits)) is not None:
+        raise LimitsUnenforced(why)
 
 
 class ExportTooLarge(SandboxError):

@@ -245,7 +245,8 @@ class DockerRuntime:
         `prepare`): Docker then starts the container with a warning and without that limit. The
         tmpfs sizes of /tmp and HOME are the kernel's own and always hold."""
         kinds = {"memory": limits.memory_mb, "CPU": limits.cpus, "pids": limits.pids}
-        missing = [k for k, wanted in kinds.items() if wanted and self._daemon_limits.get(k) is False]
+        daemon = self._daemon_limits.kept("info") or {}
+        missing = [k for k, wanted in kinds.items() if wanted and daemon.get(k) is False]
         if not missing:
             return None
         return f"the {', '.join(missing)} limits (the daemon's kernel has no cgroup for them: `docker info`)"
@@ -261,8 +262,7 @@ class DockerRuntime:
         self._paths: dict[str, str] = {}  # image -> its PATH
         self._build_lock = asyncio.Lock()
         # Which kinds of limit the daemon can apply (`docker info`), read once by `prepare`.
-        self._daemon_limits: dict[str, bool] = {}
-        self._reading_info: Flights[str, dict[str, bool]] = Flights()
+        self._daemon_limits: Flights[str, dict[str, bool]] = Flights()
 
     @property
     def client(self) -> Any:
@@ -294,7 +294,7 @@ class DockerRuntime:
         """The task's image, found (pulled) or built once: the samples of a group that start
         together wait for that one (single-flight); with the first, which limits the daemon can
         apply (`unenforced`)."""
-        self._daemon_limits = await self._reading_info.get("info", self._read_daemon_limits)
+        await self._daemon_limits.get("info", self._read_daemon_limits)
         await self._preparing.get(task.id, lambda: self._image(task))
 
     async def _read_daemon_limits(self) -> dict[str, bool]:

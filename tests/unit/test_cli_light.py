@@ -13,6 +13,13 @@ from polar_mitm.cli.app import LAZY, main
 HEAVY = ("pyarrow", "aiohttp", "tokenizers", "numpy", "mitmproxy")
 
 
+def printed_by(code: str, timeout: float = 60) -> str:
+    """What `code` prints, run in a fresh interpreter (its imports its own), which must succeed."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 @pytest.mark.slow
 def test_importing_the_command_line_loads_no_heavy_library_and_no_policy():
     code = (
@@ -24,9 +31,7 @@ def test_importing_the_command_line_loads_no_heavy_library_and_no_policy():
         " and m not in ('polar_mitm.cli.app', 'polar_mitm.cli.options')]\n"
         "print(sorted({m.split('.')[0] for m in heavy}), policy, commands)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[] [] []"
+    assert printed_by(code) == "[] [] []"
 
 
 @pytest.mark.slow
@@ -41,9 +46,7 @@ def test_the_server_loads_no_node_proxy_or_tokenizer():
         " or m.startswith(('polar_mitm.proxy', 'polar_mitm.rollout.pipeline', 'polar_mitm.policy.'))"
         " and m != 'polar_mitm.policy.config'))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[] []"
+    assert printed_by(code) == "[] []"
 
 
 def _every_command(group: click.Group, ctx: click.Context, path: tuple[str, ...] = ()):
@@ -74,9 +77,7 @@ def test_every_commands_help_works_and_the_top_level_help_imports_no_command():
         "    assert got.exit_code == 0 and got.output.startswith('Usage: '), (path, got.output)\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert printed_by(code, timeout=120) == "ok"
 
 
 def test_each_lazy_commands_summary_is_its_own_first_paragraph():

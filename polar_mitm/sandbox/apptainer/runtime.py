@@ -34,6 +34,7 @@ from polar_mitm.sandbox.apptainer.sandbox import ApptainerSandbox
 from polar_mitm.sandbox.base import (
     ExecResult,
     Limits,
+    LimitsUnenforced,
     RuntimeUnavailable,
     SandboxError,
     SandboxSpec,
@@ -86,16 +87,15 @@ class ApptainerRuntime:
         self.sif_dir = sif_dir
         self.limits = True  # cleared when Apptainer cannot apply cgroups here
         self._probed = False  # whether `probe_limits` ran
-        # What makes the /tmp and HOME images (cleared where it is missing or they cannot be bound).
-        self.mke2fs = shutil.which("mke2fs", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
         # Whether Apptainer runs as root (else rootless: every process is its user's); by default
         # this process's user. A binary that is a wrapper running Apptainer as another user says.
         self.host_root = os.geteuid() == 0 if host_root is None else host_root
-        if (
-            not self.host_root
-            and shutil.which("fuse2fs", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") is None
-        ):
-            self.mke2fs = None  # rootless, Apptainer binds the images with fuse2fs
+        # What makes the /tmp and HOME images (cleared where it is missing or they cannot be
+        # bound: rootless, Apptainer binds them with fuse2fs).
+        tools = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
+        self.mke2fs = shutil.which("mke2fs", path=tools)
+        if not self.host_root and shutil.which("fuse2fs", path=tools) is None:
+            self.mke2fs = None
         self._sifs: SifCache | None = sifs
         self._images: dict[str, str] = {}
         self._preparing: Flights[str, str] = Flights(self._images)  # single-flight per task
@@ -245,7 +245,7 @@ class ApptainerRuntime:
                 shutil.rmtree(overlay, ignore_errors=True)
                 overlay = None
                 result = await self._start_instance(binary, image, name, spec, task, None, images)
-        except SandboxError:  # refused (`refuse_unenforced`) where no instance started
+        except LimitsUnenforced:  # refused where no instance started
             record_path.unlink(missing_ok=True)
             raise
         if result.exit_code != 0:
